@@ -1,0 +1,46 @@
+"""``python -m qwen3_rl <command> ...``: the recipe's commands."""
+
+from __future__ import annotations
+
+import sys
+
+
+def _usage() -> str:
+    return (
+        "usage: python -m qwen3_rl <command> [args]\n\n"
+        "commands:\n"
+        "  download   fetch pinned upstream source trees (download_frameworks_source_code.sh)\n"
+        "  patches    apply / check / status / revert / lint the patch series (apply_all_patches.sh)\n"
+        "  build      install the patched stack in order (build_project.sh)\n"
+        "  pins       print pinned frameworks (--format table|shell|json)\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "download":
+        from qwen3_rl.upstream.cli import download_main
+
+        return download_main(rest)
+    if cmd == "patches":
+        from qwen3_rl.upstream.cli import patches_main
+
+        return patches_main(rest)
+    if cmd == "build":
+        from qwen3_rl.upstream.build import build_main
+
+        return build_main(rest)
+    if cmd == "pins":
+        from qwen3_rl.pins import pins_main
+
+        return pins_main(rest)
+    print(f"error: unknown command '{cmd}'\n\n{_usage()}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Upstream source trees: download (git or PyPI), patch series, build steps."""

@@ -1,0 +1,100 @@
+"""Shared fixtures: pristine upstream trees from the pinned PyPI wheels, and a patched workspace.
+
+* ``pristine_workspace`` (session): the pinned wheels' text sources as one-commit git repos, made
+  once by our own download code and cached under ``~/.cache/qwen3_rl/pristine-<pins hash>/``.
+* ``make_workspace(*keys)``: a fresh copy (``git clone --shared``, cheap) of some pristine trees in
+  the test's tmp dir, for tests that change trees.
+* ``patched_workspace`` (session): all patch series applied with the real ``apply_all_patches.sh``;
+  its tree roots are put first on ``sys.path`` by ``patched_imports`` so tests execute the patched
+  upstream code (verl, vllm, megatron import on CPU; vllm-ascend needs torch_npu).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from qwen3_rl.pins import load_pins  # noqa: E402
+from qwen3_rl.upstream.common import default_cache  # noqa: E402
+from qwen3_rl.upstream.download import download_pypi  # noqa: E402
+
+# vllm-ascend's platform plugin would be picked by every vllm import and fail on torch_npu.
+os.environ.setdefault("VLLM_PLUGINS", "none")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+PINS = load_pins(REPO / "pins.toml")
+PYPI_KEYS = [k for k, fw in PINS.frameworks.items() if fw.on_pypi]
+
+
+def _pins_hash() -> str:
+    return hashlib.sha256((REPO / "pins.toml").read_bytes()).hexdigest()[:12]
+
+
+@pytest.fixture(scope="session")
+def pristine_workspace() -> Path:
+    ws = default_cache() / f"pristine-{_pins_hash()}"
+    ws.mkdir(parents=True, exist_ok=True)
+    for key in PYPI_KEYS:
+        download_pypi(PINS.frameworks[key], ws, default_cache() / "wheels")
+    return ws
+
+
+def _clone(src: Path, dst: Path) -> None:
+    subprocess.run(["git", "clone", "-q", "--shared", str(src), str(dst)], check=True)
+    info = dst / ".git" / "info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "exclude").write_text("__pycache__/\n*.pyc\n")
+
+
+@pytest.fixture
+def make_workspace(pristine_workspace: Path, tmp_path: Path):
+    def make(*keys: str) -> Path:
+        ws = tmp_path / "ws"
+        ws.mkdir(exist_ok=True)
+        for key in keys or PYPI_KEYS:
+            fw = PINS.frameworks[key]
+            _clone(pristine_workspace / fw.dir, ws / fw.dir)
+        return ws
+
+    return make
+
+
+def run_script(name: str, *args: str, env: dict[str, str] | None = None,
+               cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run one of the repo's shell scripts; returns the completed process (never raises)."""
+    full = dict(os.environ)
+    full.pop("QWEN3_RL_WORKSPACE", None)
+    if env:
+        full.update(env)
+    return subprocess.run(["bash", str(REPO / name), *args], text=True, capture_output=True,
+                          env=full, cwd=cwd or REPO, timeout=600)
+
+
+@pytest.fixture(scope="session")
+def patched_workspace(pristine_workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ws = tmp_path_factory.mktemp("patched")
+    for key in PYPI_KEYS:
+        _clone(pristine_workspace / PINS.frameworks[key].dir, ws / PINS.frameworks[key].dir)
+    proc = run_script("apply_all_patches.sh", "--workspace", str(ws), "--only", ",".join(PYPI_KEYS))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return ws
+
+
+@pytest.fixture(scope="session")
+def patched_imports(patched_workspace: Path) -> Path:
+    """Put the patched trees first on sys.path (verl, vllm, megatron). Returns the workspace."""
+    for key in ("verl", "vllm", "megatron"):
+        root = str(patched_workspace / PINS.frameworks[key].dir)
+        if root not in sys.path:
+            sys.path.insert(0, root)
+    loaded = [m for m in ("verl", "vllm", "megatron") if m in sys.modules]
+    assert not loaded, f"{loaded} imported before the patched trees were put on sys.path"
+    return patched_workspace
