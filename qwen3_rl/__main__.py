@@ -13,6 +13,8 @@ def _usage() -> str:
         "  patches    apply / check / status / revert / lint the patch series (apply_all_patches.sh)\n"
         "  build      install the patched stack in order (build_project.sh)\n"
         "  pins       print pinned frameworks (--format table|shell|json)\n"
+        "  plan       per-die memory plan of a rollout/actor layout (weights, KV, concurrency)\n"
+        "  report     table, plots and published-figure comparison of a verl training log\n"
     )
 
 
@@ -34,6 +36,14 @@ def main(argv: list[str] | None = None) -> int:
         from qwen3_rl.upstream.build import build_main
 
         return build_main(rest)
+    if cmd == "plan":
+        from qwen3_rl.plan.cli import main as plan_main
+
+        return plan_main(rest)
+    if cmd == "report":
+        from qwen3_rl.report.cli import main as report_main
+
+        return report_main(rest)
     if cmd == "pins":
         from qwen3_rl.pins import pins_main
 
