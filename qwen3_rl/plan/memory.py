@@ -17,7 +17,7 @@ MIB = 1 << 20
 
 # --- device and runtime constants (sources in docs/memory_plan.md) ----------------------------
 A3_DIE_HBM_GIB = 64.0
-"""Nominal HBM of one Atlas A3 die (npu-smi reports 65536 MB)."""
+"""Nominal HBM of one Atlas A3 die (npu-smi shows 65536 MB on 64 GB Ascend dies)."""
 A3_DIE_VISIBLE_GIB = 60.96
 """What ``torch.npu.mem_get_info()`` reports as total on a 64 GiB die: torch_npu's OOM text
 "60.96 GiB total capacity" (vllm-project/vllm-omni#1199) and vLLM-Ascend's "Free memory on device
