@@ -95,6 +95,16 @@ def patched_imports(patched_workspace: Path) -> Path:
         root = str(patched_workspace / PINS.frameworks[key].dir)
         if root not in sys.path:
             sys.path.insert(0, root)
+    # Distribution metadata, as `pip install --no-deps` of the wheel would leave: verl reads vLLM's
+    # version with importlib.metadata at import (verl/third_party/vllm/__init__.py).
+    meta = patched_workspace / ".dist-info"
+    for key in ("verl", "vllm", "megatron"):
+        fw = PINS.frameworks[key]
+        d = meta / f"{fw.pypi.replace('-', '_')}-{fw.version}.dist-info"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {fw.pypi}\nVersion: {fw.version}\n")
+    if str(meta) not in sys.path:
+        sys.path.append(str(meta))
     loaded = [m for m in ("verl", "vllm", "megatron") if m in sys.modules]
     assert not loaded, f"{loaded} imported before the patched trees were put on sys.path"
     return patched_workspace
