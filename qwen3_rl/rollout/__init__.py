@@ -1,0 +1,1 @@
+"""Rollout-side features: load balancing across DP ranks, and the rollout simulator."""

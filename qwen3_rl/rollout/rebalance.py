@@ -1,0 +1,361 @@
+"""Rollout rebalance between DP ranks: the two-phase migration planner (pure logic, no torch, no I/O).
+
+Every few engine steps the DP ranks exchange their load (:class:`RankState`: waiting requests, running
+requests with their context length and KV blocks, capacities). Each rank runs :func:`plan_rebalance`
+on the same gathered states and gets the same :class:`MigrationPlan` (the planner is deterministic).
+
+Phase 1 — waiting requests (no KV to move). After each rank admits what it can of its own queue
+(FCFS, limited by ``max_num_seqs`` and free KV blocks), a rank with requests still queued is
+*overloaded*, a rank with free slots and blocks left has *room*. Queued requests move, tail of the
+queue first, from the most overloaded rank to the rank with the most room that can hold their
+prompt's KV, until no pair is left or the round's budget is spent. Each moved request is admitted
+on arrival.
+
+Phase 2 — running requests (KV moves with them), only when no request is left queued after phase 1
+(the drain phase of the rollout, where the length tail lives). In lockstep decoding (MoE with expert parallelism
+across the DP ranks, vLLM pads every DP rank to the largest batch: ``vllm/v1/worker/dp_utils.py``
+``coordinate_batch_across_dp``), the step runs the graph bucket of the *busiest* rank. If moving
+running requests lets every rank fit a smaller bucket ``b`` (all counts ``<= b``), the planner moves
+them — requests with the fewest KV blocks first, to the ranks with the most headroom under ``b`` —
+choosing the smallest such bucket reachable within the budget. Otherwise phase 2 moves nothing:
+partial moves would not lower the bucket and would only cost transfers.
+
+Invariants (checked by :func:`validate_plan`, tested on random states): every request is in exactly
+one place after the plan (none lost or duplicated, one move per request at most); no rank exceeds
+``max_num_seqs`` or its KV blocks; an already balanced state gets an empty plan; a round moves at
+most ``max_moves`` requests and ``max_kv_blocks`` KV blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True, slots=True)
+class WaitingRequest:
+    """A queued request (holds no KV yet).
+
+    ``num_tokens``: tokens whose KV must be computed on admission (prompt + tokens generated before a
+    preemption), so admission needs ``ceil((num_tokens + 1) / block_size)`` blocks.
+    """
+
+    req_id: str
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class RunningRequest:
+    """A request being decoded: ``num_tokens`` context tokens (prompt + generated), ``kv_blocks`` held."""
+
+    req_id: str
+    num_tokens: int
+    kv_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class RankState:
+    """Load of one DP rank at a rebalance round.
+
+    ``waiting`` is in the rank's FCFS order; ``max_num_seqs`` caps running requests; ``num_kv_blocks``
+    is the rank's total KV block pool (blocks of ``RebalanceConfig.block_size`` tokens).
+    """
+
+    rank: int
+    waiting: tuple[WaitingRequest, ...]
+    running: tuple[RunningRequest, ...]
+    max_num_seqs: int
+    num_kv_blocks: int
+
+    @property
+    def used_blocks(self) -> int:
+        """KV blocks held by the running requests."""
+        return sum(r.kv_blocks for r in self.running)
+
+
+@dataclass(frozen=True)
+class RebalanceConfig:
+    """Planner settings.
+
+    ``buckets``: graph batch sizes (ascending; a count above the largest runs unpadded).
+    ``block_size``: tokens per KV block. ``max_moves``: requests migrated per round (both phases).
+    ``max_kv_blocks``: KV blocks transferred per round (phase 2). ``watermark_blocks``: blocks each
+    rank keeps free (not offered to migrations or admissions). ``phase1``/``phase2``: enable phases.
+    """
+
+    buckets: tuple[int, ...]
+    block_size: int = 128
+    max_moves: int = 128
+    max_kv_blocks: int = 32768
+    watermark_blocks: int = 0
+    phase1: bool = True
+    phase2: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.buckets or any(b < 1 for b in self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
+            raise ValueError(f"buckets must be strictly ascending positive ints, got {self.buckets}")
+        if self.block_size < 1 or self.max_moves < 0 or self.max_kv_blocks < 0 or self.watermark_blocks < 0:
+            raise ValueError("block_size must be >= 1 and the budgets/watermark >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """Migrate ``req_id`` from rank ``src`` to ``dst``; ``phase`` 1 (waiting) or 2 (running, ``kv_blocks`` moved)."""
+
+    req_id: str
+    src: int
+    dst: int
+    phase: int
+    kv_blocks: int
+
+
+@dataclass(frozen=True)
+class MigrationPlan:
+    """Result of one round: the moves, and the lockstep graph bucket before/after (counts incl. admissions)."""
+
+    moves: tuple[Move, ...] = ()
+    bucket_before: int = 0
+    bucket_after: int = 0
+    notes: tuple[str, ...] = field(default=(), compare=False)
+
+    @property
+    def empty(self) -> bool:
+        """True when nothing moves."""
+        return not self.moves
+
+    @property
+    def kv_blocks_moved(self) -> int:
+        """Total KV blocks transferred by the plan."""
+        return sum(m.kv_blocks for m in self.moves)
+
+
+def bucket_for(count: int, buckets: Sequence[int]) -> int:
+    """Graph batch size that runs ``count`` sequences: smallest bucket >= count (``count`` if above all; 0 for 0)."""
+    if count <= 0:
+        return 0
+    i = bisect.bisect_left(buckets, count)
+    return buckets[i] if i < len(buckets) else count
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """KV blocks to admit a request with ``num_tokens`` context tokens and room for its next token."""
+    return -(-(num_tokens + 1) // block_size)
+
+
+@dataclass
+class _Work:
+    """Mutable per-rank bookkeeping while planning."""
+
+    rank: int
+    cap_seqs: int
+    cap_blocks: int
+    running: list[RunningRequest]
+    admitted: list[WaitingRequest]  # local queue entries admitted this round (FCFS head)
+    stuck: list[WaitingRequest]  # still queued after local admission
+    used_blocks: int
+
+    @property
+    def count(self) -> int:
+        return len(self.running) + len(self.admitted)
+
+    @property
+    def free_seqs(self) -> int:
+        return self.cap_seqs - self.count
+
+    @property
+    def free_blocks(self) -> int:
+        return self.cap_blocks - self.used_blocks
+
+
+def _local_admission(state: RankState, cfg: RebalanceConfig) -> _Work:
+    cap_blocks = state.num_kv_blocks - cfg.watermark_blocks
+    w = _Work(state.rank, state.max_num_seqs, cap_blocks, list(state.running), [], [], state.used_blocks)
+    blocked = False
+    for req in state.waiting:
+        need = blocks_needed(req.num_tokens, cfg.block_size)
+        if not blocked and w.free_seqs > 0 and need <= w.free_blocks:
+            w.admitted.append(req)
+            w.used_blocks += need
+        else:
+            blocked = True  # FCFS: nothing behind a blocked request is admitted
+            w.stuck.append(req)
+    return w
+
+
+def _phase1(works: list[_Work], cfg: RebalanceConfig, budget: int) -> list[Move]:
+    moves: list[Move] = []
+    while len(moves) < budget:
+        donors = sorted((w for w in works if w.stuck), key=lambda w: (-len(w.stuck), w.rank))
+        moved = False
+        for donor in donors:
+            for qi in range(len(donor.stuck) - 1, -1, -1):
+                req = donor.stuck[qi]
+                need = blocks_needed(req.num_tokens, cfg.block_size)
+                dsts = [w for w in works
+                        if w is not donor and not w.stuck and w.free_seqs > 0 and w.free_blocks >= need]
+                if not dsts:
+                    continue
+                dst = max(dsts, key=lambda w: (w.free_seqs, w.free_blocks, -w.rank))
+                donor.stuck.pop(qi)
+                dst.admitted.append(req)
+                dst.used_blocks += need
+                moves.append(Move(req.req_id, donor.rank, dst.rank, 1, 0))
+                moved = True
+                break
+            if moved:
+                break
+        if not moved:
+            break
+    return moves
+
+
+def _phase2(
+    works: list[_Work], cfg: RebalanceConfig, move_budget: int
+) -> tuple[list[tuple[str, int, int, int, bool]], int, int]:
+    """Returns (moves as (req_id, src, dst, kv_blocks, was_waiting), bucket_before, bucket_after)."""
+    counts = [w.count for w in works]
+    total = sum(counts)
+    before = bucket_for(max(counts, default=0), cfg.buckets)
+    if total == 0:
+        return [], before, before
+    for b in cfg.buckets:
+        if b >= before:
+            break
+        if sum(min(b, w.cap_seqs) for w in works) < total:
+            continue
+        plan = _try_bucket(works, cfg, b, move_budget)
+        if plan is not None:
+            return plan, before, b
+    return [], before, before
+
+
+def _try_bucket(
+    works: list[_Work], cfg: RebalanceConfig, b: int, move_budget: int
+) -> list[tuple[str, int, int, int, bool]] | None:
+    need_moves = sum(max(0, w.count - min(b, w.cap_seqs)) for w in works)
+    if need_moves > move_budget:
+        return None
+    head = {w.rank: min(b, w.cap_seqs) - w.count for w in works}  # >0: room under b
+    # A rank that still has its own queue blocked (KV-bound) admits that queue first; it receives nothing.
+    receivers = {w.rank for w in works if not w.stuck}
+    free_blocks = {w.rank: w.free_blocks for w in works}
+    out: list[tuple[str, int, int, int, bool]] = []
+    kv_total = 0
+    for w in sorted(works, key=lambda w: w.rank):
+        excess = -head[w.rank]
+        if excess <= 0:
+            continue
+        # Cheapest first: requests admitted this round (no KV yet), then running by KV blocks held.
+        cands: list[tuple[str, int, int, bool]] = [
+            (r.req_id, blocks_needed(r.num_tokens, cfg.block_size), 0, True) for r in reversed(w.admitted)
+        ]
+        cands += [(r.req_id, r.kv_blocks, r.kv_blocks, False)
+                  for r in sorted(w.running, key=lambda r: (r.kv_blocks, r.req_id))]
+        taken = 0
+        for req_id, blocks_at_dst, kv_moved, was_waiting in cands:
+            if taken == excess:
+                break
+            if kv_total + kv_moved > cfg.max_kv_blocks:
+                continue
+            dsts = [r for r in receivers if r != w.rank and head[r] > 0 and free_blocks[r] >= blocks_at_dst]
+            if not dsts:
+                continue
+            dst = max(dsts, key=lambda r: (head[r], free_blocks[r], -r))
+            head[dst] -= 1
+            free_blocks[dst] -= blocks_at_dst
+            head[w.rank] += 1
+            kv_total += kv_moved
+            out.append((req_id, w.rank, dst, kv_moved, was_waiting))
+            taken += 1
+        if taken < excess:
+            return None
+    return out
+
+
+def plan_rebalance(states: Sequence[RankState], cfg: RebalanceConfig) -> MigrationPlan:
+    """Plan one rebalance round over all DP ranks (deterministic: every rank computes the same plan).
+
+    Args:
+        states: one :class:`RankState` per DP rank (distinct ``rank`` ids, request ids unique overall).
+        cfg: buckets, block size and per-round budgets.
+
+    Returns:
+        A :class:`MigrationPlan`; empty when the state is already balanced (no queued request could be
+        admitted elsewhere, and the lockstep bucket cannot drop).
+    """
+    ranks = [s.rank for s in states]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"duplicate rank ids in states: {ranks}")
+    ids = [r.req_id for s in states for r in (*s.waiting, *s.running)]
+    if len(set(ids)) != len(ids):
+        raise ValueError("duplicate request ids across rank states")
+    works = [_local_admission(s, cfg) for s in states]
+    p1 = _phase1(works, cfg, cfg.max_moves) if cfg.phase1 else []
+    before = after = bucket_for(max((w.count for w in works), default=0), cfg.buckets)
+    p2: list[tuple[str, int, int, int, bool]] = []
+    if cfg.phase2 and not any(w.stuck for w in works):
+        # Only once every queue is admitted: while requests still wait for slots, a slot freed by a
+        # migration is refilled from the local queue (or phase 1) and the bucket would not drop.
+        p2, before, after = _phase2(works, cfg, cfg.max_moves - len(p1))
+    # Merge so that each request moves at most once: a phase-1 request moved again in phase 2 goes
+    # straight from its original rank to its final one.
+    origin = {m.req_id: m.src for m in p1}
+    final: dict[str, Move] = {m.req_id: m for m in p1}
+    for req_id, src, dst, kv, was_waiting in p2:
+        src0 = origin.get(req_id, src)
+        if src0 == dst:
+            final.pop(req_id, None)
+        else:
+            final[req_id] = Move(req_id, src0, dst, 1 if was_waiting else 2, kv)
+    moves = tuple(sorted(final.values(), key=lambda m: (m.phase, m.src, m.dst, m.req_id)))
+    return MigrationPlan(moves=moves, bucket_before=before, bucket_after=after)
+
+
+def apply_plan(states: Sequence[RankState], plan: MigrationPlan) -> list[RankState]:
+    """States after migration: moved waiting requests join the end of the target's queue, moved running
+    requests join the target's running set with their KV blocks. Pure; raises ``ValueError`` on a move
+    whose request is not on its ``src`` rank."""
+    by_rank = {s.rank: s for s in states}
+    waiting = {s.rank: list(s.waiting) for s in states}
+    running = {s.rank: list(s.running) for s in states}
+    for m in plan.moves:
+        if m.src not in by_rank or m.dst not in by_rank:
+            raise ValueError(f"move {m} names an unknown rank")
+        src_w = [r for r in waiting[m.src] if r.req_id == m.req_id]
+        src_r = [r for r in running[m.src] if r.req_id == m.req_id]
+        if m.phase == 1 and len(src_w) == 1:
+            waiting[m.src].remove(src_w[0])
+            waiting[m.dst].append(src_w[0])
+        elif m.phase == 2 and len(src_r) == 1:
+            running[m.src].remove(src_r[0])
+            running[m.dst].append(src_r[0])
+        else:
+            raise ValueError(f"move {m}: request not found on rank {m.src} in the expected state")
+    return [replace(s, waiting=tuple(waiting[s.rank]), running=tuple(running[s.rank])) for s in states]
+
+
+def validate_plan(states: Sequence[RankState], plan: MigrationPlan, cfg: RebalanceConfig) -> None:
+    """Check a plan's invariants against the states it was made from; raises ``AssertionError`` on a violation.
+
+    Checks: one move per request at most, each from the rank holding it; budgets; after the plan and
+    each rank's FCFS admission, no rank exceeds ``max_num_seqs`` running or its KV block pool, and
+    every request appears exactly once.
+    """
+    ids = [m.req_id for m in plan.moves]
+    assert len(ids) == len(set(ids)), "a request moves twice"
+    assert len(plan.moves) <= cfg.max_moves, f"{len(plan.moves)} moves > max_moves {cfg.max_moves}"
+    assert plan.kv_blocks_moved <= cfg.max_kv_blocks, "KV blocks moved exceed the budget"
+    new = apply_plan(states, plan)
+    before = sorted(r.req_id for s in states for r in (*s.waiting, *s.running))
+    after = sorted(r.req_id for s in new for r in (*s.waiting, *s.running))
+    assert before == after, "requests lost or duplicated"
+    for s in new:
+        w = _local_admission(s, cfg)
+        assert w.count <= s.max_num_seqs, f"rank {s.rank}: {w.count} running > max_num_seqs {s.max_num_seqs}"
+        assert w.used_blocks <= s.num_kv_blocks, f"rank {s.rank}: KV blocks {w.used_blocks} > {s.num_kv_blocks}"
+    for s in new:
+        admitted = {r.req_id for r in _local_admission(s, cfg).admitted}
+        for m in plan.moves:
+            if m.dst == s.rank and m.phase == 1:
+                assert m.req_id in admitted, f"moved waiting request {m.req_id} not admitted on rank {s.rank}"
