@@ -1,0 +1,123 @@
+"""Python garbage collection off during each vLLM engine step (patch ``vllm/0001-...-disable_gc``).
+
+Why: during long decodes (34K tokens) every engine step allocates many short-lived Python objects
+(request outputs, scheduler bookkeeping). CPython's generational collector then runs at arbitrary
+points of a step and stalls the host thread that feeds the NPU; the decode becomes host bound.
+Switching the collector off for the duration of one ``llm_engine.step()`` and back on between
+steps moves collection to step boundaries, where it does not delay the device queue.
+
+How it is switched (default: off):
+
+* The policy lives in this module, per process. It is off until someone calls
+  :func:`set_decode_gc_disabled` with ``True``.
+* The patched ``vllm.entrypoints.llm.LLM._run_engine`` wraps each ``self.llm_engine.step()`` in
+  :func:`engine_step_gc_guard`, which does nothing while the policy is off.
+* The verl side turns it on from its Hydra config: the rollout worker, in the process that owns
+  the ``vllm.LLM`` object, calls ``configure_from_rollout_config(config)`` (or
+  ``set_decode_gc_disabled(bool(...))`` directly) before generating. The config key is
+  :data:`CONFIG_KEY` under the rollout config, i.e.
+  ``actor_rollout_ref.rollout.disable_gc_in_engine_step`` (bool, default ``false``).
+
+The guard restores exactly what it found: whether the collector was enabled and the three
+generation thresholds, also when the step raises. It never calls ``gc.collect`` itself.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+__all__ = [
+    "CONFIG_KEY",
+    "GcState",
+    "configure_from_rollout_config",
+    "decode_gc_disabled",
+    "engine_step_gc_guard",
+    "set_decode_gc_disabled",
+]
+
+#: Key of the switch inside verl's rollout config (``actor_rollout_ref.rollout.<CONFIG_KEY>``).
+CONFIG_KEY = "disable_gc_in_engine_step"
+
+_lock = threading.Lock()
+_disabled = False
+
+
+@dataclass(frozen=True)
+class GcState:
+    """Snapshot of the collector's process-wide state.
+
+    Attributes:
+        enabled: ``gc.isenabled()``.
+        thresholds: ``gc.get_threshold()``, the allocation counts (objects) that trigger a
+            collection of generations 0, 1 and 2.
+    """
+
+    enabled: bool
+    thresholds: tuple[int, ...]
+
+    @classmethod
+    def capture(cls) -> GcState:
+        """Read the current state of :mod:`gc`."""
+        return cls(enabled=gc.isenabled(), thresholds=tuple(gc.get_threshold()))
+
+    def restore(self) -> None:
+        """Put :mod:`gc` back into this state (thresholds first, then enabled / disabled)."""
+        gc.set_threshold(*self.thresholds)
+        if self.enabled:
+            gc.enable()
+        else:
+            gc.disable()
+
+
+def set_decode_gc_disabled(disabled: bool) -> None:
+    """Switch the policy for this process: ``True`` = collector off during each engine step."""
+    global _disabled
+    if not isinstance(disabled, bool):
+        raise TypeError(f"set_decode_gc_disabled expects a bool, got {type(disabled).__name__}")
+    with _lock:
+        _disabled = disabled
+
+
+def decode_gc_disabled() -> bool:
+    """Whether the patched engine loop currently disables the collector around each step."""
+    return _disabled
+
+
+def configure_from_rollout_config(rollout_config: Mapping[str, object] | None) -> bool:
+    """Apply the switch found in verl's rollout config; returns the resulting policy.
+
+    Args:
+        rollout_config: the ``actor_rollout_ref.rollout`` mapping (a dict or an OmegaConf
+            DictConfig). A missing key means ``False``; a non-bool value is an error rather than
+            a silent truthiness test (``"false"`` would otherwise switch the feature on).
+    """
+    value = False if rollout_config is None else rollout_config.get(CONFIG_KEY, False)
+    if value is None:
+        value = False
+    if not isinstance(value, bool):
+        raise TypeError(f"rollout.{CONFIG_KEY} must be a bool, got {value!r}")
+    set_decode_gc_disabled(value)
+    return value
+
+
+@contextmanager
+def engine_step_gc_guard() -> Iterator[bool]:
+    """Context manager around one engine step; yields whether the collector was switched off.
+
+    While the policy is off this is a no-op (yields ``False``) and touches nothing. While it is
+    on, the collector is disabled for the body and the previous enabled state and thresholds are
+    restored on exit, including when the body raises.
+    """
+    if not _disabled:
+        yield False
+        return
+    saved = GcState.capture()
+    gc.disable()
+    try:
+        yield True
+    finally:
+        saved.restore()
