@@ -7,7 +7,7 @@ from pathlib import Path
 
 from qwen3_rl.pins import PinError, load_pins
 from qwen3_rl.upstream import patches as ps
-from qwen3_rl.upstream.common import UpstreamError, default_cache, default_workspace, die, log
+from qwen3_rl.upstream.common import OneLineParser, UpstreamError, default_cache, default_workspace, die, log
 from qwen3_rl.upstream.download import download_git, download_pypi
 
 
@@ -17,7 +17,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def download_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="download_frameworks_source_code.sh",
         description="Fetch the pinned upstream source trees into a workspace (git or PyPI).",
     )
@@ -55,7 +55,7 @@ def download_main(argv: list[str]) -> int:
 
 
 def patches_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(
+    ap = OneLineParser(
         prog="apply_all_patches.sh",
         description="Apply patches/<framework>/NNNN-*.patch in order to the workspace trees, "
                     "all or nothing per framework; a rerun on a patched tree does nothing.",

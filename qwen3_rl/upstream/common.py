@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -95,3 +96,11 @@ def dirty_files(tree: Path) -> list[str]:
 def die(msg: str, code: int = 1) -> int:
     print(f"error: {msg}", file=sys.stderr, flush=True)
     return code
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with a one-line usage error (``error: ... (see --help)``), exit 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"error: {message} (see --help)", file=sys.stderr, flush=True)
+        raise SystemExit(2)

@@ -12,7 +12,7 @@ import re
 import shutil
 import tempfile
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 
 from qwen3_rl.pins import REPO_ROOT, Framework
@@ -24,7 +24,7 @@ _DIFF_RE = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.M)
 _FAIL_RE = re.compile(r"error: (?:patch failed: (\S+?):\d+|(\S+?): (?:No such file|does not exist|already exists))")
 
 
-class State(str, Enum):
+class State(StrEnum):
     APPLIED = "applied"
     NOT_APPLIED = "not applied"
     CONFLICT = "conflict"
