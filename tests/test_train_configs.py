@@ -205,3 +205,16 @@ def test_verl_default_reward_coverage(patched_imports: Path) -> None:
         default_compute_score("deepscaler", "\\boxed{1}", "1")
     # verl's math_dapo reads only "Answer:" lines: a boxed-only DeepScaleR-style answer is not seen
     assert default_compute_score("math_dapo", "thus \\boxed{42}", "42")["acc"] is False
+
+
+def test_setups_doc_lists_every_env_var() -> None:
+    """docs/setups.md documents every environment variable the scripts read, with its default."""
+    import re
+
+    doc = (REPO / "docs" / "setups.md").read_text()
+    for script in INTERNAL.glob("train_*.sh"):
+        for var, default in re.findall(r"^([A-Z_0-9]+)=\$\{\1:-(.*)\}$", script.read_text(), flags=re.M):
+            row = next((line for line in doc.splitlines() if line.startswith(f"| `{var}` |")), None)
+            assert row is not None, f"{var} ({script.name}) missing from docs/setups.md"
+            shown = default.replace("${QWEN3_RL_HOME}", "<repo>")
+            assert f"`{shown}`" in row, f"{var}: default {shown!r} not in docs row {row!r}"
