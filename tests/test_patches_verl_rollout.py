@@ -1,0 +1,94 @@
+"""verl patch 0005 (disable_gc switch): declared in Hydra, applied by the real SPMD rollout __init__.
+
+The SPMD ``vLLMRollout.__init__`` of the patched tree runs on CPU with a stand-in ``vllm.LLM`` that
+records its keyword arguments (everything else is the real code path: config dataclass, context
+length checks, engine_kwargs handling, SamplingParams)."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+
+from qwen3_rl.rollout import gc_control
+
+
+@pytest.fixture
+def clean_hydra():
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    yield
+    GlobalHydra.instance().clear()
+
+
+def _compose(ws: Path, overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ws / "verl" / "verl" / "trainer" / "config"), version_base=None):
+        return compose(config_name="ppo_megatron_trainer", overrides=overrides)
+
+
+NAME = "actor_rollout_ref.rollout.name=vllm"
+
+
+def test_disable_gc_switch_is_declared(patched_imports: Path, clean_hydra: None) -> None:
+    from hydra.errors import ConfigCompositionException
+    from verl.utils.config import omega_conf_to_dataclass
+
+    on = _compose(patched_imports, ["actor_rollout_ref.rollout.disable_gc_in_engine_step=true", NAME])
+    assert omega_conf_to_dataclass(on.actor_rollout_ref.rollout).disable_gc_in_engine_step is True
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    off = _compose(patched_imports, [NAME])
+    assert omega_conf_to_dataclass(off.actor_rollout_ref.rollout).disable_gc_in_engine_step is False
+    GlobalHydra.instance().clear()
+    with pytest.raises(ConfigCompositionException, match="disable_gc_in_engine_stepp"):
+        _compose(patched_imports, ["actor_rollout_ref.rollout.disable_gc_in_engine_stepp=true"])
+
+
+class _RecordingLLM:
+    """Stands in for vllm.LLM in the rollout's constructor; keeps the engine arguments."""
+
+    instances: list[_RecordingLLM] = []
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        _RecordingLLM.instances.append(self)
+
+
+def _init_rollout(monkeypatch: pytest.MonkeyPatch, **cfg):
+    import torch
+    from verl.workers.config import RolloutConfig
+    from verl.workers.rollout.vllm_rollout import vllm_rollout_spmd as spmd
+
+    monkeypatch.setattr(spmd, "LLM", _RecordingLLM)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 1)
+    config = RolloutConfig(name="vllm", prompt_length=8, response_length=16, tensor_model_parallel_size=1, **cfg)
+    model_config = types.SimpleNamespace(
+        local_path="/models/stand-in", tokenizer=types.SimpleNamespace(pad_token_id=0),
+        hf_config=types.SimpleNamespace(max_position_embeddings=4096, rope_scaling=None),
+        trust_remote_code=False, lora_rank=0,
+    )
+    monkeypatch.setattr(spmd, "omega_conf_to_dataclass", lambda c, dataclass_type=None: c, raising=False)
+    import verl.workers.rollout.base as base
+
+    monkeypatch.setattr(base, "omega_conf_to_dataclass", lambda c, dataclass_type=None: c)
+    return spmd.vLLMRollout(config, model_config, device_mesh=None)
+
+
+def test_spmd_rollout_applies_the_switch(patched_imports: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gc_control.set_decode_gc_disabled(False)
+    try:
+        rollout = _init_rollout(monkeypatch, disable_gc_in_engine_step=True,
+                                engine_kwargs={"vllm": {"additional_config": {"qwen3_rl": {"x": 1}}}})
+        assert gc_control.decode_gc_disabled() is True
+        llm = _RecordingLLM.instances[-1]
+        assert rollout.inference_engine is llm
+        assert llm.kwargs["max_model_len"] == 24 and llm.kwargs["additional_config"] == {"qwen3_rl": {"x": 1}}
+        _init_rollout(monkeypatch)  # default: off again
+        assert gc_control.decode_gc_disabled() is False
+    finally:
+        gc_control.set_decode_gc_disabled(False)
