@@ -218,3 +218,21 @@ def test_setups_doc_lists_every_env_var() -> None:
             assert row is not None, f"{var} ({script.name}) missing from docs/setups.md"
             shown = default.replace("${QWEN3_RL_HOME}", "<repo>")
             assert f"`{shown}`" in row, f"{var}: default {shown!r} not in docs row {row!r}"
+
+
+def test_dapo_entry_point_composes_script_command(patched_imports: Path) -> None:
+    """`python -m qwen3_rl.trainer.dapo` (Hydra main) composes the DAPO script's overrides: `--cfg job`
+    prints the final config and exits before training."""
+    import os
+    import sys
+
+    cmd = parse_train_script(INTERNAL / "train_dapo_qwen3_235b_128die_true_weight.sh", env=BASE_ENV)
+    env = dict(os.environ, PYTHONPATH=f"{patched_imports / 'verl'}:{REPO}", VLLM_PLUGINS="none")
+    proc = subprocess.run([sys.executable, *cmd.argv[1:], "--cfg", "job"], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(proc.stdout)
+    assert cfg.algorithm.filter_groups.max_num_gen_batches == 2 and cfg.data.gen_batch_size == 128
+    assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.data_parallel_size == 32
