@@ -105,3 +105,17 @@ def test_readme_pin_table_matches_pin_file():
     pins = load_pins(REPO / "pins.toml")
     for fw in pins.frameworks.values():
         assert f"| {fw.key} | {fw.git_ref} | `{fw.commit}` |" in readme, fw.key
+        assert fw.version in readme
+
+
+def test_readme_generated_sections_are_current():
+    proc = subprocess.run([sys.executable, "-m", "qwen3_rl", "readme", "--check"], cwd=REPO, text=True,
+                          capture_output=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_readme_quick_start_is_what_ci_runs():
+    readme = (REPO / "README.md").read_text()
+    ci = (REPO / ".ci" / "run").read_text()
+    for cmd in ("bash tests/setup_env.sh", "bash tests/run_tests.sh"):
+        assert readme.count(cmd) >= 2 and cmd in ci  # English + Chinese quick start, and CI

@@ -66,6 +66,7 @@ def patches_main(argv: list[str]) -> int:
     g.add_argument("--status", action="store_true", help="table of patch / applied, not applied, conflict")
     g.add_argument("--revert", action="store_true", help="reverse the applied patches, last first")
     g.add_argument("--lint", action="store_true", help="check patch names, numbering and headers")
+    g.add_argument("--table", action="store_true", help="print the README's markdown table of the series")
     ap.add_argument("--workspace", help="workspace folder (default: $QWEN3_RL_WORKSPACE or <repo>/workspace)")
     ap.add_argument("--patches-dir", help="patch folder (default: <repo>/patches)")
     a = ap.parse_args(argv)
@@ -74,6 +75,9 @@ def patches_main(argv: list[str]) -> int:
         fws = pins.select(a.only)
         ws = Path(a.workspace) if a.workspace else default_workspace()
         root = Path(a.patches_dir) if a.patches_dir else ps.patches_root()
+        if a.table:
+            print(ps.markdown_table([fw.key for fw in fws], root))
+            return 0
         if a.lint:
             problems = [p for fw in fws for p in ps.lint_series(fw.key, root)]
             for p in problems:

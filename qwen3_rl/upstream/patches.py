@@ -266,3 +266,15 @@ def _restore(tree: Path, backup: _Sandbox, files: list[str]) -> None:
             shutil.copy2(src, dst)
         elif dst.exists():
             dst.unlink()
+
+
+def markdown_table(keys: list[str], root: Path | None = None) -> str:
+    """The README's patch table: one row per patch with its subject and switch (from its header)."""
+    rows = ["| framework | patch | what | switch (default) |", "|---|---|---|---|"]
+    for key in keys:
+        for p in series(key, root):
+            head = p.header()
+            subject = head.get("Subject", "").replace("|", "\\|")
+            switch = head.get("Switch", "").replace("|", "\\|")
+            rows.append(f"| {key} | [{p.path.name}](patches/{key}/{p.path.name}) | {subject} | {switch} |")
+    return "\n".join(rows)

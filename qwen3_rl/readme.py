@@ -1,0 +1,66 @@
+"""Generated sections of README.md (pin table, patch table): ``python -m qwen3_rl readme --write|--check``.
+
+A section sits between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``; ``--check``
+exits 1 when README.md differs from what the pin file and the patch headers say.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable
+
+from qwen3_rl.pins import REPO_ROOT, load_pins
+from qwen3_rl.upstream.patches import markdown_table
+
+
+def _pins() -> str:
+    pins = load_pins()
+    rows = ["| framework | git tag | commit | PyPI |", "|---|---|---|---|"]
+    for k, fw in pins.frameworks.items():
+        src = f"`{fw.pypi}=={fw.version}`" if fw.on_pypi else "git only"
+        rows.append(f"| {k} | {fw.git_ref} | `{fw.commit}` | {src} |")
+    rt = ", ".join(f"{k} `{v}`" for k, v in pins.runtime.items())
+    return "\n".join(rows) + f"\n\nRuntime (image): {rt}."
+
+
+def _patches() -> str:
+    return markdown_table(list(load_pins().frameworks))
+
+
+SECTIONS: dict[str, Callable[[], str]] = {"pins": _pins, "patches": _patches}
+
+
+def render(text: str) -> str:
+    for name, fn in SECTIONS.items():
+        pat = re.compile(rf"(<!-- generated:{name} -->).*?(<!-- /generated:{name} -->)", re.S)
+        if not pat.search(text):
+            raise ValueError(f"README.md lacks the generated:{name} markers")
+        text = pat.sub(lambda m, fn=fn: m.group(1) + "\n" + fn() + "\n" + m.group(2), text)
+    return text
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m qwen3_rl readme", description=__doc__.split("\n\n")[0])
+    g = ap.add_mutually_exclusive_group(required=True)
+    g.add_argument("--write", action="store_true")
+    g.add_argument("--check", action="store_true")
+    a = ap.parse_args(argv)
+    path = REPO_ROOT / "README.md"
+    old = path.read_text()
+    try:
+        new = render(old)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if a.write:
+        if new != old:
+            path.write_text(new)
+            print("README.md: generated sections updated")
+        return 0
+    if new != old:
+        print("error: README.md generated sections are stale; run: python -m qwen3_rl readme --write",
+              file=sys.stderr)
+        return 1
+    return 0
