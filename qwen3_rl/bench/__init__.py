@@ -1,0 +1,1 @@
+"""Benchmarks printing figures: ``python -m qwen3_rl.bench.<name> ... --json``."""

@@ -1,0 +1,1 @@
+"""MoE features: expert-parallel load balancing (EPLB) for rollout."""

@@ -1,0 +1,1 @@
+"""Parallelism planning: HDP (hybrid data / context parallel) sequence assignment."""
