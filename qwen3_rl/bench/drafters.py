@@ -1,0 +1,449 @@
+"""Benchmark of model-free drafters on a rollout corpus: tokens per step, acceptance, cost, memory.
+
+``python -m qwen3_rl.bench.drafters --corpus FILE --k 3 [--group] [--batch 256] [--context-len 32768] --json``
+
+Acceptance replay: prompts run one after another; the samples of a prompt run concurrently, one
+verification step each in turn. A step drafts up to k tokens, accepts them while they equal the next
+real tokens (greedy-equivalent) and then advances one more (bonus) token; finished responses are
+reported to the drafter (our cache, arctic's global tree). ``mean_accepted`` = response tokens /
+verification steps (bonus included), ``acceptance_rate`` = accepted / drafted tokens.
+
+Cost: ``--batch`` requests with ``--context-len``-token contexts built by concatenating corpus texts;
+``us_per_step`` = process CPU time (one core; wall time is reported beside it) of one batch update
+(accepted tokens of the step) + propose through the public batch API, averaged over ``--cost-steps``
+steps; ``bytes_per_token`` = our structures' bytes / tokens held.
+
+Methods: ``sam`` (ours, per request), ``sam_group`` (ours, group-aware, siblings on one engine),
+``sam_group_spread`` (ours, group-aware, samples spread over ``--ranks`` engines: own text and the
+engine's finished-response cache only), ``vllm_ngram`` (vLLM 0.13 ``NgramProposer``, defaults
+min = max = 5, imported from ``--vllm-tree``), ``arctic_suffix`` (arctic-inference 0.1.1
+``SuffixDecodingCache`` used as vLLM 0.13's ``SuffixDecodingProposer`` does). A baseline that cannot
+run reports null values and the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from qwen3_rl.spec_decode.sam import SamConfig, SamProposer, group_key
+
+DEFAULT_VLLM_TREE = "/tmp/ws1/vllm"
+KEYS = ("mean_accepted", "acceptance_rate", "us_per_step", "bytes_per_token")
+
+
+@dataclass
+class Sample:
+    prompt_id: int
+    sample_id: int
+    prompt: np.ndarray  # int32[prompt_len]
+    response: np.ndarray  # int32[response_len]
+
+
+def load_corpus(path: str | Path, limit_prompts: int | None = None) -> list[list[Sample]]:
+    """Read the JSON-lines corpus; returns groups (one per prompt, in file order) of samples."""
+    groups: dict[int, list[Sample]] = {}
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            pid = int(row["prompt_id"])
+            if pid not in groups:
+                if limit_prompts is not None and len(groups) >= limit_prompts:
+                    continue
+                groups[pid] = []
+            groups[pid].append(Sample(pid, int(row["sample_id"]), np.asarray(row["prompt_ids"], np.int32),
+                                      np.asarray(row["response_ids"], np.int32)))
+    return [sorted(g, key=lambda s: s.sample_id) for g in groups.values()]
+
+
+# --------------------------------------------------------------------------------- adapters
+class Drafter:
+    """Replay-side interface: add / propose_one / extend / finish (+ batch cost hooks)."""
+
+    def add(self, rid: str, prompt: np.ndarray, group: str) -> None: ...
+    def propose_one(self, rid: str, k: int) -> list[int]: ...
+    def extend(self, rid: str, toks: np.ndarray) -> None: ...
+    def finish(self, rid: str) -> None: ...
+    def nbytes(self) -> int | None:
+        return None
+
+    def num_tokens(self) -> int | None:
+        return None
+
+    def step_batch(self, rids: Sequence[str], accepted: Sequence[np.ndarray], k: int) -> list[list[int]]:
+        for r, a in zip(rids, accepted, strict=True):
+            self.extend(r, a)
+        return [self.propose_one(r, k) for r in rids]
+
+
+class SamDrafter(Drafter):
+    def __init__(self, cfg: SamConfig) -> None:
+        self.p = SamProposer(cfg)
+
+    def add(self, rid: str, prompt: np.ndarray, group: str) -> None:
+        self.p.add_request(rid, prompt, group_id=group)
+
+    def propose_one(self, rid: str, k: int) -> list[int]:
+        return self.p.propose([rid], k)[0]
+
+    def extend(self, rid: str, toks: np.ndarray) -> None:
+        self.p.extend(rid, toks)
+
+    def finish(self, rid: str) -> None:
+        self.p.finish(rid)
+
+    def nbytes(self) -> int:
+        return self.p.nbytes()
+
+    def num_tokens(self) -> int:
+        return self.p.num_tokens()
+
+    def step_batch(self, rids: Sequence[str], accepted: Sequence[np.ndarray], k: int) -> list[list[int]]:
+        return self.p.step(rids, accepted, k)
+
+
+def import_vllm_ngram(vllm_tree: str) -> type:
+    """Import vLLM's ``NgramProposer`` from a source tree (CPU, VLLM_PLUGINS=none)."""
+    os.environ.setdefault("VLLM_PLUGINS", "none")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if not Path(vllm_tree, "vllm", "v1", "spec_decode", "ngram_proposer.py").is_file():
+        raise FileNotFoundError(f"no vllm/v1/spec_decode/ngram_proposer.py under {vllm_tree}")
+    if vllm_tree not in sys.path:
+        sys.path.insert(0, vllm_tree)
+    # vLLM's logger writes to stdout: keep stdout clean for --json
+    with contextlib.redirect_stdout(sys.stderr):
+        from vllm.v1.spec_decode.ngram_proposer import NgramProposer  # type: ignore[import-not-found]
+
+    return NgramProposer
+
+
+class VllmNgramDrafter(Drafter):
+    """vLLM 0.13 ``NgramProposer`` over a runner-like token buffer (one row per request)."""
+
+    def __init__(self, cls: type, k: int, max_model_len: int, max_num_seqs: int, lookup_min: int = 5,
+                 lookup_max: int = 5) -> None:
+        cfg = SimpleNamespace(
+            speculative_config=SimpleNamespace(prompt_lookup_min=lookup_min, prompt_lookup_max=lookup_max,
+                                               num_speculative_tokens=k),
+            model_config=SimpleNamespace(max_model_len=max_model_len),
+            scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        )
+        with contextlib.redirect_stdout(sys.stderr):
+            self.p = cls(cfg)
+        self.max_model_len = max_model_len
+        self.buf = np.zeros((max_num_seqs, max_model_len), np.int32)
+        self.n = np.zeros(max_num_seqs, np.int32)
+        self.row: dict[str, int] = {}
+        self.free = list(range(max_num_seqs - 1, -1, -1))
+
+    def add(self, rid: str, prompt: np.ndarray, group: str) -> None:
+        r = self.free.pop()
+        self.row[rid] = r
+        self.buf[r, : prompt.shape[0]] = prompt
+        self.n[r] = prompt.shape[0]
+
+    def extend(self, rid: str, toks: np.ndarray) -> None:
+        r = self.row[rid]
+        self.buf[r, self.n[r]: self.n[r] + toks.shape[0]] = toks
+        self.n[r] += toks.shape[0]
+
+    def propose_one(self, rid: str, k: int) -> list[int]:
+        r = self.row[rid]
+        return self.p.propose([[0]], [rid], self.n[r: r + 1], self.buf[r: r + 1], set())[0]
+
+    def finish(self, rid: str) -> None:
+        self.free.append(self.row.pop(rid))
+
+    def step_batch(self, rids: Sequence[str], accepted: Sequence[np.ndarray], k: int) -> list[list[int]]:
+        # the runner writes tokens into its buffer anyway: only the propose call is the drafter's cost
+        rows = [self.row[r] for r in rids]
+        assert rows == list(range(len(rows))), "cost batch must occupy rows 0..n-1"
+        return self.p.propose([[0]] * len(rids), list(rids), self.n[: len(rids)], self.buf[: len(rids)], set())
+
+
+class ArcticDrafter(Drafter):
+    """arctic-inference suffix decoding, driven as vLLM 0.13's ``SuffixDecodingProposer`` drives it."""
+
+    def __init__(self, max_tree_depth: int = 24, max_cached_requests: int = 10000, max_spec_factor: float = 1.0,
+                 min_token_prob: float = 0.1) -> None:
+        from arctic_inference.suffix_decoding import SuffixDecodingCache  # type: ignore[import-not-found]
+
+        self.c = SuffixDecodingCache(max_tree_depth=max_tree_depth, max_cached_requests=max_cached_requests)
+        self.depth = max_tree_depth
+        self.factor = max_spec_factor
+        self.min_prob = min_token_prob
+        self.ctx: dict[str, list[int]] = {}
+
+    def add(self, rid: str, prompt: np.ndarray, group: str) -> None:
+        if rid in self.c.cached_requests:
+            self.c.evict_cached_response(rid)
+        self.c.start_request(rid, prompt)
+        self.ctx[rid] = prompt[-self.depth:].tolist()
+
+    def extend(self, rid: str, toks: np.ndarray) -> None:
+        self.c.add_active_response(rid, toks)
+        self.ctx[rid] = (self.ctx[rid] + toks.tolist())[-self.depth:]
+
+    def propose_one(self, rid: str, k: int) -> list[int]:
+        pattern = np.asarray(self.ctx[rid], np.int32)
+        d = self.c.speculate(rid, pattern, max_spec_tokens=k, max_spec_factor=self.factor,
+                             min_token_prob=self.min_prob)
+        return list(d.token_ids)
+
+    def finish(self, rid: str) -> None:
+        self.c.stop_request(rid)
+        del self.ctx[rid]
+
+
+# --------------------------------------------------------------------------------- replay
+def replay(groups: list[list[Sample]], make: Callable[[], Drafter], k: int, ranks: int = 1) -> dict[str, Any]:
+    """Acceptance replay; ``ranks`` > 1 places sample j of every prompt on engine j % ranks."""
+    engines = [make() for _ in range(ranks)]
+    steps = drafted = accepted = tokens = 0
+    peak_bpt = 0.0
+    for g in groups:
+        key = group_key(g[0].prompt)
+        live = []
+        for s in g:
+            rid = f"{s.prompt_id}-{s.sample_id}"
+            eng = engines[s.sample_id % ranks]
+            eng.add(rid, s.prompt, key)
+            live.append([rid, eng, s.response, 0])
+        while live:
+            for item in list(live):
+                rid, eng, resp, pos = item
+                d = eng.propose_one(rid, k)[:k]
+                a = 0
+                while a < len(d) and pos + a < resp.shape[0] and d[a] == resp[pos + a]:
+                    a += 1
+                adv = min(a + 1, resp.shape[0] - pos)
+                steps += 1
+                drafted += len(d)
+                accepted += a
+                eng.extend(rid, resp[pos: pos + adv])
+                item[3] = pos + adv
+                if item[3] >= resp.shape[0]:
+                    eng.finish(rid)
+                    live.remove(item)
+        tokens += sum(int(s.response.shape[0]) for s in g)
+        nb = [e.nbytes() for e in engines]
+        nt = [e.num_tokens() for e in engines]
+        if None not in nb and sum(nt) > 0:  # type: ignore[arg-type]
+            peak_bpt = max(peak_bpt, sum(nb) / sum(nt))  # type: ignore[arg-type]
+    return {"mean_accepted": tokens / max(steps, 1), "acceptance_rate": accepted / max(drafted, 1),
+            "steps": steps, "drafted": drafted, "accepted": accepted, "response_tokens": tokens,
+            "bytes_per_token_replay_end": peak_bpt or None}
+
+
+def build_contexts(groups: list[list[Sample]], batch: int, context_len: int, extra: int,
+                   group_size: int) -> tuple[list[np.ndarray], list[np.ndarray], list[str]]:
+    """Contexts of ``context_len`` tokens cut from the concatenated corpus (cyclic), one per request.
+
+    Requests ``group_size`` apart share a group (same start = shared prompt part, different tails).
+    Returns (contexts int32[context_len] each, continuations int32[extra] each, group keys).
+    """
+    stream = np.concatenate([np.concatenate([s.prompt, s.response]) for g in groups for s in g])
+    n = stream.shape[0]
+    reps = (context_len + extra) // n + 2
+    big = np.tile(stream, reps)
+    ctxs, conts, keys = [], [], []
+    for r in range(batch):
+        g = r // max(group_size, 1)
+        start = (g * 7919 + (r % max(group_size, 1)) * 613) % n
+        seq = big[start: start + context_len + extra]
+        ctxs.append(np.ascontiguousarray(seq[:context_len]))
+        conts.append(np.ascontiguousarray(seq[context_len:]))
+        keys.append(f"g{g}")
+    return ctxs, conts, keys
+
+
+def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int, batch: int, context_len: int,
+                 steps: int, group_size: int = 1, warmup: int = 3) -> dict[str, Any]:
+    """us per decode step (batch update + propose) and bytes per token at ``batch`` x ``context_len``."""
+    extra = (steps + warmup + 1) * (k + 1)
+    ctxs, conts, keys = build_contexts(groups, batch, context_len, extra, group_size)
+    d = make()
+    rids = [f"c{r}" for r in range(batch)]
+    t0 = time.perf_counter()
+    for r in range(batch):
+        d.add(rids[r], ctxs[r], keys[r])
+    build_s = time.perf_counter() - t0
+    nb, nt = d.nbytes(), d.num_tokens()
+    peak = nb / nt if nb is not None and nt else None
+    pos = [0] * batch
+    drafts = d.step_batch(rids, [np.zeros(0, np.int32)] * batch, k)
+    times: list[float] = []
+    walls: list[float] = []
+    for it in range(steps + warmup):
+        acc = []
+        for r in range(batch):
+            dr = drafts[r]
+            c = conts[r]
+            a = 0
+            while a < len(dr) and a < k and dr[a] == c[pos[r] + a]:
+                a += 1
+            acc.append(c[pos[r]: pos[r] + a + 1])
+            pos[r] += a + 1
+        t1 = time.process_time()
+        w1 = time.perf_counter()
+        drafts = d.step_batch(rids, acc, k)
+        dt = time.process_time() - t1
+        dw = time.perf_counter() - w1
+        if it >= warmup:
+            times.append(dt)
+            walls.append(dw)
+    nb, nt = d.nbytes(), d.num_tokens()
+    if nb is not None and nt:
+        peak = max(peak or 0.0, nb / nt)
+    out = {"us_per_step": 1e6 * float(np.mean(times)), "us_per_step_median": 1e6 * float(np.median(times)),
+           "us_per_step_wall": 1e6 * float(np.mean(walls)),
+           "bytes_per_token": peak, "build_s": build_s}
+    for r in rids:
+        d.finish(r)
+    if nb is not None:
+        out["nbytes_after_finish"] = d.nbytes()  # group mode: the bounded finished-response cache
+        if isinstance(d, SamDrafter):
+            d.p.clear_cache()
+            out["nbytes_after_clear_cache"] = d.nbytes()
+    return out
+
+
+def _null(reason: str) -> dict[str, Any]:
+    return {**dict.fromkeys(KEYS), "unavailable": reason}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    groups = load_corpus(args.corpus, args.limit_prompts)
+    if not groups:
+        raise SystemExit(f"empty corpus {args.corpus}")
+    k = args.k
+    max_len = max(int(s.prompt.shape[0] + s.response.shape[0]) for g in groups for s in g) + 4 * k + 8
+    sam_cfg = SamConfig(num_speculative_tokens=k, rule=args.rule, recent_budget=args.budget,
+                        min_match=args.min_match)
+    grp_cfg = SamConfig(**{**sam_cfg.__dict__, "group_mode": True, "cache_max_responses": args.cache_responses,
+                           "cache_max_tokens": args.cache_tokens})
+    makers: dict[str, tuple[Callable[[], Drafter], Callable[[], Drafter] | None, int]] = {}
+    methods: dict[str, Any] = {}
+    makers["sam"] = (lambda: SamDrafter(sam_cfg), lambda: SamDrafter(sam_cfg), 1)
+    if args.group:
+        makers["sam_group"] = (lambda: SamDrafter(grp_cfg), lambda: SamDrafter(grp_cfg), 1)
+        makers["sam_group_spread"] = (lambda: SamDrafter(grp_cfg), None, args.ranks)
+    else:
+        methods["sam_group"] = _null("group-aware mode not requested (--group)")
+        methods["sam_group_spread"] = _null("group-aware mode not requested (--group)")
+    try:
+        ngram_cls = import_vllm_ngram(args.vllm_tree)
+        group_n = max(len(g) for g in groups)
+        makers["vllm_ngram"] = (
+            lambda: VllmNgramDrafter(ngram_cls, k, max_len, group_n),
+            lambda: VllmNgramDrafter(ngram_cls, k, args.context_len + (args.cost_steps + 8) * (k + 1),
+                                     args.batch),
+            1,
+        )
+    except Exception as e:  # baseline unavailable: report why, never crash
+        methods["vllm_ngram"] = _null(f"vLLM NgramProposer unavailable: {type(e).__name__}: {e}")
+    try:
+        ArcticDrafter()
+        makers["arctic_suffix"] = (lambda: ArcticDrafter(), lambda: ArcticDrafter(), 1)
+    except Exception as e:
+        methods["arctic_suffix"] = _null(f"arctic-inference unavailable: {type(e).__name__}: {e}")
+
+    for name, (make, make_cost, ranks) in makers.items():
+        if args.methods and name not in args.methods:
+            methods[name] = _null("not selected (--methods)")
+            continue
+        try:
+            res = replay(groups, make, k, ranks)
+            res.setdefault("us_per_step", None)
+            res.setdefault("bytes_per_token", None)
+            if ranks > 1:
+                res["ranks"] = ranks
+            if make_cost is not None and not args.skip_cost:
+                batch = args.batch
+                cost_ctx = args.context_len
+                if name == "arctic_suffix" and args.arctic_cost_batch:
+                    batch = args.arctic_cost_batch
+                res.update(measure_cost(make_cost, groups, k, batch, cost_ctx, args.cost_steps,
+                                        group_size=len(groups[0]) if name == "sam_group" else 1))
+                res["cost_batch"] = batch
+                res["cost_context_len"] = cost_ctx
+            elif make_cost is None:
+                res["cost_note"] = "same kernels as sam_group; cost measured there"
+            methods[name] = res
+        except Exception as e:
+            methods[name] = _null(f"{type(e).__name__}: {e}")
+            methods[name]["traceback"] = traceback.format_exc(limit=3)
+    for name in ("sam", "sam_group", "sam_group_spread", "vllm_ngram", "arctic_suffix"):
+        methods.setdefault(name, _null("not run"))
+    ratios = {}
+
+    def ma(n: str) -> float | None:
+        return methods[n].get("mean_accepted")
+
+    for a, b in (("sam", "vllm_ngram"), ("sam_group", "sam"), ("sam_group", "arctic_suffix"),
+                 ("sam_group_spread", "sam")):
+        if ma(a) and ma(b):
+            ratios[f"{a}/{b}"] = ma(a) / ma(b)  # type: ignore[operator]
+    return {"corpus": str(args.corpus), "k": k, "prompts": len(groups),
+            "responses": sum(len(g) for g in groups),
+            "response_tokens": sum(int(s.response.shape[0]) for g in groups for s in g),
+            "batch": args.batch, "context_len": args.context_len, "rule": args.rule, "methods": methods,
+            "ratios": ratios}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m qwen3_rl.bench.drafters", description=__doc__.split("\n")[0])
+    p.add_argument("--corpus", required=True, help="JSON lines {prompt_id, sample_id, prompt_ids, response_ids}")
+    p.add_argument("--k", type=int, default=3, help="draft tokens per step")
+    p.add_argument("--group", action="store_true", help="also run the group-aware methods")
+    p.add_argument("--batch", type=int, default=256, help="requests in the cost measurement")
+    p.add_argument("--context-len", type=int, default=32768, help="tokens per request in the cost measurement")
+    p.add_argument("--cost-steps", type=int, default=30, help="timed decode steps")
+    p.add_argument("--skip-cost", action="store_true", help="acceptance replay only")
+    p.add_argument("--arctic-cost-batch", type=int, default=0, help="batch for arctic's cost (0 = --batch)")
+    p.add_argument("--ranks", type=int, default=8, help="engines for sam_group_spread")
+    p.add_argument("--rule", default="recent", choices=["recent", "earliest"])
+    p.add_argument("--budget", type=int, default=SamConfig.recent_budget, help="recent-rule update walk")
+    p.add_argument("--min-match", type=int, default=1)
+    p.add_argument("--cache-responses", type=int, default=SamConfig.cache_max_responses)
+    p.add_argument("--cache-tokens", type=int, default=SamConfig.cache_max_tokens)
+    p.add_argument("--limit-prompts", type=int, default=None, help="use the first N prompts only")
+    p.add_argument("--methods", nargs="*", default=None, help="subset of methods to run")
+    p.add_argument("--vllm-tree", default=DEFAULT_VLLM_TREE, help="vLLM source tree holding vllm/")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    res = run(args)
+    if args.json:
+        print(json.dumps(res, indent=1))
+    else:
+        print(f"corpus {res['corpus']}: {res['prompts']} prompts, {res['responses']} responses, "
+              f"{res['response_tokens']} tokens, k={res['k']}")
+        for name, m in res["methods"].items():
+            vals = "  ".join(f"{key}={m.get(key)!s:.8}" for key in KEYS)
+            print(f"{name:18s} {vals}" + (f"  ({m['unavailable']})" if m.get("unavailable") else ""))
+        for key, v in res["ratios"].items():
+            print(f"{key}: {v:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

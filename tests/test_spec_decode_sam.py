@@ -1,0 +1,257 @@
+"""Suffix-automaton drafter: brute-force equivalence, lifecycle/memory, group mode, benchmark smoke."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from qwen3_rl.spec_decode import DraftProposer, SamConfig, SamProposer, group_key
+from qwen3_rl.spec_decode._sam_kernels import brute_force_propose
+
+REPO = Path(__file__).resolve().parent.parent
+CORPUS = Path("/work/shared/bench/rollouts_dev.jsonl")
+K = 3
+
+
+def _check_all_prefixes(text: np.ndarray, plen: int, rule: str, chunks: list[int]) -> None:
+    """Feed ``text`` after a ``plen`` prompt in chunks; after every chunk compare with brute force."""
+    p = SamProposer(rule=rule, recent_budget=1 << 30)
+    p.add_request("r", text[:plen])
+    t = plen
+    ci = 0
+    while True:
+        got = p.propose(["r"], K)[0]
+        L, e, ref = brute_force_propose(text[:t], K, 1 if rule == "recent" else 0)
+        assert got == ref.tolist(), (rule, text[:t].tolist(), got, ref.tolist(), L, e)
+        if t >= text.shape[0]:
+            break
+        n = max(1, min(chunks[ci % len(chunks)], text.shape[0] - t))
+        ci += 1
+        p.extend("r", text[t: t + n])
+        t += n
+    np.testing.assert_array_equal(p.tokens("r"), text)
+    p.finish("r")
+    assert p.nbytes() == 0
+
+
+texts = st.lists(st.integers(0, 4), min_size=1, max_size=80)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(texts, st.integers(1, 80), st.lists(st.integers(1, 4), min_size=1, max_size=4),
+       st.sampled_from(["recent", "earliest"]))
+def test_matches_brute_force_random(tokens, plen, chunks, rule):
+    text = np.asarray(tokens, np.int32)
+    _check_all_prefixes(text, min(plen, len(tokens)), rule, chunks)
+
+
+@pytest.mark.parametrize("rule", ["recent", "earliest"])
+@pytest.mark.parametrize("name", ["run", "period", "fib", "thue_morse", "large_ids"])
+def test_matches_brute_force_adversarial(name, rule):
+    if name == "run":
+        text = np.zeros(120, np.int32)  # one long run: deepest suffix-link chains
+    elif name == "period":
+        text = np.tile(np.array([3, 1, 4, 1, 5], np.int32), 30)
+    elif name == "fib":  # Fibonacci word: many clones
+        a, b = [0], [0, 1]
+        while len(b) < 150:
+            a, b = b, b + a
+        text = np.asarray(b[:150], np.int32)
+    elif name == "thue_morse":  # square-free-ish, many short repeats
+        text = np.asarray([bin(i).count("1") % 2 for i in range(128)], np.int32)
+    else:  # token ids near the int32 limit and a big vocabulary (root hash growth)
+        rng = np.random.default_rng(1)
+        base = rng.integers(2**31 - 5000, 2**31 - 1, 60).astype(np.int32)
+        text = np.concatenate([base, base[10:40], rng.integers(0, 151_000, 40).astype(np.int32), base[:25]])
+    _check_all_prefixes(text, 1, rule, [1, 2, 3])
+
+
+def test_bounded_recent_walk_is_a_real_occurrence():
+    """With the default (bounded) update walk the draft still follows an occurrence of the longest match."""
+    rng = np.random.default_rng(7)
+    text = np.concatenate([np.tile(rng.integers(0, 6, 40), 5), rng.integers(0, 6, 200)]).astype(np.int32)
+    p = SamProposer(recent_budget=2)
+    p.add_request("r", text[:1])
+    for t in range(2, text.shape[0] + 1):
+        p.extend("r", text[t - 1: t])
+        got = p.propose(["r"], K)[0]
+        L, _, _ = brute_force_propose(text[:t], K, 1)
+        if L == 0:
+            assert got == []
+            continue
+        suffix = text[t - L: t]
+        ends = [e for e in range(L - 1, t - 1) if np.array_equal(text[e - L + 1: e + 1], suffix)]
+        assert any(got == text[e + 1: min(e + 1 + K, t)].tolist() for e in ends)
+
+
+def test_interface_and_config_validation():
+    p = SamProposer()
+    assert isinstance(p, DraftProposer)
+    with pytest.raises(ValueError):
+        SamConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError):
+        SamConfig(rule="frequent")
+    with pytest.raises(ValueError):
+        SamConfig(cache_max_responses=500)
+    with pytest.raises(ValueError):
+        p.add_request("x", [1, -2, 3])
+    p.add_request("a", [1, 2, 3])
+    with pytest.raises(KeyError):
+        p.add_request("a", [1])
+
+
+def test_lifecycle_memory_returns_to_zero_and_preempt_resume():
+    rng = np.random.default_rng(0)
+    p = SamProposer()
+    assert p.nbytes() == 0
+    live = {}
+    for rnd in range(6):  # waves of requests: add, decode, preempt/resume some, finish/abort
+        for i in range(12):
+            rid = f"{rnd}-{i}"
+            prompt = rng.integers(0, 50, rng.integers(5, 60)).astype(np.int32)
+            p.add_request(rid, prompt)
+            live[rid] = list(prompt)
+        for _ in range(20):
+            rids = list(live)
+            acc = [rng.integers(0, 50, rng.integers(1, 4)).astype(np.int32) for _ in rids]
+            drafts = p.step(rids, acc)
+            for r, a, d in zip(rids, acc, drafts, strict=True):
+                live[r].extend(a.tolist())
+                assert len(d) <= K
+        victim = next(iter(live))
+        p.preempt(victim)
+        p.resume(victim, live[victim] + [7, 8])  # runner knows two more tokens: they are appended
+        live[victim] += [7, 8]
+        other = list(live)[1]
+        changed = list(live[other])
+        changed[-1] = (changed[-1] + 1) % 50  # diverged text: rebuilt from the given tokens
+        p.preempt(other)
+        p.resume(other, changed)
+        live[other] = changed
+        for r in live:
+            np.testing.assert_array_equal(p.tokens(r), np.asarray(live[r], np.int32))
+        assert p.nbytes() > 0
+        assert p.num_tokens() == sum(len(v) for v in live.values())
+        for j, r in enumerate(list(live)):
+            (p.finish if j % 2 else p.abort)(r)
+            del live[r]
+        assert p.nbytes() == 0, f"bytes left after wave {rnd}"
+        assert p.num_requests == 0
+
+
+def test_rejected_tokens_never_enter():
+    p = SamProposer()
+    p.add_request("r", [5, 6, 7, 8, 5, 6])
+    assert p.propose(["r"]) == [[7, 8, 5]]
+    p.extend("r", [9])  # the verifier rejected the draft and emitted 9
+    np.testing.assert_array_equal(p.tokens("r"), [5, 6, 7, 8, 5, 6, 9])
+    assert p.propose(["r"]) == [[]]
+
+
+def test_group_mode_drafts_from_siblings_and_cache():
+    prompt = np.arange(100, 110, dtype=np.int32)
+    span = [1, 2, 3, 4, 5, 6, 7, 8]
+    # own-only: the sibling's text is invisible
+    solo = SamProposer(group_mode=False)
+    solo.add_request("a", prompt)
+    solo.add_request("b", prompt)
+    solo.extend("a", span)
+    solo.extend("b", span[:2])
+    assert solo.propose(["b"]) == [[]]
+    # group mode: b follows its running sibling a
+    grp = SamProposer(group_mode=True, cache_max_responses=4, cache_max_tokens=64)
+    key = group_key(prompt)
+    assert key == group_key(prompt.tolist()) and key != group_key(prompt[:-1])
+    grp.add_request("a", prompt)
+    grp.add_request("b", prompt)
+    grp.add_request("x", np.arange(500, 510, dtype=np.int32))  # other group: unaffected
+    grp.extend("a", span)
+    grp.extend("b", span[:2])
+    grp.extend("x", [42])
+    assert grp.propose(["b", "x"]) == [[3, 4, 5], []]
+    # finished responses enter the cache and serve any group (pointers follow on the next extend)
+    grp.finish("a")
+    grp.finish("b")
+    grp.extend("x", span[:2])
+    assert grp.propose(["x"]) == [[3, 4, 5]]
+    grp.add_request("y", np.arange(700, 705, dtype=np.int32))
+    grp.extend("y", [4, 5])
+    assert grp.propose(["y"]) == [[6, 7, 8]]
+    # the cache is bounded: many finished responses keep at most two generations of 64 tokens
+    rng = np.random.default_rng(3)
+    for i in range(40):
+        grp.add_request(f"z{i}", [900 + i])
+        grp.extend(f"z{i}", rng.integers(0, 1000, 30).astype(np.int32))
+        grp.finish(f"z{i}")
+    for r in ("x", "y"):
+        grp.finish(r)
+    assert grp.num_requests == 0
+    assert 0 < grp.num_tokens() <= grp.cache_bound_tokens() == 128
+    grp.clear_cache()
+    assert grp.nbytes() == 0 and grp.num_tokens() == 0
+
+
+def test_group_members_keep_text_until_last_finishes():
+    prompt = [1, 2, 3]
+    p = SamProposer(group_mode=True, cache_max_responses=0)
+    p.add_request("a", prompt)
+    p.add_request("b", prompt)
+    p.extend("a", [10, 11, 12, 13])
+    p.finish("a")  # a's text still serves its sibling
+    p.extend("b", [10, 11])
+    assert p.propose(["b"]) == [[12, 13]]
+    assert p.nbytes() > 0
+    p.finish("b")
+    assert p.nbytes() == 0
+
+
+def test_batch_arrays_api_matches_list_api():
+    rng = np.random.default_rng(5)
+    a = SamProposer()
+    b = SamProposer()
+    rids = [f"r{i}" for i in range(8)]
+    for r in rids:
+        pr = rng.integers(0, 20, 30).astype(np.int32)
+        a.add_request(r, pr)
+        b.add_request(r, pr)
+    for _ in range(10):
+        acc = [rng.integers(0, 20, rng.integers(0, 4)).astype(np.int32) for _ in rids]
+        da = a.step(rids, acc)
+        slots = np.asarray([b.slot_of(r) for r in rids], np.int32)
+        offs = np.concatenate([[0], np.cumsum([len(x) for x in acc])]).astype(np.int64)
+        b.extend_arrays(slots, np.concatenate(acc).astype(np.int32), offs)
+        out, cnt = b.propose_arrays(slots)
+        assert da == [out[i, : cnt[i]].tolist() for i in range(len(rids))]
+
+
+@pytest.mark.skipif(not CORPUS.is_file(), reason=f"shared corpus {CORPUS} not present on this machine")
+def test_benchmark_smoke(tmp_path):
+    """Two prompts of the corpus, tiny cost run: JSON keys and sane numbers (arctic may be null)."""
+    cmd = [sys.executable, "-m", "qwen3_rl.bench.drafters", "--corpus", str(CORPUS), "--k", "3", "--group",
+           "--limit-prompts", "2", "--batch", "4", "--context-len", "512", "--cost-steps", "3", "--json"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=True)
+    res = json.loads(out.stdout)
+    methods = res["methods"]
+    assert set(methods) >= {"sam", "sam_group", "vllm_ngram", "arctic_suffix"}
+    for name, m in methods.items():
+        assert set(m) >= {"mean_accepted", "acceptance_rate", "us_per_step", "bytes_per_token"}, name
+        if m["mean_accepted"] is None:
+            assert m.get("unavailable"), f"{name} null without a reason"
+            assert name in ("vllm_ngram", "arctic_suffix"), f"our method {name} failed: {m}"
+            continue
+        assert 1.0 <= m["mean_accepted"] <= 4.0 and 0.0 <= m["acceptance_rate"] <= 1.0
+    for name in ("sam", "sam_group"):
+        m = methods[name]
+        assert m["us_per_step"] > 0 and 4 <= m["bytes_per_token"] <= 400
+        assert m["nbytes_after_clear_cache"] == 0
+    assert methods["sam"]["nbytes_after_finish"] == 0
+    # group mode sees the siblings: it must draft better than own-only on the same responses
+    assert methods["sam_group"]["mean_accepted"] > methods["sam"]["mean_accepted"]
+    assert res["response_tokens"] > 0 and res["prompts"] == 2
