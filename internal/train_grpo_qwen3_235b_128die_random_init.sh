@@ -50,6 +50,10 @@ TOTAL_EPOCHS=${TOTAL_EPOCHS:-10}
 # ---- actor (Megatron) parallelism: from the published recipe's scripts ------------------------
 ACTOR_TP=${ACTOR_TP:-4}
 ACTOR_PP=${ACTOR_PP:-4}
+# 94 decoder layers do not divide by PP4 (megatron-core 0.12.1 asserts num_layers % PP == 0 unless the
+# first/last stage sizes are given): 23 + 24 + 24 + 23. Set both to "null" for an even split.
+ACTOR_PP_FIRST_STAGE_LAYERS=${ACTOR_PP_FIRST_STAGE_LAYERS:-23}
+ACTOR_PP_LAST_STAGE_LAYERS=${ACTOR_PP_LAST_STAGE_LAYERS:-23}
 ACTOR_CP=${ACTOR_CP:-4}
 ACTOR_EP=${ACTOR_EP:-32}
 ACTOR_ETP=${ACTOR_ETP:-1}
@@ -63,6 +67,9 @@ ROLLOUT_GPU_MEMORY_UTILIZATION=${ROLLOUT_GPU_MEMORY_UTILIZATION:-0.87}
 ROLLOUT_MAX_NUM_SEQS=${ROLLOUT_MAX_NUM_SEQS:-256}
 ROLLOUT_MAX_NUM_BATCHED_TOKENS=${ROLLOUT_MAX_NUM_BATCHED_TOKENS:-$((MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH))}
 ROLLOUT_ENFORCE_EAGER=${ROLLOUT_ENFORCE_EAGER:-False}
+# qwen3_rl switches (README "Switches"): tqdm progress in the rollout, gc off during each engine step
+ROLLOUT_USE_TQDM=${ROLLOUT_USE_TQDM:-False}
+DISABLE_GC_IN_ENGINE_STEP=${DISABLE_GC_IN_ENGINE_STEP:-False}
 GRAPH_CAPTURE_SIZES=${GRAPH_CAPTURE_SIZES:-[8,16,32,64,96,128,160,192,224,256]}
 
 # ---- checkpoints: saved by default, resumed automatically -------------------------------------
@@ -101,6 +108,8 @@ overrides=(
     actor_rollout_ref.actor.entropy_coeff=0
     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=${ACTOR_TP}"
     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=${ACTOR_PP}"
+    "+actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=${ACTOR_PP_FIRST_STAGE_LAYERS}"
+    "+actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_last_pipeline_stage=${ACTOR_PP_LAST_STAGE_LAYERS}"
     "actor_rollout_ref.actor.megatron.context_parallel_size=${ACTOR_CP}"
     "actor_rollout_ref.actor.megatron.expert_model_parallel_size=${ACTOR_EP}"
     "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=${ACTOR_ETP}"
@@ -137,6 +146,8 @@ overrides=(
     "actor_rollout_ref.rollout.max_num_seqs=${ROLLOUT_MAX_NUM_SEQS}"
     "actor_rollout_ref.rollout.max_num_batched_tokens=${ROLLOUT_MAX_NUM_BATCHED_TOKENS}"
     "actor_rollout_ref.rollout.enforce_eager=${ROLLOUT_ENFORCE_EAGER}"
+    "actor_rollout_ref.rollout.use_tqdm=${ROLLOUT_USE_TQDM}"
+    "actor_rollout_ref.rollout.disable_gc_in_engine_step=${DISABLE_GC_IN_ENGINE_STEP}"
     "actor_rollout_ref.rollout.cudagraph_capture_sizes=${GRAPH_CAPTURE_SIZES}"
     actor_rollout_ref.rollout.enable_chunked_prefill=True
     actor_rollout_ref.rollout.enable_prefix_caching=True

@@ -55,6 +55,9 @@ ROLLOUT_GPU_MEMORY_UTILIZATION=${ROLLOUT_GPU_MEMORY_UTILIZATION:-0.85}
 ROLLOUT_MAX_NUM_SEQS=${ROLLOUT_MAX_NUM_SEQS:-256}
 ROLLOUT_MAX_NUM_BATCHED_TOKENS=${ROLLOUT_MAX_NUM_BATCHED_TOKENS:-$((MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH))}
 ROLLOUT_ENFORCE_EAGER=${ROLLOUT_ENFORCE_EAGER:-False}
+# qwen3_rl switches (README "Switches"): tqdm progress in the rollout, gc off during each engine step
+ROLLOUT_USE_TQDM=${ROLLOUT_USE_TQDM:-False}
+DISABLE_GC_IN_ENGINE_STEP=${DISABLE_GC_IN_ENGINE_STEP:-False}
 GRAPH_CAPTURE_SIZES=${GRAPH_CAPTURE_SIZES:-[8,16,32,64,96,128,160,192,224,256]}
 
 # ---- checkpoints: saved by default, resumed automatically -------------------------------------
@@ -123,6 +126,8 @@ overrides=(
     "actor_rollout_ref.rollout.max_num_seqs=${ROLLOUT_MAX_NUM_SEQS}"
     "actor_rollout_ref.rollout.max_num_batched_tokens=${ROLLOUT_MAX_NUM_BATCHED_TOKENS}"
     "actor_rollout_ref.rollout.enforce_eager=${ROLLOUT_ENFORCE_EAGER}"
+    "actor_rollout_ref.rollout.use_tqdm=${ROLLOUT_USE_TQDM}"
+    "actor_rollout_ref.rollout.disable_gc_in_engine_step=${DISABLE_GC_IN_ENGINE_STEP}"
     "actor_rollout_ref.rollout.cudagraph_capture_sizes=${GRAPH_CAPTURE_SIZES}"
     actor_rollout_ref.rollout.enable_chunked_prefill=True
     actor_rollout_ref.rollout.enable_prefix_caching=True

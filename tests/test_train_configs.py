@@ -163,6 +163,18 @@ def test_compose_every_setup_with_patched_verl(patched_imports: Path) -> None:
             assert vdp * rollout_cfg.tensor_model_parallel_size == world
         assert rollout_cfg.tensor_model_parallel_size == rtp
         assert cfg.trainer.save_freq > 0 and cfg.trainer.resume_mode == "auto"
+        assert rollout_cfg.use_tqdm is False and rollout_cfg.disable_gc_in_engine_step is False  # off by default
+        if meg.pipeline_model_parallel_size > 1:  # megatron-core asserts an even split unless stages are given
+            otc = cfg.actor_rollout_ref.actor.megatron.override_transformer_config
+            layers = 94 if "235b" in name else 64
+            first, last = otc.get("num_layers_in_first_pipeline_stage"), otc.get("num_layers_in_last_pipeline_stage")
+            pp = meg.pipeline_model_parallel_size
+            if first is None:
+                assert layers % pp == 0, name
+            else:
+                assert pp > 2 and (layers - first - last) % (pp - 2) == 0, name
+            assert cfg.actor_rollout_ref.ref.megatron.override_transformer_config.get(
+                "num_layers_in_first_pipeline_stage") == first
         assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH.split(":")[0] == str(REPO)
         if module == "qwen3_rl.trainer.dapo":
             from qwen3_rl.trainer.dapo import DapoSettings
