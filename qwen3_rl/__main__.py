@@ -18,6 +18,8 @@ def _usage() -> str:
         "  simulate   rollout load-balancing simulator (rollout | gen-lengths | fit-step-model)\n"
         "  plan       per-die memory plan of a rollout/actor layout (weights, KV, concurrency)\n"
         "  report     table, plots and published-figure comparison of a verl training log\n"
+        "  preflight  check a train script, the node and the files before launching (preflight TRAIN_SCRIPT)\n"
+        "  launch     steps of ray_start_npu.sh (resolve, show, wait-cluster, cpu-bind, ...)\n"
     )
 
 
@@ -63,6 +65,14 @@ def main(argv: list[str] | None = None) -> int:
         from qwen3_rl.data.prepare import main as data_main
 
         return data_main(rest)
+    if cmd == "preflight":
+        from qwen3_rl.launch.preflight import main as preflight_main
+
+        return preflight_main(rest)
+    if cmd == "launch":
+        from qwen3_rl.launch.cli import main as launch_main
+
+        return launch_main(rest)
     print(f"error: unknown command '{cmd}'\n\n{_usage()}", file=sys.stderr)
     return 2
 

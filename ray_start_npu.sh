@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Start (head) or join (worker) the Ray cluster on this node and, on the head, run a train script.
+# Run the same command on every node:
+#
+#   bash ray_start_npu.sh TRAIN_SCRIPT [ENV_SCRIPT] [--nnodes N] [--master-addr HEAD_IP] [options] [-- overrides]
+#
+# `bash ray_start_npu.sh --help` lists the options (each falls back to an environment variable).
+# The steps' logic lives in `python -m qwen3_rl launch ...` (qwen3_rl/launch/cli.py); this file only
+# sequences them, owns the processes it starts and stops exactly those (by PID) on exit.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+PY=${QWEN3_RL_PYTHON:-python3}
+
+q3() { PYTHONPATH="${HERE}${PYTHONPATH:+:${PYTHONPATH}}" "$PY" -m qwen3_rl "$@"; }
+say() { echo "[ray_start_npu] $*"; }
+die() { echo "error: $*" >&2; exit 1; }
+
+PLAN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/ray_start_npu.XXXXXX")
+RAY_PID="" TRAIN_PID="" BINDER_PID="" WATCH_PID="" OWN_PIDFILE=""
+
+stop_pid() {  # stop_pid PID NAME GRACE_S: SIGTERM, bounded wait, then SIGKILL to its own process group
+  local pid=$1 name=$2 grace=$3 i
+  [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null || return 0
+  say "stopping ${name} (pid ${pid})"
+  kill -TERM "$pid" 2>/dev/null || true
+  for ((i = 0; i < grace * 5; i++)); do
+    kill -0 "$pid" 2>/dev/null || { wait "$pid" 2>/dev/null || true; return 0; }
+    sleep 0.2
+  done
+  say "${name} (pid ${pid}) ignored SIGTERM for ${grace} s; SIGKILL to its process group"
+  kill -KILL -- "-${pid}" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+}
+
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM HUP
+  if [[ -n "$TRAIN_PID" ]] && kill -0 "$TRAIN_PID" 2>/dev/null; then
+    kill -TERM -- "-${TRAIN_PID}" 2>/dev/null || true   # the training's own process group
+    stop_pid "$TRAIN_PID" "training" 30
+  fi
+  stop_pid "$WATCH_PID" "head watcher" 5
+  stop_pid "$BINDER_PID" "cpu binder" 5
+  stop_pid "$RAY_PID" "ray (started by this launcher)" 60
+  [[ -n "$OWN_PIDFILE" ]] && rm -f "$OWN_PIDFILE"
+  rm -rf "$PLAN_DIR"
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+trap 'exit 129' HUP
+
+# 1. options -> plan (one-line errors for every bad input)
+q3 launch resolve --plan-dir "$PLAN_DIR" "$@" || exit $?
+declare -A P=()
+while IFS= read -r -d '' kv; do P[${kv%%=*}]=${kv#*=}; done < "$PLAN_DIR/vars"
+[[ "${P[MODE]}" == help ]] && exit 0
+if [[ "${P[MODE]}" == stop ]]; then
+  q3 launch stop --plan-dir "$PLAN_DIR"
+  exit $?
+fi
+mapfile -d '' RAY_START < "$PLAN_DIR/ray_start.argv"
+mapfile -d '' TRAIN_CMD < "$PLAN_DIR/train.argv"
+DRY=$([[ "${P[MODE]}" == dry-run ]] && echo 1 || echo 0)
+
+# 2. environment: setup env script, then CANN/HCCL (paths checked), then the launcher's own exports
+export NNODES=${P[NNODES]} NPUS_PER_NODE=${P[NPUS_PER_NODE]} SOCKET_IFNAME=${P[IFNAME]}
+export CANN_HOME=${P[CANN_HOME]} RAY_ADDRESS=${P[RAY_ADDRESS]}
+if [[ -n "${P[ENV_SCRIPT]}" ]]; then
+  set -a; source "${P[ENV_SCRIPT]}"; set +a
+fi
+source "${P[NPU_ENV]}" "--check=$([[ $DRY == 1 ]] && echo warn || echo strict)" || exit 1
+
+if [[ $DRY == 1 ]]; then
+  q3 launch show --plan-dir "$PLAN_DIR"
+  exit $?
+fi
+
+# 3. preflight (all problems at once) before anything starts
+if [[ "${P[PREFLIGHT]}" == 1 ]]; then
+  extra=()
+  ((${#TRAIN_CMD[@]} > 2)) && extra=(-- "${TRAIN_CMD[@]:2}")
+  q3 preflight "${P[TRAIN_SCRIPT]}" --nnodes "${P[NNODES]}" --npus-per-node "${P[NPUS_PER_NODE]}" \
+    --role "${P[ROLE]}" "${extra[@]}" || die "preflight failed (see above); fix it or pass --no-preflight"
+fi
+
+mkdir -p "${P[LOG_DIR]}"
+if [[ -f "${P[PIDFILE]}" ]] && kill -0 "$(cut -d' ' -f1 "${P[PIDFILE]}")" 2>/dev/null; then
+  die "a launcher is already running here for port ${P[PORT]} (${P[PIDFILE]}); stop it with --stop"
+fi
+
+# 4. CPU binding (optional): the map is printed, a binder process applies it to NPU processes
+if [[ "${P[CPU_BINDING]}" == 1 ]]; then
+  q3 launch cpu-map --plan-dir "$PLAN_DIR" --out "$PLAN_DIR/cpu_map.json" || exit 1
+  cp "$PLAN_DIR/cpu_map.json" "${P[LOG_DIR]}/cpu_map_${P[ROLE]}_${P[NODE_IP]}.json"
+  PYTHONPATH="${HERE}${PYTHONPATH:+:${PYTHONPATH}}" setsid "$PY" -m qwen3_rl launch cpu-bind --map "$PLAN_DIR/cpu_map.json" --parent-pid $$ \
+    >> "${P[LOG_DIR]}/cpu_bind_${P[NODE_IP]}.log" 2>&1 &
+  BINDER_PID=$!
+fi
+
+start_ray() {  # start this node's Ray in its own session; returns non-zero if it does not come up
+  say "$(printf '%q ' "${RAY_START[@]}")> ${P[RAY_LOG]}"
+  setsid "${RAY_START[@]}" > "${P[RAY_LOG]}" 2>&1 < /dev/null &
+  RAY_PID=$!
+  OWN_PIDFILE=${P[PIDFILE]}
+  echo "$$ $RAY_PID" > "$OWN_PIDFILE"
+  q3 launch wait-started --log "${P[RAY_LOG]}" --pid "$RAY_PID" --timeout 180
+}
+
+if [[ "${P[ROLE]}" == head ]]; then
+  # 5h. head: start, wait (bounded) for every node's NPUs, run the training with its log teed
+  start_ray || exit 1
+  q3 launch wait-cluster --plan-dir "$PLAN_DIR" --pid "$RAY_PID" || exit 1
+  say "training: ${TRAIN_CMD[*]} (log ${P[LOG_FILE]})"
+  cd "${P[REPO]}"
+  # own session, so that cleanup can stop the whole pipeline; exit status = the train script's
+  setsid bash -c 'log=$1; shift; "$@" 2>&1 | tee -a "$log"; exit "${PIPESTATUS[0]}"' _ \
+    "${P[LOG_FILE]}" "${TRAIN_CMD[@]}" &
+  TRAIN_PID=$!
+  rc=0
+  wait "$TRAIN_PID" || rc=$?
+  TRAIN_PID=""
+  say "training exited with code ${rc}"
+  exit "$rc"
+fi
+
+# 5w. worker: join with bounded retries, then stay until the head's cluster goes away
+for ((attempt = 1; ; attempt++)); do
+  q3 launch wait-head --plan-dir "$PLAN_DIR" || exit 1
+  if start_ray; then break; fi
+  stop_pid "$RAY_PID" "ray (failed join)" 10
+  RAY_PID=""
+  ((attempt < ${P[JOIN_RETRIES]})) || die "could not join ${P[RAY_ADDRESS]} after ${attempt} attempts (see ${P[RAY_LOG]})"
+  sleep "${P[JOIN_INTERVAL]}"
+done
+q3 launch watch-head --plan-dir "$PLAN_DIR" --pid "$RAY_PID" &
+WATCH_PID=$!
+rc=0
+wait "$WATCH_PID" || rc=$?
+WATCH_PID=""
+exit "$rc"

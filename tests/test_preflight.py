@@ -1,0 +1,178 @@
+"""``python -m qwen3_rl preflight``: every check on a good setup and on one broken thing at a time, all
+problems listed at once, stub ``npu-smi`` on PATH, the real ``apply_all_patches.sh --status``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_launch import (
+    DATA,
+    PY,
+    REPO,
+    make_cann,
+    make_model,
+    make_parquet,
+    make_standin,
+    make_stubs,
+    stub_env,
+)
+
+from qwen3_rl.launch.preflight import check_batches, check_layout, check_lengths, hydra_list
+from qwen3_rl.pins import load_pins
+
+W = "actor_rollout_ref.actor.megatron."
+# the trees the patched_workspace fixture builds (those on PyPI); MindSpeed is not among them
+ONLY = ",".join(k for k, fw in load_pins(REPO / "pins.toml").frameworks.items() if fw.on_pypi)
+
+
+def _setup(tmp_path: Path, **over: str) -> tuple[Path, dict[str, str]]:
+    bin_dir = make_stubs(tmp_path, ray=False, ip=False)
+    script = make_standin(tmp_path, "raise SystemExit(0)\n")
+    cann = make_cann(tmp_path)
+    env = stub_env(tmp_path, bin_dir, MODEL_PATH=str(make_model(tmp_path)),
+                   TRAIN_FILE=str(make_parquet(tmp_path / "d" / "train.parquet")),
+                   VAL_FILE=str(make_parquet(tmp_path / "d" / "val.parquet")),
+                   ASCEND_HOME_PATH=str(cann / "ascend-toolkit" / "latest"))
+    env.update(over)
+    return script, env
+
+
+def _preflight(script: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(env, PYTHONPATH=str(REPO))
+    return subprocess.run([PY, "-m", "qwen3_rl", "preflight", str(script), *args], env=env, text=True,
+                          capture_output=True, timeout=120, cwd=REPO)
+
+
+def _errors(p: subprocess.CompletedProcess[str]) -> list[str]:
+    return [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+
+
+def test_good_setup_passes_with_patched_workspace(tmp_path: Path, patched_workspace: Path):
+    script, env = _setup(tmp_path)
+    p = _preflight(script, env, "--workspace", str(patched_workspace), "--only", ONLY, "--nnodes", "1",
+                   "--npus-per-node", "16")
+    assert p.returncode == 0, p.stderr
+    assert "preflight: 0 error(s)" in p.stdout and p.stdout.rstrip().endswith("- OK")
+    assert "npu-smi info -m" in (tmp_path / "calls.log").read_text()
+
+
+def test_unpatched_and_missing_trees_reported(tmp_path: Path, make_workspace):
+    ws = make_workspace("verl")  # pristine verl (patches not applied), other trees absent
+    script, env = _setup(tmp_path)
+    p = _preflight(script, env, "--workspace", str(ws))
+    errs = _errors(p)
+    assert p.returncode == 1
+    verl_line = [e for e in errs if "not applied" in e]
+    assert len(verl_line) == 1 and "0001-verl-" in verl_line[0] and "run bash apply_all_patches.sh" in verl_line[0]
+    assert any("pinned source trees missing" in e for e in errs)
+
+
+BROKEN = [
+    ("tp", {"ACTOR_TP": "3"}, "[layout] actor TP3 x PP1 x CP1 = 3 does not divide the world size 16"),
+    ("rollout-tp", {"ROLLOUT_TP": "5"}, "[layout] rollout TP5 does not divide the world size 16"),
+    ("ep-experts", {"ACTOR_EP": "16"}, "[layout] actor EP16 > 1 but the model has no experts"),
+    ("batch", {"TRAIN_BATCH_SIZE": "40"}, "[batch] data.train_batch_size 40 is not a multiple of ppo_mini_batch_size 16"),
+    ("length", {"MAX_RESPONSE_LENGTH": "40000"},
+     "[length] prompt 1024 + response 40000 = 41024 > the model's max_position_embeddings 40960"),
+    ("npus", {"STUB_NPU_MAP": str(DATA / "npu_smi_topo_a3.txt")}, "[npu] npu-smi info -m: no 'Chip Logic ID' header"),
+    ("cann", {"ASCEND_HOME_PATH": ""}, "[cann] CANN is not sourced"),
+    ("model", {"MODEL_PATH": "/nonexistent/model"}, "[model] model path /nonexistent/model does not exist"),
+    ("dataset", {"VAL_FILE": "/nonexistent/val.parquet"}, "[data] data.val_files: /nonexistent/val.parquet not found"),
+]
+
+
+@pytest.mark.parametrize("case", BROKEN, ids=[c[0] for c in BROKEN])
+def test_one_broken_thing_one_error_line(tmp_path: Path, patched_workspace: Path, case):
+    _, over, expected = case
+    script, env = _setup(tmp_path, **over)
+    if over.get("ASCEND_HOME_PATH") == "":
+        env.pop("ASCEND_HOME_PATH")
+    p = _preflight(script, env, "--workspace", str(patched_workspace), "--only", ONLY, "--nnodes", "1",
+                   "--npus-per-node", "16")
+    errs = _errors(p)
+    assert p.returncode == 1
+    assert [e for e in errs if expected in e], p.stderr  # the broken thing is named (with its consequences)
+
+
+def test_world_mismatch_from_override(tmp_path: Path):
+    script, env = _setup(tmp_path)
+    p = _preflight(script, env, "--no-node-checks", "--nnodes", "1", "--npus-per-node", "16", "trainer.nnodes=2")
+    assert p.returncode == 1
+    assert _errors(p) == ["error: [world] train script wants 2 nodes x 16 NPUs = 32, the launcher has 1 x 16 = 16"]
+
+
+def test_all_problems_listed_at_once(tmp_path: Path):
+    script, env = _setup(tmp_path, ACTOR_TP="3", TRAIN_BATCH_SIZE="40", MAX_RESPONSE_LENGTH="40000",
+                         MODEL_PATH=str(tmp_path / "model"))
+    (tmp_path / "model" / "model-00001-of-00001.safetensors").unlink()
+    make_parquet(tmp_path / "d" / "bad.parquet", columns=("prompt", "extra_info"))
+    env["TRAIN_FILE"] = str(tmp_path / "d" / "bad.parquet")
+    p = _preflight(script, env, "--no-node-checks", "--nnodes", "1", "--npus-per-node", "16")
+    errs = _errors(p)
+    assert p.returncode == 1
+    checks = {e.split("]")[0] + "]" for e in errs}
+    assert checks == {"error: [model]", "error: [data]", "error: [layout]", "error: [batch]", "error: [length]"}, errs
+    assert any("lacks verl column(s) data_source, reward_model" in e for e in errs)
+    assert any("no weights (*.safetensors / *.bin)" in e for e in errs)
+    assert f"preflight: {len(errs)} error(s)" in p.stdout
+
+
+def test_moe_layout_checks_with_real_235b_config():
+    import json
+
+    cfg = json.loads((DATA / "qwen3_235b_a22b_config.json").read_text())
+    vals = {"trainer.nnodes": "8", "trainer.n_gpus_per_node": "16", W + "tensor_model_parallel_size": "4",
+            W + "pipeline_model_parallel_size": "4", W + "context_parallel_size": "4",
+            W + "expert_model_parallel_size": "32", W + "expert_tensor_parallel_size": "1",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size": "4",
+            "actor_rollout_ref.rollout.engine_kwargs.vllm.data_parallel_size": "32"}
+    errs = [f.message for f in check_layout(vals, cfg)]
+    assert errs == ["94 layers do not split evenly over PP4; set override_transformer_config."
+                    "num_layers_in_first/last_pipeline_stage (megatron/core/transformer/transformer_block.py asserts it)"]
+    vals[W + "override_transformer_config.num_layers_in_first_pipeline_stage"] = "22"
+    vals[W + "override_transformer_config.num_layers_in_last_pipeline_stage"] = "24"
+    assert check_layout(vals, cfg) == []
+    vals[W + "expert_model_parallel_size"] = "48"
+    msgs = [f.message for f in check_layout(vals, cfg)]
+    assert "actor EP48 does not divide the 128 experts" in msgs
+    assert "actor EP48 x ETP1 x PP4 = 192 does not divide the world size 128 (megatron expert data parallel)" in msgs
+    vals[W + "expert_model_parallel_size"] = "32"
+    vals["actor_rollout_ref.rollout.engine_kwargs.vllm.data_parallel_size"] = "16"
+    assert [f.message for f in check_layout(vals, cfg)] == [
+        "rollout TP4 x DP16 = 64 != world size 128 (sync rollout puts one rank on every die)"]
+
+
+def test_batch_and_length_rules():
+    base = {"trainer.nnodes": "1", "trainer.n_gpus_per_node": "16", "data.train_batch_size": "32",
+            "actor_rollout_ref.rollout.n": "4", "actor_rollout_ref.actor.ppo_mini_batch_size": "16",
+            W + "tensor_model_parallel_size": "4"}
+    assert check_batches(base) == []
+    bad = dict(base, **{"actor_rollout_ref.actor.ppo_mini_batch_size": "3", "data.train_batch_size": "3",
+                        W + "tensor_model_parallel_size": "2"})
+    msgs = [f.message for f in check_batches(bad)]
+    assert "ppo_mini_batch_size 3 x n 4 = 12 does not divide over the actor's 8 data-parallel ranks" in msgs
+    assert "train_batch_size 3 x n 4 = 12 does not split over the 16 ranks the rollout batch is dispatched to" in msgs
+    lens = {"data.max_prompt_length": "2048", "data.max_response_length": "34816",
+            "actor_rollout_ref.actor.use_dynamic_bsz": "True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "8192"}
+    assert [f.message for f in check_lengths(lens, {"max_position_embeddings": 40960})] == [
+        "ppo_max_token_len_per_gpu 8192 < prompt + response 36864: one sequence would not fit a micro-batch"]
+    assert hydra_list("[a.parquet,'b.parquet']") == ["a.parquet", "b.parquet"] and hydra_list("x") == ["x"]
+
+
+def test_shipped_scripts_pass_config_checks_with_real_configs(tmp_path: Path):
+    """The five train scripts, with the real Qwen3 configs as model path: no layout/batch/length error."""
+    model32 = make_model(tmp_path / "m32")
+    model235 = make_model(tmp_path / "m235", config="qwen3_235b_a22b_config.json")
+    for script in sorted((REPO / "internal").glob("train_*.sh")):
+        env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NPUS_PER_NODE")}
+        env["MODEL_PATH"] = str(model235 if "235b" in script.name else model32)
+        env["PYTHONPATH"] = str(REPO)
+        args = ["--env-script", str(REPO / "internal" / "qwen3_235b_env.sh")] if "235b" in script.name else []
+        p = subprocess.run([PY, "-m", "qwen3_rl", "preflight", str(script), "--no-node-checks", *args], env=env,
+                           text=True, capture_output=True, timeout=120, cwd=REPO)
+        cfg_errors = [ln for ln in p.stderr.splitlines()
+                      if ln.startswith("error:") and ("[layout]" in ln or "[batch]" in ln or "[length]" in ln)]
+        assert cfg_errors == [], f"{script.name}: {cfg_errors}"
