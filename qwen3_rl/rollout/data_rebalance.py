@@ -29,7 +29,7 @@ verl is imported lazily inside the ``DataProto`` helpers, so this module imports
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -181,3 +181,110 @@ def restore_dataproto_by_index(data: DataProto) -> DataProto:
     out = data.select_idxs(np.argsort(orig, kind="stable"))
     out.non_tensor_batch.pop(ORIG_INDEX_KEY, None)
     return out
+
+
+# ---- trainer wiring (called by verl patch 0006 and qwen3_rl.trainer.dapo) -------------------------
+
+#: verl dispatch mesh of ``generate_sequences`` in the sync rollout (``megatron_workers.py`` registers it).
+ROLLOUT_MESH = "rollout"
+
+
+def data_rebalance_enabled(config: Any) -> bool:
+    """Read ``actor_rollout_ref.rollout.data_rebalance`` from the trainer config (default False).
+
+    Raises :class:`DataRebalanceError` if the value is not a bool (``"true"`` strings are a typo risk).
+    """
+    rollout = config.actor_rollout_ref.rollout
+    value = rollout.get("data_rebalance", False) if hasattr(rollout, "get") else getattr(
+        rollout, "data_rebalance", False)
+    if not isinstance(value, bool):
+        raise DataRebalanceError(
+            f"actor_rollout_ref.rollout.data_rebalance must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def rollout_dp_size_from_config(config: Any) -> int:
+    """Number of contiguous pieces verl's sync rollout cuts a generation batch into, from the config.
+
+    Mirrors ``verl/workers/megatron_workers.py:408-416``: ``dp = world / (infer_tp * infer_pp)`` with
+    ``infer_tp = rollout.tensor_model_parallel_size * rollout.data_parallel_size``, ``infer_pp =
+    rollout.pipeline_model_parallel_size`` and ``world = trainer.n_gpus_per_node * trainer.nnodes``
+    (the colocated actor/rollout pool). With vLLM's own DP in ``engine_kwargs.vllm.data_parallel_size``
+    (235B: TP4 x DP32 over 128 dies) this is ``128 / 4 = 32``: piece ``k`` is served by vLLM DP rank ``k``.
+    """
+    r = config.actor_rollout_ref.rollout
+    world = int(config.trainer.n_gpus_per_node) * int(config.trainer.nnodes)
+    infer = int(r.tensor_model_parallel_size) * int(r.get("data_parallel_size", 1) or 1) * int(
+        r.get("pipeline_model_parallel_size", 1) or 1)
+    if infer < 1 or world % infer:
+        raise DataRebalanceError(f"rollout world size {world} is not divisible by TP*DP*PP = {infer}")
+    return world // infer
+
+
+def rollout_dp_size(worker_group: Any, config: Any) -> int:
+    """Number of pieces ``generate_sequences`` is dispatched as, read exactly as verl dispatches it.
+
+    verl's ``dispatch_lazy_compute_data_proto`` (``verl/single_controller/base/decorator.py:279-290``)
+    asks every worker its ``"rollout"`` mesh DP rank once (``_query_dispatch_info``), caches the list in
+    ``worker_group._dispatch_info`` and chunks the batch into ``max(ranks) + 1`` pieces. We fill the
+    same cache the same way (so verl does not ask again) and return that count. A worker group without
+    that machinery (not a verl ``WorkerGroup``) falls back to :func:`rollout_dp_size_from_config`.
+    """
+    cache = getattr(worker_group, "_dispatch_info", None)
+    query = getattr(worker_group, "_query_dispatch_info", None)
+    if isinstance(cache, dict) and callable(query):
+        if ROLLOUT_MESH not in cache:
+            cache[ROLLOUT_MESH] = query(ROLLOUT_MESH)
+        mapping = list(cache[ROLLOUT_MESH])
+        if not mapping:
+            raise DataRebalanceError("the rollout worker group reported no dispatch ranks")
+        return int(max(mapping)) + 1
+    return rollout_dp_size_from_config(config)
+
+
+def permute_for_rollout(
+    config: Any, worker_group: Any, batch: DataProto, *, n: int = 1, async_mode: bool = False
+) -> tuple[DataProto, np.ndarray | None]:
+    """Before ``generate_sequences``: deal the repeated batch over the rollout DP pieces if switched on.
+
+    Args:
+        config: trainer config (reads ``actor_rollout_ref.rollout.data_rebalance`` and, as fallback, sizes).
+        worker_group: ``actor_rollout_wg`` (gives the dispatch DP size, see :func:`rollout_dp_size`).
+        batch: the generation batch, ``num_prompts * n`` rows, samples of a prompt adjacent.
+        n: samples per prompt (only checks that rows are whole groups; 1 skips the check, e.g. for a
+            validation batch padded to the worker count).
+        async_mode: the trainer's ``async_rollout_mode``; data rebalance needs the sync rollout.
+
+    Returns:
+        ``(batch_for_generation, perm)``; ``perm`` is None (batch returned as is) when the switch is off.
+
+    Raises:
+        DataRebalanceError: switch on in async mode (requests go to DP ranks by load there, so a batch
+        order has no effect), or the batch size is not a multiple of the rollout DP size (verl's
+        ``DataProto.chunk`` would refuse it too; the message names both numbers).
+    """
+    if not data_rebalance_enabled(config):
+        return batch, None
+    if async_mode:
+        raise DataRebalanceError(
+            "actor_rollout_ref.rollout.data_rebalance=True needs the sync rollout (rollout.mode=sync): in "
+            "async mode the agent loop sends each request to a server/DP rank by load, so the batch order "
+            "does not decide the DP rank (docs/rollout_balancing.md)")
+    dp = rollout_dp_size(worker_group, config)
+    if len(batch) % dp:
+        raise DataRebalanceError(
+            f"data_rebalance: generation batch of {len(batch)} rows is not a multiple of the rollout DP "
+            f"size {dp} (verl cuts it into {dp} equal contiguous pieces): use a batch size (prompts x n) "
+            "that is a multiple of the rollout DP size, or switch actor_rollout_ref.rollout.data_rebalance off")
+    permuted, perm = permute_dataproto(batch, n, dp)
+    return permuted, perm
+
+
+def restore_after_rollout(output: DataProto, perm: np.ndarray | None) -> DataProto:
+    """After ``generate_sequences``: put the output rows back in dataset order (no-op when ``perm`` is None).
+
+    ``meta_info`` of the output is kept (``select_idxs`` shares it).
+    """
+    if perm is None:
+        return output
+    return restore_dataproto(output, perm)

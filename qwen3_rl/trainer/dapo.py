@@ -25,6 +25,7 @@ from typing import Any
 import hydra
 import numpy as np
 
+from qwen3_rl.rollout.data_rebalance import permute_for_rollout, restore_after_rollout
 from qwen3_rl.trainer.dynamic_sampling import GroupAccumulator
 
 CONFIG_NAME = "dapo_megatron_trainer"
@@ -103,6 +104,10 @@ def make_dapo_trainer_class():
             gen_batch = self._get_gen_batch(new_batch)
             gen_batch.meta_info["global_steps"] = self.global_steps
             gen_batch = gen_batch.repeat(repeat_times=n, interleave=True)
+            # rollout.data_rebalance: each generation batch is dealt over the rollout DP ranks and put
+            # back in order right after generation, so scoring and group filtering see dataset order
+            gen_batch, rebalance_perm = permute_for_rollout(
+                self.config, self.actor_rollout_wg, gen_batch, n=n, async_mode=self.async_rollout_mode)
             with marked_timer("gen", timing_raw, color="red"):
                 if not self.async_rollout_mode:
                     out = self.actor_rollout_wg.generate_sequences(gen_batch)
@@ -110,6 +115,7 @@ def make_dapo_trainer_class():
                     out = self.async_rollout_manager.generate_sequences(gen_batch)
                 timing_raw.update(out.meta_info.get("timing", {}))
                 out.meta_info.pop("timing", None)
+                out = restore_after_rollout(out, rebalance_perm)
             new_batch = new_batch.repeat(repeat_times=n, interleave=True)
             new_batch = new_batch.union(out)
             if "response_mask" not in new_batch.batch.keys():

@@ -1,0 +1,329 @@
+"""Rollout balancing wired into the trainers and the engine loop.
+
+* data rebalance: verl patch 0006 drives RayPPOTrainer.fit (GRPO, with validation and balance_batch) and
+  our DAPO trainer (filter_groups, two generation batches) on the patched verl on CPU with fake worker
+  groups: the batch reaches ``generate_sequences`` dealt over the rollout DP pieces and comes back in
+  dataset order with each response and reward on its prompt's row; uneven / async errors; Hydra keys.
+* rollout rebalance: ``qwen3_rl.rollout.migration`` across 3 CPU processes (torch.distributed gloo):
+  requests migrate with their KV blocks, sampling params and generator state; nothing lost or
+  duplicated; a peer that never shows up gives a clear timeout error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parent.parent
+RESP_LEN = 4
+PROMPT_LEN = 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# fakes: a rollout worker group that dispatches like verl (contiguous DP pieces) and records them
+# ---------------------------------------------------------------------------------------------------
+class _FakeActorRolloutWG:
+    """``actor_rollout_wg`` stand-in: ``world_size`` workers, rollout mesh DP rank ``r // tp``.
+
+    ``generate_sequences`` chunks the batch like verl's nd dispatch (``DataProto.chunk(dp)``) and answers
+    each row with ``responses = [pid, piece, received_row, 1]`` where ``pid`` is read from the prompt.
+    Response lengths (attention mask) vary with the pid so ``balance_batch`` really reorders.
+    """
+
+    def __init__(self, world_size: int = 8, tp: int = 2) -> None:
+        self.world_size = world_size
+        self._dispatch_info: dict = {}
+        self.mesh = [r // tp for r in range(world_size)]
+        self.queries = 0
+        self.received: list[list[int]] = []  # pid of each row, in the order generate_sequences got them
+        self.pieces: list[list[list[int]]] = []  # per call: pids of each DP piece
+        self.updated: list = []
+
+    def _query_dispatch_info(self, mesh_name: str) -> list[int]:
+        assert mesh_name == "rollout"
+        self.queries += 1
+        return list(self.mesh)
+
+    def generate_sequences(self, batch):
+        import torch
+        from verl import DataProto
+
+        dp = max(self.mesh) + 1
+        pids = batch.batch["input_ids"][:, 0].tolist()
+        self.received.append(pids)
+        outs, pieces, row = [], [], 0
+        for piece, chunk in enumerate(batch.chunk(dp)):  # what verl's dispatch does
+            n = len(chunk)
+            cp = chunk.batch["input_ids"][:, 0]
+            pieces.append(cp.tolist())
+            resp = torch.stack([cp, torch.full((n,), piece), torch.arange(row, row + n), torch.ones(n, dtype=torch.long)],
+                               dim=1)
+            valid = (cp % 3 + 1).unsqueeze(1)  # 1..3 response tokens valid
+            mask = torch.cat([torch.ones(n, PROMPT_LEN, dtype=torch.long),
+                              (torch.arange(RESP_LEN).unsqueeze(0) < valid).long()], dim=1)
+            outs.append(DataProto.from_dict(tensors={"responses": resp, "prompts": chunk.batch["input_ids"],
+                                                     "attention_mask": mask}))
+            row += n
+        self.pieces.append(pieces)
+        out = DataProto.concat(outs)
+        out.meta_info["timing"] = {"generate_sequences": 0.01}
+        return out
+
+    def compute_log_prob(self, batch):
+        import torch
+        from verl import DataProto
+
+        z = torch.zeros(len(batch), RESP_LEN)
+        return DataProto.from_dict(tensors={"old_log_probs": z, "entropys": z.clone()})
+
+    def update_actor(self, batch):
+        from verl import DataProto
+
+        self.updated.append(batch)
+        return DataProto(meta_info={"metrics": {"actor/pg_loss": [0.0]}})
+
+    def load_checkpoint(self, *_a, **_k):
+        return None
+
+
+def _reward_from_response(data):
+    """Reward depends only on the response: ``pid * 10 + received_row``, so a misattached response
+    shows up as a reward that does not match its row's prompt."""
+    import torch
+
+    r = torch.zeros(len(data), RESP_LEN)
+    r[:, 0] = (data.batch["responses"][:, 0] * 10 + data.batch["responses"][:, 2]).float()
+    return r
+
+
+def _grpo_reward_fn(data, return_dict=False):
+    r = _reward_from_response(data)
+    return {"reward_tensor": r, "reward_extra_info": {}} if return_dict else r
+
+
+def _batch_dict(pids: list[int]) -> dict:
+    import torch
+
+    return {"input_ids": torch.tensor([[p] * PROMPT_LEN for p in pids]),
+            "attention_mask": torch.ones(len(pids), PROMPT_LEN, dtype=torch.long),
+            "position_ids": torch.arange(PROMPT_LEN).repeat(len(pids), 1),
+            "pid": torch.tensor([[p] for p in pids]),
+            "data_source": np.array(["t"] * len(pids), dtype=object)}
+
+
+class _Loader(list):
+    sampler = None
+
+
+class _Tok:
+    eos_token_id, pad_token_id = 0, 0
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+class _Pool:
+    def get_n_gpus(self) -> int:
+        return 8
+
+
+def _verl_config_dir(ws: Path) -> Path:
+    return ws / "verl" / "verl" / "trainer" / "config"
+
+
+def _compose_verl(ws: Path, overrides: list[str], config_name: str = "ppo_megatron_trainer"):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(_verl_config_dir(ws)), version_base=None):
+            return compose(config_name=config_name, overrides=overrides)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _grpo_trainer(ws: Path, *, data_rebalance: bool, n: int, train: list[list[int]], val: list[list[int]] | None,
+                  extra: list[str] = ()):
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    cfg = _compose_verl(ws, [
+        f"actor_rollout_ref.rollout.data_rebalance={str(data_rebalance).lower()}",
+        f"actor_rollout_ref.rollout.n={n}", "actor_rollout_ref.rollout.val_kwargs.n=1",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "trainer.n_gpus_per_node=8", "trainer.nnodes=1", "trainer.logger=[console]",
+        "trainer.resume_mode=disable", f"trainer.val_before_train={val is not None}", "trainer.test_freq=-1",
+        "trainer.save_freq=-1", "trainer.total_epochs=1", "trainer.balance_batch=true",
+        "algorithm.adv_estimator=grpo", *extra])
+    t = RayPPOTrainer.__new__(RayPPOTrainer)
+    t.config = cfg
+    t.actor_rollout_wg = _FakeActorRolloutWG()
+    t.async_rollout_mode = t.use_rm = t.use_reference_policy = t.use_critic = False
+    t.reward_fn = t.val_reward_fn = _grpo_reward_fn
+    t.tokenizer = _Tok()
+    t.total_training_steps = len(train)
+    t.train_dataloader = _Loader(_batch_dict(p) for p in train)
+    t.val_dataloader = _Loader(_batch_dict(p) for p in (val or []))
+    t.resource_pool_manager = _Pool()
+    return t
+
+
+def _check_trained_rows(batch) -> None:
+    """Every row's response and reward belong to its own prompt; groups (uid) hold one prompt each."""
+    pid = batch.batch["pid"][:, 0]
+    resp = batch.batch["responses"]
+    assert resp[:, 0].tolist() == pid.tolist(), "a response sits on another prompt's row"
+    expect = (resp[:, 0] * 10 + resp[:, 2]).float()
+    assert batch.batch["token_level_scores"][:, 0].tolist() == expect.tolist()
+    by_uid: dict[str, set[int]] = {}
+    for u, p in zip(batch.non_tensor_batch["uid"], pid.tolist(), strict=True):
+        by_uid.setdefault(u, set()).add(p)
+    assert all(len(s) == 1 for s in by_uid.values())
+
+
+def test_grpo_fit_permutes_generation_and_restores_order(patched_imports: Path) -> None:
+    """RayPPOTrainer.fit (patched): generation gets the dealt layout, training gets dataset order."""
+    pytest.importorskip("tensordict")
+    # 4 prompts x n=4 = 16 rows, rollout mesh: 8 workers, TP2 -> 4 DP pieces
+    on = _grpo_trainer(patched_imports, data_rebalance=True, n=4, train=[[10, 11, 12, 13]], val=[[20, 21, 22]])
+    on.fit()
+    wg = on.actor_rollout_wg
+    assert wg.queries == 1 and wg._dispatch_info["rollout"] == [0, 0, 1, 1, 2, 2, 3, 3]  # verl's cache filled
+    # validation (first call): 3 rows padded to 8 workers (verl repeats the batch cyclically:
+    # 20 21 22 20 21 22 20 21), dealt over 4 pieces: piece r gets padded rows r and r + 4
+    assert wg.received[0] == [20, 21, 21, 22, 22, 20, 20, 21]
+    # training: every DP piece holds one sample of each prompt (off: each piece = one whole prompt)
+    assert wg.pieces[1] == [[10, 11, 12, 13]] * 4
+    batch = wg.updated[0]
+    assert len(batch) == 16
+    _check_trained_rows(batch)
+    # balance_batch reordered after the restore; restore itself gave dataset order: each prompt's samples
+    # carry the rows they were generated at under the dealt layout (pid p, sample k -> row k*4 + p-10)
+    pairs = sorted(zip(batch.batch["pid"][:, 0].tolist(), batch.batch["responses"][:, 2].tolist(), strict=True))
+    assert pairs == sorted((10 + p, k * 4 + p) for p in range(4) for k in range(4))
+
+    off = _grpo_trainer(patched_imports, data_rebalance=False, n=4, train=[[10, 11, 12, 13]], val=None)
+    off.fit()
+    assert off.actor_rollout_wg.queries == 0  # switch off: nothing queried, nothing permuted
+    assert off.actor_rollout_wg.pieces[0] == [[10] * 4, [11] * 4, [12] * 4, [13] * 4]
+    _check_trained_rows(off.actor_rollout_wg.updated[0])
+
+
+def test_grpo_validation_restores_before_unpad(patched_imports: Path) -> None:
+    """_validate (patched): the scores reach the right prompts after pad -> deal -> generate -> restore -> unpad."""
+    seen = []
+
+    def val_fn(data, return_dict=False):
+        seen.append((data.batch["pid"][:, 0].tolist(), data.batch["responses"][:, 0].tolist()))
+        return {"reward_tensor": _reward_from_response(data)}
+
+    t = _grpo_trainer(patched_imports, data_rebalance=True, n=2, train=[], val=[[1, 2, 3, 4, 5], [6, 7, 8]])
+    t.val_reward_fn = val_fn
+    t.global_steps = 0
+    metrics = t._validate()
+    assert metrics
+    assert seen == [([1, 2, 3, 4, 5], [1, 2, 3, 4, 5]), ([6, 7, 8], [6, 7, 8])]
+    assert t.actor_rollout_wg.received[0] == [1, 5, 2, 1, 3, 2, 4, 3]  # 1..5 + pads 1 2 3, dealt over 4
+
+
+def test_grpo_uneven_batch_and_async_mode_errors(patched_imports: Path) -> None:
+    from qwen3_rl.rollout.data_rebalance import DataRebalanceError
+
+    # 3 prompts x n=2 = 6 rows, 4 DP pieces: a clear error before anything is generated
+    t = _grpo_trainer(patched_imports, data_rebalance=True, n=2, train=[[1, 2, 3]], val=None)
+    with pytest.raises(DataRebalanceError, match="6 rows is not a multiple of the rollout DP size 4"):
+        t.fit()
+    assert t.actor_rollout_wg.received == []
+    t = _grpo_trainer(patched_imports, data_rebalance=True, n=2, train=[[1, 2]], val=None)
+    t.async_rollout_mode = True
+    with pytest.raises(DataRebalanceError, match="needs the sync rollout"):
+        t.fit()
+
+
+def test_dp_size_derivation(patched_imports: Path) -> None:
+    """The DP size comes from verl's dispatch info when the worker group has it, else from the config
+    (world / (TP * verl DP * PP), vLLM's own DP in engine_kwargs does not enter)."""
+    from qwen3_rl.rollout.data_rebalance import (
+        DataRebalanceError,
+        rollout_dp_size,
+        rollout_dp_size_from_config,
+    )
+
+    cfg = OmegaConf.create({"trainer": {"n_gpus_per_node": 16, "nnodes": 8},
+                            "actor_rollout_ref": {"rollout": {"tensor_model_parallel_size": 4, "data_parallel_size": 1,
+                                                              "pipeline_model_parallel_size": 1,
+                                                              "engine_kwargs": {"vllm": {"data_parallel_size": 32}}}}})
+    assert rollout_dp_size_from_config(cfg) == 32  # 235B: 128 dies / TP4 = vLLM DP32 ranks = 32 pieces
+    assert rollout_dp_size(object(), cfg) == 32
+    wg = _FakeActorRolloutWG(world_size=8, tp=4)
+    assert rollout_dp_size(wg, cfg) == 2 and rollout_dp_size(wg, cfg) == 2 and wg.queries == 1
+    cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = 3
+    with pytest.raises(DataRebalanceError, match="not divisible"):
+        rollout_dp_size_from_config(cfg)
+    bad = OmegaConf.create({"actor_rollout_ref": {"rollout": {"data_rebalance": "true"}}})
+    from qwen3_rl.rollout.data_rebalance import data_rebalance_enabled
+
+    with pytest.raises(DataRebalanceError, match="must be a bool"):
+        data_rebalance_enabled(bad)
+
+
+# ---- DAPO: two generation batches, filter_groups ----------------------------------------------------
+def test_dapo_fit_data_rebalance_with_filter_groups(patched_imports: Path) -> None:
+    import torch
+
+    from qwen3_rl.trainer.dapo import DapoSettings, make_dapo_trainer_class
+
+    cls = make_dapo_trainer_class()
+    n = 4
+    # informative iff a group's rewards differ; reward decided by the response (pid, sample slot)
+    informative = {0: False, 1: True, 2: False, 3: True}
+    trained = []
+
+    def reward_fn(data, return_dict=False):
+        resp = data.batch["responses"]
+        # received row = k * 2 + p % 2 for sample k of prompt p: sample parity decides for informative prompts
+        acc = [float(informative[int(p)] and (int(row) // 2) % 2 == 0)
+               for p, row in zip(resp[:, 0], resp[:, 2], strict=True)]
+        r = torch.zeros(len(data), RESP_LEN)
+        r[:, -1] = torch.tensor(acc)
+        return {"reward_tensor": r, "reward_extra_info": {"acc": acc}}
+
+    class Probe(cls):
+        def _update_on_batch(self, batch, metrics, timing_raw):
+            trained.append(batch)
+            for k in ("advantages", "returns"):
+                batch.batch[k] = torch.zeros(len(batch), RESP_LEN)
+            batch.batch["response_mask"] = torch.ones(len(batch), RESP_LEN)
+            batch.meta_info["global_token_num"] = [1] * len(batch)
+            return batch
+
+    t = Probe.__new__(Probe)
+    t.config = OmegaConf.create({
+        "data": {"train_batch_size": 2, "gen_batch_size": 2},
+        "algorithm": {"filter_groups": {"enable": True, "metric": "acc", "max_num_gen_batches": 2}},
+        "actor_rollout_ref": {"rollout": {"n": n, "data_rebalance": True}},
+        "trainer": {"project_name": "p", "experiment_name": "e", "logger": ["console"], "resume_mode": "disable",
+                    "val_before_train": False, "total_epochs": 1, "test_freq": -1, "save_freq": -1,
+                    "esi_redundant_time": 0, "balance_batch": False, "critic_warmup": 0}})
+    t.dapo = DapoSettings.from_config(t.config)
+    wg = _FakeActorRolloutWG(world_size=8, tp=2)  # 4 DP pieces
+    t.actor_rollout_wg, t.async_rollout_mode, t.use_rm, t.use_critic = wg, False, False, False
+    t.reward_fn, t.val_reward_fn = reward_fn, None
+    t.total_training_steps = 1
+    t.resource_pool_manager = _Pool()
+    t.train_dataloader = [_batch_dict([0, 1]), _batch_dict([2, 3])]  # 1 informative group per batch
+    t.fit()
+    # each generation batch (2 prompts x 4) dealt over 4 pieces: each piece gets one sample of each prompt
+    assert wg.pieces == [[[0, 1]] * 4, [[2, 3]] * 4]
+    assert len(trained) == 1
+    batch = trained[0]
+    assert batch.batch["pid"][:, 0].tolist() == [1] * 4 + [3] * 4  # kept groups, dataset order
+    assert batch.batch["responses"][:, 0].tolist() == [1] * 4 + [3] * 4
+    # sample k of prompt p was generated at dealt row k*2 + (p % 2) of its generation batch
+    assert batch.batch["responses"][:, 2].tolist() == [1, 3, 5, 7] * 2
+    assert batch.non_tensor_batch["acc"].tolist() == [1.0, 0.0, 1.0, 0.0] * 2
+    assert batch.batch["token_level_scores"][:, -1].tolist() == [1.0, 0.0, 1.0, 0.0] * 2
+    assert t.global_steps == 2
