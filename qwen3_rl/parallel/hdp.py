@@ -69,16 +69,20 @@ class CostModel:
     b: float = 1.0 / 28000.0
     g: float = 0.05
 
-    def cost(self, s: int, k: int) -> float:
-        t = tokens_on_rank(s, k)
+    def cost(self, s: int, k: int, align: int = 1) -> float:
+        t = tokens_on_rank(s, k, align)
         return self.a * t + self.b * s * s / k + (self.g * t * (k - 1) if k > 1 else 0.0)
 
 
-def tokens_on_rank(s: int, k: int) -> int:
-    """Tokens one rank holds when a sequence of ``s`` tokens runs on a block of ``k`` ranks (padding incl.)."""
+def tokens_on_rank(s: int, k: int, align: int = 1) -> int:
+    """Tokens one rank holds when a sequence of ``s`` tokens runs on a block of ``k`` ranks (padding incl.).
+
+    ``align``: the padded sequence length is a multiple of ``align`` (k = 1) or ``2 * k * align`` (k > 1),
+    as verl's packing pads for TP sequence parallelism (align = TP size); align = 1 means no TP padding.
+    """
     if k == 1:
-        return s
-    return 2 * -(-s // (2 * k))
+        return -(-s // align) * align
+    return 2 * align * -(-s // (2 * k * align))
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,7 @@ class HDPAssignment:
     num_micro_batches: int
     rank_cost: list[float] = field(default_factory=list)
     rank_tokens: list[list[int]] = field(default_factory=list)
+    align: int = 1
 
     @property
     def max_cost(self) -> float:
@@ -132,8 +137,8 @@ class HDPAssignment:
         self.rank_cost = [0.0] * self.cp_size
         self.rank_tokens = [[0] * self.cp_size for _ in range(self.num_micro_batches)]
         for p in self.placements:
-            c = self.cost_model.cost(p.length, p.block_size)
-            t = tokens_on_rank(p.length, p.block_size)
+            c = self.cost_model.cost(p.length, p.block_size, self.align)
+            t = tokens_on_rank(p.length, p.block_size, self.align)
             for r in p.ranks:
                 self.rank_cost[r] += c
                 self.rank_tokens[p.micro_batch][r] += t
@@ -162,26 +167,27 @@ def _block_sizes(cp_size: int) -> list[int]:
     return [1 << i for i in range(cp_size.bit_length()) if (1 << i) <= cp_size]
 
 
-def _min_block(s: int, cp_size: int, budget: int) -> int:
+def _min_block(s: int, cp_size: int, budget: int, align: int = 1) -> int:
     for k in _block_sizes(cp_size):
-        if tokens_on_rank(s, k) <= budget:
+        if tokens_on_rank(s, k, align) <= budget:
             return k
     raise HDPInfeasibleError(
-        f"a sequence of {s} tokens needs {tokens_on_rank(s, cp_size)} tokens per rank even on the whole CP group "
+        f"a sequence of {s} tokens needs {tokens_on_rank(s, cp_size, align)} tokens per rank even on the whole CP group "
         f"of {cp_size} ranks, over the per-rank token budget {budget}"
     )
 
 
-def lower_bound(seq_lens: Sequence[int], cp_size: int, token_budget: int, cost: CostModel | None = None) -> float:
+def lower_bound(seq_lens: Sequence[int], cp_size: int, token_budget: int, cost: CostModel | None = None,
+                align: int = 1) -> float:
     """Lower bound on the max per-rank cost: max(total minimal work / C, largest single-sequence rank cost)."""
     cm = cost or CostModel()
     total = 0.0
     single = 0.0
     for s in seq_lens:
-        kmin = _min_block(s, cp_size, token_budget)
+        kmin = _min_block(s, cp_size, token_budget, align)
         sizes = [k for k in _block_sizes(cp_size) if k >= kmin]
-        total += min(k * cm.cost(s, k) for k in sizes)
-        single = max(single, min(cm.cost(s, k) for k in sizes))
+        total += min(k * cm.cost(s, k, align) for k in sizes)
+        single = max(single, min(cm.cost(s, k, align) for k in sizes))
     return max(total / cp_size, single)
 
 
@@ -192,6 +198,7 @@ def assign_hdp(
     cost: CostModel | None = None,
     num_micro_batches: int | None = None,
     refine_steps: int = 2000,
+    align: int = 1,
 ) -> HDPAssignment:
     """Assign every sequence to a (micro-batch, DP rank or aligned CP block) of one CP group.
 
@@ -202,6 +209,8 @@ def assign_hdp(
         cost: cost model (default ``CostModel()``).
         num_micro_batches: minimum number of micro-batches (default: ceil(total tokens / (C * budget))).
         refine_steps: cap on refinement moves.
+        align: padding multiple of the packed sequences (TP size with sequence parallelism; see
+            ``tokens_on_rank``); budgets and costs count the padded tokens.
 
     Returns:
         HDPAssignment with one Placement per sequence; never exceeds the budget.
@@ -219,24 +228,24 @@ def assign_hdp(
         raise ValueError("sequence lengths must be > 0")
     cm = cost or CostModel()
     C, B = cp_size, token_budget
-    kmin = [_min_block(s, C, B) for s in lens]
-    lb = lower_bound(lens, C, B, cm)
+    kmin = [_min_block(s, C, B, align) for s in lens]
+    lb = lower_bound(lens, C, B, cm, align)
     # (1) block sizes: widen while a sequence alone would exceed the balanced share
     ksel = []
     for s, k in zip(lens, kmin, strict=True):
-        while k < C and cm.cost(s, k) > lb:
+        while k < C and cm.cost(s, k, align) > lb:
             k *= 2
         ksel.append(k)
-    total_tokens = sum(tokens_on_rank(s, k) * k for s, k in zip(lens, ksel, strict=True))
+    total_tokens = sum(tokens_on_rank(s, k, align) * k for s, k in zip(lens, ksel, strict=True))
     M = max(1, num_micro_batches or 0, -(-total_tokens // (C * B)))
-    order = sorted(range(len(lens)), key=lambda i: -ksel[i] * cm.cost(lens[i], ksel[i]))
+    order = sorted(range(len(lens)), key=lambda i: -ksel[i] * cm.cost(lens[i], ksel[i], align))
     cost_r = [0.0] * C
     tok: list[list[int]] = [[0] * C for _ in range(M)]
     place: dict[int, tuple[int, int, int]] = {}  # seq -> (mb, start, k)
 
     def best_spot(s: int, k: int) -> tuple[float, int, int] | None:
-        t = tokens_on_rank(s, k)
-        c = cm.cost(s, k)
+        t = tokens_on_rank(s, k, align)
+        c = cm.cost(s, k, align)
         best = None
         for m in range(len(tok)):
             row = tok[m]
@@ -261,13 +270,16 @@ def assign_hdp(
             tok.append([0] * C)  # a new micro-batch always fits (s fits on all C ranks)
             k = ksel[i]
         _, m, start = spot
-        t, c = tokens_on_rank(s, k), cm.cost(s, k)
+        t, c = tokens_on_rank(s, k, align), cm.cost(s, k, align)
         for r in range(start, start + k):
             tok[m][r] += t
             cost_r[r] += c
         place[i] = (m, start, k)
 
     # (4) refinement of DP (block size 1) sequences on the busiest rank
+    def t1(x: int) -> int:  # tokens of a DP (block 1) sequence, padding included
+        return tokens_on_rank(x, 1, align)
+
     for _ in range(refine_steps):
         p = max(range(C), key=cost_r.__getitem__)
         peak = cost_r[p]
@@ -276,14 +288,14 @@ def assign_hdp(
         for i in dp_here:
             m_i = place[i][0]
             s = lens[i]
-            ci = cm.cost(s, 1)
+            ci = cm.cost(s, 1, align)
             for q in range(C):
                 if q == p:
                     continue
                 # move i to rank q in any micro-batch with room
                 if cost_r[q] + ci < peak - 1e-9:
                     for m in range(len(tok)):
-                        if tok[m][q] + s <= B:
+                        if tok[m][q] + t1(s) <= B:
                             new_peak = max(peak - ci, cost_r[q] + ci)
                             if best is None or new_peak < best[0]:
                                 best = (new_peak, ("move", i, q, m))
@@ -292,7 +304,7 @@ def assign_hdp(
             for j, (m_j, st_j, k_j) in place.items():
                 if k_j != 1 or st_j == p:
                     continue
-                cj = cm.cost(lens[j], 1)
+                cj = cm.cost(lens[j], 1, align)
                 d = ci - cj
                 if d <= 1e-9:
                     continue
@@ -300,7 +312,7 @@ def assign_hdp(
                 new_peak = max(peak - d, cost_r[q] + d)
                 if new_peak >= peak - 1e-9 or (best is not None and new_peak >= best[0]):
                     continue
-                if tok[m_j][q] - lens[j] + s > B or tok[m_i][p] - s + lens[j] > B:
+                if tok[m_j][q] - t1(lens[j]) + t1(s) > B or tok[m_i][p] - t1(s) + t1(lens[j]) > B:
                     continue
                 best = (new_peak, ("swap", i, j, 0))
         if best is None:
@@ -308,17 +320,17 @@ def assign_hdp(
         kind, i, x, m = best[1]
         if kind == "move":
             m_i = place[i][0]
-            tok[m_i][p] -= lens[i]
-            cost_r[p] -= cm.cost(lens[i], 1)
-            tok[m][x] += lens[i]
-            cost_r[x] += cm.cost(lens[i], 1)
+            tok[m_i][p] -= t1(lens[i])
+            cost_r[p] -= cm.cost(lens[i], 1, align)
+            tok[m][x] += t1(lens[i])
+            cost_r[x] += cm.cost(lens[i], 1, align)
             place[i] = (m, x, 1)
         else:
             j = x
             m_i, m_j, q = place[i][0], place[j][0], place[j][1]
-            tok[m_i][p] += lens[j] - lens[i]
-            tok[m_j][q] += lens[i] - lens[j]
-            d = cm.cost(lens[i], 1) - cm.cost(lens[j], 1)
+            tok[m_i][p] += t1(lens[j]) - t1(lens[i])
+            tok[m_j][q] += t1(lens[i]) - t1(lens[j])
+            d = cm.cost(lens[i], 1, align) - cm.cost(lens[j], 1, align)
             cost_r[p] -= d
             cost_r[q] += d
             place[i] = (m_j, q, 1)
@@ -330,7 +342,7 @@ def assign_hdp(
     placements = [
         Placement(i, lens[i], remap[place[i][0]], place[i][1], place[i][2]) for i in range(len(lens))
     ]
-    out = HDPAssignment(C, B, cm, placements, len(used))
+    out = HDPAssignment(C, B, cm, placements, len(used), align=align)
     out.recompute()
     if any(t > B for row in out.rank_tokens for t in row):  # invariant, kept as a hard check
         raise AssertionError("HDP assignment exceeded the token budget")
