@@ -33,6 +33,7 @@ stop_pid() {  # stop_pid PID NAME GRACE_S: SIGTERM, bounded wait, then SIGKILL t
   wait "$pid" 2>/dev/null || true
 }
 
+# shellcheck disable=SC2329  # invoked by the EXIT trap
 cleanup() {
   local rc=$?
   trap - EXIT INT TERM HUP
@@ -69,8 +70,12 @@ DRY=$([[ "${P[MODE]}" == dry-run ]] && echo 1 || echo 0)
 export NNODES=${P[NNODES]} NPUS_PER_NODE=${P[NPUS_PER_NODE]} SOCKET_IFNAME=${P[IFNAME]}
 export CANN_HOME=${P[CANN_HOME]} RAY_ADDRESS=${P[RAY_ADDRESS]}
 if [[ -n "${P[ENV_SCRIPT]}" ]]; then
-  set -a; source "${P[ENV_SCRIPT]}"; set +a
+  set -a
+  # shellcheck source=/dev/null
+  source "${P[ENV_SCRIPT]}"
+  set +a
 fi
+# shellcheck source=/dev/null
 source "${P[NPU_ENV]}" "--check=$([[ $DRY == 1 ]] && echo warn || echo strict)" || exit 1
 
 if [[ $DRY == 1 ]]; then
@@ -116,6 +121,7 @@ if [[ "${P[ROLE]}" == head ]]; then
   say "training: ${TRAIN_CMD[*]} (log ${P[LOG_FILE]})"
   cd "${P[REPO]}"
   # own session, so that cleanup can stop the whole pipeline; exit status = the train script's
+  # shellcheck disable=SC2016  # expanded by the inner bash
   setsid bash -c 'log=$1; shift; "$@" 2>&1 | tee -a "$log"; exit "${PIPESTATUS[0]}"' _ \
     "${P[LOG_FILE]}" "${TRAIN_CMD[@]}" &
   TRAIN_PID=$!
@@ -132,7 +138,7 @@ for ((attempt = 1; ; attempt++)); do
   if start_ray; then break; fi
   stop_pid "$RAY_PID" "ray (failed join)" 10
   RAY_PID=""
-  ((attempt < ${P[JOIN_RETRIES]})) || die "could not join ${P[RAY_ADDRESS]} after ${attempt} attempts (see ${P[RAY_LOG]})"
+  ((attempt < P[JOIN_RETRIES])) || die "could not join ${P[RAY_ADDRESS]} after ${attempt} attempts (see ${P[RAY_LOG]})"
   sleep "${P[JOIN_INTERVAL]}"
 done
 q3 launch watch-head --plan-dir "$PLAN_DIR" --pid "$RAY_PID" &

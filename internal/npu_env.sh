@@ -80,4 +80,5 @@ export ASCEND_SLOG_PRINT_TO_STDOUT=${ASCEND_SLOG_PRINT_TO_STDOUT:-0}
 # HCCL rendezvous: a cluster of 8 nodes needs more than the 120 s default to connect.
 export HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-1200}
 unset _q3_mode _q3_toolkit _q3_atb _q3_c _q3_rc
+# shellcheck disable=SC2317  # reached when the file is executed instead of sourced
 return 0 2>/dev/null || true
