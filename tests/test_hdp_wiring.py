@@ -3,6 +3,7 @@ loss scaling, and the patched Megatron RoPE executed with an HDP micro-batch."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from pathlib import Path
@@ -26,6 +27,7 @@ from qwen3_rl.parallel.hdp_wiring import (
     plan_micro_batches,
     rope_positions,
     sub_cp_para,
+    sub_packed_seq_params,
     unpack_outputs,
 )
 
@@ -153,7 +155,9 @@ def test_sub_cp_para_and_blocks() -> None:
     made = []
     pgs = HDPProcessGroups.build([[8, 9, 10, 11], [12, 13, 14, 15]], [12, 13, 14, 15],
                                  lambda r: made.append(tuple(r)) or tuple(r))
-    assert made == [(8, 9), (10, 11), (8, 9, 10, 11), (12, 13), (14, 15), (12, 13, 14, 15)]
+    assert aligned_blocks(4, min_size=1)[:4] == [(0, 1), (1, 1), (2, 1), (3, 1)]
+    assert made == [(8,), (9,), (10,), (11,), (8, 9), (10, 11), (8, 9, 10, 11),
+                    (12,), (13,), (14,), (15,), (12, 13), (14, 15), (12, 13, 14, 15)]
     a = two_mb_assignment()
     mb = plan_micro_batches(a, 3, process_groups=pgs)[0]
     g = [x for x in mb.groups() if x.block_size == 2][0]
@@ -163,6 +167,22 @@ def test_sub_cp_para_and_blocks() -> None:
     assert p["cp_group"] == (14, 15) and p["cp_size"] == 2 and p["rank"] == 1
     assert p["cp_global_ranks"] == [14, 15] and p["cp_inner_ranks"] == [15] and p["causal"] is True
     assert base["cp_group"] == "full"  # not mutated
+
+    @dataclasses.dataclass
+    class PSP:  # field names of megatron.core.packed_seq_params.PackedSeqParams
+        qkv_format: str = "thd"
+        cu_seqlens_q: torch.Tensor | None = None
+        cu_seqlens_kv: torch.Tensor | None = None
+        cu_seqlens_q_padded: torch.Tensor | None = None
+        cu_seqlens_kv_padded: torch.Tensor | None = None
+        max_seqlen_q: int | None = None
+        max_seqlen_kv: int | None = None
+
+    mb0 = plan_micro_batches(a, 0)[0]  # rank 0: seq 2 DP, seq 0 on 4 ranks
+    g4 = mb0.groups()[-1]
+    sp = sub_packed_seq_params(PSP(cu_seqlens_q=torch.zeros(1, dtype=torch.int32)), g4)
+    assert sp.cu_seqlens_q_padded.tolist() == [0, 40] and sp.cu_seqlens_q.tolist() == [0, 10]
+    assert sp.max_seqlen_q == 40 and not hasattr(sp, "hdp")
 
 
 # ---------------------------------------------------------------- 4 gloo processes
@@ -334,3 +354,47 @@ def test_patched_megatron_rope_uses_hdp_micro_batch(patched_imports: Path, monke
     from megatron.core.transformer import attention
     src = inspect.getsource(attention.Attention.forward)
     assert 'getattr(packed_seq_params, "hdp", None)' in src
+
+
+def test_patched_verl_forward_and_config_with_hdp(patched_imports: Path) -> None:
+    """Patched verl mcore forward with an HDP micro-batch packs this rank's sequences, hands the micro-batch
+    to the model on PackedSeqParams.hdp and unpacks the outputs per sequence."""
+    from verl.models.mcore.model_forward import model_forward_gen
+    from verl.workers.config import McoreActorConfig
+
+    cfg = McoreActorConfig(use_dynamic_bsz=True, rollout_n=1, ppo_mini_batch_size=1)
+    assert HDPConfig.from_mapping(cfg.hdp).enable is False  # declared, default off
+    pl = [Placement(0, 5, 0, 0, 1), Placement(1, 3, 0, 1, 1), Placement(2, 6, 0, 0, 1)]
+    a = HDPAssignment(2, 64, assign_hdp([1], 1, 10).cost_model, pl, 1, align=2)
+    a.recompute()
+    mb = plan_micro_batches(a, 0)[0]  # rank 0: seqs 0 and 2, DP
+    assert mb.seq_indices == [0, 2]
+    L = 8
+    ids = torch.zeros(2, L, dtype=torch.long)
+    am = torch.zeros(2, L, dtype=torch.bool)
+    ids[0, 1:6] = torch.arange(1, 6)  # left-padded like verl
+    am[0, 1:6] = True
+    ids[1, 2:8] = torch.arange(11, 17)
+    am[1, 2:8] = True
+    seen = {}
+
+    class Model(torch.nn.Module):
+        pre_process = True
+        post_process = True
+
+        def forward(self, input_ids, attention_mask, position_ids, packed_seq_params):
+            seen["psp"] = packed_seq_params
+            seen["ids"] = input_ids
+            return input_ids.float().unsqueeze(-1) * 2  # [1, T, 1]
+
+    def logits_processor(logits, label, label_mask):
+        return {"log_probs": logits[..., 0] + label * 0}
+
+    fwd = model_forward_gen(False)
+    out = fwd(Model(), ids, am, torch.zeros_like(ids), {}, logits_processor=logits_processor,
+              logits_processor_args={"label": ids, "label_mask": am}, hdp=mb)
+    assert seen["psp"].hdp is mb and seen["psp"].qkv_format == "thd"
+    # packed: seq 0 (5 tokens padded to 6) then seq 2 (6 tokens)
+    assert seen["ids"].tolist() == [[1, 2, 3, 4, 5, 0, 11, 12, 13, 14, 15, 16]]
+    assert seen["psp"].cu_seqlens_q.tolist() == [0, 6, 12]
+    assert torch.equal(out["log_probs"], (ids * 2).float() * am)

@@ -48,6 +48,7 @@ __all__ = [
     "plan_micro_batches",
     "rope_positions",
     "sub_cp_para",
+    "sub_packed_seq_params",
     "unpack_outputs",
 ]
 
@@ -314,10 +315,10 @@ def assemble_owned_rows(rows: torch.Tensor, seq_indices: Sequence[Sequence[int]]
     return out
 
 
-def aligned_blocks(cp_size: int) -> list[tuple[int, int]]:
-    """All aligned power-of-two blocks ``(start, size)`` with size >= 2 of a CP group, in creation order."""
+def aligned_blocks(cp_size: int, min_size: int = 2) -> list[tuple[int, int]]:
+    """All aligned power-of-two blocks ``(start, size)`` with size >= min_size of a CP group, creation order."""
     out = []
-    k = 2
+    k = min_size
     while k <= cp_size:
         out.extend((st, k) for st in range(0, cp_size, k))
         k *= 2
@@ -343,7 +344,7 @@ class HDPProcessGroups:
         if len(sizes) != 1:
             raise ValueError(f"CP groups of different sizes: {sorted(sizes)}")
         for g in sorted(tuple(x) for x in cp_groups):
-            for st, k in aligned_blocks(len(g)):
+            for st, k in aligned_blocks(len(g), min_size=1):  # size 1: DP segments run as a ring of one
                 ranks = tuple(g[st:st + k])
                 groups[ranks] = new_group(list(ranks))
         return cls(tuple(my_cp_global_ranks), groups)
@@ -373,6 +374,18 @@ def sub_cp_para(base: dict[str, Any], g: HDPGroupSlice, pgs: HDPProcessGroups) -
         cp_group_for_intra_window_send_recv_overlap=None,
     )
     return out
+
+
+def sub_packed_seq_params(psp: Any, g: HDPGroupSlice) -> Any:
+    """A new PackedSeqParams (same class, no ``hdp``) for one group: local cumulative lengths in
+    ``cu_seqlens_q/kv``, full padded cumulative lengths in ``cu_seqlens_*_padded`` (ring attention divides
+    them by the ring size), max lengths = the group's largest padded sequence. Tensors int32 on psp's device."""
+    dev = psp.cu_seqlens_q.device if getattr(psp, "cu_seqlens_q", None) is not None else None
+    loc = torch.tensor(g.local_cu_seqlens, dtype=torch.int32, device=dev)
+    pad = torch.tensor(g.cu_seqlens_padded, dtype=torch.int32, device=dev)
+    mx = max(s.padded for s in g.segments)
+    return type(psp)(qkv_format=psp.qkv_format, cu_seqlens_q=loc, cu_seqlens_kv=loc, cu_seqlens_q_padded=pad,
+                     cu_seqlens_kv_padded=pad, max_seqlen_q=mx, max_seqlen_kv=mx)
 
 
 def hdp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mb: HDPMicroBatch,
