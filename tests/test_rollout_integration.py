@@ -327,3 +327,301 @@ def test_dapo_fit_data_rebalance_with_filter_groups(patched_imports: Path) -> No
     assert batch.non_tensor_batch["acc"].tolist() == [1.0, 0.0, 1.0, 0.0] * 2
     assert batch.batch["token_level_scores"][:, -1].tolist() == [1.0, 0.0, 1.0, 0.0] * 2
     assert t.global_steps == 2
+
+
+# ---------------------------------------------------------------------------------------------------
+# rollout rebalance: request migration with KV across CPU processes (gloo)
+# ---------------------------------------------------------------------------------------------------
+BLOCK = 4  # tokens per KV block in the toy engine
+
+
+def _kv_value(req_id: str, pos: int, tok: int, layer: int) -> float:
+    """KV "content" of one token position: exact in bfloat16 (halves below 128)."""
+    h = sum(req_id.encode()) % 97
+    return float((h * 31 + pos * 7 + tok) % 120) + 0.5 * layer
+
+
+def _reference_tokens(seed: int, top_k: int, max_tokens: int) -> list[int]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [int(torch.randint(0, top_k, (1,), generator=g)) for _ in range(max_tokens)]
+
+
+class _ToyReq:
+    def __init__(self, rid: str, origin: int, prompt: list[int], params: dict, seed: int) -> None:
+        import torch
+
+        self.rid, self.origin, self.prompt, self.params, self.seed = rid, origin, prompt, params, seed
+        self.out: list[int] = []
+        self.gen = torch.Generator().manual_seed(seed)
+        self.blocks: list[int] = []
+        self.computed = 0
+
+    def token_at(self, p: int) -> int:
+        return self.prompt[p] if p < len(self.prompt) else self.out[p - len(self.prompt)]
+
+
+class _ToyEngine:
+    """A continuous-batching engine with a paged KV cache (two cache layouts), FCFS admission and a
+    seeded per-request sampler; it implements the coordinator's EngineHooks."""
+
+    def __init__(self, rank: int, reqs: list[_ToyReq], num_blocks: int, max_num_seqs: int) -> None:
+        import torch
+
+        self.rank, self.max_num_seqs, self.num_blocks = rank, max_num_seqs, num_blocks
+        self.c0 = torch.zeros(num_blocks, BLOCK, 2, 3)  # block axis 0
+        self.c1 = torch.zeros(2, num_blocks, BLOCK, 3, dtype=torch.bfloat16)  # block axis 1
+        self.free = list(range(num_blocks))
+        self.waiting: list[_ToyReq] = list(reqs)
+        self.running: dict[str, _ToyReq] = {}
+        self.results: dict[str, list[int]] = {}
+        self.finished_remote: list = []
+        self.imported: list[tuple[str, dict, int | None, int, int]] = []
+
+    # -- engine ---------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _write_kv(self, r: _ToyReq, p: int) -> None:
+        b, off = r.blocks[p // BLOCK], p % BLOCK
+        tok = r.token_at(p)
+        self.c0[b, off] = _kv_value(r.rid, p, tok, 0)
+        self.c1[:, b, off] = _kv_value(r.rid, p, tok, 1)
+
+    def check_kv(self, r: _ToyReq) -> None:
+        for p in range(r.computed):
+            b, off = r.blocks[p // BLOCK], p % BLOCK
+            tok = r.token_at(p)
+            assert float(self.c0[b, off, 0, 0]) == _kv_value(r.rid, p, tok, 0), (r.rid, p, "layer 0")
+            assert float(self.c1[1, b, off, 2]) == _kv_value(r.rid, p, tok, 1), (r.rid, p, "layer 1")
+
+    def _grow(self, r: _ToyReq, tokens: int) -> None:
+        need = -(-tokens // BLOCK) - len(r.blocks)
+        assert need <= len(self.free), "toy engine out of KV blocks"
+        r.blocks += [self.free.pop() for _ in range(max(0, need))]
+
+    def step(self) -> None:
+        from qwen3_rl.rollout.rebalance import blocks_needed
+
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            r = self.waiting[0]
+            n = len(r.prompt) + len(r.out)
+            if blocks_needed(n, BLOCK) > len(self.free):
+                break
+            self.waiting.pop(0)
+            self._grow(r, n + 1)
+            for p in range(n):  # prefill (recompute for a request that arrived without KV)
+                self._write_kv(r, p)
+            r.computed = n
+            self.running[r.rid] = r
+        for r in list(self.running.values()):
+            import torch
+
+            self.check_kv(r)
+            r.out.append(int(torch.randint(0, r.params["top_k"], (1,), generator=r.gen)))
+            self._grow(r, r.computed + 2)
+            self._write_kv(r, r.computed)
+            r.computed += 1
+            if len(r.out) == r.params["max_tokens"]:
+                del self.running[r.rid]
+                self.free += r.blocks
+                r.blocks = []
+                if r.origin == self.rank:
+                    assert r.rid not in self.results
+                    self.results[r.rid] = list(r.out)
+                else:
+                    from qwen3_rl.rollout.migration import FinishedRemote
+
+                    self.finished_remote.append(FinishedRemote(r.rid, r.origin, tuple(r.out), "length"))
+
+    # -- EngineHooks ----------------------------------------------------------------------------
+    def load_state(self, rank: int):
+        from qwen3_rl.rollout.rebalance import RankState, RunningRequest, WaitingRequest
+
+        return RankState(rank, tuple(WaitingRequest(r.rid, len(r.prompt) + len(r.out)) for r in self.waiting),
+                         tuple(RunningRequest(r.rid, r.computed, len(r.blocks)) for r in self.running.values()),
+                         self.max_num_seqs, self.num_blocks)
+
+    def _find(self, rid: str) -> _ToyReq:
+        if rid in self.running:
+            return self.running[rid]
+        return next(r for r in self.waiting if r.rid == rid)
+
+    def export_request(self, rid: str):
+        from qwen3_rl.rollout.migration import RequestState
+
+        r = self._find(rid)
+        st = RequestState(rid, r.origin, tuple(r.prompt), tuple(r.out), dict(r.params), r.seed,
+                          r.gen.get_state().numpy().tobytes(), r.computed, len(r.blocks), None,
+                          {"sent_by": self.rank})
+        return st, list(r.blocks)
+
+    def release_request(self, rid: str) -> None:
+        r = self._find(rid)
+        self.running.pop(rid, None)
+        if r in self.waiting:
+            self.waiting.remove(r)
+        self.free += r.blocks
+        r.blocks = []
+
+    def allocate_blocks(self, state) -> list[int]:
+        assert state.num_kv_blocks <= len(self.free)
+        return [self.free.pop() for _ in range(state.num_kv_blocks)]
+
+    def kv_cache_spec(self):
+        from qwen3_rl.rollout.migration import KVCacheSpec
+
+        return KVCacheSpec((self.c0, self.c1), (0, 1))
+
+    def import_request(self, state, block_ids: list[int]) -> None:
+        import torch
+
+        r = _ToyReq(state.req_id, state.origin_rank, list(state.prompt_token_ids), dict(state.sampling_params),
+                    state.seed)
+        r.out = list(state.output_token_ids)
+        r.gen.set_state(torch.frombuffer(bytearray(state.generator_state), dtype=torch.uint8))
+        r.blocks, r.computed = list(block_ids), state.num_computed_tokens
+        self.check_kv(r)  # KV content equal after the transfer
+        self.imported.append((r.rid, r.params, r.seed, len(block_ids), state.extra["sent_by"]))
+        if block_ids:
+            self.running[r.rid] = r
+        else:
+            self.waiting.append(r)
+
+    def pop_finished_remote(self) -> list:
+        out, self.finished_remote = self.finished_remote, []
+        return out
+
+    def deliver(self, result) -> None:
+        assert result.req_id not in self.results
+        self.results[result.req_id] = list(result.output_token_ids)
+
+
+def _requests_for(rank: int) -> list[_ToyReq]:
+    """Rank 0: 10 long requests (a queue, max_num_seqs 4); ranks 1, 2: two short ones each."""
+    if rank == 0:
+        spec = [(f"r0-{i}", 24 + 3 * i, 5 + i) for i in range(10)]
+    else:
+        spec = [(f"r{rank}-{i}", 3 + i, 3) for i in range(2)]
+    return [_ToyReq(rid, rank, [rank, i, 7][: 2 + i % 2], {"top_k": 50 + i, "max_tokens": mt, "temperature": 0.7},
+                    seed=1000 * rank + i) for i, (rid, mt, _) in enumerate(spec)]
+
+
+def _migration_worker(rank: int, world: int, store: str, out_dir: str) -> None:
+    import datetime
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    from qwen3_rl.rollout.migration import RebalanceCoordinator, RebalanceSettings, TorchDistCommunicator
+    from qwen3_rl.rollout.rebalance import RebalanceConfig
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        eng = _ToyEngine(rank, _requests_for(rank), num_blocks=96, max_num_seqs=4)
+        coord = RebalanceCoordinator(eng, TorchDistCommunicator(None, timeout_s=30),
+                                     RebalanceConfig(buckets=(1, 2, 4), block_size=BLOCK, max_moves=4),
+                                     RebalanceSettings(enable=True, interval_steps=3))
+        step = 0
+        while True:
+            flag = torch.tensor([int(eng.has_work() or coord.has_pending())])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # vLLM's DP "has unfinished requests" sync
+            if not int(flag):
+                break
+            eng.step()
+            step += 1
+            coord.on_step(step)
+            assert step < 500, "engine loop did not terminate"
+        moves = [(m.req_id, m.src, m.dst, m.phase, m.kv_blocks) for rep in coord.reports for m in rep.plan.moves]
+        res = {"results": eng.results, "imported": eng.imported, "moves": moves, "steps": step,
+               "kv_in": sum(r.kv_bytes_received for r in coord.reports), "free": len(eng.free)}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gloo_migration_moves_requests_with_kv(tmp_path: Path) -> None:
+    """3 CPU processes: queued and running requests migrate (KV blocks by gloo P2P); every request comes
+    back to its origin exactly once with the tokens it would have produced without migration (sampling
+    params, seed and generator state travel with it), KV content checked on arrival and every step."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    world = 3
+    # fork: the children reuse the imported torch (spawn costs ~3 s of imports per process here)
+    mp.start_processes(_migration_worker, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world,
+                       join=True, start_method="fork")
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    moves = {tuple(m) for r in res for m in r["moves"]}
+    assert {m[3] for m in moves} == {1, 2}, f"expected waiting (1) and running+KV (2) moves, got {moves}"
+    assert all(m[4] > 0 for m in moves if m[3] == 2)
+    assert sum(r["kv_in"] for r in res) > 0
+    for rank in range(world):
+        own = {r.rid: r for r in _requests_for(rank)}
+        got = res[rank]["results"]
+        assert sorted(got) == sorted(own), f"rank {rank}: lost or foreign results"
+        for rid, r in own.items():
+            assert got[rid] == _reference_tokens(r.seed, r.params["top_k"], r.params["max_tokens"]), rid
+        assert res[rank]["free"] == 96  # every block freed, none leaked by migration
+    imported = [tuple(x) for r in res for x in r["imported"]]
+    assert imported, "nothing was migrated"
+    every = {r.rid: r for rank in range(world) for r in _requests_for(rank)}
+    for rid, params, seed, _nblocks, _src in imported:
+        assert params == every[rid].params and seed == every[rid].seed
+    ids = [rid for r in res for rid in r["results"]]
+    assert len(ids) == len(set(ids)) == len(every)
+
+
+def _timeout_worker(rank: int, world: int, store: str, out_dir: str) -> None:
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from qwen3_rl.rollout.migration import (
+        RebalanceCoordinator,
+        RebalanceSettings,
+        RebalanceTimeoutError,
+        TorchDistCommunicator,
+    )
+    from qwen3_rl.rollout.rebalance import RebalanceConfig
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=1.5))
+    if rank == 1:  # a DP rank that never joins the round
+        time.sleep(4.5)
+        return
+    comm = TorchDistCommunicator(None, timeout_s=1.5)
+    msgs = []
+    t0 = time.monotonic()
+    try:
+        comm.exchange([], [(1, torch.zeros(2, dtype=torch.int64))], "request sizes (P2P)")
+    except RebalanceTimeoutError as e:
+        msgs.append(str(e))
+    eng = _ToyEngine(0, _requests_for(0), num_blocks=96, max_num_seqs=4)
+    coord = RebalanceCoordinator(eng, comm, RebalanceConfig(buckets=(1, 2, 4), block_size=BLOCK),
+                                 RebalanceSettings(enable=True, interval_steps=1, timeout_s=1.5))
+    try:
+        coord.on_step(1)
+    except RebalanceTimeoutError as e:
+        msgs.append(str(e))
+    msgs.append(f"elapsed {time.monotonic() - t0:.1f}")
+    Path(out_dir, "timeout.txt").write_text("\n".join(msgs))
+
+
+def test_collective_timeout_is_a_clear_error(tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_timeout_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True,
+                       start_method="fork")
+    lines = (tmp_path / "timeout.txt").read_text().splitlines()
+    assert len(lines) == 3, lines
+    assert "request sizes (P2P) with DP rank(s) [1] did not complete within 1.5 s" in lines[0]
+    assert "load exchange (all_gather) with DP rank(s) [1] did not complete within 1.5 s" in lines[1]
+    assert "rollout rebalance round 1, DP rank 0" in lines[1]
+    assert float(lines[2].split()[1]) < 4.5  # returned instead of hanging

@@ -1,0 +1,485 @@
+"""Rollout rebalance between DP ranks at run time: load exchange, request-state packing, KV block transfer.
+
+The planner (:mod:`qwen3_rl.rollout.rebalance`) decides *what* moves; this module moves it. One
+:class:`RebalanceCoordinator` lives in every rollout process, next to its vLLM engine, and is called
+by the engine loop every step (:meth:`RebalanceCoordinator.on_step`). Every ``interval_steps`` steps
+all DP ranks run one round, in lockstep (vLLM's external-launcher DP already steps all DP ranks
+together, ``vllm/v1/engine/llm_engine.py:195-206, 285-288``):
+
+1. each rank reports its load (:class:`~qwen3_rl.rollout.rebalance.RankState`, from the engine hook)
+   and the results of migrated requests it finished on behalf of another rank; one ``all_gather`` of
+   these small objects (with a timeout) gives every rank the same view;
+2. every rank computes the same :class:`~qwen3_rl.rollout.rebalance.MigrationPlan` (deterministic);
+3. sources export each moving request (:class:`RequestState`: tokens, sampling params, seed and
+   sampler generator state, drafter state or ``None`` = rebuild from tokens) and its KV blocks; the
+   state bytes and the KV blocks go point-to-point (``isend``/``irecv``, each waited with a timeout);
+   sources then release the request; targets allocate blocks, write the KV and import the request;
+4. results routed back in step 1 are delivered to the origin's front end, so the caller of
+   ``LLM.generate`` on the origin rank gets every one of its requests back.
+
+All engine access goes through :class:`EngineHooks` (implemented by the vLLM-side patch, or by a toy
+engine in the tests); all communication through :class:`Communicator` (torch.distributed; gloo on
+CPU in the tests, the DP group's device group on NPUs). A collective or P2P operation that does not
+complete within ``timeout_s`` raises :class:`RebalanceTimeoutError` naming the round, the operation
+and the peers, instead of hanging.
+
+With tensor parallelism under vLLM's external launcher every TP rank runs an identical scheduler;
+each TP rank runs its own coordinator over the DP group of its TP index (same plan everywhere, since
+the states are identical) and moves its own KV shard.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from qwen3_rl.rollout.rebalance import MigrationPlan, Move, RankState, RebalanceConfig, plan_rebalance
+
+_MAGIC = b"QRRS"
+_VERSION = 1
+_HDR = struct.Struct("<4sIQ")  # magic, version, json header length (bytes)
+
+
+class MigrationError(RuntimeError):
+    """A request or its KV could not be packed, transferred or imported."""
+
+
+class RebalanceTimeoutError(MigrationError):
+    """A rebalance collective / point-to-point transfer did not complete in time (a peer is missing)."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# request state
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RequestState:
+    """Everything a target rank needs to continue a request where the source left it.
+
+    ``prompt_token_ids`` / ``output_token_ids``: int token ids (shapes ``(P,)`` / ``(O,)``).
+    ``sampling_params``: the request's own parameters as a JSON-serialisable dict (the vLLM hook converts
+    ``SamplingParams`` with ``msgspec.structs.asdict``); ``seed`` its seed (None: unseeded).
+    ``generator_state``: bytes of the per-request sampler generator (``torch.Generator.get_state()``) so a
+    seeded request continues the same random stream; None for unseeded requests.
+    ``num_computed_tokens``: tokens whose KV exists (0 for a waiting request); ``num_kv_blocks``: blocks
+    that travel with it. ``drafter_state``: speculative-decoding drafter state, or None = the target
+    rebuilds it from the request's tokens. ``origin_rank``: DP rank whose front end owns the request.
+    ``extra``: engine-specific JSON-serialisable fields (arrival time, priority, ...).
+    """
+
+    req_id: str
+    origin_rank: int
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    sampling_params: dict[str, Any]
+    seed: int | None = None
+    generator_state: bytes | None = None
+    num_computed_tokens: int = 0
+    num_kv_blocks: int = 0
+    drafter_state: bytes | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+def pack_request(state: RequestState) -> np.ndarray:
+    """Serialise a :class:`RequestState` to bytes (no pickle): ``uint8`` array of shape ``(nbytes,)``.
+
+    Layout: ``magic 'QRRS' | u32 version | u64 header length | JSON header | int64 prompt ids |
+    int64 output ids | generator state | drafter state`` (little endian).
+    """
+    prompt = np.asarray(state.prompt_token_ids, dtype="<i8")
+    output = np.asarray(state.output_token_ids, dtype="<i8")
+    gen = state.generator_state or b""
+    drafter = state.drafter_state or b""
+    header = {
+        "req_id": state.req_id, "origin_rank": int(state.origin_rank), "sampling_params": state.sampling_params,
+        "seed": state.seed, "num_computed_tokens": int(state.num_computed_tokens),
+        "num_kv_blocks": int(state.num_kv_blocks), "extra": state.extra,
+        "n_prompt": int(prompt.shape[0]), "n_output": int(output.shape[0]),
+        "gen_bytes": len(gen) if state.generator_state is not None else -1,
+        "drafter_bytes": len(drafter) if state.drafter_state is not None else -1,
+    }
+    try:
+        hjson = json.dumps(header, sort_keys=True, allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise MigrationError(f"request {state.req_id}: state is not JSON-serialisable: {e}") from e
+    blob = b"".join([_HDR.pack(_MAGIC, _VERSION, len(hjson)), hjson, prompt.tobytes(), output.tobytes(), gen, drafter])
+    return np.frombuffer(blob, dtype=np.uint8).copy()
+
+
+def unpack_request(buf: np.ndarray | bytes) -> RequestState:
+    """Inverse of :func:`pack_request`; raises :class:`MigrationError` on a malformed buffer."""
+    raw = bytes(buf) if not isinstance(buf, np.ndarray) else buf.astype(np.uint8, copy=False).tobytes()
+    if len(raw) < _HDR.size:
+        raise MigrationError(f"request state too short ({len(raw)} bytes)")
+    magic, version, hlen = _HDR.unpack_from(raw)
+    if magic != _MAGIC or version != _VERSION:
+        raise MigrationError(f"not a request state (magic {magic!r}, version {version})")
+    off = _HDR.size
+    try:
+        h = json.loads(raw[off:off + hlen])
+    except ValueError as e:
+        raise MigrationError(f"request state header is not valid JSON: {e}") from e
+    off += hlen
+    need = off + 8 * (h["n_prompt"] + h["n_output"]) + max(h["gen_bytes"], 0) + max(h["drafter_bytes"], 0)
+    if len(raw) != need:
+        raise MigrationError(f"request {h.get('req_id')}: state has {len(raw)} bytes, header says {need}")
+    prompt = np.frombuffer(raw, dtype="<i8", count=h["n_prompt"], offset=off)
+    off += 8 * h["n_prompt"]
+    output = np.frombuffer(raw, dtype="<i8", count=h["n_output"], offset=off)
+    off += 8 * h["n_output"]
+    gen = None
+    if h["gen_bytes"] >= 0:
+        gen, off = raw[off:off + h["gen_bytes"]], off + h["gen_bytes"]
+    drafter = raw[off:off + h["drafter_bytes"]] if h["drafter_bytes"] >= 0 else None
+    return RequestState(h["req_id"], h["origin_rank"], tuple(int(t) for t in prompt), tuple(int(t) for t in output),
+                        h["sampling_params"], h["seed"], gen, h["num_computed_tokens"], h["num_kv_blocks"],
+                        drafter, h["extra"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# KV blocks
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The engine's KV cache tensors and, for each, the axis that indexes blocks.
+
+    vLLM v1 attention layers hold e.g. ``(2, num_blocks, block_size, heads, head_dim)`` (block axis 1)
+    or separate K and V tensors ``(num_blocks, block_size, heads, head_dim)`` (axis 0); any dtype.
+    """
+
+    caches: tuple[torch.Tensor, ...]
+    block_axes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.caches) != len(self.block_axes) or not self.caches:
+            raise MigrationError("KVCacheSpec needs one block axis per cache tensor (and at least one tensor)")
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block occupies over all cache tensors."""
+        return sum(c.numel() // c.shape[a] * c.element_size() for c, a in zip(self.caches, self.block_axes,
+                                                                             strict=True))
+
+
+def gather_kv_blocks(spec: KVCacheSpec, block_ids: Sequence[int]) -> torch.Tensor:
+    """Copy the given blocks of every cache into one flat ``uint8`` tensor of ``len(ids) * bytes_per_block``.
+
+    Order: cache by cache, each ``index_select`` along its block axis (block order as given).
+    """
+    if not block_ids:
+        return torch.empty(0, dtype=torch.uint8, device=spec.caches[0].device)
+    parts = []
+    for cache, axis in zip(spec.caches, spec.block_axes, strict=True):
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=cache.device)
+        parts.append(cache.index_select(axis, idx).contiguous().reshape(-1).view(torch.uint8))
+    return torch.cat(parts)
+
+
+def scatter_kv_blocks(spec: KVCacheSpec, block_ids: Sequence[int], flat: torch.Tensor) -> None:
+    """Write a :func:`gather_kv_blocks` buffer into ``block_ids`` of every cache (in place)."""
+    expect = len(block_ids) * spec.bytes_per_block
+    if flat.numel() != expect:
+        raise MigrationError(f"KV buffer has {flat.numel()} bytes, {len(block_ids)} blocks need {expect}")
+    off = 0
+    for cache, axis in zip(spec.caches, spec.block_axes, strict=True):
+        shape = list(cache.shape)
+        shape[axis] = len(block_ids)
+        nbytes = int(np.prod(shape)) * cache.element_size()
+        chunk = flat[off:off + nbytes].to(cache.device).view(cache.dtype).reshape(shape)
+        cache.index_copy_(axis, torch.as_tensor(list(block_ids), dtype=torch.long, device=cache.device), chunk)
+        off += nbytes
+
+
+# ---------------------------------------------------------------------------------------------------
+# communication
+# ---------------------------------------------------------------------------------------------------
+class Communicator(Protocol):
+    """What the coordinator needs from the DP group (ranks are DP ranks ``0..size-1``)."""
+
+    rank: int
+    size: int
+
+    def all_gather_object(self, obj: Any, what: str) -> list[Any]:
+        """Every rank's ``obj``, in rank order; raises :class:`RebalanceTimeoutError` on timeout."""
+        ...
+
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+                 what: str) -> None:
+        """Post all sends ``(dst, tensor)`` and receives ``(src, buffer)``, wait for all; timeout -> error."""
+        ...
+
+
+class TorchDistCommunicator:
+    """:class:`Communicator` over a ``torch.distributed`` group (gloo on CPU; HCCL/NCCL device group).
+
+    Args:
+        group: the DP process group (None = the default group); its ranks are the DP ranks.
+        timeout_s: seconds each collective / point-to-point wait may take before
+            :class:`RebalanceTimeoutError`. The object all-gather relies on the group's own timeout,
+            so create the group with ``timeout=`` no larger than this (see :func:`new_rebalance_group`).
+    """
+
+    def __init__(self, group: Any = None, timeout_s: float = 60.0) -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.timeout_s = float(timeout_s)
+        self.round = 0
+
+    def _global(self, r: int) -> int:
+        return r if self.group is None else self._dist.get_global_rank(self.group, r)
+
+    def _fail(self, what: str, peers: Sequence[int], err: BaseException | None) -> RebalanceTimeoutError:
+        return RebalanceTimeoutError(
+            f"rollout rebalance round {self.round}, DP rank {self.rank}: {what} with DP rank(s) "
+            f"{sorted(set(peers))} did not complete within {self.timeout_s:g} s ({err or 'wait returned False'}); "
+            "a DP rank probably left the engine loop or skipped this round (all ranks must call on_step "
+            "every engine step)")
+
+    def all_gather_object(self, obj: Any, what: str) -> list[Any]:
+        out: list[Any] = [None] * self.size
+        try:
+            self._dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as e:  # gloo/hccl timeout or a closed connection
+            raise self._fail(what, [r for r in range(self.size) if r != self.rank], e) from e
+        return out
+
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+                 what: str) -> None:
+        dist = self._dist
+        works: list[tuple[Any, int]] = []
+        try:
+            # tag = position among the messages to / from the same peer: sender and receiver walk the
+            # plan in the same order, so the k-th message A -> B matches B's k-th receive from A
+            seq: dict[tuple[str, int], int] = {}
+            for dst, t in sends:
+                tag = seq.setdefault(("s", dst), 0)
+                seq["s", dst] = tag + 1
+                works.append((dist.isend(t, dst=self._global(dst), group=self.group, tag=tag), dst))
+            for src, t in recvs:
+                tag = seq.setdefault(("r", src), 0)
+                seq["r", src] = tag + 1
+                works.append((dist.irecv(t, src=self._global(src), group=self.group, tag=tag), src))
+            for w, peer in works:
+                if w is not None and not w.wait(timeout=datetime.timedelta(seconds=self.timeout_s)):
+                    raise self._fail(what, [peer], None)
+        except RuntimeError as e:
+            if isinstance(e, RebalanceTimeoutError):
+                raise
+            raise self._fail(what, [p for _, p in works] or [p for p, _ in (*sends, *recvs)], e) from e
+
+
+def new_rebalance_group(ranks: Sequence[int] | None = None, timeout_s: float = 60.0, backend: str = "gloo") -> Any:
+    """A process group for the coordinator's load exchange with ``timeout_s`` on every operation."""
+    import torch.distributed as dist
+
+    return dist.new_group(ranks=list(ranks) if ranks is not None else None,
+                          timeout=datetime.timedelta(seconds=timeout_s), backend=backend)
+
+
+def _pair_order(moves: Sequence[Move], me: int) -> tuple[list[Move], list[Move]]:
+    """My outgoing and incoming moves, each in plan order, so sender and receiver post the same
+    sequence of messages per peer (tags are positions within that sequence)."""
+    return [m for m in moves if m.src == me], [m for m in moves if m.dst == me]
+
+
+# ---------------------------------------------------------------------------------------------------
+# engine side
+# ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FinishedRemote:
+    """A migrated request finished on a host rank, to be delivered to its origin's front end.
+
+    ``output_token_ids``: all tokens generated (on every rank it visited); ``finish_reason``: e.g.
+    ``"length"``/``"stop"``; ``extra``: JSON-serialisable (logprobs, stop reason, ...)."""
+
+    req_id: str
+    origin_rank: int
+    output_token_ids: tuple[int, ...]
+    finish_reason: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class EngineHooks(Protocol):
+    """What the engine (vLLM scheduler + worker, or a toy engine) provides to the coordinator."""
+
+    def load_state(self, rank: int) -> RankState:
+        """Waiting (FCFS order) and running requests with token counts and KV blocks held; capacities."""
+        ...
+
+    def export_request(self, req_id: str) -> tuple[RequestState, list[int]]:
+        """The request's state and the KV block ids it holds (``[]`` for a waiting request)."""
+        ...
+
+    def release_request(self, req_id: str) -> None:
+        """Remove the (exported, sent) request from the scheduler and free its blocks; the front end
+        keeps waiting for it (the coordinator delivers its result later)."""
+        ...
+
+    def allocate_blocks(self, state: RequestState) -> list[int]:
+        """Reserve ``state.num_kv_blocks`` blocks for an incoming request; raise if impossible."""
+        ...
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The KV cache tensors and their block axes."""
+        ...
+
+    def import_request(self, state: RequestState, block_ids: list[int]) -> None:
+        """Insert an incoming request: running with ``block_ids`` holding its KV, or waiting if none."""
+        ...
+
+    def pop_finished_remote(self) -> list[FinishedRemote]:
+        """Requests of other origins that finished here since the last call (and are removed here)."""
+        ...
+
+    def deliver(self, result: FinishedRemote) -> None:
+        """Hand a returned result of one of this rank's own requests to the front end."""
+        ...
+
+
+@dataclass(frozen=True)
+class RebalanceSettings:
+    """Run-time switches (``actor_rollout_ref.rollout.rollout_rebalance*``)."""
+
+    enable: bool = False
+    interval_steps: int = 32
+    timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable, bool):
+            raise ValueError(f"rollout_rebalance must be a bool, got {self.enable!r}")
+        if self.interval_steps < 1 or self.timeout_s <= 0:
+            raise ValueError(f"interval_steps ({self.interval_steps}) must be >= 1 and timeout_s "
+                             f"({self.timeout_s}) > 0")
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    """What one round did on this rank."""
+
+    round: int
+    plan: MigrationPlan
+    sent: tuple[str, ...]
+    received: tuple[str, ...]
+    delivered: tuple[str, ...]
+    kv_bytes_sent: int
+    kv_bytes_received: int
+
+
+class RebalanceCoordinator:
+    """Runs rebalance rounds for one DP rank (see the module docstring for the protocol).
+
+    Bookkeeping: ``away`` = this rank's own requests currently served elsewhere (their results not back
+    yet); :meth:`has_pending` must be OR-ed into the engine's "has unfinished requests" so the DP ranks
+    keep stepping (and running rounds) until every result is home.
+    """
+
+    def __init__(self, hooks: EngineHooks, comm: Communicator, cfg: RebalanceConfig,
+                 settings: RebalanceSettings) -> None:
+        self.hooks, self.comm, self.cfg, self.settings = hooks, comm, cfg, settings
+        self.rank = comm.rank
+        self.rounds = 0
+        self.away: set[str] = set()
+        self.reports: list[RoundReport] = []
+
+    def has_pending(self) -> bool:
+        """True while some of this rank's requests are served by another rank."""
+        return bool(self.away)
+
+    def on_step(self, step: int) -> RoundReport | None:
+        """Call after every engine step (``step`` counts from 1, equal on all DP ranks)."""
+        if not self.settings.enable or step % self.settings.interval_steps:
+            return None
+        return self.run_round()
+
+    def run_round(self) -> RoundReport:
+        """One round: gather loads and returns, plan, transfer, import, deliver."""
+        me = self.rank
+        self.rounds += 1
+        if hasattr(self.comm, "round"):
+            self.comm.round = self.rounds
+        state = self.hooks.load_state(me)
+        if state.rank != me:
+            raise MigrationError(f"load_state returned rank {state.rank} on DP rank {me}")
+        returns = [(f.origin_rank, f) for f in self.hooks.pop_finished_remote()]
+        gathered = self.comm.all_gather_object({"state": state, "returns": returns, "away": len(self.away)},
+                                               "load exchange (all_gather)")
+        delivered = []
+        for g in gathered:
+            for origin, res in g["returns"]:
+                if origin == me:
+                    if res.req_id not in self.away:
+                        raise MigrationError(f"DP rank {me}: result for {res.req_id} that is not away from here")
+                    self.away.discard(res.req_id)
+                    self.hooks.deliver(res)
+                    delivered.append(res.req_id)
+        plan = plan_rebalance([g["state"] for g in gathered], self.cfg)
+        sent, received, kv_out, kv_in = self._transfer(plan)
+        rep = RoundReport(self.rounds, plan, tuple(sent), tuple(received), tuple(delivered), kv_out, kv_in)
+        self.reports.append(rep)
+        return rep
+
+    def _transfer(self, plan: MigrationPlan) -> tuple[list[str], list[str], int, int]:
+        me = self.rank
+        outgoing, incoming = _pair_order(plan.moves, me)
+        if not outgoing and not incoming:
+            return [], [], 0, 0
+        spec = self.hooks.kv_cache_spec()
+        # stage 1: sizes (state bytes, KV bytes) per move
+        packed, kv_bufs, origins = [], [], []
+        for m in outgoing:
+            st, blocks = self.hooks.export_request(m.req_id)
+            origins.append(st.origin_rank)
+            if st.req_id != m.req_id or len(blocks) != m.kv_blocks:
+                raise MigrationError(f"DP rank {me}: export of {m.req_id} gave {st.req_id} with {len(blocks)} "
+                                     f"blocks, plan says {m.kv_blocks}")
+            packed.append(torch.from_numpy(pack_request(st)))
+            kv_bufs.append(gather_kv_blocks(spec, blocks).cpu() if blocks else torch.empty(0, dtype=torch.uint8))
+        sizes_out = [torch.tensor([p.numel(), k.numel()], dtype=torch.int64)
+                     for p, k in zip(packed, kv_bufs, strict=True)]
+        sizes_in = [torch.zeros(2, dtype=torch.int64) for _ in incoming]
+        self.comm.exchange([(m.dst, s) for m, s in zip(outgoing, sizes_out, strict=True)],
+                           [(m.src, s) for m, s in zip(incoming, sizes_in, strict=True)], "request sizes (P2P)")
+        # stage 2: state bytes and KV payload
+        st_in = [torch.empty(int(s[0]), dtype=torch.uint8) for s in sizes_in]
+        kv_in = [torch.empty(int(s[1]), dtype=torch.uint8) for s in sizes_in]
+        sends = [(m.dst, p) for m, p in zip(outgoing, packed, strict=True)]
+        sends += [(m.dst, k) for m, k in zip(outgoing, kv_bufs, strict=True) if k.numel()]
+        recvs = [(m.src, b) for m, b in zip(incoming, st_in, strict=True)]
+        recvs += [(m.src, b) for m, b in zip(incoming, kv_in, strict=True) if b.numel()]
+        self.comm.exchange(sends, recvs, "request state + KV blocks (P2P)")
+        for m in outgoing:
+            self.hooks.release_request(m.req_id)
+        received = []
+        for m, sb, kb in zip(incoming, st_in, kv_in, strict=True):
+            st = unpack_request(sb.numpy())
+            if st.req_id != m.req_id:
+                raise MigrationError(f"DP rank {me}: expected {m.req_id} from rank {m.src}, got {st.req_id}")
+            blocks = self.hooks.allocate_blocks(st) if st.num_kv_blocks else []
+            if len(blocks) != st.num_kv_blocks:
+                raise MigrationError(f"DP rank {me}: got {len(blocks)} blocks for {st.req_id}, need {st.num_kv_blocks}")
+            if blocks:
+                scatter_kv_blocks(spec, blocks, kb)
+            self.hooks.import_request(st, blocks)
+            received.append(st.req_id)
+            if st.origin_rank == me:
+                self.away.discard(st.req_id)  # one of ours came back home: served here again
+        for m, origin in zip(outgoing, origins, strict=True):
+            if origin == me:  # a foreign request moving on stays in its origin's ledger
+                self.away.add(m.req_id)
+        return ([m.req_id for m in outgoing], received, sum(int(k.numel()) for k in kv_bufs),
+                sum(int(b.numel()) for b in kv_in))
