@@ -58,6 +58,10 @@ ROLLOUT_ENFORCE_EAGER=${ROLLOUT_ENFORCE_EAGER:-False}
 # qwen3_rl switches (README "Switches"): tqdm progress in the rollout, gc off during each engine step
 ROLLOUT_USE_TQDM=${ROLLOUT_USE_TQDM:-False}
 DISABLE_GC_IN_ENGINE_STEP=${DISABLE_GC_IN_ENGINE_STEP:-False}
+DATA_REBALANCE=${DATA_REBALANCE:-False}
+ROLLOUT_REBALANCE=${ROLLOUT_REBALANCE:-False}
+ROLLOUT_REBALANCE_INTERVAL_STEPS=${ROLLOUT_REBALANCE_INTERVAL_STEPS:-32}
+ROLLOUT_REBALANCE_MAX_MOVES=${ROLLOUT_REBALANCE_MAX_MOVES:-128}
 GRAPH_CAPTURE_SIZES=${GRAPH_CAPTURE_SIZES:-[8,16,32,64,96,128,160,192,224,256]}
 
 # ---- checkpoints: saved by default, resumed automatically -------------------------------------
@@ -128,6 +132,10 @@ overrides=(
     "actor_rollout_ref.rollout.enforce_eager=${ROLLOUT_ENFORCE_EAGER}"
     "actor_rollout_ref.rollout.use_tqdm=${ROLLOUT_USE_TQDM}"
     "actor_rollout_ref.rollout.disable_gc_in_engine_step=${DISABLE_GC_IN_ENGINE_STEP}"
+    "actor_rollout_ref.rollout.data_rebalance=${DATA_REBALANCE}"
+    "actor_rollout_ref.rollout.rollout_rebalance=${ROLLOUT_REBALANCE}"
+    "actor_rollout_ref.rollout.rollout_rebalance_interval_steps=${ROLLOUT_REBALANCE_INTERVAL_STEPS}"
+    "actor_rollout_ref.rollout.rollout_rebalance_max_moves=${ROLLOUT_REBALANCE_MAX_MOVES}"
     "actor_rollout_ref.rollout.cudagraph_capture_sizes=${GRAPH_CAPTURE_SIZES}"
     actor_rollout_ref.rollout.enable_chunked_prefill=True
     actor_rollout_ref.rollout.enable_prefix_caching=True

@@ -625,3 +625,116 @@ def test_collective_timeout_is_a_clear_error(tmp_path: Path) -> None:
     assert "load exchange (all_gather) with DP rank(s) [1] did not complete within 1.5 s" in lines[1]
     assert "rollout rebalance round 1, DP rank 0" in lines[1]
     assert float(lines[2].split()[1]) < 4.5  # returned instead of hanging
+
+
+# ---------------------------------------------------------------------------------------------------
+# config switches: declared in the patched verl config, mapped from the train scripts' env vars
+# ---------------------------------------------------------------------------------------------------
+SWITCHES = {"DATA_REBALANCE": ("data_rebalance", False), "ROLLOUT_REBALANCE": ("rollout_rebalance", False),
+            "ROLLOUT_REBALANCE_INTERVAL_STEPS": ("rollout_rebalance_interval_steps", 32),
+            "ROLLOUT_REBALANCE_MAX_MOVES": ("rollout_rebalance_max_moves", 128)}
+
+
+def test_switches_declared_and_mapped_from_scripts(patched_imports: Path) -> None:
+    from hydra.errors import ConfigCompositionException
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RolloutConfig
+
+    from qwen3_rl.launch.train_script import parse_train_script
+    from qwen3_rl.rollout.migration import settings_from_rollout_config
+
+    default = _compose_verl(patched_imports, ["actor_rollout_ref.rollout.name=vllm"])
+    r = omega_conf_to_dataclass(default.actor_rollout_ref.rollout, dataclass_type=RolloutConfig)
+    assert (r.data_rebalance, r.rollout_rebalance, r.rollout_rebalance_interval_steps,
+            r.rollout_rebalance_max_moves, r.rollout_rebalance_timeout_s) == (False, False, 32, 128, 60.0)
+    on = _compose_verl(patched_imports, ["actor_rollout_ref.rollout.name=vllm",
+                                         "actor_rollout_ref.rollout.data_rebalance=true",
+                                         "actor_rollout_ref.rollout.rollout_rebalance=true",
+                                         "actor_rollout_ref.rollout.rollout_rebalance_interval_steps=8"])
+    settings, max_moves = settings_from_rollout_config(
+        omega_conf_to_dataclass(on.actor_rollout_ref.rollout, dataclass_type=RolloutConfig))
+    assert (settings.enable, settings.interval_steps, max_moves) == (True, 8, 128)
+    for typo in ("actor_rollout_ref.rollout.data_rebalanse=true", "actor_rollout_ref.rollout.rollout_rebalence=true"):
+        with pytest.raises(ConfigCompositionException):
+            _compose_verl(patched_imports, [typo])
+
+    env_base = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
+    scripts = sorted((REPO / "internal").glob("train_*.sh"))
+    assert len(scripts) == 5
+    for script in scripts:
+        text = script.read_text()
+        default_ov = dict(o.split("=", 1) for o in parse_train_script(script, env=env_base).overrides if "=" in o)
+        cmd = parse_train_script(script, env={**env_base, "DATA_REBALANCE": "True", "ROLLOUT_REBALANCE_MAX_MOVES": "7"})
+        ov = dict(o.split("=", 1) for o in cmd.overrides if "=" in o)
+        for var, (key, default_val) in SWITCHES.items():
+            assert f"{var}=${{{var}:-{default_val}}}" in text, (script.name, var)
+            assert default_ov[f"actor_rollout_ref.rollout.{key}"] == str(default_val), (script.name, key)
+        assert ov["actor_rollout_ref.rollout.data_rebalance"] == "True"
+        assert ov["actor_rollout_ref.rollout.rollout_rebalance"] == "False"
+        assert ov["actor_rollout_ref.rollout.rollout_rebalance_max_moves"] == "7"
+
+
+def test_configure_rollout_rebalance_needs_engine_hook() -> None:
+    from types import SimpleNamespace
+
+    from qwen3_rl.rollout.migration import ENGINE_HOOK_ATTR, MigrationError, configure_rollout_rebalance
+
+    llm = SimpleNamespace(llm_engine=SimpleNamespace())
+    assert configure_rollout_rebalance({"rollout_rebalance": False}, llm).enable is False
+    with pytest.raises(MigrationError, match="needs the vLLM engine-loop hook"):
+        configure_rollout_rebalance({"rollout_rebalance": True}, llm)
+    got = []
+    setattr(llm.llm_engine, ENGINE_HOOK_ATTR, SimpleNamespace(configure=lambda s, m: got.append((s, m))))
+    s = configure_rollout_rebalance({"rollout_rebalance": True, "rollout_rebalance_interval_steps": 4,
+                                     "rollout_rebalance_max_moves": 9}, llm)
+    assert got == [(s, 9)] and s.interval_steps == 4
+    for bad in ({"rollout_rebalance": "yes"}, {"rollout_rebalance": True, "rollout_rebalance_max_moves": 0},
+                {"rollout_rebalance": True, "rollout_rebalance_interval_steps": 0}):
+        with pytest.raises(ValueError):
+            configure_rollout_rebalance(bad, llm)
+
+
+def test_request_state_and_kv_blocks_round_trip() -> None:
+    import torch
+
+    from qwen3_rl.rollout.migration import (
+        KVCacheSpec,
+        MigrationError,
+        RequestState,
+        gather_kv_blocks,
+        pack_request,
+        scatter_kv_blocks,
+        unpack_request,
+    )
+
+    g = torch.Generator().manual_seed(5)
+    torch.randint(0, 9, (3,), generator=g)
+    st = RequestState("req-ä", 3, (1, 2, 3), (9, 8), {"temperature": 0.6, "top_p": 0.95, "stop": ["</s>"]}, 5,
+                      g.get_state().numpy().tobytes(), 4, 2, None, {"arrival": 1.5})
+    back = unpack_request(pack_request(st))
+    assert back == st
+    g2 = torch.Generator()
+    g2.set_state(torch.frombuffer(bytearray(back.generator_state), dtype=torch.uint8))
+    assert torch.randint(0, 1000, (4,), generator=g2).tolist() == torch.randint(0, 1000, (4,), generator=g).tolist()
+    empty = RequestState("w", 0, (7,), (), {}, None, None, 0, 0, b"", {})
+    assert unpack_request(pack_request(empty)) == empty  # empty drafter state differs from None
+    buf = pack_request(st)
+    with pytest.raises(MigrationError, match="bytes, header says"):
+        unpack_request(buf[:-1])
+    with pytest.raises(MigrationError, match="not a request state"):
+        unpack_request(np.zeros(32, dtype=np.uint8))
+    with pytest.raises(MigrationError, match="JSON"):
+        pack_request(RequestState("x", 0, (), (), {"obj": object()}))
+
+    a = torch.arange(6 * 2 * 3, dtype=torch.float32).reshape(6, 2, 3)
+    b = torch.arange(2 * 6 * 2, dtype=torch.int8).reshape(2, 6, 2)
+    src = KVCacheSpec((a, b), (0, 1))
+    assert src.bytes_per_block == 2 * 3 * 4 + 2 * 2
+    flat = gather_kv_blocks(src, [4, 1])
+    dst = KVCacheSpec((torch.zeros_like(a), torch.zeros_like(b)), (0, 1))
+    scatter_kv_blocks(dst, [0, 5], flat)
+    assert torch.equal(dst.caches[0][0], a[4]) and torch.equal(dst.caches[0][5], a[1])
+    assert torch.equal(dst.caches[1][:, 0], b[:, 4]) and torch.equal(dst.caches[1][:, 5], b[:, 1])
+    assert dst.caches[0][1:5].abs().sum() == 0
+    with pytest.raises(MigrationError, match="blocks need"):
+        scatter_kv_blocks(dst, [0], flat)

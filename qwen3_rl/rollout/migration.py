@@ -483,3 +483,57 @@ class RebalanceCoordinator:
                 self.away.add(m.req_id)
         return ([m.req_id for m in outgoing], received, sum(int(k.numel()) for k in kv_bufs),
                 sum(int(b.numel()) for b in kv_in))
+
+
+# ---------------------------------------------------------------------------------------------------
+# rollout config switch (verl patch 0007 calls configure_rollout_rebalance after building vllm.LLM)
+# ---------------------------------------------------------------------------------------------------
+#: attribute the vLLM engine-loop hook sets on ``LLMEngine`` when it can run a coordinator
+ENGINE_HOOK_ATTR = "qwen3_rl_rebalance_hook"
+
+
+def _cfg_get(cfg: Any, key: str, default: Any) -> Any:
+    if isinstance(cfg, dict):
+        return cfg.get(key, default)
+    if hasattr(cfg, "get") and not hasattr(cfg, "__dataclass_fields__"):
+        return cfg.get(key, default)
+    return getattr(cfg, key, default)
+
+
+def settings_from_rollout_config(rollout_cfg: Any) -> tuple[RebalanceSettings, int]:
+    """``(RebalanceSettings, max_moves)`` from ``actor_rollout_ref.rollout`` (dataclass, DictConfig or dict).
+
+    Keys: ``rollout_rebalance`` (bool, default False), ``rollout_rebalance_interval_steps`` (32),
+    ``rollout_rebalance_max_moves`` (128, requests per round), ``rollout_rebalance_timeout_s`` (60).
+    """
+    enable = _cfg_get(rollout_cfg, "rollout_rebalance", False)
+    interval = _cfg_get(rollout_cfg, "rollout_rebalance_interval_steps", 32)
+    max_moves = _cfg_get(rollout_cfg, "rollout_rebalance_max_moves", 128)
+    timeout = _cfg_get(rollout_cfg, "rollout_rebalance_timeout_s", 60.0)
+    if not isinstance(enable, bool):
+        raise ValueError(f"actor_rollout_ref.rollout.rollout_rebalance must be a bool, got {enable!r}")
+    if isinstance(max_moves, bool) or int(max_moves) < 1:
+        raise ValueError(f"actor_rollout_ref.rollout.rollout_rebalance_max_moves must be >= 1, got {max_moves!r}")
+    return RebalanceSettings(enable, int(interval), float(timeout)), int(max_moves)
+
+
+def configure_rollout_rebalance(rollout_cfg: Any, llm: Any) -> RebalanceSettings:
+    """Apply ``rollout.rollout_rebalance*`` to a freshly built ``vllm.LLM`` (called by verl patch 0007).
+
+    Off (default): returns the settings, touches nothing. On: the engine must carry the engine-loop
+    hook (``LLMEngine.<ENGINE_HOOK_ATTR>``, installed by a vLLM patch that calls
+    :class:`RebalanceCoordinator` every step); without it this raises instead of silently running an
+    unbalanced rollout. The settings are handed to the hook's ``configure(settings, max_moves)``.
+    """
+    settings, max_moves = settings_from_rollout_config(rollout_cfg)
+    if not settings.enable:
+        return settings
+    engine = getattr(llm, "llm_engine", None)
+    hook = getattr(engine, ENGINE_HOOK_ATTR, None)
+    if hook is None:
+        raise MigrationError(
+            "actor_rollout_ref.rollout.rollout_rebalance=True needs the vLLM engine-loop hook that runs the "
+            "rebalance coordinator inside LLMEngine.step; this vLLM build has none (the recipe does not ship "
+            "that vLLM patch yet, see docs/rollout_balancing.md). Switch rollout_rebalance off.")
+    hook.configure(settings, max_moves)
+    return settings
