@@ -1,0 +1,483 @@
+"""SAM speculative decoding selected end to end on the patched pins (vllm 0003, vllm_ascend 0002/0003).
+
+* The patched vLLM ``SpeculativeConfig`` (built on CPU, also from the dict ``LLM(speculative_config=...)``
+  passes) keeps ``method == "sam"``; bad k, unknown or foreign options raise.
+* The patched vLLM-Ascend ``spec_decode`` package is imported with stand-in ``torch_npu`` / ``torchair`` /
+  ``acl`` modules; the patched ``NPUModelRunner._set_up_drafter`` / ``_get_drafter`` /
+  ``propose_draft_token_ids`` are compiled from the patched file and run on a stand-in runner that
+  holds vLLM's real ``InputBatch``: "sam" selects our adapter (not n-gram), and a replay of a batch
+  (chunked prefill, finished, preempted and resumed requests, batch-size threshold crossings) runs
+  our adapter beside vLLM-Ascend's own n-gram adapter as the reference.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+
+from qwen3_rl.spec_decode.bs_threshold import BatchSizeGate
+from qwen3_rl.spec_decode.config import (
+    MAX_SPECULATIVE_TOKENS,
+    SamOptions,
+    check_num_speculative_tokens,
+    parse_sam_options,
+)
+
+L = 512  # max_model_len of the replays
+K = 3
+
+
+# ----------------------------------------------------------------------------- pure package logic
+def test_options_and_gate_validation() -> None:
+    assert parse_sam_options(None) == SamOptions()
+    opts = parse_sam_options({"group_mode": True, "cache_max_responses": 8, "pad_drafts": True})
+    cfg = opts.sam_config(4)
+    assert (cfg.group_mode, cfg.cache_max_responses, cfg.num_speculative_tokens) == (True, 8, 4)
+    for bad, msg in [({"group_mod": True}, "unknown option"), ({"group_mode": 1}, "must be bool"),
+                     ({"min_match": True}, "must be int"), ({"rule": "often"}, "rule"),
+                     ({"cache_max_responses": 500}, "cache_max_responses"), ([1], "mapping")]:
+        with pytest.raises(ValueError, match=msg):
+            parse_sam_options(bad)
+    assert check_num_speculative_tokens(5) == 5
+    for bad in (None, 0, -1, MAX_SPECULATIVE_TOKENS + 1, True, 2.0, "3"):
+        with pytest.raises(ValueError, match="num_speculative_tokens"):
+            check_num_speculative_tokens(bad)
+
+    gate = BatchSizeGate(threshold=4)
+    seq = [gate.drafting_on(n) for n in (2, 4, 5, 9, 4, 3, 6)]
+    assert seq == [True, True, False, False, True, True, False]
+    assert (gate.steps_on, gate.steps_off, gate.switches) == (4, 3, 3)
+    assert all(BatchSizeGate().drafting_on(n) for n in (1, 10_000))
+    for bad in (0, True, "4"):
+        with pytest.raises(ValueError):
+            BatchSizeGate(threshold=bad)
+    eagle = types.SimpleNamespace(speculative_config=types.SimpleNamespace(method="eagle", disable_by_batch_size=8))
+    with pytest.raises(ValueError, match="disable_by_batch_size"):
+        BatchSizeGate.from_vllm_config(eagle)
+    assert BatchSizeGate.from_vllm_config(types.SimpleNamespace(speculative_config=None)).threshold is None
+
+
+# ----------------------------------------------------------------------------- patched vLLM config
+def test_patched_speculative_config_keeps_sam(patched_imports: Path) -> None:
+    import dataclasses
+
+    from vllm.config import SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    # the path of LLM(speculative_config={...}) / verl engine_kwargs: EngineArgs -> SpeculativeConfig
+    raw = {"method": "sam", "num_speculative_tokens": 4, "disable_by_batch_size": 64,
+           "sam_config": {"group_mode": True}}
+    spec = EngineArgs(model="stand-in", speculative_config=dict(raw)).create_speculative_config(None, None)
+    assert isinstance(spec, SpeculativeConfig)
+    assert spec.method == "sam" and spec.method != "ngram"  # never rewritten
+    assert (spec.num_speculative_tokens, spec.disable_by_batch_size) == (4, 64)
+    assert spec.sam_config == {"group_mode": True} and spec.prompt_lookup_max is None
+    assert not spec.use_eagle() and "method='sam'" in repr(spec)
+    assert dataclasses.replace(spec, num_speculative_tokens=2).method == "sam"
+    # ngram is untouched by the patch
+    ngram = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    assert (ngram.method, ngram.prompt_lookup_min, ngram.prompt_lookup_max) == ("ngram", 5, 5)
+
+    bad_cases = [
+        ({"num_speculative_tokens": 0}, "greater than 0"),
+        ({"num_speculative_tokens": 500}, r"\[1, 128\]"),
+        ({}, "needs num_speculative_tokens"),
+        ({"num_speculative_tokens": 3, "sam_group_mode": True}, r"unknown option\(s\) \['sam_group_mode'\]"),
+        ({"num_speculative_tokens": 3, "sam_config": {"group": True}}, r"unknown option\(s\) \['group'\]"),
+        ({"num_speculative_tokens": 3, "sam_config": {"group_mode": "yes"}}, "group_mode must be bool"),
+        ({"num_speculative_tokens": 3, "prompt_lookup_max": 5}, "not used by method='sam'"),
+        ({"num_speculative_tokens": 3, "model": "org/draft"}, "model-free"),
+        ({"num_speculative_tokens": 3, "disable_by_batch_size": 1}, "disable_by_batch_size"),
+    ]
+    for extra, msg in bad_cases:
+        with pytest.raises(Exception, match=msg):
+            SpeculativeConfig(method="sam", **extra)
+    with pytest.raises(Exception, match="only used with method='sam'"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=3, sam_config={"group_mode": True})
+
+
+# ----------------------------------------------------------------------------- vLLM-Ascend with stand-ins
+class _Stub(types.ModuleType):
+    """Stand-in module: every attribute is a MagicMock."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = mock.MagicMock(name=f"{self.__name__}.{name}")
+        setattr(self, name, value)
+        return value
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    roots = ("torch_npu", "torchair", "acl")
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in self.roots:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _Stub(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module) -> None:
+        return None
+
+
+@pytest.fixture(scope="module")
+def ascend(patched_imports: Path):
+    """The patched vLLM-Ascend spec_decode package and runner methods, imported with stand-ins."""
+    import torch
+
+    finder = _StubFinder()
+    sys.meta_path.insert(0, finder)
+    had_npu = hasattr(torch, "npu")
+    if not had_npu:
+        torch.npu = _Stub("torch.npu")
+    tree = patched_imports / "vllm-ascend"
+    sys.path.insert(0, str(tree))
+    before = set(sys.modules)
+    try:
+        import vllm_ascend.spec_decode as sd
+        from vllm_ascend.spec_decode.interface import Proposer
+        from vllm_ascend.spec_decode.ngram_proposer import NgramProposer
+        from vllm_ascend.utils import speculative_enable_dispatch_gmm_combine_decode
+
+        from qwen3_rl.spec_decode.ascend_adapter import SamAscendProposer
+
+        assert sd.__file__.startswith(str(tree)), "not the patched vllm-ascend"
+        yield types.SimpleNamespace(sd=sd, Proposer=Proposer, NgramProposer=NgramProposer,
+                                    SamAscendProposer=SamAscendProposer, runner=_runner_methods(tree, sd),
+                                    gmm=speculative_enable_dispatch_gmm_combine_decode)
+    finally:
+        sys.meta_path.remove(finder)
+        sys.path.remove(str(tree))
+        if not had_npu:
+            del torch.npu
+        for name in set(sys.modules) - before:
+            if name.split(".")[0] in ("vllm_ascend", "torch_npu", "torchair", "acl") or \
+                    name == "qwen3_rl.spec_decode.ascend_adapter":
+                del sys.modules[name]
+
+
+def _runner_methods(tree: Path, sd: types.ModuleType) -> types.SimpleNamespace:
+    """Compile NPUModelRunner._set_up_drafter / _get_drafter / propose_draft_token_ids from the patched
+    model_runner_v1.py (the module itself needs the NPU stack) with the names they use on our path."""
+    import torch
+
+    from qwen3_rl.spec_decode import bs_threshold
+
+    src = (tree / "vllm_ascend" / "worker" / "model_runner_v1.py").read_text()
+    module = ast.parse(src)
+    cls = next(n for n in module.body if isinstance(n, ast.ClassDef) and n.name == "NPUModelRunner")
+    wanted = {"_set_up_drafter", "_get_drafter", "propose_draft_token_ids"}
+    funcs = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
+    assert {f.name for f in funcs} == wanted
+    imports = [n for n in module.body if isinstance(n, ast.ImportFrom) and n.module == "qwen3_rl.spec_decode.bs_threshold"]
+    assert imports, "patch 0002 import missing"
+    code = ast.Module(body=[ast.ImportFrom(module="__future__", names=[ast.alias("annotations")], level=0), *funcs],
+                      type_ignores=[])
+    ns = {"get_spec_decode_method": sd.get_spec_decode_method, "BatchSizeGate": bs_threshold.BatchSizeGate,
+          "propose_or_skip": bs_threshold.propose_or_skip, "torch": torch,
+          "get_pp_group": lambda: types.SimpleNamespace(is_last_rank=True),
+          "RejectionSampler": lambda sampler: ("rejection-sampler", sampler)}
+    exec(compile(ast.fix_missing_locations(code), str(tree / "model_runner_v1.py"), "exec"), ns)
+    return types.SimpleNamespace(**{name: ns[name] for name in wanted})
+
+
+def _vllm_config(spec):
+    return types.SimpleNamespace(
+        speculative_config=spec, model_config=types.SimpleNamespace(max_model_len=L),
+        scheduler_config=types.SimpleNamespace(max_num_seqs=8),
+        parallel_config=types.SimpleNamespace(tensor_parallel_size=1), additional_config={})
+
+
+def _make_runner(ascend, spec_kwargs: dict, max_num_reqs: int = 8):
+    """A stand-in NPUModelRunner set up by the patched _set_up_drafter, with vLLM's real InputBatch."""
+    import torch
+    from vllm.config import SpeculativeConfig
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    spec = SpeculativeConfig(**spec_kwargs)
+    batch = InputBatch(max_num_reqs=max_num_reqs, max_model_len=L, max_num_batched_tokens=4096,
+                       device=torch.device("cpu"), pin_memory=False, vocab_size=1000, block_sizes=[16],
+                       kernel_block_sizes=[16], is_spec_decode=True, num_speculative_tokens=spec.num_speculative_tokens)
+    runner = types.SimpleNamespace(
+        speculative_config=spec, vllm_config=_vllm_config(spec), device=torch.device("cpu"),
+        max_num_reqs=max_num_reqs, max_num_tokens=4096, sampler=object(), input_batch=batch, requests={},
+        _make_buffer=lambda n, dtype: types.SimpleNamespace(np=np.zeros(n, np.int64)))
+    runner._get_drafter = types.MethodType(ascend.runner._get_drafter, runner)
+    ascend.runner._set_up_drafter(runner)
+    return runner
+
+
+def test_patched_get_spec_decode_method_selects_sam(ascend) -> None:
+    from vllm.config import SpeculativeConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = EngineArgs(model="stand-in", speculative_config={"method": "sam", "num_speculative_tokens": K}
+                      ).create_speculative_config(None, None)
+    runner = types.SimpleNamespace(input_batch=None, requests={})
+    drafter = ascend.sd.get_spec_decode_method(spec.method, _vllm_config(spec), "cpu", runner)
+    assert type(drafter) is ascend.SamAscendProposer and isinstance(drafter, ascend.Proposer)
+    assert not isinstance(drafter, ascend.NgramProposer) and drafter.k == K and drafter.runner is runner
+    ngram_spec = SpeculativeConfig(method="ngram", num_speculative_tokens=K)
+    assert isinstance(ascend.sd.get_spec_decode_method("ngram", _vllm_config(ngram_spec), "cpu", runner),
+                      ascend.NgramProposer)
+    with pytest.raises(ValueError, match="Unknown speculative decoding method"):
+        ascend.sd.get_spec_decode_method("sam2", _vllm_config(spec), "cpu", runner)
+    # MoE: "sam" keeps dispatch_gmm_combine_decode like the other model-free methods
+    assert ascend.gmm(types.SimpleNamespace(speculative_config=spec)) is True
+    # the patched runner: _set_up_drafter -> _get_drafter -> our adapter, gate from the config
+    r = _make_runner(ascend, {"method": "sam", "num_speculative_tokens": K, "disable_by_batch_size": 6})
+    assert type(r.drafter) is ascend.SamAscendProposer and r.decode_token_per_req == K + 1
+    assert r.spec_decode_gate.threshold == 6
+    assert _make_runner(ascend, {"method": "sam", "num_speculative_tokens": K}).spec_decode_gate.threshold is None
+
+
+# ----------------------------------------------------------------------------- replay harness
+def _phrase_text(rng: np.random.Generator, phrases: list[np.ndarray], n_phrases: int) -> list[int]:
+    return np.concatenate([phrases[i] for i in rng.integers(0, len(phrases), n_phrases)]).tolist()
+
+
+class _Replay:
+    """Plays vLLM's scheduler and the runner's state updates around the patched propose path.
+
+    Per step, as vLLM 0.13 / vLLM-Ascend 0.13 do: finished requests leave ``runner.requests`` and
+    the batch; unscheduled ones leave the batch (kept in ``runner.requests``); new / resumed ones are
+    added (``InputBatch.add_request`` writes prompt + outputs); last step's drafts are written beyond
+    ``num_tokens_no_spec`` (``_update_states``); verification is greedy-equivalent against the
+    request's true continuation; ``_bookkeeping_sync`` appends the accepted tokens; then
+    ``propose_draft_token_ids`` runs.
+    """
+
+    def __init__(self, runner, propose, truth: dict[str, tuple[list[int], list[int]]]) -> None:
+        self.r = runner
+        self.propose = propose
+        self.truth = truth  # req_id -> (prompt, response)
+        self.drafts: dict[str, list[int]] = {}
+        self.finished_pending: set[str] = set()
+        self.done: set[str] = set()
+        self.steps = 0
+        self.advanced = 0
+        self.drafted = 0
+
+    def step(self, scheduled: list[str], new: set[str] = frozenset(), chunked: set[str] = frozenset(),
+             params=None) -> list[list[int]]:
+        from vllm import SamplingParams
+        from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+        b, reqs = self.r.input_batch, self.r.requests
+        finished = set(self.finished_pending)
+        self.finished_pending.clear()
+        for rid in finished:
+            reqs.pop(rid, None)
+            b.remove_request(rid)
+        for rid in [x for x in b.req_ids if x not in scheduled]:
+            b.remove_request(rid)
+            self.drafts.pop(rid, None)  # a preempted request loses its drafts
+        added = []
+        for rid in scheduled:
+            if rid in new:
+                prompt, _ = self.truth[rid]
+                sp = (params or {}).get(rid, SamplingParams(temperature=1.0))
+                reqs[rid] = CachedRequestState(req_id=rid, prompt_token_ids=list(prompt), mm_features=[],
+                                               sampling_params=sp, generator=None, block_ids=([],),
+                                               num_computed_tokens=0, output_token_ids=[])
+            if rid not in b.req_id_to_index:
+                added.append(rid)
+                b.add_request(reqs[rid])
+        b.condense()
+        b.refresh_metadata()  # as the runner does after condense (resets the batch-update record)
+        for rid, d in self.drafts.items():  # _update_states: draft tokens beyond num_tokens_no_spec
+            i = b.req_id_to_index[rid]
+            s = b.num_tokens_no_spec[i]
+            b.token_ids_cpu[i, s:s + len(d)] = d
+            b.num_tokens[i] = s + len(d)
+        valid: list[list[int]] = []
+        for i, rid in enumerate(b.req_ids):
+            prompt, resp = self.truth[rid]
+            pos = int(b.num_tokens_no_spec[i]) - len(prompt)
+            if rid in chunked:
+                valid.append([])  # partial prefill: its sampled token is discarded
+                continue
+            d = [] if rid in added else self.drafts.get(rid, [])
+            acc = 0
+            while acc < len(d) and pos + acc < len(resp) - 1 and d[acc] == resp[pos + acc]:
+                acc += 1
+            sampled = resp[pos: pos + acc + 1]
+            valid.append(list(sampled))
+        for i, rid in enumerate(b.req_ids):  # _bookkeeping_sync
+            if not valid[i]:
+                continue
+            s = int(b.num_tokens_no_spec[i])
+            e = s + len(valid[i])
+            b.token_ids_cpu[i, s:e] = valid[i]
+            b.num_tokens_no_spec[i] = e
+            b.num_tokens[i] = e
+            reqs[rid].output_token_ids.extend(valid[i])
+            self.advanced += len(valid[i])
+            if e - len(self.truth[rid][0]) >= len(self.truth[rid][1]):
+                self.finished_pending.add(rid)
+                self.done.add(rid)
+        sched_out = types.SimpleNamespace(finished_req_ids=finished,
+                                          scheduled_new_reqs=[types.SimpleNamespace(req_id=x) for x in new])
+        before = self.batch_snapshot()
+        out = self.propose(self.r, valid, sched_out)
+        self.snapshots = (before, self.batch_snapshot())  # the runner's batch around the drafter call
+        assert len(out) == b.num_reqs
+        self.drafts = {rid: list(out[i]) for i, rid in enumerate(b.req_ids)
+                       if out[i] and rid not in self.finished_pending}
+        self.steps += 1
+        self.drafted += sum(len(d) for d in out)
+        return out
+
+    def batch_snapshot(self) -> dict:
+        b = self.r.input_batch
+        return {"tok": b.token_ids_cpu.copy(), "num": b.num_tokens.copy(), "nospec": b.num_tokens_no_spec.copy(),
+                "prompt": b.num_prompt_tokens.copy(), "ids": list(b.req_ids),
+                "unsup": set(b.spec_decode_unsupported_reqs)}
+
+
+def _propose_via_runner(ascend):
+    def call(runner, valid, sched_out):
+        return ascend.runner.propose_draft_token_ids(runner, valid, None, sched_out, None, None, 0, None, None)
+    return call
+
+
+def _corpus(seed: int, n_req: int, shared_prompt_groups: int | None = None):
+    rng = np.random.default_rng(seed)
+    phrases = [rng.integers(1, 900, rng.integers(6, 12)) for _ in range(14)]
+    prompts = [rng.integers(1, 900, 40).tolist() for _ in range(shared_prompt_groups or n_req)]
+    truth = {}
+    for j in range(n_req):
+        prompt = prompts[j % len(prompts)]
+        truth[f"r{j}"] = (prompt, _phrase_text(rng, phrases, int(rng.integers(8, 16))))
+    return truth
+
+
+def _assert_fed_exactly_accepted(runner) -> None:
+    """Every batch row: the automaton's text == the runner's prompt + accepted tokens."""
+    b, sam = runner.input_batch, runner.drafter.sam
+    for i, rid in enumerate(b.req_ids):
+        n = int(b.num_tokens_no_spec[i])
+        np.testing.assert_array_equal(sam.drafter.tokens(rid), b.token_ids_cpu[i, :n])
+
+
+def test_sam_adapter_replay_lifecycle_threshold_beside_ngram(ascend) -> None:
+    """Batch of 8 requests on vLLM's InputBatch: chunked prefill, unsupported sampling params,
+    finished, preempted + resumed, and batch-size threshold crossings; n-gram adapter beside it."""
+    from vllm import SamplingParams
+
+    from qwen3_rl.spec_decode.sam import SamProposer
+
+    truth = _corpus(seed=7, n_req=10)
+    ids = sorted(truth, key=lambda x: int(x[1:]))
+    params = {"r3": SamplingParams(temperature=1.0, repetition_penalty=1.2)}  # spec decode unsupported
+
+    results = {}
+    for method in ("sam", "ngram"):
+        spec = {"method": method, "num_speculative_tokens": K, "disable_by_batch_size": 5}
+        if method == "ngram":
+            spec.update(prompt_lookup_min=2, prompt_lookup_max=5)
+        runner = _make_runner(ascend, spec)
+        rep = _Replay(runner, _propose_via_runner(ascend), truth)
+        started: set[str] = set()
+        live: list[str] = []
+        on_steps = off_steps = 0
+        while len(rep.done) < len(truth):
+            assert rep.steps < 400
+            s = rep.steps
+            # r0..r7 start at step 0; r2 is preempted during steps 6-9; r8, r9 join after step 12
+            live = [x for x in live if x not in rep.done]
+            sched = [x for x in live if not (x == "r2" and 6 <= s <= 9)]
+            new: set[str] = set()
+            waiting = [x for x in ids if x not in started]
+            while waiting and len(sched) < 8 and (s == 0 or s > 12):
+                x = waiting.pop(0)
+                sched.append(x)
+                live.append(x)
+                new.add(x)
+            started |= new
+            chunked = {x for x in new if x in ("r1", "r8")}  # their first step is a partial prefill
+            out = rep.step(sched, new=new, chunked=chunked, params=params)
+            b = runner.input_batch
+            over = b.num_reqs > 5
+            if over:
+                off_steps += 1
+                assert out == [[]] * b.num_reqs  # drafting off above the threshold
+            else:
+                on_steps += 1
+            for i, rid in enumerate(b.req_ids):
+                if rid in chunked or rid == "r3":
+                    assert out[i] == []  # partial prefill / unsupported sampling: no draft (as n-gram)
+                assert len(out[i]) <= K
+            if method == "sam":
+                _assert_fed_exactly_accepted(runner)
+                before, after = rep.snapshots
+                # the adapter wrote nothing into the runner's batch (vLLM-Ascend's n-gram adapter
+                # writes the sampled ids again beyond num_tokens_no_spec, ngram_proposer.py:54-58)
+                for key in ("tok", "num", "nospec", "prompt"):
+                    np.testing.assert_array_equal(after[key], before[key])
+                assert (after["ids"], after["unsup"]) == (before["ids"], before["unsup"])
+                sam = runner.drafter.sam
+                assert ("r2" in sam.request_ids and sam.is_paused("r2")) == (6 <= rep.steps - 1 <= 9
+                                                                            and "r2" not in rep.done)
+                if not over:  # same drafts as a fresh drafter given the same text (state fully restored)
+                    for i, rid in enumerate(b.req_ids):
+                        if out[i] and rid not in rep.finished_pending:
+                            ref = SamProposer(num_speculative_tokens=K)
+                            ref.add_request("x", b.token_ids_cpu[i, :b.num_prompt_tokens[i]])
+                            ref.extend("x", b.token_ids_cpu[i, b.num_prompt_tokens[i]:b.num_tokens_no_spec[i]])
+                            assert out[i] == ref.propose(["x"])[0][: len(out[i])]
+        gate = runner.spec_decode_gate
+        assert gate.switches >= 2 and off_steps > 0 and on_steps > 0  # crossed both ways
+        assert (gate.steps_on, gate.steps_off) == (on_steps, off_steps)
+        assert rep.drafted > 0  # drafting happened while on
+        results[method] = (rep.steps, rep.advanced, rep)
+
+    rep = results["sam"][2]
+    sam = rep.r.drafter.sam
+    assert sam.request_ids and sam.drafter.nbytes() > 0
+    rep.step([])  # the step after the last ones finished: the runner drops them, so does the drafter
+    assert sam.request_ids == set() and sam.drafter.nbytes() == 0
+    # same tokens generated by both; SAM needs no more steps than the n-gram reference here
+    assert results["sam"][1] == results["ngram"][1] == sum(len(r) for _, r in truth.values())
+    print({m: {"steps": v[0], "tokens": v[1], "drafted": v[2].drafted} for m, v in results.items()})
+    assert results["sam"][0] <= results["ngram"][0], results
+
+
+def test_sam_adapter_group_mode_drafts_from_sibling(ascend) -> None:
+    """Two GRPO samples of one prompt (group key = hash of the prompt ids): with group_mode the second
+    drafts the first's continuation; per request it cannot; pad_drafts fills drafts to k."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(1, 900, 30).tolist()
+    tail = rng.integers(1, 900, 20).tolist()
+    a_resp = [901, *tail, 905]
+    b_resp = [901, *tail, 906]  # the sibling repeats a's response
+    truth = {"a": (prompt, a_resp), "b": (prompt, b_resp)}
+    got = {}
+    for group in (False, True):
+        runner = _make_runner(ascend, {"method": "sam", "num_speculative_tokens": K,
+                                       "sam_config": {"group_mode": group}})
+        rep = _Replay(runner, _propose_via_runner(ascend), truth)
+        while "a" not in rep.done:
+            rep.step(["a"], new={"a"} if rep.steps == 0 else set())
+        out = rep.step(["b"], new={"b"})  # a finished; b's first token is 901
+        got[group] = out[0]
+    assert got[False] == [] or got[False][0] != tail[0]
+    assert got[True] == tail[:K]
+
+    runner = _make_runner(ascend, {"method": "sam", "num_speculative_tokens": K, "sam_config": {"pad_drafts": True}})
+    rep = _Replay(runner, _propose_via_runner(ascend), {"c": (prompt, [950, 951, 952, 953])})
+    out = rep.step(["c"], new={"c"})
+    assert out == [[950] * K]  # no match (950 is not in the prompt): the last token repeated to k
