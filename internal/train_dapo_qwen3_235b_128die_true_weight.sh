@@ -44,6 +44,8 @@ MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-34816}
 MAX_TOKEN_LEN_PER_GPU=${MAX_TOKEN_LEN_PER_GPU:-$((MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH))}
 LR=${LR:-1e-6}
 USE_KL_LOSS=${USE_KL_LOSS:-False}
+# on-policy update without the old-log-prob pass (docs/old_log_prob.md); needs PPO_MINI_BATCH_SIZE == TRAIN_BATCH_SIZE
+USE_CURRENT_LOG_PROB_AS_OLD=${USE_CURRENT_LOG_PROB_AS_OLD:-False}
 TOTAL_EPOCHS=${TOTAL_EPOCHS:-10}
 
 # ---- actor (Megatron) parallelism: from the published recipe's scripts ------------------------
@@ -74,6 +76,14 @@ ROLLOUT_REBALANCE=${ROLLOUT_REBALANCE:-False}
 ROLLOUT_REBALANCE_INTERVAL_STEPS=${ROLLOUT_REBALANCE_INTERVAL_STEPS:-32}
 ROLLOUT_REBALANCE_MAX_MOVES=${ROLLOUT_REBALANCE_MAX_MOVES:-128}
 GRAPH_CAPTURE_SIZES=${GRAPH_CAPTURE_SIZES:-[8,16,32,64,96,128,160,192,224,256]}
+# EPLB for the rollout (docs/eplb.md): vLLM-Ascend dynamic EPLB with our packing-aware placement
+# (eplb_policy_type 4, vllm_ascend patch 0004). With EP over all dies each die holds one of the 128
+# experts, so EPLB needs redundant slots, a multiple of the EP size (vLLM-Ascend splits experts + redundant
+# evenly over the EP ranks); default: one redundant slot per die.
+ROLLOUT_EPLB=${ROLLOUT_EPLB:-False}
+ROLLOUT_EPLB_REDUNDANT_EXPERTS=${ROLLOUT_EPLB_REDUNDANT_EXPERTS:-$((ROLLOUT_DP * ROLLOUT_TP))}
+ROLLOUT_EPLB_HEAT_INTERVAL=${ROLLOUT_EPLB_HEAT_INTERVAL:-400}
+ROLLOUT_EPLB_ALGO_INTERVAL=${ROLLOUT_EPLB_ALGO_INTERVAL:-30}
 
 # ---- checkpoints: saved by default, resumed automatically -------------------------------------
 SAVE_FREQ=${SAVE_FREQ:-5}
@@ -118,6 +128,7 @@ overrides=(
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=${MAX_TOKEN_LEN_PER_GPU}"
     actor_rollout_ref.actor.loss_agg_mode=token-mean
     "actor_rollout_ref.actor.use_kl_loss=${USE_KL_LOSS}"
+    "actor_rollout_ref.actor.use_current_log_prob_as_old=${USE_CURRENT_LOG_PROB_AS_OLD}"
     actor_rollout_ref.actor.kl_loss_coef=0.001
     actor_rollout_ref.actor.kl_loss_type=low_var_kl
     actor_rollout_ref.actor.entropy_coeff=0
@@ -202,6 +213,26 @@ overrides=(
     "trainer.test_freq=${TEST_FREQ}"
     "trainer.val_before_train=${VAL_BEFORE_TRAIN}"
 )
+
+case "${ROLLOUT_EPLB}" in
+    True | true | 1)
+        # keys read by vllm_ascend/ascend_config.py (refresh_eplb_config); vLLM-Ascend refuses dynamic_eplb
+        # unless its env var DYNAMIC_EPLB is "true" (eplb_utils.py check_dynamic_eplb): set for every Ray worker
+        overrides+=(
+            "+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.eplb_config.dynamic_eplb=True"
+            "+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.eplb_config.eplb_policy_type=4"
+            "+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.eplb_config.num_redundant_experts=${ROLLOUT_EPLB_REDUNDANT_EXPERTS}"
+            "+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.eplb_config.expert_heat_collection_interval=${ROLLOUT_EPLB_HEAT_INTERVAL}"
+            "+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.eplb_config.algorithm_execution_interval=${ROLLOUT_EPLB_ALGO_INTERVAL}"
+            "+ray_kwargs.ray_init.runtime_env.env_vars.DYNAMIC_EPLB='true'"
+        )
+        ;;
+    False | false | 0) ;;
+    *)
+        echo "ROLLOUT_EPLB must be True or False, got '${ROLLOUT_EPLB}'" >&2
+        exit 2
+        ;;
+esac
 
 cmd=(python3 -m qwen3_rl.trainer.dapo --config-name dapo_megatron_trainer "${overrides[@]}" "$@")
 if [[ "${QWEN3_RL_PRINT_COMMAND:-0}" == 1 ]]; then

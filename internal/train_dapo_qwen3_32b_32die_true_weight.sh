@@ -43,6 +43,8 @@ MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-34816}
 MAX_TOKEN_LEN_PER_GPU=${MAX_TOKEN_LEN_PER_GPU:-$((MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH))}
 LR=${LR:-1e-6}
 USE_KL_LOSS=${USE_KL_LOSS:-False}
+# on-policy update without the old-log-prob pass (docs/old_log_prob.md); needs PPO_MINI_BATCH_SIZE == TRAIN_BATCH_SIZE
+USE_CURRENT_LOG_PROB_AS_OLD=${USE_CURRENT_LOG_PROB_AS_OLD:-False}
 TOTAL_EPOCHS=${TOTAL_EPOCHS:-10}
 
 # ---- actor (Megatron) parallelism: from the published recipe's scripts ------------------------
@@ -109,6 +111,7 @@ overrides=(
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=${MAX_TOKEN_LEN_PER_GPU}"
     actor_rollout_ref.actor.loss_agg_mode=token-mean
     "actor_rollout_ref.actor.use_kl_loss=${USE_KL_LOSS}"
+    "actor_rollout_ref.actor.use_current_log_prob_as_old=${USE_CURRENT_LOG_PROB_AS_OLD}"
     actor_rollout_ref.actor.kl_loss_coef=0.001
     actor_rollout_ref.actor.kl_loss_type=low_var_kl
     actor_rollout_ref.actor.entropy_coeff=0
