@@ -80,3 +80,12 @@ class PackingAwareAscendPolicy:
         priority = np.argsort(-gain, kind="stable")
         changed = int(bool(moved.sum() > 0) and float(gain.mean()) >= self.min_gain)
         return changed, priority, new.reshape(num_layers, num_ranks, slots)
+
+
+def extra_policies() -> dict[int, type]:
+    """Policy types our vllm-ascend patch adds to ``PolicyFactory.generate_policy``'s table.
+
+    vLLM-Ascend selects the type by ``additional_config["eplb_config"]["eplb_policy_type"]`` (or the
+    deprecated top-level ``additional_config["eplb_policy_type"]``), read in ``ascend_config.py``.
+    """
+    return {ASCEND_POLICY_TYPE: PackingAwareAscendPolicy}

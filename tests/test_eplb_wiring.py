@@ -1,0 +1,141 @@
+"""EPLB switch -> vLLM-Ascend policy factory (vllm_ascend patch 0004): the keys a 235B train script emits
+with ROLLOUT_EPLB=True, composed with the patched verl config into the rollout's vLLM engine kwargs, are
+read by the PATCHED vLLM-Ascend 0.13 ``AscendConfig`` and select our policy in the PATCHED
+``PolicyFactory``; the env var vLLM-Ascend also requires reaches its check. vllm_ascend imports on CPU
+except ``vllm_ascend.utils`` (torch_npu), which is stood in for the one function ``AscendConfig`` calls."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from qwen3_rl.launch import parse_train_script
+from qwen3_rl.moe.eplb_ascend_policy import ASCEND_POLICY_TYPE, PackingAwareAscendPolicy, extra_policies
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "internal" / "train_grpo_qwen3_235b_128die_true_weight.sh"
+BASE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
+
+
+@pytest.fixture
+def vllm_ascend_on_path(patched_imports, monkeypatch):
+    """The patched vllm-ascend tree importable, ``vllm_ascend.utils`` stood in; every vllm_ascend module
+    imported here is dropped afterwards."""
+    root = patched_imports / "vllm-ascend"
+    assert (root / "vllm_ascend" / "eplb" / "core" / "policy" / "policy_factory.py").is_file()
+    monkeypatch.syspath_prepend(str(root))
+    utils = types.ModuleType("vllm_ascend.utils")
+    utils.get_flashcomm2_config_and_validate = lambda ascend_config, vllm_config: 0
+    utils.enable_sp = lambda *a, **k: False
+    monkeypatch.setitem(sys.modules, "vllm_ascend.utils", utils)
+    before = set(sys.modules)
+    yield root
+    for name in set(sys.modules) - before:
+        if name == "vllm_ascend" or name.startswith("vllm_ascend."):
+            del sys.modules[name]
+
+
+def _engine_kwargs_and_env(patched_imports: Path, **env: str) -> tuple[dict, dict]:
+    """The vLLM engine kwargs verl's SPMD rollout passes to ``LLM(**engine_kwargs)`` and the Ray
+    workers' env vars, from the train script's command composed with the patched verl config."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cmd = parse_train_script(SCRIPT, env=dict(BASE_ENV, **env))
+    with initialize_config_dir(config_dir=str(patched_imports / "verl/verl/trainer/config"), version_base=None):
+        cfg = compose(config_name=cmd.config_name, overrides=list(cmd.overrides))
+    OmegaConf.resolve(cfg)
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+    # what vllm_rollout_spmd.py does before LLM(...)
+    kwargs = rollout.get("engine_kwargs", {}).get("vllm", {}) or {}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    env_vars = OmegaConf.to_container(cfg.ray_kwargs.ray_init.runtime_env.env_vars)
+    return kwargs, env_vars
+
+
+def _ascend_config(additional_config: dict | None):
+    from vllm_ascend.ascend_config import AscendConfig
+
+    vllm_config = types.SimpleNamespace(
+        additional_config=additional_config, kv_transfer_config=None, speculative_config=None,
+        parallel_config=types.SimpleNamespace(enable_expert_parallel=True, tensor_parallel_size=4,
+                                              pipeline_parallel_size=1),
+        model_config=types.SimpleNamespace(is_deepseek_mla=False, hf_text_config=types.SimpleNamespace()))
+    return AscendConfig(vllm_config)
+
+
+def test_extra_policies_table() -> None:
+    assert extra_policies() == {ASCEND_POLICY_TYPE: PackingAwareAscendPolicy} and ASCEND_POLICY_TYPE == 4
+
+
+def test_train_script_switch_reaches_policy_factory(patched_imports, vllm_ascend_on_path, monkeypatch) -> None:
+    from vllm_ascend.eplb.core.eplb_utils import EPLBParamUtils
+    from vllm_ascend.eplb.core.policy.policy_abstract import DynamicConfig
+    from vllm_ascend.eplb.core.policy.policy_dynamic_ep import DynamicEplb
+    from vllm_ascend.eplb.core.policy.policy_factory import PolicyFactory
+
+    kwargs, env_vars = _engine_kwargs_and_env(patched_imports, ROLLOUT_EPLB="True")
+    add = kwargs["additional_config"]
+    assert type(add) is dict  # plain dict, as vLLM's VllmConfig.additional_config expects
+    assert dict(add) == {"eplb_config": {"dynamic_eplb": True, "eplb_policy_type": 4, "num_redundant_experts": 128,
+                                         "expert_heat_collection_interval": 400,
+                                         "algorithm_execution_interval": 30}}
+    assert env_vars["DYNAMIC_EPLB"] == "true"  # a string, as Ray's runtime_env env_vars require
+    ascend = _ascend_config(add)
+    # what worker/model_runner_v1.py reads to start the EPLB process, and what eplb_utils reads to place
+    assert (ascend.dynamic_eplb, ascend.eplb_policy_type, ascend.init_redundancy_expert) == (True, 4, 128)
+    assert (ascend.num_iterations_eplb_update, ascend.num_wait_worker_iterations) == (400, 30)
+    # EplbWorker.__init__: PolicyFactory.generate_policy(policy_type, DynamicConfig())
+    policy = PolicyFactory.generate_policy(ascend.eplb_policy_type, DynamicConfig())
+    assert type(policy) is PackingAwareAscendPolicy
+    # the env var the scripts hand to the Ray workers passes vLLM-Ascend's own gate; without it: refused
+    monkeypatch.setenv("DYNAMIC_EPLB", env_vars["DYNAMIC_EPLB"])
+    EPLBParamUtils.check_dynamic_eplb(ascend.dynamic_eplb)
+    monkeypatch.delenv("DYNAMIC_EPLB")
+    with pytest.raises(ValueError, match="DYNAMIC_EPLB"):
+        EPLBParamUtils.check_dynamic_eplb(ascend.dynamic_eplb)
+
+    # the policy from the factory runs on the table/workload EplbWorker hands it ([layers, ranks, slots])
+    table = torch.tensor([[[0, 1], [2, 3], [4, 5], [6, 7]]] * 2)
+    work = torch.zeros_like(table)
+    work[:, 0, :] = 100  # rank 0 holds the two hot experts
+    work[:, 1:, :] = 10
+    changed, priority, new = policy.rebalance_experts(table, work)
+    assert changed == 1 and new.shape == table.shape and sorted(priority.tolist()) == [0, 1]
+    for layer in new:
+        assert sorted(layer.flatten().tolist()) == list(range(8))  # every expert kept once
+        assert {0, 1} not in [set(r.tolist()) for r in layer]  # the hot pair is split
+
+    # default (switch off): no additional_config at all -> upstream defaults, no EPLB
+    kwargs_off, env_off = _engine_kwargs_and_env(patched_imports)
+    assert "additional_config" not in kwargs_off and "DYNAMIC_EPLB" not in env_off
+    off = _ascend_config(kwargs_off.get("additional_config"))
+    assert (off.dynamic_eplb, off.eplb_policy_type) == (False, 1)
+    assert type(PolicyFactory.generate_policy(off.eplb_policy_type, DynamicConfig())) is DynamicEplb
+    # the deprecated top-level key selects it too
+    assert _ascend_config({"eplb_policy_type": ASCEND_POLICY_TYPE}).eplb_policy_type == 4
+
+
+def test_bad_switch_value_is_an_error() -> None:
+    from qwen3_rl.launch import TrainScriptError
+
+    with pytest.raises(TrainScriptError, match="ROLLOUT_EPLB must be True or False"):
+        parse_train_script(SCRIPT, env=dict(BASE_ENV, ROLLOUT_EPLB="yes"))
+
+
+def test_redundant_default_matches_vllm_ascend_even_split() -> None:
+    """vLLM-Ascend builds its initial placement with np.array_split of the experts over EP ranks plus the
+    redundant slots round-robin and torch.tensor(groups): it needs (experts + redundant) % ranks == 0.
+    The scripts' default (one redundant slot per rollout die) satisfies it for 128 experts."""
+    cmd = parse_train_script(SCRIPT, env=dict(BASE_ENV, ROLLOUT_EPLB="True"))
+    key = "actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.eplb_config.num_redundant_experts"
+    redundant = int(cmd.get(key))
+    ranks = int(cmd.get("actor_rollout_ref.rollout.tensor_model_parallel_size")) * int(
+        cmd.get("actor_rollout_ref.rollout.engine_kwargs.vllm.data_parallel_size"))
+    assert (128 + redundant) % ranks == 0 and np.isclose((128 + redundant) / ranks, 2)
