@@ -71,6 +71,13 @@ ROLLOUT_ENFORCE_EAGER=${ROLLOUT_ENFORCE_EAGER:-False}
 # qwen3_rl switches (README "Switches"): tqdm progress in the rollout, gc off during each engine step
 ROLLOUT_USE_TQDM=${ROLLOUT_USE_TQDM:-False}
 DISABLE_GC_IN_ENGINE_STEP=${DISABLE_GC_IN_ENGINE_STEP:-False}
+# SAM speculative decoding (docs/sam_decoding.md) and npugraph_ex; engine keys are emitted only when on.
+# SAM_BS_THRESHOLD: drafting off while a vLLM step runs more requests than this (0 = never off).
+SAM_ENABLE=${SAM_ENABLE:-False}
+SAM_K=${SAM_K:-3}
+SAM_GROUP=${SAM_GROUP:-False}
+SAM_BS_THRESHOLD=${SAM_BS_THRESHOLD:-0}
+NPUGRAPH_EX=${NPUGRAPH_EX:-False}
 DATA_REBALANCE=${DATA_REBALANCE:-False}
 ROLLOUT_REBALANCE=${ROLLOUT_REBALANCE:-False}
 ROLLOUT_REBALANCE_INTERVAL_STEPS=${ROLLOUT_REBALANCE_INTERVAL_STEPS:-32}
@@ -178,7 +185,6 @@ overrides=(
     "actor_rollout_ref.rollout.rollout_rebalance=${ROLLOUT_REBALANCE}"
     "actor_rollout_ref.rollout.rollout_rebalance_interval_steps=${ROLLOUT_REBALANCE_INTERVAL_STEPS}"
     "actor_rollout_ref.rollout.rollout_rebalance_max_moves=${ROLLOUT_REBALANCE_MAX_MOVES}"
-    "actor_rollout_ref.rollout.cudagraph_capture_sizes=${GRAPH_CAPTURE_SIZES}"
     actor_rollout_ref.rollout.enable_chunked_prefill=True
     actor_rollout_ref.rollout.enable_prefix_caching=True
     actor_rollout_ref.rollout.free_cache_engine=True
@@ -233,6 +239,34 @@ case "${ROLLOUT_EPLB}" in
         exit 2
         ;;
 esac
+
+for _flag in SAM_ENABLE SAM_GROUP NPUGRAPH_EX; do
+    [[ "${!_flag}" == True || "${!_flag}" == False ]] || { echo "${_flag} must be True or False" >&2; exit 2; }
+done
+_vllm_kw=actor_rollout_ref.rollout.engine_kwargs.vllm
+if [[ "${SAM_ENABLE}" == True ]]; then
+    overrides+=(
+        "+${_vllm_kw}.speculative_config.method=sam"
+        "+${_vllm_kw}.speculative_config.num_speculative_tokens=${SAM_K}"
+        "+${_vllm_kw}.speculative_config.sam_config.group_mode=${SAM_GROUP}"
+        "+${_vllm_kw}.speculative_config.sam_config.pad_drafts=${NPUGRAPH_EX}"
+    )
+    if [[ "${SAM_BS_THRESHOLD}" != 0 ]]; then
+        overrides+=("+${_vllm_kw}.speculative_config.disable_by_batch_size=${SAM_BS_THRESHOLD}")
+    fi
+fi
+if [[ "${NPUGRAPH_EX}" == True ]]; then
+    # npugraph_ex needs FULL_DECODE_ONLY graphs (vLLM-Ascend turns it off under PIECEWISE); verl 0.6.1
+    # builds compilation_config only from cudagraph_capture_sizes, so sizes and mode go to vLLM directly.
+    overrides+=(
+        actor_rollout_ref.rollout.cudagraph_capture_sizes=null
+        "+${_vllm_kw}.compilation_config.cudagraph_mode=FULL_DECODE_ONLY"
+        "+${_vllm_kw}.compilation_config.cudagraph_capture_sizes=${GRAPH_CAPTURE_SIZES}"
+        "+${_vllm_kw}.additional_config.enable_npugraph_ex=True"
+    )
+else
+    overrides+=("actor_rollout_ref.rollout.cudagraph_capture_sizes=${GRAPH_CAPTURE_SIZES}")
+fi
 
 cmd=(python3 -m qwen3_rl.trainer.dapo --config-name dapo_megatron_trainer "${overrides[@]}" "$@")
 if [[ "${QWEN3_RL_PRINT_COMMAND:-0}" == 1 ]]; then

@@ -481,3 +481,94 @@ def test_sam_adapter_group_mode_drafts_from_sibling(ascend) -> None:
     rep = _Replay(runner, _propose_via_runner(ascend), {"c": (prompt, [950, 951, 952, 953])})
     out = rep.step(["c"], new={"c"})
     assert out == [[950] * K]  # no match (950 is not in the prompt): the last token repeated to k
+
+
+# ----------------------------------------------------------------------------- verl side: train script -> LLM(...)
+REPO = Path(__file__).resolve().parent.parent
+BASE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
+SAM_ON = {"SAM_ENABLE": "True", "SAM_K": "4", "SAM_GROUP": "True", "SAM_BS_THRESHOLD": "96", "NPUGRAPH_EX": "True"}
+
+
+class _RecordingLLM:
+    """Stands in for vllm.LLM in verl's SPMD rollout constructor; keeps the engine arguments."""
+
+    last: dict | None = None
+
+    def __init__(self, **kwargs) -> None:
+        _RecordingLLM.last = kwargs
+
+
+def _llm_kwargs_from_script(ws: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str]) -> dict:
+    """Train script -> Hydra (patched verl config) -> RolloutConfig -> real vLLMRollout.__init__ -> LLM kwargs."""
+    import torch
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RolloutConfig
+    from verl.workers.rollout import base
+    from verl.workers.rollout.vllm_rollout import vllm_rollout_spmd as spmd
+
+    from qwen3_rl.launch import parse_train_script
+
+    cmd = parse_train_script(REPO / "internal" / "train_grpo_qwen3_32b_32die_true_weight.sh",
+                             env=dict(BASE_ENV, ROLLOUT_TP="1", **env))
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ws / "verl" / "verl" / "trainer" / "config"), version_base=None):
+        cfg = compose(config_name=cmd.config_name, overrides=list(cmd.overrides))
+    GlobalHydra.instance().clear()
+    OmegaConf.resolve(cfg)
+    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)  # as megatron_workers.py:404 does
+    assert isinstance(rollout, RolloutConfig)
+    monkeypatch.setattr(spmd, "LLM", _RecordingLLM)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a, **k: 1)
+    monkeypatch.setattr(spmd, "omega_conf_to_dataclass", lambda c, dataclass_type=None: c, raising=False)
+    monkeypatch.setattr(base, "omega_conf_to_dataclass", lambda c, dataclass_type=None: c)
+    model_config = types.SimpleNamespace(
+        local_path="/models/stand-in", tokenizer=types.SimpleNamespace(pad_token_id=0),
+        hf_config=types.SimpleNamespace(max_position_embeddings=40960, rope_scaling=None),
+        trust_remote_code=False, lora_rank=0)
+    _RecordingLLM.last = None
+    spmd.vLLMRollout(rollout, model_config, device_mesh=None)
+    assert _RecordingLLM.last is not None
+    return _RecordingLLM.last
+
+
+def test_train_script_switches_reach_llm(patched_imports: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SAM_* / NPUGRAPH_EX from the train script reach vllm.LLM(...) as speculative_config /
+    additional_config / compilation_config through verl 0.6.1's rollout.engine_kwargs.vllm (no verl
+    patch needed); the speculative_config builds the patched vLLM config with method "sam"."""
+    from vllm.config import CompilationConfig, SpeculativeConfig
+
+    from qwen3_rl.launch import TrainScriptError, parse_train_script
+
+    off = _llm_kwargs_from_script(patched_imports, monkeypatch, {})
+    assert "speculative_config" not in off and "additional_config" not in off
+    # (verl 0.6.1 drops rollout.cudagraph_capture_sizes here: vllm_rollout_spmd.py:224 wants a ListConfig,
+    # the dataclass holds a list; with NPUGRAPH_EX the sizes go to vLLM directly, below)
+    assert not isinstance(off.get("compilation_config"), dict)
+
+    on = _llm_kwargs_from_script(patched_imports, monkeypatch, SAM_ON)
+    spec_kwargs = on["speculative_config"]
+    assert type(spec_kwargs) is dict and type(spec_kwargs["sam_config"]) is dict  # plain, not DictConfig
+    assert spec_kwargs == {"method": "sam", "num_speculative_tokens": 4, "disable_by_batch_size": 96,
+                           "sam_config": {"group_mode": True, "pad_drafts": True}}
+    spec = SpeculativeConfig(**spec_kwargs)
+    assert spec.method == "sam" and BatchSizeGate.from_vllm_config(types.SimpleNamespace(
+        speculative_config=spec)).threshold == 96
+    assert on["additional_config"] == {"enable_npugraph_ex": True}
+    assert on["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY",
+                                        "cudagraph_capture_sizes": [8, 16, 32, 64, 96, 128, 160, 192, 224, 256]}
+    assert CompilationConfig(**on["compilation_config"]).cudagraph_mode.name == "FULL_DECODE_ONLY"
+
+    sam_only = _llm_kwargs_from_script(patched_imports, monkeypatch, {"SAM_ENABLE": "True"})
+    assert sam_only["speculative_config"] == {"method": "sam", "num_speculative_tokens": 3,
+                                              "sam_config": {"group_mode": False, "pad_drafts": False}}
+    assert "additional_config" not in sam_only and not isinstance(sam_only.get("compilation_config"), dict)
+
+    for name in sorted((REPO / "internal").glob("train_*.sh")):
+        cmd = parse_train_script(name, env=dict(BASE_ENV, **SAM_ON))
+        assert cmd.get("+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.method") is None
+        assert cmd.get("actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.method") == "sam", name
+        with pytest.raises(TrainScriptError):
+            parse_train_script(name, env=dict(BASE_ENV, SAM_ENABLE="yes"))
