@@ -92,3 +92,18 @@ def test_spmd_rollout_applies_the_switch(patched_imports: Path, monkeypatch: pyt
         assert gc_control.decode_gc_disabled() is False
     finally:
         gc_control.set_decode_gc_disabled(False)
+
+
+def test_plain_list_graph_sizes_reach_vllm(patched_imports: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl 0011: the dataclass holds a plain list; the pristine pin dropped it with a warning."""
+    _init_rollout(monkeypatch, enforce_eager=False, cudagraph_capture_sizes=[8, 16, 32])
+    cc = _RecordingLLM.instances[-1].kwargs["compilation_config"]
+    assert list(cc.cudagraph_capture_sizes) == [8, 16, 32]
+    _init_rollout(monkeypatch, enforce_eager=True, cudagraph_capture_sizes=[8, 16, 32])
+    assert "compilation_config" not in _RecordingLLM.instances[-1].kwargs  # eager: no graphs
+
+
+def test_pristine_pin_drops_plain_list(pristine_workspace: Path) -> None:
+    src = (pristine_workspace / "verl" / "verl" / "workers" / "rollout" / "vllm_rollout"
+           / "vllm_rollout_spmd.py").read_text()
+    assert "if isinstance(cudagraph_capture_sizes, ListConfig):" in src
