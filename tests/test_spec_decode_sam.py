@@ -23,6 +23,7 @@ K = 3
 def _check_all_prefixes(text: np.ndarray, plen: int, rule: str, chunks: list[int]) -> None:
     """Feed ``text`` after a ``plen`` prompt in chunks; after every chunk compare with brute force."""
     p = SamProposer(rule=rule, recent_budget=1 << 30)
+    p._exact_growth = len(chunks) % 2 == 0  # half the cases: every array exactly full (room checks hit)
     p.add_request("r", text[:plen])
     t = plen
     ci = 0
@@ -37,6 +38,7 @@ def _check_all_prefixes(text: np.ndarray, plen: int, rule: str, chunks: list[int
         p.extend("r", text[t: t + n])
         t += n
     np.testing.assert_array_equal(p.tokens("r"), text)
+    p.check_invariants()
     p.finish("r")
     assert p.nbytes() == 0
 
@@ -255,3 +257,54 @@ def test_benchmark_smoke(tmp_path):
     # group mode sees the siblings: it must draft better than own-only on the same responses
     assert methods["sam_group"]["mean_accepted"] > methods["sam"]["mean_accepted"]
     assert res["response_tokens"] > 0 and res["prompts"] == 2
+
+
+@pytest.mark.parametrize("group_mode", [False, True])
+def test_tight_growth_and_batch_paths_agree(group_mode):
+    """Arrays grown to exactly the size asked for (every room check hit), warm-up pass on and off,
+    the buffer path and the list path: same drafts, same texts, counts always within capacity."""
+    rng = np.random.default_rng(11)
+    base = rng.integers(0, 12, 400).astype(np.int32)
+    cfg = SamConfig(group_mode=group_mode, cache_max_responses=3, cache_max_tokens=200)
+    tight, ref, buf = SamProposer(cfg), SamProposer(cfg), SamProposer(cfg)
+    tight._exact_growth = True
+    tight.warm_lanes = 0
+    ref.warm_lanes = 16
+    rids = [f"r{i}" for i in range(6)]
+    texts = {}
+    for i, r in enumerate(rids):
+        start = int(rng.integers(0, 200))
+        prompt = base[start: start + 20] if i % 3 else np.array([1, 2, 3], np.int32)
+        for p in (tight, ref, buf):
+            p.add_request(r, prompt, group_id=f"g{i % 2}")
+        texts[r] = list(prompt)
+    runner = np.zeros((len(rids), 1024), np.int32)  # runner-like token buffer, one row per request
+    for step in range(60):
+        acc = [base[(step * 7 + 13 * i) % 300: (step * 7 + 13 * i) % 300 + int(rng.integers(1, 5))]
+               for i in range(len(rids))]
+        for r, a in zip(rids, acc, strict=True):
+            texts[r] += a.tolist()
+        d_ref = ref.step(rids, acc)
+        slots = tight.slots_of(rids)
+        offs = np.concatenate([[0], np.cumsum([len(a) for a in acc])]).astype(np.int64)
+        out, cnt = tight.step_arrays(slots, np.concatenate(acc), offs)
+        assert [out[i, : cnt[i]].tolist() for i in range(len(rids))] == d_ref
+        for i, r in enumerate(rids):
+            runner[i, : len(texts[r])] = texts[r]
+        nt = np.array([len(texts[r]) for r in rids], np.int64)
+        out, cnt = buf.step_from_buffer(buf.slots_of(rids), runner, nt)
+        assert [out[i, : cnt[i]].tolist() for i in range(len(rids))] == d_ref
+        tight.check_invariants()
+        if step == 30 and group_mode:  # finished responses enter the (tiny) cache, new ones start
+            for p in (tight, ref, buf):
+                p.finish(rids[0])
+                p.add_request(rids[0], [9, 9], group_id="g9")
+            texts[rids[0]] = [9, 9]
+    for r in rids:
+        np.testing.assert_array_equal(tight.tokens(r), np.asarray(texts[r], np.int32))
+        for p in (tight, ref, buf):
+            p.finish(r)
+    for p in (tight, ref, buf):
+        p.clear_cache()
+        p.check_invariants()
+        assert p.nbytes() == 0 and p.num_requests == 0

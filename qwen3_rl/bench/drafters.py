@@ -8,10 +8,13 @@ real tokens (greedy-equivalent) and then advances one more (bonus) token; finish
 reported to the drafter (our cache, arctic's global tree). ``mean_accepted`` = response tokens /
 verification steps (bonus included), ``acceptance_rate`` = accepted / drafted tokens.
 
-Cost: ``--batch`` requests with ``--context-len``-token contexts built by concatenating corpus texts;
-``us_per_step`` = process CPU time (one core; wall time is reported beside it) of one batch update
-(accepted tokens of the step) + propose through the public batch API, averaged over ``--cost-steps``
-steps; ``bytes_per_token`` = our structures' bytes / tokens held.
+Cost: ``--batch`` requests with ``--context-len``-token contexts built by concatenating corpus texts
+(built before timing); ``us_per_step`` = median over ``--cost-steps`` steps of the process CPU time
+(one core; wall time, mean and p90 reported beside it) of one decode step: append that step's
+accepted tokens (1..k+1 per request) + propose for the whole batch. Ours goes through the array API
+(``SamProposer.step_arrays``: one kernel call per step), the list API is reported beside it
+(``us_per_step_list_api``). Group mode is timed with the finished-response cache filled from the
+corpus first. ``bytes_per_token`` = our structures' bytes / tokens held.
 
 Methods: ``sam`` (ours, per request), ``sam_group`` (ours, group-aware, siblings on one engine),
 ``sam_group_spread`` (ours, group-aware, samples spread over ``--ranks`` engines: own text and the
@@ -89,6 +92,14 @@ class Drafter:
             self.extend(r, a)
         return [self.propose_one(r, k) for r in rids]
 
+    def prepare_step(self, rids: Sequence[str], accepted: Sequence[np.ndarray], k: int) -> Any:
+        """Runner-side work done before the timed call (default: none)."""
+        return (rids, accepted, k)
+
+    def timed_step(self, prepared: Any) -> list[list[int]]:
+        """The drafter's own work for one decode step (update + propose), timed by ``measure_cost``."""
+        return self.step_batch(*prepared)
+
 
 class SamDrafter(Drafter):
     def __init__(self, cfg: SamConfig) -> None:
@@ -114,6 +125,29 @@ class SamDrafter(Drafter):
 
     def step_batch(self, rids: Sequence[str], accepted: Sequence[np.ndarray], k: int) -> list[list[int]]:
         return self.p.step(rids, accepted, k)
+
+    def prepare_step(self, rids: Sequence[str], accepted: Sequence[np.ndarray], k: int) -> Any:
+        # what a runner adapter holds anyway: slots per batch row, accepted tokens as flat arrays
+        slots = self.p.slots_of(rids)
+        offs = np.zeros(len(rids) + 1, np.int64)
+        offs[1:] = np.cumsum([a.shape[0] for a in accepted])
+        toks = np.concatenate(accepted).astype(np.int32) if offs[-1] else np.zeros(0, np.int32)
+        return slots, toks, offs, k
+
+    def timed_step(self, prepared: Any) -> list[list[int]]:
+        out, cnt = self.p.step_arrays(*prepared)  # one kernel call for the whole batch
+        return _Drafts(out, cnt)
+
+
+class _Drafts:
+    """Array drafts (int32[n, k], counts int32[n]) read row by row without building lists."""
+
+    def __init__(self, out: np.ndarray, cnt: np.ndarray) -> None:
+        self.out = out.copy()
+        self.cnt = cnt.copy()
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.out[i, : self.cnt[i]]
 
 
 def import_vllm_ngram(vllm_tree: str) -> type:
@@ -273,11 +307,25 @@ def build_contexts(groups: list[list[Sample]], batch: int, context_len: int, ext
 
 
 def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int, batch: int, context_len: int,
-                 steps: int, group_size: int = 1, warmup: int = 3) -> dict[str, Any]:
-    """us per decode step (batch update + propose) and bytes per token at ``batch`` x ``context_len``."""
+                 steps: int, group_size: int = 1, warmup: int = 3, fill_cache: bool = False) -> dict[str, Any]:
+    """CPU us per decode step (batch update + propose) and bytes per token at ``batch`` x ``context_len``.
+
+    Contexts are built (``add``) before timing; each timed step appends only that step's accepted
+    tokens (1 to k + 1 per request) and proposes, through ``timed_step`` (for ours: the array API,
+    one kernel call per step; list conversion is runner-side work done in ``prepare_step``).
+    ``fill_cache``: finish every corpus response first so the finished-response cache is full
+    (group mode's steady state; its matching then costs inside every step).
+    """
     extra = (steps + warmup + 1) * (k + 1)
     ctxs, conts, keys = build_contexts(groups, batch, context_len, extra, group_size)
     d = make()
+    if fill_cache:
+        for g in groups:
+            for s in g:
+                rid = f"f{s.prompt_id}-{s.sample_id}"
+                d.add(rid, s.prompt, f"fill{s.prompt_id}")
+                d.extend(rid, s.response)
+                d.finish(rid)
     rids = [f"c{r}" for r in range(batch)]
     t0 = time.perf_counter()
     for r in range(batch):
@@ -286,9 +334,10 @@ def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int
     nb, nt = d.nbytes(), d.num_tokens()
     peak = nb / nt if nb is not None and nt else None
     pos = [0] * batch
-    drafts = d.step_batch(rids, [np.zeros(0, np.int32)] * batch, k)
+    drafts = d.timed_step(d.prepare_step(rids, [np.zeros(0, np.int32)] * batch, k))
     times: list[float] = []
     walls: list[float] = []
+    tokens: list[int] = []
     for it in range(steps + warmup):
         acc = []
         for r in range(batch):
@@ -299,20 +348,34 @@ def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int
                 a += 1
             acc.append(c[pos[r]: pos[r] + a + 1])
             pos[r] += a + 1
+        prepared = d.prepare_step(rids, acc, k)
         t1 = time.process_time()
         w1 = time.perf_counter()
-        drafts = d.step_batch(rids, acc, k)
+        drafts = d.timed_step(prepared)
         dt = time.process_time() - t1
         dw = time.perf_counter() - w1
         if it >= warmup:
             times.append(dt)
             walls.append(dw)
+            tokens.append(sum(a.shape[0] for a in acc))
     nb, nt = d.nbytes(), d.num_tokens()
     if nb is not None and nt:
         peak = max(peak or 0.0, nb / nt)
-    out = {"us_per_step": 1e6 * float(np.mean(times)), "us_per_step_median": 1e6 * float(np.median(times)),
-           "us_per_step_wall": 1e6 * float(np.mean(walls)),
+    t_us = 1e6 * np.asarray(times)
+    out = {"us_per_step": float(np.median(t_us)), "us_per_step_mean": float(t_us.mean()),
+           "us_per_step_p90": float(np.percentile(t_us, 90)), "us_per_step_wall": 1e6 * float(np.median(walls)),
+           "cost_steps": len(times), "tokens_appended_per_step": float(np.mean(tokens)),
            "bytes_per_token": peak, "build_s": build_s}
+    if isinstance(d, SamDrafter):  # the list-in/list-out API on the same state, for reference
+        lt = []
+        for _ in range(min(steps, 10)):
+            acc = [conts[r][pos[r]: pos[r] + 2] for r in range(batch)]
+            for r in range(batch):
+                pos[r] += 2
+            t1 = time.process_time()
+            d.step_batch(rids, acc, k)
+            lt.append(time.process_time() - t1)
+        out["us_per_step_list_api"] = 1e6 * float(np.median(lt))
     for r in rids:
         d.finish(r)
     if nb is not None:
@@ -379,7 +442,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if name == "arctic_suffix" and args.arctic_cost_batch:
                     batch = args.arctic_cost_batch
                 res.update(measure_cost(make_cost, groups, k, batch, cost_ctx, args.cost_steps,
-                                        group_size=len(groups[0]) if name == "sam_group" else 1))
+                                        group_size=len(groups[0]) if name == "sam_group" else 1,
+                                        fill_cache=name == "sam_group"))
                 res["cost_batch"] = batch
                 res["cost_context_len"] = cost_ctx
             elif make_cost is None:

@@ -1,463 +1,663 @@
-"""Numba kernels of the suffix-automaton drafter (flat int32 arrays, no per-token Python objects).
+"""Numba kernels of the suffix-automaton drafter (flat int32 records, no per-token Python objects).
 
 Storage model (all token ids are int32 >= 0, all lengths in tokens):
 
 * An *automaton* (slot ``a``) is a generalized, online suffix automaton over up to
   ``MAX_STRINGS`` strings (one request's prompt+accepted tokens, or one cached response).
-  Its states live in four int32 arrays indexed by state id (state 0 is the root):
-  ``L`` (longest length), ``K`` (suffix link, -1 for root), ``P`` (packed occurrence: string
-  local index << 24 | end offset) and ``F`` (first outgoing edge, -1 for none).
-  Non-root transitions are singly linked edge lists in ``ET`` (token), ``EG`` (target state),
-  ``EN`` (next edge). Root transitions sit in an open-addressing hash ``RK``/``RV``
-  (token -> state, -1 = empty slot) because the root's out-degree is the number of distinct tokens.
-* A *string* (slot ``s``) owns its token buffer ``TOK[s]`` and scalars in per-slot arrays.
+  Its arrays (int32, owned by Python, reached here through their addresses in ``AM[a]``):
 
-Every array is a member of a numba typed list indexed by slot, grown by 1.5x inside the kernels;
-``stats[0]`` counts the bytes held by these arrays (capacity, not just used length).
+  - ``S``: state records of 4 int32 ``[L, K, P, F]`` (longest length, suffix link (-1 for the root),
+    packed occurrence = string local index << 24 | end offset, first outgoing edge (-1 = none)).
+    One 16-byte record = one cache line touched per state visit.
+  - ``E``: non-root transitions, records of 3 int32 ``[token, target, next]`` (singly linked list
+    per state, kept in move-to-front order: a found edge moves to the head of its list).
+  - ``R``: root transitions, open-addressing hash of ``[token, state]`` pairs (power-of-2 slots,
+    token -1 = empty, load <= 0.5), because the root's out-degree is the number of distinct tokens.
+
+* A *string* (slot ``s``) owns a token buffer ``T`` (int32, address in ``SM[s]``) and its scalars
+  in the row ``SM[s]`` (one 128-byte record: length, last state, automaton, ...).
+
+Arrays are allocated and grown by the Python side (``sam.py``); a kernel that finds an array too
+small stops *before* mutating anything for the token at hand, records the request of growth in
+``grow`` and its progress in ``prog`` and returns, and the caller grows and calls again. One decode
+step for a whole batch is therefore a single kernel call (plus rare growth round trips).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import carray, njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 MAX_STRINGS = 127
 OFFSET_BITS = 24
 OFFSET_MASK = (1 << OFFSET_BITS) - 1
 MAX_STRING_LEN = 1 << OFFSET_BITS
 
+SREC = 4  # state record: L, K, P, F
+EREC = 3  # edge record: token, target, next
+RREC = 2  # root hash slot: token, state
 
-# ----------------------------------------------------------------------------------------- growth
+# automaton meta row AM[a, :] (int64)
+A_S, A_SCAP, A_NST, A_E, A_ECAP, A_NE, A_R, A_RCAP, A_RN, A_NEED_S, A_NEED_E, A_NEED_R = range(12)
+AM_COLS = 16
+# string meta row SM[s, :] (int64); cache pointers: generation slot j at M_CP + 3 j (state, length, stamp)
+M_T, M_TCAP, M_LEN, M_LAST, M_AUTO, M_LOCAL, M_CLEN, M_CPOS, M_CP = range(9)
+SM_COLS = 16
+# growth request kinds (grow[i] = kind, slot, elements needed)
+G_TOK, G_STATES, G_EDGES, G_ROOT = range(4)
+
+
+# ------------------------------------------------------------------------------------ raw views
+@intrinsic
+def _i32_ptr(typingctx, addr):
+    """int64 address -> int32* (the Python side keeps the owning numpy array alive)."""
+    if not isinstance(addr, types.Integer):
+        return None
+    ptr_t = types.CPointer(types.int32)
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptr_t))
+
+    return ptr_t(addr), codegen
+
+
+@intrinsic
+def _prefetch(typingctx, addr):
+    """Hint the CPU to load the cache line at ``addr`` (int64 address; never faults)."""
+    if not isinstance(addr, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        builder.call(fn, [builder.inttoptr(args[0], i8p), i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return types.void(addr), codegen
+
+
 @njit(cache=True)
-def _grow(lst, a, need, stats):
-    """Make ``lst[a]`` (int32 array) hold at least ``need`` elements; 1.5x growth; -1 filled."""
-    arr = lst[a]
-    old = arr.shape[0]
-    if old >= need:
-        return
-    n = max(need, old + (old >> 1) + 16)
-    new = np.full(n, -1, np.int32)
-    new[:old] = arr
-    stats[0] += (n - old) * 4
-    lst[a] = new
+def _view(addr, n):
+    """int32[n] view of the buffer at ``addr`` (n elements)."""
+    return carray(_i32_ptr(addr), n)
 
 
 @njit(cache=True)
-def _ensure_states(a, need, AL, AK, AP, AF, stats):
-    _grow(AL, a, need, stats)
-    _grow(AK, a, need, stats)
-    _grow(AP, a, need, stats)
-    _grow(AF, a, need, stats)
+def _auto_views(AM, a):
+    S = _view(AM[a, A_S], AM[a, A_SCAP] * SREC)
+    E = _view(AM[a, A_E], AM[a, A_ECAP] * EREC)
+    R = _view(AM[a, A_R], AM[a, A_RCAP] * RREC)
+    return S, E, R
 
 
-@njit(cache=True)
-def _ensure_edges(a, need, AET, AEG, AEN, stats):
-    _grow(AET, a, need, stats)
-    _grow(AEG, a, need, stats)
-    _grow(AEN, a, need, stats)
-
-
+# ----------------------------------------------------------------------------- transitions
 @njit(cache=True)
 def _hash_slot(tok, mask):
     return ((tok * 0x9E3779B1) >> 7) & mask
 
 
 @njit(cache=True)
-def _root_get(RK, RV, tok):
-    cap = RK.shape[0]
-    if cap == 0:
+def _root_find(R, rcap, tok):
+    """Slot of ``tok`` in the root hash, -1 if absent."""
+    if rcap == 0:
         return -1
-    mask = cap - 1
+    mask = rcap - 1
     i = _hash_slot(tok, mask)
     while True:
-        k = RK[i]
+        k = R[RREC * i]
         if k == tok:
-            return RV[i]
+            return i
         if k == -1:
             return -1
         i = (i + 1) & mask
 
 
 @njit(cache=True)
-def _root_grow(a, ARK, ARV, stats):
-    """Double the root hash of automaton ``a`` (power-of-2 table, min 16 slots) and rehash."""
-    RK = ARK[a]
-    RV = ARV[a]
-    cap = RK.shape[0]
-    ncap = max(16, cap * 2)
-    nk = np.full(ncap, -1, np.int32)
-    nv = np.full(ncap, -1, np.int32)
-    m = ncap - 1
-    for j in range(cap):
-        if RK[j] != -1:
-            i = _hash_slot(RK[j], m)
-            while nk[i] != -1:
-                i = (i + 1) & m
-            nk[i] = RK[j]
-            nv[i] = RV[j]
-    stats[0] += (ncap - cap) * 8
-    ARK[a] = nk
-    ARV[a] = nv
-
-
-@njit(cache=True)
-def _edge_find(F, ET, EN, p, tok):
-    e = F[p]
+def _edge_find(S, E, p, tok):
+    """Edge of non-root state ``p`` labelled ``tok`` (-1 if absent); a found edge moves to the front."""
+    e = S[SREC * p + 3]
+    prev = -1
     while e != -1:
-        if ET[e] == tok:
+        if E[EREC * e] == tok:
+            if prev != -1:
+                E[EREC * prev + 2] = E[EREC * e + 2]
+                E[EREC * e + 2] = S[SREC * p + 3]
+                S[SREC * p + 3] = e
             return e
-        e = EN[e]
+        prev = e
+        e = E[EREC * e + 2]
     return -1
 
 
 @njit(cache=True)
-def _get(p, tok, F, ET, EG, EN, RK, RV):
-    """Transition of state ``p`` by ``tok`` (-1 if absent), on local arrays."""
+def _get(S, E, R, rcap, p, tok):
+    """Transition of state ``p`` by ``tok`` (-1 if absent)."""
     if p == 0:
-        return _root_get(RK, RV, tok)
-    e = _edge_find(F, ET, EN, p, tok)
-    if e == -1:
-        return -1
-    return EG[e]
+        i = _root_find(R, rcap, tok)
+        return -1 if i < 0 else R[RREC * i + 1]
+    e = _edge_find(S, E, p, tok)
+    return -1 if e < 0 else E[EREC * e + 1]
 
 
 @njit(cache=True)
-def _add_edge(a, p, tok, val, F, ET, EG, EN, a_ne):
-    """Prepend edge ``p --tok--> val`` (capacity ensured by the caller)."""
-    e = a_ne[a]
-    ET[e] = tok
-    EG[e] = val
-    EN[e] = F[p]
-    F[p] = e
-    a_ne[a] = e + 1
+def _redirect(S, E, R, rcap, p, tok, q, val):
+    """If ``p --tok--> q``, point it to ``val`` and return True."""
+    if p == 0:
+        i = _root_find(R, rcap, tok)
+        if i >= 0 and R[RREC * i + 1] == q:
+            R[RREC * i + 1] = val
+            return True
+        return False
+    e = _edge_find(S, E, p, tok)
+    if e >= 0 and E[EREC * e + 1] == q:
+        E[EREC * e + 1] = val
+        return True
+    return False
 
 
 @njit(cache=True)
-def _root_put_local(a, tok, val, RK, RV, a_rn):
-    """Insert or overwrite root transition (room ensured: load stays <= 0.5)."""
-    mask = RK.shape[0] - 1
+def _add_edge(S, E, ne, p, tok, val):
+    """Prepend edge ``p --tok--> val`` at edge index ``ne`` (room ensured); returns ne + 1."""
+    E[EREC * ne] = tok
+    E[EREC * ne + 1] = val
+    E[EREC * ne + 2] = S[SREC * p + 3]
+    S[SREC * p + 3] = ne
+    return ne + 1
+
+
+@njit(cache=True)
+def _root_put(R, rcap, tok, val):
+    """Insert a new root transition (absent before; room ensured). Returns 1."""
+    mask = rcap - 1
     i = _hash_slot(tok, mask)
-    while True:
-        k = RK[i]
-        if k == tok:
-            RV[i] = val
-            return
-        if k == -1:
-            RK[i] = tok
-            RV[i] = val
-            a_rn[a] += 1
-            return
+    while R[RREC * i] != -1:
         i = (i + 1) & mask
+    R[RREC * i] = tok
+    R[RREC * i + 1] = val
+    return 1
 
 
 @njit(cache=True)
-def _set_existing(p, tok, val, F, ET, EG, EN, RK, RV):
-    """Overwrite an existing transition of ``p`` by ``tok``."""
-    if p == 0:
-        mask = RK.shape[0] - 1
-        i = _hash_slot(tok, mask)
-        while RK[i] != tok:
-            i = (i + 1) & mask
-        RV[i] = val
-        return
-    EG[_edge_find(F, ET, EN, p, tok)] = val
-
-
-@njit(cache=True)
-def _new_state(a, length, link, pos, L, K, P, F, a_nst):
-    """Append a state (capacity ensured by the caller)."""
-    v = a_nst[a]
-    L[v] = length
-    K[v] = link
-    P[v] = pos
-    F[v] = -1
-    a_nst[a] = v + 1
-    return v
-
-
-@njit(cache=True)
-def _degree(F, EN, q):
+def _degree(S, E, q):
     d = 0
-    e = F[q]
+    e = S[SREC * q + 3]
     while e != -1:
         d += 1
-        e = EN[e]
+        e = E[EREC * e + 2]
     return d
 
 
 @njit(cache=True)
-def _clone(a, q, length, L, K, P, F, ET, EG, EN, a_nst, a_ne):
-    """Clone state ``q`` with a new length: copies link, position and all outgoing edges (room ensured)."""
-    c = _new_state(a, length, K[q], P[q], L, K, P, F, a_nst)
-    e = F[q]
-    while e != -1:
-        _add_edge(a, c, ET[e], EG[e], F, ET, EG, EN, a_ne)
-        e = EN[e]
-    return c
+def root_rehash(old, new):
+    """Insert every pair of root hash ``old`` into the empty (-1 filled) power-of-2 hash ``new``."""
+    ncap = new.shape[0] // RREC
+    m = ncap - 1
+    for j in range(old.shape[0] // RREC):
+        t = old[RREC * j]
+        if t != -1:
+            i = _hash_slot(t, m)
+            while new[RREC * i] != -1:
+                i = (i + 1) & m
+            new[RREC * i] = t
+            new[RREC * i + 1] = old[RREC * j + 1]
 
 
+# ------------------------------------------------------------------------------- extension
 @njit(cache=True)
-def sam_extend(a, last, tok, posval, L, K, P, F, ET, EG, EN, RK, RV, AET, AEG, AEN, ARK, ARV, a_nst, a_ne,
-               a_rn, stats):
+def sam_extend(AM, a, S, E, R, last, tok, posval):
     """Append ``tok`` to the string whose current state is ``last`` (generalized online SAM).
 
-    State arrays must have room for 2 more states; edge arrays and the root hash are grown here
-    through the typed lists when needed. Returns (new_last, chain_start, grown): ``chain_start`` is
-    the state of the longest suffix of the extended string that also ends somewhere else in the
-    automaton (0 = only the empty suffix); ``grown`` tells the caller to re-fetch edge/root arrays.
+    Checks room first and mutates nothing if an array is too small. Returns
+    ``(new_last, chain_start, grow_kind, grow_need)``: ``chain_start`` is the state of the longest
+    suffix of the extended string that also ends somewhere else in the automaton (0 = only the
+    empty suffix); ``grow_kind`` >= 0 (with ``new_last`` = -1) asks for growth of that array to
+    ``grow_need`` elements.
     """
-    grown = False
-    q = _get(last, tok, F, ET, EG, EN, RK, RV)
+    rcap = AM[a, A_RCAP]
+    nst = AM[a, A_NST]
+    ne = AM[a, A_NE]
+    if nst + 2 > AM[a, A_SCAP]:
+        return -1, 0, G_STATES, nst + 2
+    ecap = AM[a, A_ECAP]
+    Llast = S[SREC * last]
+    q = _get(S, E, R, rcap, last, tok)
     if q != -1:
         # The extended string already occurs in the automaton (another string, or a shared prompt).
-        if L[q] == L[last] + 1:
-            return q, q, grown
-        need = a_ne[a] + _degree(F, EN, q)
-        if need > ET.shape[0]:
-            _ensure_edges(a, need, AET, AEG, AEN, stats)
-            ET = AET[a]
-            EG = AEG[a]
-            EN = AEN[a]
-            grown = True
-        cl = _clone(a, q, L[last] + 1, L, K, P, F, ET, EG, EN, a_nst, a_ne)
+        if S[SREC * q] == Llast + 1:
+            return q, q, -1, 0
+        d = _degree(S, E, q)
+        if ne + d > ecap:
+            return -1, 0, G_EDGES, ne + d
+        cl = nst
+        ne = _clone(S, E, ne, q, cl, Llast + 1)
         p = last
-        while p != -1 and _get(p, tok, F, ET, EG, EN, RK, RV) == q:
-            _set_existing(p, tok, cl, F, ET, EG, EN, RK, RV)
-            p = K[p]
-        K[q] = cl
-        return cl, cl, grown
-    # room for the new transitions: one per chain state lacking ``tok`` (root via the hash)
+        while p != -1 and _redirect(S, E, R, rcap, p, tok, q, cl):
+            p = S[SREC * p + 1]
+        S[SREC * q + 1] = cl
+        AM[a, A_NST] = nst + 1
+        AM[a, A_NE] = ne
+        return cl, cl, -1, 0
+    # plan: states lacking ``tok`` on the suffix-link chain get a new transition
     cnt = 0
     root_new = 0
     p = last
-    while p != -1 and _get(p, tok, F, ET, EG, EN, RK, RV) == -1:
+    q = -1
+    while p != -1:
+        q = _get(S, E, R, rcap, p, tok)
+        if q != -1:
+            break
         if p == 0:
             root_new = 1
         else:
             cnt += 1
-        p = K[p]
-    if a_ne[a] + cnt > ET.shape[0]:
-        _ensure_edges(a, a_ne[a] + cnt, AET, AEG, AEN, stats)
-        ET = AET[a]
-        EG = AEG[a]
-        EN = AEN[a]
-        grown = True
-    if root_new and (a_rn[a] + 1) * 2 > RK.shape[0]:
-        _root_grow(a, ARK, ARV, stats)
-        RK = ARK[a]
-        RV = ARV[a]
-        grown = True
-    cur = _new_state(a, L[last] + 1, 0, posval, L, K, P, F, a_nst)
-    p = last
-    while p != -1:
-        if p == 0:
-            if _root_get(RK, RV, tok) != -1:
-                break
-            _root_put_local(a, tok, cur, RK, RV, a_rn)
+        p = S[SREC * p + 1]
+    need_e = ne + cnt
+    clone = False
+    if p != -1 and S[SREC * p] + 1 != S[SREC * q]:
+        clone = True
+        # q may itself lie on the chain below p and gain the new edge before being cloned
+        need_e += _degree(S, E, q) + 1
+    if need_e > ecap:
+        return -1, 0, G_EDGES, need_e
+    if root_new and (AM[a, A_RN] + 1) * 2 > rcap:
+        return -1, 0, G_ROOT, AM[a, A_RN] + 1
+    # mutate
+    cur = nst
+    S[SREC * cur] = Llast + 1
+    S[SREC * cur + 1] = 0
+    S[SREC * cur + 2] = posval
+    S[SREC * cur + 3] = -1
+    nst += 1
+    x = last
+    while x != p:
+        if x == 0:
+            AM[a, A_RN] += _root_put(R, rcap, tok, cur)
         else:
-            if _edge_find(F, ET, EN, p, tok) != -1:
-                break
-            _add_edge(a, p, tok, cur, F, ET, EG, EN, a_ne)
-        p = K[p]
-    if p == -1:
-        K[cur] = 0
-        return cur, 0, grown
-    q = _get(p, tok, F, ET, EG, EN, RK, RV)
-    if L[p] + 1 == L[q]:
-        K[cur] = q
-        return cur, q, grown
-    need = a_ne[a] + _degree(F, EN, q)
-    if need > ET.shape[0]:
-        _ensure_edges(a, need, AET, AEG, AEN, stats)
-        ET = AET[a]
-        EG = AEG[a]
-        EN = AEN[a]
-        grown = True
-    cl = _clone(a, q, L[p] + 1, L, K, P, F, ET, EG, EN, a_nst, a_ne)
-    while p != -1 and _get(p, tok, F, ET, EG, EN, RK, RV) == q:
-        _set_existing(p, tok, cl, F, ET, EG, EN, RK, RV)
-        p = K[p]
-    K[q] = cl
-    K[cur] = cl
-    return cur, cl, grown
+            ne = _add_edge(S, E, ne, x, tok, cur)
+        x = S[SREC * x + 1]
+    chain = 0
+    if p != -1:
+        if not clone:
+            S[SREC * cur + 1] = q
+            chain = q
+        else:
+            cl = nst
+            nst += 1
+            ne = _clone(S, E, ne, q, cl, S[SREC * p] + 1)
+            while p != -1 and _redirect(S, E, R, rcap, p, tok, q, cl):
+                p = S[SREC * p + 1]
+            S[SREC * q + 1] = cl
+            S[SREC * cur + 1] = cl
+            chain = cl
+    AM[a, A_NST] = nst
+    AM[a, A_NE] = ne
+    return cur, chain, -1, 0
 
 
 @njit(cache=True)
-def _has_cont(a, pos, auto_str, s_len):
+def _clone(S, E, ne, q, c, length):
+    """Make state ``c`` a clone of ``q`` with length ``length`` (link, occurrence and all edges)."""
+    S[SREC * c] = length
+    S[SREC * c + 1] = S[SREC * q + 1]
+    S[SREC * c + 2] = S[SREC * q + 2]
+    S[SREC * c + 3] = -1
+    e = S[SREC * q + 3]
+    while e != -1:
+        ne = _add_edge(S, E, ne, c, E[EREC * e], E[EREC * e + 1])
+        e = E[EREC * e + 2]
+    return ne
+
+
+@njit(cache=True)
+def _has_cont(SM, auto_str, a, pos):
     """True if the occurrence ``pos`` (packed) is followed by at least one token in its string."""
     g = auto_str[a, pos >> OFFSET_BITS]
-    return (pos & OFFSET_MASK) + 1 < s_len[g]
+    return (pos & OFFSET_MASK) + 1 < SM[g, M_LEN]
 
 
-# ------------------------------------------------------------------------------ per-string update
 @njit(cache=True)
-def _append_tokens(s, toks, n0, n1, budget, AL, AK, AP, AF, AET, AEG, AEN, ARK, ARV, a_nst, a_ne, a_rn,
-                   ATOK, s_len, s_last, s_auto, s_local, s_cand, auto_str, stats, complete=False):
-    """Append ``toks[n0:n1]`` to string ``s`` and its automaton; record the draft candidate.
+def _append_tokens(AM, SM, auto_str, s, buf, row, j0, j1, budget, complete, prog, grow):
+    """Append ``buf[row, j0:j1]`` to string ``s`` and its automaton; record the draft candidate.
 
     ``budget`` bounds the suffix-link ancestors whose occurrence is moved to the new end
     (0 = earliest-occurrence rule, large = exact most-recent rule). ``complete``: the string ends
     with this call (a cached response), so its last token, which has no continuation, is not made
-    anyone's most recent occurrence.
+    anyone's most recent occurrence. Returns the number of growth requests written (0 = done);
+    on a shortage ``prog[1]`` is the first token not appended.
     """
-    a = s_auto[s]
-    if n1 <= n0:
-        return
-    ln = s_len[s]
-    _grow(ATOK, s, ln + (n1 - n0), stats)
-    _ensure_states(a, a_nst[a] + 2 * (n1 - n0), AL, AK, AP, AF, stats)
-    T = ATOK[s]
-    L = AL[a]
-    K = AK[a]
-    P = AP[a]
-    F = AF[a]
-    ET = AET[a]
-    EG = AEG[a]
-    EN = AEN[a]
-    RK = ARK[a]
-    RV = ARV[a]
-    local = s_local[s] << OFFSET_BITS
-    last = s_last[s]
-    cand_len = 0
-    cand_pos = -1
-    for i in range(n0, n1):
-        tok = toks[i]
+    a = SM[s, M_AUTO]
+    ln = SM[s, M_LEN]
+    if ln + (j1 - j0) > SM[s, M_TCAP]:
+        grow[0, 0] = G_TOK
+        grow[0, 1] = s
+        grow[0, 2] = ln + (j1 - j0)
+        prog[1] = j0
+        return 1
+    T = _view(SM[s, M_T], SM[s, M_TCAP])
+    S, E, R = _auto_views(AM, a)
+    local = SM[s, M_LOCAL] << OFFSET_BITS
+    last = SM[s, M_LAST]
+    cand_len = SM[s, M_CLEN]
+    cand_pos = SM[s, M_CPOS]
+    for j in range(j0, j1):
+        tok = buf[row, j]
+        posval = local | ln
+        nl, x, kind, need = sam_extend(AM, a, S, E, R, last, tok, posval)
+        if kind >= 0:
+            grow[0, 0] = kind
+            grow[0, 1] = a
+            grow[0, 2] = need
+            prog[1] = j
+            SM[s, M_LAST] = last
+            SM[s, M_CLEN] = cand_len
+            SM[s, M_CPOS] = cand_pos
+            return 1
+        last = nl
         T[ln] = tok
         ln += 1
-        s_len[s] = ln
-        posval = local | (ln - 1)
-        last, x, grown = sam_extend(a, last, tok, posval, L, K, P, F, ET, EG, EN, RK, RV, AET, AEG, AEN, ARK, ARV,
-                                    a_nst, a_ne, a_rn, stats)
-        if grown:
-            ET = AET[a]
-            EG = AEG[a]
-            EN = AEN[a]
-            RK = ARK[a]
-            RV = ARV[a]
+        SM[s, M_LEN] = ln
         # Walk the suffix-link chain of the new end: the first state whose stored occurrence has a
         # continuation is the draft candidate; the first ``budget`` states get the new end as
         # their most recent occurrence (after being read).
         cand_len = 0
         cand_pos = -1
         steps = 0
-        bud = 0 if complete and i == n1 - 1 else budget
+        bud = 0 if complete and j == j1 - 1 else budget
         while x > 0 and (steps < bud or cand_pos == -1) and steps < bud + 8:
-            old = P[x]
-            if cand_pos == -1 and _has_cont(a, old, auto_str, s_len):
+            old = S[SREC * x + 2]
+            if cand_pos == -1 and _has_cont(SM, auto_str, a, old):
                 cand_pos = old
-                cand_len = L[x]
+                cand_len = S[SREC * x]
             if steps < bud:
-                P[x] = posval
-            x = K[x]
+                S[SREC * x + 2] = posval
+            x = S[SREC * x + 1]
             steps += 1
-    s_last[s] = last
-    s_cand[s, 0] = cand_len
-    s_cand[s, 1] = cand_pos
+    SM[s, M_LAST] = last
+    SM[s, M_CLEN] = cand_len
+    SM[s, M_CPOS] = cand_pos
+    return 0
 
 
 @njit(cache=True)
-def _match_step(st, ln, tok, L, K, F, ET, EG, EN, RK, RV):
+def _match_step(S, E, R, rcap, st, ln, tok):
     """Matching statistics: extend the match (state ``st``, length ``ln``) by ``tok``.
 
     The automaton may have grown (states split) since the pointer was made: first move the pointer
     to the state that now holds strings of length ``ln``.
     """
-    while st != 0 and L[K[st]] >= ln:
-        st = K[st]
+    while st != 0 and S[SREC * S[SREC * st + 1]] >= ln:
+        st = S[SREC * st + 1]
     while True:
-        t = _get(st, tok, F, ET, EG, EN, RK, RV)
+        t = _get(S, E, R, rcap, st, tok)
         if t != -1:
             return t, ln + 1
         if st == 0:
             return 0, 0
-        st = K[st]
-        ln = L[st]
+        st = S[SREC * st + 1]
+        ln = S[SREC * st]
 
 
 @njit(cache=True)
-def _cache_follow(s, toks, n0, n1, g, stamp, L, K, F, ET, EG, EN, RK, RV, cache_stamp, cp, cp_stamp, ATOK, s_len,
-                  resync):
-    """Advance string ``s``'s match pointer into cache automaton ``g`` (stamp ``stamp``) by ``toks[n0:n1]``.
+def _cache_follow(SM, s, buf, row, j0, j1, stamp, S, E, R, rcap, cache_stamp, resync):
+    """Advance string ``s``'s match pointer into a cache automaton (stamp ``stamp``) by ``buf[row, j0:j1]``.
 
     A pointer made for a cache generation that is gone is reset and re-fed with the last
-    ``resync`` tokens of the string.
+    ``resync`` tokens of the string before these.
     """
     j = -1
     for jj in range(2):
-        if cp_stamp[s, jj] == stamp:
+        if SM[s, M_CP + 3 * jj + 2] == stamp:
             j = jj
     if j == -1:
         for jj in range(2):
-            if cp_stamp[s, jj] != cache_stamp[0] and cp_stamp[s, jj] != cache_stamp[1]:
+            o = SM[s, M_CP + 3 * jj + 2]
+            if o != cache_stamp[0] and o != cache_stamp[1]:
                 j = jj
-        cp_stamp[s, j] = stamp
+        SM[s, M_CP + 3 * j + 2] = stamp
         st = 0
         ln = 0
-        T = ATOK[s]
-        end = s_len[s] - (n1 - n0)
+        T = _view(SM[s, M_T], SM[s, M_TCAP])
+        end = SM[s, M_LEN] - (j1 - j0)
         for i in range(max(0, end - resync), end):
-            st, ln = _match_step(st, ln, T[i], L, K, F, ET, EG, EN, RK, RV)
+            st, ln = _match_step(S, E, R, rcap, st, ln, T[i])
     else:
-        st = cp[s, j, 0]
-        ln = cp[s, j, 1]
-    for i in range(n0, n1):
-        st, ln = _match_step(st, ln, toks[i], L, K, F, ET, EG, EN, RK, RV)
-    cp[s, j, 0] = st
-    cp[s, j, 1] = ln
+        st = SM[s, M_CP + 3 * j]
+        ln = SM[s, M_CP + 3 * j + 1]
+    for i in range(j0, j1):
+        st, ln = _match_step(S, E, R, rcap, st, ln, buf[row, i])
+    SM[s, M_CP + 3 * j] = st
+    SM[s, M_CP + 3 * j + 1] = ln
 
 
 @njit(cache=True)
-def extend_batch(slots, toks, offs, budget, resync, AL, AK, AP, AF, AET, AEG, AEN, ARK, ARV, a_nst, a_ne, a_rn,
-                 ATOK, s_len, s_last, s_auto, s_local, s_cand, auto_str, cache_auto, cache_stamp, cp, cp_stamp,
-                 stats, complete):
-    """Append ``toks[offs[i]:offs[i+1]]`` to string ``slots[i]`` for every i (one decode step).
+def extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, complete, AM, SM, auto_str, cache_auto,
+                 cache_stamp, grow, precheck=True, warm_lanes=16, warm_hops=2):
+    """Append ``buf[rows[i], starts[i]:ends[i]]`` to string ``slots[i]`` for every i (one decode step).
 
+    ``prog`` int64[2] = (request index, token column) to resume from (0, -1 at the first call).
+    Returns the number of growth requests written to ``grow`` (int64[m, 3]: kind, slot, elements);
+    0 = done. Phase 1 (``precheck``) checks the room of every request first (hot meta rows only) so
+    that decode steps rarely stop in the middle; phase 2 appends, checking room token by token;
+    phase 3 advances the cache pointers.
     ``complete``: the strings end here (cache insertion), see ``_append_tokens``.
     """
-    for i in range(slots.shape[0]):
+    n = slots.shape[0]
+    i0 = prog[0]
+    # phase 1: room for tokens, states (2 per token), edges (margin) and root entries
+    ng = 0
+    for i in range(i0, n if precheck else 0):
+        a = SM[slots[i], M_AUTO]
+        AM[a, A_NEED_S] = 0
+    for i in range(i0, n if precheck else 0):
         s = slots[i]
-        n0 = offs[i]
-        n1 = offs[i + 1]
-        if n1 <= n0:
+        j0 = starts[i] if i != i0 or prog[1] < 0 else prog[1]
+        m = min(ends[i] - j0, 64)
+        if m <= 0:
             continue
-        _append_tokens(s, toks, n0, n1, budget, AL, AK, AP, AF, AET, AEG, AEN, ARK, ARV, a_nst, a_ne, a_rn,
-                       ATOK, s_len, s_last, s_auto, s_local, s_cand, auto_str, stats, complete)
-    # cache automata do not change during a batch: fetch their arrays once per generation
+        if SM[s, M_LEN] + m > SM[s, M_TCAP] and ng < grow.shape[0]:
+            grow[ng, 0] = G_TOK
+            grow[ng, 1] = s
+            grow[ng, 2] = SM[s, M_LEN] + m
+            ng += 1
+        AM[SM[s, M_AUTO], A_NEED_S] += m
+    for i in range(i0, n if precheck else 0):
+        a = SM[slots[i], M_AUTO]
+        m = AM[a, A_NEED_S]
+        if m <= 0:
+            continue
+        AM[a, A_NEED_S] = 0  # visit each automaton once
+        if ng + 3 > grow.shape[0]:
+            break
+        if AM[a, A_NST] + 2 * m > AM[a, A_SCAP]:
+            grow[ng, 0] = G_STATES
+            grow[ng, 1] = a
+            grow[ng, 2] = AM[a, A_NST] + 2 * m
+            ng += 1
+        if AM[a, A_NE] + 3 * m + 8 > AM[a, A_ECAP]:
+            grow[ng, 0] = G_EDGES
+            grow[ng, 1] = a
+            grow[ng, 2] = AM[a, A_NE] + 3 * m + 8
+            ng += 1
+        if (AM[a, A_RN] + m) * 2 > AM[a, A_RCAP]:
+            grow[ng, 0] = G_ROOT
+            grow[ng, 1] = a
+            grow[ng, 2] = AM[a, A_RN] + m
+            ng += 1
+    if ng:
+        return ng
+    if precheck and warm_lanes > 0:
+        warm_batch(slots, buf, rows, starts, ends, i0, prog[1], AM, SM, warm_lanes, min(budget, warm_hops))
+    # phase 2: append
+    for i in range(i0, n):
+        j0 = starts[i] if i != i0 or prog[1] < 0 else prog[1]
+        if ends[i] <= j0:
+            continue
+        if _append_tokens(AM, SM, auto_str, slots[i], buf, rows[i], j0, ends[i], budget, complete, prog, grow):
+            prog[0] = i
+            return 1
+    prog[0] = n
+    prog[1] = -1
+    # phase 3: cache automata do not change during a batch
     for g in range(2):
         ca = cache_auto[g]
         if ca < 0:
             continue
-        L = AL[ca]
-        K = AK[ca]
-        F = AF[ca]
-        ET = AET[ca]
-        EG = AEG[ca]
-        EN = AEN[ca]
-        RK = ARK[ca]
-        RV = ARV[ca]
-        for i in range(slots.shape[0]):
-            n0 = offs[i]
-            n1 = offs[i + 1]
-            if n1 <= n0:
+        S, E, R = _auto_views(AM, ca)
+        rcap = AM[ca, A_RCAP]
+        for i in range(n):
+            if ends[i] <= starts[i]:
                 continue
-            _cache_follow(slots[i], toks, n0, n1, g, cache_stamp[g], L, K, F, ET, EG, EN, RK, RV, cache_stamp, cp,
-                          cp_stamp, ATOK, s_len, resync)
+            _cache_follow(SM, slots[i], buf, rows[i], starts[i], ends[i], cache_stamp[g], S, E, R, rcap,
+                          cache_stamp, resync)
+    return 0
+
+
+# ------------------------------------------------------------------------------- warm-up pass
+@njit(cache=True)
+def _lane_start(AM, SM, slots, buf, rows, starts, ends, i, j, lane, Li, Lj, Lst, Lph):
+    """Put request ``i`` (first token column ``j``) on a lane: prefetch its tail lines and ``last``."""
+    s = slots[i]
+    a = SM[s, M_AUTO]
+    _prefetch(SM[s, M_T] + 4 * SM[s, M_LEN])
+    _prefetch(AM[a, A_S] + 4 * SREC * AM[a, A_NST])
+    _prefetch(AM[a, A_E] + 4 * EREC * AM[a, A_NE])
+    st = SM[s, M_LAST]
+    _prefetch(AM[a, A_S] + 4 * SREC * st)
+    Li[lane] = i
+    Lj[lane] = j
+    Lst[lane] = st
+    Lph[lane] = 0
 
 
 @njit(cache=True)
-def _emit(a, pos, k, auto_str, s_len, ATOK, out, row):
-    g = auto_str[a, pos >> OFFSET_BITS]
-    off = (pos & OFFSET_MASK) + 1
-    n = min(k, s_len[g] - off)
-    T = ATOK[g]
-    for j in range(n):
-        out[row, j] = T[off + j]
-    return max(n, 0)
+def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
+    """Read-only pass that brings into cache what ``extend_batch`` will touch (no semantic effect).
+
+    Every request walks its new tokens through its automaton as matching statistics do (scan the
+    edge list of the current state, follow suffix links on a miss, then ``hops`` suffix links of
+    the reached state for the occurrence update). The walks of ``lanes`` requests are interleaved
+    (one dependent load per lane per turn, the next line prefetched), so the cache misses of
+    different requests overlap instead of being paid one after another.
+    """
+    n = slots.shape[0]
+    Li = np.full(lanes, -1, np.int64)
+    Lj = np.zeros(lanes, np.int64)
+    Lst = np.zeros(lanes, np.int64)
+    Le = np.zeros(lanes, np.int64)
+    Lph = np.zeros(lanes, np.int64)
+    Lh = np.zeros(lanes, np.int64)
+    nxt = i0
+    active = 0
+    for lane in range(lanes):
+        while nxt < n:
+            j = starts[nxt] if nxt != i0 or j0 < 0 else j0
+            nxt += 1
+            if j < ends[nxt - 1]:
+                _lane_start(AM, SM, slots, buf, rows, starts, ends, nxt - 1, j, lane, Li, Lj, Lst, Lph)
+                active += 1
+                break
+    while active:
+        for lane in range(lanes):
+            i = Li[lane]
+            if i < 0:
+                continue
+            a = SM[slots[i], M_AUTO]
+            S = AM[a, A_S]
+            tok = buf[rows[i], Lj[lane]]
+            ph = Lph[lane]
+            st = Lst[lane]
+            done = False
+            if ph == 0:  # at state st: read its record
+                if st == 0:
+                    rcap = AM[a, A_RCAP]
+                    if rcap == 0:
+                        st = 0
+                        done = True
+                    else:
+                        h = _hash_slot(tok, rcap - 1)
+                        Lh[lane] = h
+                        Lph[lane] = 2
+                        _prefetch(AM[a, A_R] + 4 * RREC * h)
+                else:
+                    rec = _view(S + 4 * SREC * st, SREC)
+                    e = rec[3]
+                    if e == -1:
+                        st = rec[1]
+                        Lst[lane] = st
+                        _prefetch(S + 4 * SREC * st)
+                    else:
+                        Le[lane] = e
+                        Lph[lane] = 1
+                        _prefetch(AM[a, A_E] + 4 * EREC * e)
+            elif ph == 1:  # at edge e of st
+                e = Le[lane]
+                er = _view(AM[a, A_E] + 4 * EREC * e, EREC)
+                if er[0] == tok:
+                    st = er[1]
+                    done = True
+                elif er[2] == -1:
+                    st = _view(S + 4 * SREC * st, SREC)[1]
+                    Lst[lane] = st
+                    Lph[lane] = 0
+                    _prefetch(S + 4 * SREC * st)
+                else:
+                    Le[lane] = er[2]
+                    _prefetch(AM[a, A_E] + 4 * EREC * er[2])
+            elif ph == 2:  # root hash probe
+                h = Lh[lane]
+                kv = _view(AM[a, A_R] + 4 * RREC * h, RREC)
+                if kv[0] == tok:
+                    st = kv[1]
+                    done = True
+                elif kv[0] == -1:
+                    st = 0
+                    done = True
+                else:
+                    h = (h + 1) & (AM[a, A_RCAP] - 1)
+                    Lh[lane] = h
+                    _prefetch(AM[a, A_R] + 4 * RREC * h)
+            else:  # ph 3: suffix-link hops of the reached state (occurrence update walk)
+                if st > 0 and Lh[lane] > 0:
+                    st = _view(S + 4 * SREC * st, SREC)[1]
+                    Lst[lane] = st
+                    Lh[lane] -= 1
+                    _prefetch(S + 4 * SREC * st)
+                else:
+                    st = Le[lane]  # the state reached by the token
+                    j = Lj[lane] + 1
+                    if j < ends[i]:
+                        Lj[lane] = j
+                        Lst[lane] = st
+                        Lph[lane] = 0
+                        _prefetch(S + 4 * SREC * st)
+                    else:
+                        Li[lane] = -1
+                        active -= 1
+                        while nxt < n:
+                            jj = starts[nxt] if nxt != i0 or j0 < 0 else j0
+                            nxt += 1
+                            if jj < ends[nxt - 1]:
+                                _lane_start(AM, SM, slots, buf, rows, starts, ends, nxt - 1, jj, lane, Li, Lj, Lst,
+                                            Lph)
+                                active += 1
+                                break
+            if done:  # token matched (or fell to the root): walk the occurrence hops next
+                Le[lane] = st
+                Lst[lane] = st
+                Lh[lane] = hops
+                Lph[lane] = 3
+                if st > 0:
+                    _prefetch(S + 4 * SREC * st)
 
 
+# ---------------------------------------------------------------------------------- propose
 @njit(cache=True)
-def propose_batch(slots, k, min_match, use_cache, AL, AK, AP, s_auto, s_cand, auto_str, s_len, ATOK,
-                  cache_auto, cache_stamp, cp, cp_stamp, out, out_n):
+def propose_batch(slots, k, min_match, use_cache, AM, SM, auto_str, cache_auto, cache_stamp, out, out_n):
     """Drafts for strings ``slots``: up to ``k`` tokens after the chosen occurrence of the longest match.
 
     Candidates: the string's own automaton (own text and, in group mode, running siblings) and the
@@ -470,43 +670,61 @@ def propose_batch(slots, k, min_match, use_cache, AL, AK, AP, s_auto, s_cand, au
     best_a = np.empty(n, np.int64)
     for i in range(n):
         s = slots[i]
-        best_len[i] = s_cand[s, 0]
-        best_pos[i] = s_cand[s, 1]
-        best_a[i] = s_auto[s]
+        best_len[i] = SM[s, M_CLEN]
+        best_pos[i] = SM[s, M_CPOS]
+        best_a[i] = SM[s, M_AUTO]
     if use_cache:
         for g in range(2):
             ca = cache_auto[g]
             if ca < 0:
                 continue
-            L = AL[ca]
-            K = AK[ca]
-            P = AP[ca]
+            S, E, R = _auto_views(AM, ca)
             for i in range(n):
                 s = slots[i]
                 for j in range(2):
-                    if cp_stamp[s, j] != cache_stamp[g]:
+                    if SM[s, M_CP + 3 * j + 2] != cache_stamp[g]:
                         continue
-                    st = cp[s, j, 0]
-                    ln = cp[s, j, 1]
-                    while st != 0 and L[K[st]] >= ln:
-                        st = K[st]
+                    st = SM[s, M_CP + 3 * j]
+                    ln = SM[s, M_CP + 3 * j + 1]
+                    while st != 0 and S[SREC * S[SREC * st + 1]] >= ln:
+                        st = S[SREC * st + 1]
                     tries = 0
                     while st > 0 and tries < 4 and ln > best_len[i]:
-                        if _has_cont(ca, P[st], auto_str, s_len):
+                        pos = S[SREC * st + 2]
+                        if _has_cont(SM, auto_str, ca, pos):
                             best_len[i] = ln
-                            best_pos[i] = P[st]
+                            best_pos[i] = pos
                             best_a[i] = ca
                             break
-                        st = K[st]
-                        ln = L[st]
+                        st = S[SREC * st + 1]
+                        ln = S[SREC * st]
                         tries += 1
     for i in range(n):
         if best_len[i] < min_match or best_pos[i] < 0:
             out_n[i] = 0
             continue
-        out_n[i] = _emit(best_a[i], best_pos[i], k, auto_str, s_len, ATOK, out, i)
+        pos = best_pos[i]
+        g = auto_str[best_a[i], pos >> OFFSET_BITS]
+        off = (pos & OFFSET_MASK) + 1
+        c = min(k, SM[g, M_LEN] - off)
+        T = _view(SM[g, M_T], SM[g, M_TCAP])
+        for j in range(c):
+            out[i, j] = T[off + j]
+        out_n[i] = max(c, 0)
 
 
+@njit(cache=True)
+def step_batch(slots, buf, rows, starts, ends, prog, budget, resync, AM, SM, auto_str, cache_auto, cache_stamp,
+               grow, k, min_match, use_cache, out, out_n, precheck=True, warm_lanes=16, warm_hops=2):
+    """One decode step in one call: ``extend_batch`` then, once it is done, ``propose_batch``."""
+    ng = extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, False, AM, SM, auto_str, cache_auto,
+                      cache_stamp, grow, precheck, warm_lanes, warm_hops)
+    if ng == 0:
+        propose_batch(slots, k, min_match, use_cache, AM, SM, auto_str, cache_auto, cache_stamp, out, out_n)
+    return ng
+
+
+# -------------------------------------------------------------------------------- reference
 @njit(cache=True)
 def brute_force_propose(text, k, rule):
     """Reference: longest suffix of ``text`` that also ends earlier, by scanning every end position.

@@ -11,8 +11,9 @@ Group-aware mode (``group_mode=True``): requests with the same ``group_id`` (GRP
 prompt) share one automaton, so a request also drafts from its running siblings; finished responses
 enter a bounded two-generation cache automaton that every request matches against.
 
-All per-token state lives in numpy int32 arrays inside numba typed lists (see ``_sam_kernels``); a
-decode step for a whole batch is one ``extend`` call plus one ``propose`` call into numba.
+All per-token state lives in numpy int32 record arrays owned here and reached by the numba kernels
+through an address table (see ``_sam_kernels``); a decode step for a whole batch is one kernel call
+(``step_arrays`` / ``step_from_buffer``), or one ``extend_arrays`` plus one ``propose_arrays`` call.
 """
 
 from __future__ import annotations
@@ -22,12 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from numba import types
-from numba.typed import List
 
 from qwen3_rl.spec_decode import _sam_kernels as K
-
-_I32 = types.int32[::1]
 
 
 def group_key(prompt_ids: Sequence[int] | np.ndarray) -> str:
@@ -100,13 +97,27 @@ class _Auto:
     tokens: int = 0  # tokens of cached responses (cache automata)
 
 
+_EMPTY = np.zeros(0, np.int32)
+_REC = {K.G_STATES: K.SREC, K.G_EDGES: K.EREC, K.G_ROOT: K.RREC}
+_COLS = {K.G_STATES: (K.A_S, K.A_SCAP, K.A_NST), K.G_EDGES: (K.A_E, K.A_ECAP, K.A_NE),
+         K.G_ROOT: (K.A_R, K.A_RCAP, K.A_RN)}
+
+
+def drafts_to_lists(out: np.ndarray, counts: np.ndarray) -> list[list[int]]:
+    """Rows of ``out`` (int32[n, k]) cut to ``counts`` (int32[n]) as Python lists (vLLM's draft format)."""
+    return [row[:c] for row, c in zip(out.tolist(), counts.tolist(), strict=False)]
+
+
 class SamProposer:
     """Suffix-automaton drafter over many requests (vLLM ``NgramProposer``-like, batch oriented).
 
     Lifecycle: ``add_request`` -> ``extend`` (accepted tokens, any number per step) / ``propose``
     -> optional ``preempt`` / ``resume`` -> ``finish`` or ``abort``. Memory of a request is freed
     at finish (group mode: when the last member of its group finishes); ``nbytes()`` counts the
-    bytes of all arrays held.
+    bytes of all arrays held (capacity).
+
+    Fast path for a runner: keep ``slot_of(req_id)`` per batch row and call ``step_arrays`` (flat
+    accepted tokens) or ``step_from_buffer`` (the runner's token buffer) once per decode step.
     """
 
     def __init__(self, config: SamConfig | None = None, **overrides: object) -> None:
@@ -114,83 +125,76 @@ class SamProposer:
         if overrides:
             cfg = SamConfig(**{**cfg.__dict__, **overrides})
         self.config = cfg
-        self._stats = np.zeros(1, np.int64)
-        self._A = [List.empty_list(_I32) for _ in range(9)]  # AL AK AP AF AET AEG AEN ARK ARV
-        self._ATOK = List.empty_list(_I32)
-        self._acap = 0
-        self._scap = 0
-        self._grow_autos(8)
-        self._grow_strings(16)
+        self._nbytes = 0
+        self._AM = np.zeros((0, K.AM_COLS), np.int64)  # automaton meta rows (addresses, capacities, counts)
+        self._auto_str = np.full((0, K.MAX_STRINGS + 1), -1, np.int64)  # automaton x local -> string slot
+        self._SM = np.zeros((0, K.SM_COLS), np.int64)  # string meta rows
+        self._arrS: list[np.ndarray] = []  # per automaton: state records int32[4 cap]
+        self._arrE: list[np.ndarray] = []  # per automaton: edge records int32[3 cap]
+        self._arrR: list[np.ndarray] = []  # per automaton: root hash int32[2 cap]
+        self._arrT: list[np.ndarray] = []  # per string: tokens int32[cap]
         self._free_autos: list[int] = []
         self._free_strings: list[int] = []
+        self._grow_autos(8)
+        self._grow_strings(16)
         self._autos: dict[int, _Auto] = {}
         self._reqs: dict[str, _Req] = {}
         self._groups: dict[str, int] = {}
-        self._cache_auto = np.full(2, -1, np.int32)  # [old, current]
+        self._cache_auto = np.full(2, -1, np.int64)  # [old, current]
+        self._no_cache = np.full(2, -1, np.int64)
         self._cache_stamp = np.zeros(2, np.int64)
         self._next_stamp = 1
-        self._out = np.zeros((0, cfg.num_speculative_tokens), np.int32)
-        self._out_n = np.zeros(0, np.int32)
-        self._empty_i32 = np.zeros(0, np.int32)
+        self._grow = np.zeros((1024, 3), np.int64)
+        self._exact_growth = False  # tests: grow to exactly the size asked for (no slack)
+        self.warm_lanes = 16  # interleaved read-only warm-up walks before a batch update (0 = off)
+        self.warm_hops = 2  # suffix links the warm-up walks follow after each token
+        self._prog = np.zeros(2, np.int64)
+        self._rows = np.zeros(16, np.int64)
+        self._out = np.zeros((16, cfg.num_speculative_tokens), np.int32)
+        self._out_n = np.zeros(16, np.int32)
 
     # ------------------------------------------------------------------ slot tables (metadata)
     def _grow_autos(self, n: int) -> None:
-        old = self._acap
+        old = self._AM.shape[0]
         if n <= old:
             return
-        for lst in self._A:
-            for _ in range(n - old):
-                lst.append(np.zeros(0, np.int32))
-
-        def ext(arr: np.ndarray | None, shape: tuple[int, ...], dtype: type, fill: int) -> np.ndarray:
-            new = np.full(shape, fill, dtype)
-            if arr is not None:
-                new[: arr.shape[0]] = arr
-            return new
-
-        self._a_nst = ext(getattr(self, "_a_nst", None), (n,), np.int64, 0)
-        self._a_ne = ext(getattr(self, "_a_ne", None), (n,), np.int64, 0)
-        self._a_rn = ext(getattr(self, "_a_rn", None), (n,), np.int64, 0)
-        self._auto_str = ext(getattr(self, "_auto_str", None), (n, K.MAX_STRINGS + 1), np.int32, -1)
-        self._acap = n
+        am = np.zeros((n, K.AM_COLS), np.int64)
+        am[:old] = self._AM
+        st = np.full((n, K.MAX_STRINGS + 1), -1, np.int64)
+        st[:old] = self._auto_str
+        self._AM, self._auto_str = am, st
+        for lst in (self._arrS, self._arrE, self._arrR):
+            lst.extend([_EMPTY] * (n - old))
+        self._free_autos.extend(range(n - 1, old - 1, -1))
 
     def _grow_strings(self, n: int) -> None:
-        old = self._scap
+        old = self._SM.shape[0]
         if n <= old:
             return
-        for _ in range(n - old):
-            self._ATOK.append(np.zeros(0, np.int32))
+        sm = np.zeros((n, K.SM_COLS), np.int64)
+        sm[:old] = self._SM
+        sm[old:, K.M_AUTO] = -1
+        self._SM = sm
+        self._arrT.extend([_EMPTY] * (n - old))
+        self._free_strings.extend(range(n - 1, old - 1, -1))
 
-        def ext(arr: np.ndarray | None, shape: tuple[int, ...], dtype: type, fill: int) -> np.ndarray:
-            new = np.full(shape, fill, dtype)
-            if arr is not None:
-                new[: arr.shape[0]] = arr
-            return new
-
-        self._s_len = ext(getattr(self, "_s_len", None), (n,), np.int64, 0)
-        self._s_last = ext(getattr(self, "_s_last", None), (n,), np.int32, 0)
-        self._s_auto = ext(getattr(self, "_s_auto", None), (n,), np.int32, -1)
-        self._s_local = ext(getattr(self, "_s_local", None), (n,), np.int32, 0)
-        self._s_cand = ext(getattr(self, "_s_cand", None), (n, 2), np.int32, -1)
-        self._cp = ext(getattr(self, "_cp", None), (n, 2, 2), np.int32, 0)
-        self._cp_stamp = ext(getattr(self, "_cp_stamp", None), (n, 2), np.int64, -1)
-        self._scap = n
+    def _set_array(self, lst: list[np.ndarray], i: int, arr: np.ndarray, addr_col: tuple[np.ndarray, int, int]
+                   ) -> None:
+        """Install ``arr`` as array ``i`` of ``lst`` and record its address and capacity."""
+        meta, row, col = addr_col
+        self._nbytes += arr.nbytes - lst[i].nbytes
+        lst[i] = arr
+        meta[row, col] = arr.ctypes.data if arr.size else 0
 
     def _new_auto(self) -> int:
         if not self._free_autos:
-            old = self._acap
-            self._grow_autos(max(8, old * 2))
-            self._free_autos.extend(range(self._acap - 1, old - 1, -1))
+            self._grow_autos(max(8, 2 * self._AM.shape[0]))
         a = self._free_autos.pop()
-        AL, AK, AP, AF = self._A[:4]
-        AL[a] = np.zeros(1, np.int32)
-        AK[a] = np.full(1, -1, np.int32)
-        AP[a] = np.full(1, -1, np.int32)
-        AF[a] = np.full(1, -1, np.int32)
-        self._stats[0] += 16
-        self._a_nst[a] = 1
-        self._a_ne[a] = 0
-        self._a_rn[a] = 0
+        self._AM[a] = 0
+        root = np.array([0, -1, -1, -1], np.int32)  # L, K, P, F
+        self._set_array(self._arrS, a, root, (self._AM, a, K.A_S))
+        self._AM[a, K.A_SCAP] = 1
+        self._AM[a, K.A_NST] = 1
         self._auto_str[a, :] = -1
         self._autos[a] = _Auto()
         return a
@@ -200,57 +204,129 @@ class SamProposer:
         if len(auto.strings) >= K.MAX_STRINGS:
             raise RuntimeError("automaton full")
         if not self._free_strings:
-            old = self._scap
-            self._grow_strings(max(16, old * 2))
-            self._free_strings.extend(range(self._scap - 1, old - 1, -1))
+            self._grow_strings(max(16, 2 * self._SM.shape[0]))
         s = self._free_strings.pop()
         local = len(auto.strings)
         auto.strings.append(s)
         self._auto_str[a, local] = s
-        self._s_len[s] = 0
-        self._s_last[s] = 0
-        self._s_auto[s] = a
-        self._s_local[s] = local
-        self._s_cand[s] = (0, -1)
-        self._cp[s] = 0
-        self._cp_stamp[s] = -1
+        row = self._SM[s]
+        row[:] = 0
+        row[K.M_AUTO] = a
+        row[K.M_LOCAL] = local
+        row[K.M_CPOS] = -1
+        row[K.M_CP + 2] = -1
+        row[K.M_CP + 5] = -1
         return s
 
     def _free_auto(self, a: int) -> None:
         auto = self._autos.pop(a)
-        freed = 0
-        for lst in self._A:
-            freed += lst[a].nbytes
-            lst[a] = self._empty_i32
+        for lst, col in ((self._arrS, K.A_S), (self._arrE, K.A_E), (self._arrR, K.A_R)):
+            self._set_array(lst, a, _EMPTY, (self._AM, a, col))
+        self._AM[a] = 0
         for s in auto.strings:
-            freed += self._ATOK[s].nbytes
-            self._ATOK[s] = self._empty_i32
-            self._s_len[s] = 0
-            self._s_auto[s] = -1
+            self._set_array(self._arrT, s, _EMPTY, (self._SM, s, K.M_T))
+            self._SM[s] = 0
+            self._SM[s, K.M_AUTO] = -1
             self._free_strings.append(s)
-        self._stats[0] -= freed
-        self._a_nst[a] = 0
-        self._a_ne[a] = 0
-        self._a_rn[a] = 0
         self._auto_str[a, :] = -1
         self._free_autos.append(a)
 
+    def _apply_growth(self, ng: int) -> None:
+        """Grow the arrays the kernel asked for (kind, slot, elements needed); 1.5x policy."""
+        for kind, i, need in self._grow[:ng].tolist():
+            if kind == K.G_TOK:
+                old = self._arrT[i]
+                if old.shape[0] >= need:
+                    continue
+                new = np.empty(need if self._exact_growth else max(need, old.shape[0] + (old.shape[0] >> 1) + 16),
+                               np.int32)
+                ln = int(self._SM[i, K.M_LEN])
+                new[:ln] = old[:ln]
+                self._set_array(self._arrT, i, new, (self._SM, i, K.M_T))
+                self._SM[i, K.M_TCAP] = new.shape[0]
+                continue
+            rec = _REC[kind]
+            addr_col, cap_col, used_col = _COLS[kind]
+            lst = {K.G_STATES: self._arrS, K.G_EDGES: self._arrE, K.G_ROOT: self._arrR}[kind]
+            cap = int(self._AM[i, cap_col])
+            if kind == K.G_ROOT:
+                if 2 * need <= cap:
+                    continue
+                ncap = max(16, 2 * cap)
+                while ncap < 2 * need:
+                    ncap *= 2
+                new = np.full(ncap * rec, -1, np.int32)
+                K.root_rehash(lst[i], new)
+            else:
+                if cap >= need:
+                    continue
+                ncap = need if self._exact_growth else max(need, cap + (cap >> 1) + 16)
+                new = np.empty(ncap * rec, np.int32)
+                used = int(self._AM[i, used_col]) * rec
+                new[:used] = lst[i][:used]
+            self._set_array(lst, i, new, (self._AM, i, addr_col))
+            self._AM[i, cap_col] = ncap
+
     # --------------------------------------------------------------------------- kernels
-    def _kernel_extend(self, slots: np.ndarray, toks: np.ndarray, offs: np.ndarray, complete: bool = False
-                       ) -> None:
+    def _cache_for_kernel(self) -> np.ndarray:
         cfg = self.config
-        use_cache = cfg.group_mode and cfg.cache_max_responses > 0
-        cache_auto = self._cache_auto if use_cache else np.full(2, -1, np.int32)
-        K.extend_batch(slots, toks, offs, cfg.budget, cfg.resync, *self._A, self._a_nst, self._a_ne, self._a_rn,
-                       self._ATOK, self._s_len, self._s_last, self._s_auto, self._s_local, self._s_cand,
-                       self._auto_str, cache_auto, self._cache_stamp, self._cp, self._cp_stamp, self._stats,
-                       complete)
+        return self._cache_auto if cfg.group_mode and cfg.cache_max_responses > 0 else self._no_cache
+
+    def _run(self, slots: np.ndarray, buf: np.ndarray, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+             complete: bool = False, k: int = 0, cache_auto: np.ndarray | None = None) -> None:
+        """Extend (and with ``k`` > 0 propose into ``self._out``) in kernel calls, growing arrays between."""
+        cfg = self.config
+        cache_auto = self._cache_for_kernel() if cache_auto is None else cache_auto
+        prog = self._prog
+        prog[0] = 0
+        prog[1] = -1
+        use_cache = bool(cache_auto[0] >= 0 or cache_auto[1] >= 0)
+        while True:
+            if k:
+                ng = K.step_batch(slots, buf, rows, starts, ends, prog, cfg.budget, cfg.resync, self._AM, self._SM,
+                                  self._auto_str, cache_auto, self._cache_stamp, self._grow, k, cfg.min_match,
+                                  use_cache, self._out, self._out_n, not self._exact_growth, self.warm_lanes,
+                                  self.warm_hops)
+            else:
+                ng = K.extend_batch(slots, buf, rows, starts, ends, prog, cfg.budget, cfg.resync, complete,
+                                    self._AM, self._SM, self._auto_str, cache_auto, self._cache_stamp, self._grow,
+                                    not self._exact_growth, self.warm_lanes,
+                                  self.warm_hops)
+            if ng == 0:
+                return
+            self._apply_growth(ng)
+
+    def _out_buffers(self, n: int, k: int) -> None:
+        if self._out.shape[0] < n or self._out.shape[1] != k:
+            self._out = np.zeros((max(n, 16), k), np.int32)
+            self._out_n = np.zeros(max(n, 16), np.int32)
+
+    def _zero_rows(self, n: int) -> np.ndarray:
+        if self._rows.shape[0] < n:
+            self._rows = np.zeros(max(n, 2 * self._rows.shape[0]), np.int64)
+        return self._rows[:n]
+
+    def _flat(self, slots: np.ndarray, toks: np.ndarray, offs: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        slots = np.asarray(slots, np.int64)
+        toks = np.asarray(toks, np.int32).reshape(1, -1)
+        offs = np.asarray(offs, np.int64)
+        n = slots.shape[0]
+        if offs.shape[0] != n + 1:
+            raise ValueError(f"offs must have n + 1 = {n + 1} entries, got {offs.shape[0]}")
+        return slots, toks, self._zero_rows(n), offs[:-1], offs[1:]
 
     def _append_string(self, s: int, toks: np.ndarray, complete: bool = False) -> None:
-        offs = np.array([0, toks.shape[0]], np.int64)
-        if toks.shape[0] + self._s_len[s] >= K.MAX_STRING_LEN:
+        toks = np.ascontiguousarray(toks, np.int32)
+        if toks.shape[0] + self._SM[s, K.M_LEN] >= K.MAX_STRING_LEN:
             raise ValueError(f"string longer than {K.MAX_STRING_LEN} tokens")
-        self._kernel_extend(np.array([s], np.int32), toks, offs, complete)
+        self._run(np.array([s], np.int64), toks.reshape(1, -1), self._zero_rows(1), np.zeros(1, np.int64),
+                  np.array([toks.shape[0]], np.int64), complete,
+                  cache_auto=self._no_cache if complete else None)
+
+    def _check_len(self, slots: np.ndarray, ends: np.ndarray, starts: np.ndarray) -> None:
+        if slots.shape[0] and int((self._SM[slots, K.M_LEN] + ends - starts).max()) >= K.MAX_STRING_LEN:
+            raise ValueError(f"string longer than {K.MAX_STRING_LEN} tokens")
 
     # --------------------------------------------------------------------------- public API
     @property
@@ -289,60 +365,103 @@ class SamProposer:
         """Append the accepted tokens (incl. the bonus token) of one request: shape [n_accepted]."""
         self.extend_batch([req_id], [accepted_ids])
 
+    def _lists_to_arrays(self, req_ids: Sequence[str], accepted: Sequence[Sequence[int] | np.ndarray]
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        n = len(req_ids)
+        reqs = self._reqs
+        slots = np.fromiter((reqs[r].slot for r in req_ids), np.int64, n)
+        lens = np.zeros(n + 1, np.int64)
+        lens[1:] = np.fromiter((len(a) for a in accepted), np.int64, n)
+        offs = np.cumsum(lens)
+        total = int(offs[-1])
+        toks = np.fromiter((t for seq in accepted for t in seq), np.int32, total) if total else _EMPTY
+        return slots, toks, offs
+
     def extend_batch(self, req_ids: Sequence[str], accepted: Sequence[Sequence[int] | np.ndarray]) -> None:
         """Append accepted tokens of many requests in one numba call (one decode step)."""
-        n = len(req_ids)
-        slots = np.empty(n, np.int32)
-        lens = np.zeros(n + 1, np.int64)
-        reqs = self._reqs
-        for i, r in enumerate(req_ids):
-            slots[i] = reqs[r].slot
-            lens[i + 1] = len(accepted[i])
-        offs = np.cumsum(lens)
-        if n and int((self._s_len[slots] + lens[1:]).max()) >= K.MAX_STRING_LEN:
-            raise ValueError(f"string longer than {K.MAX_STRING_LEN} tokens")
-        toks = np.fromiter((t for seq in accepted for t in seq), np.int32, int(offs[-1])) if offs[-1] else \
-            self._empty_i32
-        self._kernel_extend(slots, toks, offs)
+        self.extend_arrays(*self._lists_to_arrays(req_ids, accepted))
 
     def extend_arrays(self, slots: np.ndarray, toks: np.ndarray, offs: np.ndarray) -> None:
-        """Array form of ``extend_batch``: slots int32[n] (``slot_of``), toks int32[total], offs int64[n+1]."""
-        self._kernel_extend(slots, toks, offs)
+        """Array form of ``extend_batch``: slots int[n] (``slot_of``), toks int32[total], offs int64[n+1]."""
+        slots, buf, rows, starts, ends = self._flat(slots, toks, offs)
+        self._check_len(slots, ends, starts)
+        self._run(slots, buf, rows, starts, ends)
 
     def slot_of(self, req_id: str) -> int:
+        """Kernel slot of a request (stable from ``add_request`` to ``finish``/``abort``)."""
         return self._reqs[req_id].slot
 
+    def slots_of(self, req_ids: Sequence[str]) -> np.ndarray:
+        """``slot_of`` for many requests: int64[n]."""
+        return np.fromiter((self._reqs[r].slot for r in req_ids), np.int64, len(req_ids))
+
     def propose_arrays(self, slots: np.ndarray, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Drafts for string slots int32[n]: returns (tokens int32[n, k], counts int32[n]) (views, reused)."""
+        """Drafts for string slots int[n]: returns (tokens int32[n, k], counts int32[n]) (views, reused)."""
         k = k or self.config.num_speculative_tokens
+        slots = np.asarray(slots, np.int64)
         n = slots.shape[0]
-        if self._out.shape[0] < n or self._out.shape[1] != k:
-            self._out = np.zeros((max(n, 16), k), np.int32)
-            self._out_n = np.zeros(max(n, 16), np.int32)
-        cfg = self.config
-        use_cache = cfg.group_mode and cfg.cache_max_responses > 0
-        AL, AK, AP = self._A[:3]
-        K.propose_batch(slots, k, cfg.min_match, use_cache, AL, AK, AP, self._s_auto, self._s_cand,
-                        self._auto_str, self._s_len, self._ATOK, self._cache_auto, self._cache_stamp, self._cp,
-                        self._cp_stamp, self._out, self._out_n)
+        self._out_buffers(n, k)
+        cache_auto = self._cache_for_kernel()
+        use_cache = bool(cache_auto[0] >= 0 or cache_auto[1] >= 0)
+        K.propose_batch(slots, k, self.config.min_match, use_cache, self._AM, self._SM, self._auto_str, cache_auto,
+                        self._cache_stamp, self._out, self._out_n)
+        return self._out[:n], self._out_n[:n]
+
+    def step_arrays(self, slots: np.ndarray, toks: np.ndarray, offs: np.ndarray, k: int | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """One decode step in one kernel call: ``extend_arrays`` then ``propose_arrays`` (same shapes)."""
+        k = k or self.config.num_speculative_tokens
+        slots, buf, rows, starts, ends = self._flat(slots, toks, offs)
+        self._check_len(slots, ends, starts)
+        n = slots.shape[0]
+        self._out_buffers(n, k)
+        self._run(slots, buf, rows, starts, ends, k=k)
+        return self._out[:n], self._out_n[:n]
+
+    def step_from_buffer(self, slots: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
+                         rows: np.ndarray | None = None, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """One decode step from a runner's token buffer (vLLM ``InputBatch.token_ids_cpu``-like).
+
+        Args:
+            slots: int[n] kernel slots (``slot_of``).
+            token_ids: int32[rows, max_len]; row ``rows[i]`` holds request i's prompt + accepted
+                tokens in ``[0, num_tokens[i])`` (its first ``len`` tokens must equal the drafter's
+                text; only the new tail ``[len, num_tokens[i])`` is read).
+            num_tokens: int[n] valid tokens per request (``num_tokens_no_spec``).
+            rows: int[n] buffer row of request i (default: i).
+            k: draft length (default ``num_speculative_tokens``).
+        Returns:
+            (drafts int32[n, k], counts int32[n]) views reused by the next call.
+        """
+        k = k or self.config.num_speculative_tokens
+        slots = np.asarray(slots, np.int64)
+        n = slots.shape[0]
+        rows = self._zero_rows(n) + np.arange(n) if rows is None else np.asarray(rows, np.int64)
+        buf = np.asarray(token_ids, np.int32)
+        ends = np.asarray(num_tokens, np.int64)[:n]
+        starts = self._SM[slots, K.M_LEN]
+        if n and int((ends - starts).min()) < 0:
+            raise ValueError("num_tokens shorter than the drafter's text")
+        self._check_len(slots, ends, starts)
+        self._out_buffers(n, k)
+        self._run(slots, buf, rows, starts, ends, k=k)
         return self._out[:n], self._out_n[:n]
 
     def propose(self, req_ids: Sequence[str], k: int | None = None) -> list[list[int]]:
         """Up to ``k`` draft tokens per request (empty list = no draft)."""
-        slots = np.fromiter((self._reqs[r].slot for r in req_ids), np.int32, len(req_ids))
-        out, cnt = self.propose_arrays(slots, k)
-        return [out[i, : cnt[i]].tolist() for i in range(len(req_ids))]
+        out, cnt = self.propose_arrays(self.slots_of(req_ids), k)
+        return drafts_to_lists(out, cnt)
 
     def step(self, req_ids: Sequence[str], accepted: Sequence[Sequence[int]], k: int | None = None
              ) -> list[list[int]]:
-        """One decode step: ``extend_batch`` then ``propose``."""
-        self.extend_batch(req_ids, accepted)
-        return self.propose(req_ids, k)
+        """One decode step: ``extend_batch`` then ``propose`` (one kernel call)."""
+        out, cnt = self.step_arrays(*self._lists_to_arrays(req_ids, accepted), k)
+        return drafts_to_lists(out, cnt)
 
     def tokens(self, req_id: str) -> np.ndarray:
         """Copy of the request's text (prompt + accepted tokens), shape [len]."""
         s = self._reqs[req_id].slot
-        return np.array(self._ATOK[s][: self._s_len[s]])
+        return self._arrT[s][: self._SM[s, K.M_LEN]].copy()
 
     def preempt(self, req_id: str) -> None:
         """Mark a request preempted; its automaton is kept so ``resume`` costs nothing."""
@@ -414,13 +533,8 @@ class SamProposer:
             self._next_stamp += 1
         s = self._new_string(cur)
         self._autos[cur].tokens += int(resp.shape[0])
-        # cache strings do not follow the cache: append with the cache switched off for this call
-        saved = self._cache_auto.copy()
-        self._cache_auto[:] = -1
-        try:
-            self._append_string(s, resp, complete=True)
-        finally:
-            self._cache_auto[:] = saved
+        # cache strings do not follow the cache (appended with the cache switched off)
+        self._append_string(s, resp, complete=True)
 
     def clear_cache(self) -> None:
         """Drop both cache generations."""
@@ -431,14 +545,26 @@ class SamProposer:
             self._cache_auto[g] = -1
             self._cache_stamp[g] = 0
 
+    def check_invariants(self) -> None:
+        """Assert that every count fits its array (tests; O(slots))."""
+        for a in self._autos:
+            am = self._AM[a]
+            assert am[K.A_NST] <= am[K.A_SCAP] and 4 * am[K.A_SCAP] == self._arrS[a].shape[0], a
+            assert am[K.A_NE] <= am[K.A_ECAP] and 3 * am[K.A_ECAP] == self._arrE[a].shape[0], a
+            assert 2 * am[K.A_RN] <= am[K.A_RCAP] and 2 * am[K.A_RCAP] == self._arrR[a].shape[0], a
+            for s in self._autos[a].strings:
+                assert self._SM[s, K.M_LEN] <= self._SM[s, K.M_TCAP] == self._arrT[s].shape[0], s
+        held = sum(x.nbytes for lst in (self._arrS, self._arrE, self._arrR, self._arrT) for x in lst)
+        assert held == self._nbytes, (held, self._nbytes)
+
     def nbytes(self) -> int:
         """Bytes held by the per-token arrays (token buffers, states, edges, root hashes; capacity)."""
-        return int(self._stats[0])
+        return self._nbytes
 
     def num_tokens(self) -> int:
         """Tokens held: running requests' texts, finished group members kept for siblings, cache."""
-        live = self._s_auto[: self._scap] >= 0
-        return int(self._s_len[: self._scap][live].sum())
+        live = self._SM[:, K.M_AUTO] >= 0
+        return int(self._SM[live, K.M_LEN].sum())
 
     def cache_bound_tokens(self) -> int:
         """Upper bound of tokens held by the finished-response cache (two generations)."""
