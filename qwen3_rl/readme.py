@@ -29,7 +29,32 @@ def _patches() -> str:
     return markdown_table(list(load_pins().frameworks))
 
 
-SECTIONS: dict[str, Callable[[], str]] = {"pins": _pins, "patches": _patches}
+def _switches() -> str:
+    """Boolean feature switches of the train scripts: env var, default, the Hydra key it sets."""
+    scripts = sorted((REPO_ROOT / "internal").glob("train_*.sh"))
+    rows: dict[str, tuple[set[str], set[str], list[str]]] = {}
+    for script in scripts:
+        text = script.read_text()
+        for var, default in re.findall(r"^([A-Z_0-9]+)=\$\{\1:-(.*)\}$", text, flags=re.M):
+            if default not in ("True", "False"):
+                continue
+            keys = {k.replace("${_vllm_kw}", "actor_rollout_ref.rollout.engine_kwargs.vllm")
+                    for k in re.findall(rf"\+*((?:\$\{{_vllm_kw\}})?[a-z_.0-9]+)=\$\{{{var}\}}", text)}
+            if f'"${{{var}}}" == True' in text and keys:
+                keys.add("(and more keys when True: see the script)")
+            entry = rows.setdefault(var, (set(), set(), []))
+            entry[0].add(default)
+            entry[1].update(keys)
+            entry[2].append(script.name.removeprefix("train_").removesuffix(".sh"))
+    out = ["| env var | default | Hydra key it sets | scripts |", "|---|---|---|---|"]
+    for var, (defaults, keys, names) in sorted(rows.items()):
+        key = ", ".join(k if k.startswith("(") else f"`{k}`" for k in sorted(keys)) or "several keys, set only when True (see the script)"
+        where = "all five" if len(names) == len(scripts) else ", ".join(names)
+        out.append(f"| `{var}` | `{'/'.join(sorted(defaults))}` | {key} | {where} |")
+    return "\n".join(out)
+
+
+SECTIONS: dict[str, Callable[[], str]] = {"pins": _pins, "patches": _patches, "switches": _switches}
 
 
 def render(text: str) -> str:
