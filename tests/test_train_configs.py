@@ -4,6 +4,9 @@ by verl's own validate_config."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -16,6 +19,25 @@ REPO = Path(__file__).resolve().parent.parent
 INTERNAL = REPO / "internal"
 DAPO_CONFIG_DIR = REPO / "qwen3_rl" / "trainer" / "config"
 BASE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
+GOLDEN_DIR = REPO / "tests" / "data" / "train_commands"
+
+# `VAR=${VAR:-default}` at the start of a line: an environment variable with its default
+DEFAULT_RE = re.compile(r"^([A-Z_0-9]+)=\$\{\1:-(.*)\}$", re.M)
+# `source "$(dirname "${BASH_SOURCE[0]}")/lib/x.sh"`: a library sourced relative to the script
+SOURCE_RE = re.compile(r'^(?:source|\.) "\$\(dirname "\$\{BASH_SOURCE\[0\]\}"\)/([\w./-]+\.sh)"', re.M)
+
+
+def script_env_defaults(script: Path) -> dict[str, tuple[str, Path]]:
+    """Every env var a train script reads with a default: ``{VAR: (default, file defining it)}``, from the
+    script and from the libraries it sources (a default defined once in a library applies to every
+    script sourcing it). A variable must be defined in one place only."""
+    out: dict[str, tuple[str, Path]] = {}
+    files = [script, *(script.parent / rel for rel in SOURCE_RE.findall(script.read_text()))]
+    for path in files:
+        for var, default in DEFAULT_RE.findall(path.read_text()):
+            assert var not in out, f"{var} defined in {out[var][1].name} and {path.name}"
+            out[var] = (default, path)
+    return out
 
 # setup -> (entry module, config name, world, GBS, n, response length, actor (TP, PP, CP, EP), rollout TP,
 #           vLLM DP for expert parallel or None)
@@ -220,14 +242,13 @@ def test_verl_default_reward_coverage(patched_imports: Path) -> None:
 
 
 def test_setups_doc_lists_every_env_var() -> None:
-    """docs/setups.md documents every environment variable the scripts read, with its default."""
-    import re
-
+    """docs/setups.md documents every environment variable the scripts read (the script's own and those of
+    the library it sources), with its default."""
     doc = (REPO / "docs" / "setups.md").read_text()
     for script in INTERNAL.glob("train_*.sh"):
-        for var, default in re.findall(r"^([A-Z_0-9]+)=\$\{\1:-(.*)\}$", script.read_text(), flags=re.M):
+        for var, (default, where) in script_env_defaults(script).items():
             row = next((line for line in doc.splitlines() if line.startswith(f"| `{var}` |")), None)
-            assert row is not None, f"{var} ({script.name}) missing from docs/setups.md"
+            assert row is not None, f"{var} ({where.name}, read by {script.name}) missing from docs/setups.md"
             shown = default.replace("${QWEN3_RL_HOME}", "<repo>")
             assert f"`{shown}`" in row, f"{var}: default {shown!r} not in docs row {row!r}"
 
@@ -248,3 +269,85 @@ def test_dapo_entry_point_composes_script_command(patched_imports: Path) -> None
     cfg = OmegaConf.create(proc.stdout)
     assert cfg.algorithm.filter_groups.max_num_gen_batches == 2 and cfg.data.gen_batch_size == 128
     assert cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.data_parallel_size == 32
+
+
+# ---- golden commands ---------------------------------------------------------------------------------
+# Each train script's parsed command under a fixed set of environments, recorded in
+# tests/data/train_commands/<script>.json. A change to a script (or to internal/lib/) that changes any
+# command fails here until the golden file is rewritten on purpose and its diff reviewed:
+#   QWEN3_RL_UPDATE_GOLDEN=1 python -m pytest tests/test_train_configs.py -k golden
+# (the test then skips, saying which files it rewrote; `git diff tests/data/train_commands` shows the change).
+GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
+    "defaults": ({}, []),
+    "one_node": ({"NNODES": "1"}, []),
+    "sam_group_npugraph_ex": ({"SAM_ENABLE": "True", "SAM_GROUP": "True", "NPUGRAPH_EX": "True"}, []),
+    "sam_bs_threshold": ({"SAM_ENABLE": "True", "SAM_K": "5", "SAM_BS_THRESHOLD": "8"}, []),
+    "npugraph_ex_only": ({"NPUGRAPH_EX": "True", "GRAPH_CAPTURE_SIZES": "[4,8]"}, []),
+    "eplb": ({"ROLLOUT_EPLB": "True"}, []),
+    "eplb_lowercase_and_intervals": ({"ROLLOUT_EPLB": "true", "ROLLOUT_EPLB_HEAT_INTERVAL": "100",
+                                      "ROLLOUT_EPLB_ALGO_INTERVAL": "7", "NNODES": "4"}, []),
+    "balance_and_old_log_prob": ({"DATA_REBALANCE": "True", "ROLLOUT_REBALANCE": "True",
+                                  "USE_CURRENT_LOG_PROB_AS_OLD": "True"}, []),
+    "dist_ckpt": ({"USE_DIST_CKPT": "True", "DIST_CKPT_PATH": "/ckpt/mcore"}, []),
+    "derived_defaults": ({"QWEN3_RL_HOME": "/home/q", "DATA_DIR": "/data", "EXP_NAME": "exp",
+                          "TRAIN_BATCH_SIZE": "64", "MAX_PROMPT_LENGTH": "1024", "MAX_RESPONSE_LENGTH": "3000",
+                          "NPUS_PER_NODE": "8", "ROLLOUT_TP": "2", "PYTHONPATH": "/extra"}, []),
+    "empty_values_mean_default": ({"NNODES": "", "LR": "", "SAM_ENABLE": ""}, []),
+    "extra_args": ({}, ["trainer.total_training_steps=3"]),
+    "extra_args_with_switches": ({"SAM_ENABLE": "True", "ROLLOUT_EPLB": "True"},
+                                 ["trainer.total_training_steps=3", "+trainer.foo=1"]),
+    "every_var": ({}, []),  # env filled by _golden_env: every variable of every script, a distinct value
+    "bad_sam_enable": ({"SAM_ENABLE": "yes"}, []),
+    "bad_sam_group_lowercase": ({"SAM_GROUP": "true"}, []),
+    "bad_npugraph_ex": ({"NPUGRAPH_EX": "1"}, []),
+    "bad_eplb": ({"ROLLOUT_EPLB": "maybe"}, []),
+    "bad_eplb_and_sam": ({"ROLLOUT_EPLB": "maybe", "SAM_ENABLE": "yes"}, []),
+}
+# variables the scripts check for True/False: given True in the every_var case
+_CHECKED_BOOLS = ("SAM_ENABLE", "SAM_GROUP", "NPUGRAPH_EX", "ROLLOUT_EPLB")
+_RUNTIME_ENV = ("PWD", "OLDPWD", "SHLVL", "_")
+
+
+def _golden_env(case: str) -> dict[str, str]:
+    env, _ = GOLDEN_CASES[case]
+    if case != "every_var":
+        return dict(env)
+    names = sorted({v for s in INTERNAL.glob("train_*.sh") for v in script_env_defaults(s)})
+    return {v: "True" if v in _CHECKED_BOOLS else str(1000 + i) for i, v in enumerate(names)}
+
+
+def _golden_record(script: Path, env: dict[str, str], args: list[str]) -> dict:
+    """The parsed command (argv, and the env entries the script adds or changes) or the one-line error;
+    the repository path is written ``<repo>``."""
+    def norm(text: str) -> str:
+        return text.replace(str(REPO), "<repo>")
+
+    run_env = dict(BASE_ENV, **env)
+    try:
+        cmd = parse_train_script(script, env=run_env, extra_args=args)
+    except TrainScriptError as exc:
+        return {"error": norm(str(exc))}
+    changed = {k: norm(v) for k, v in sorted(cmd.env.items()) if k not in _RUNTIME_ENV and run_env.get(k) != v}
+    return {"argv": [norm(a) for a in cmd.argv], "env_changed": changed}
+
+
+@pytest.mark.parametrize("name", sorted(SETUPS))
+def test_golden_commands(name: str) -> None:
+    """Every case's parsed command (or error) equals the recorded one, byte for byte and in order."""
+    script = INTERNAL / name
+    path = GOLDEN_DIR / f"{script.stem}.json"
+    got = {case: {"env": _golden_env(case), "args": args, **_golden_record(script, _golden_env(case), args)}
+           for case, (_, args) in GOLDEN_CASES.items()}
+    if os.environ.get("QWEN3_RL_UPDATE_GOLDEN") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"script": f"internal/{name}", "cases": got}, indent=1) + "\n")
+        pytest.skip(f"QWEN3_RL_UPDATE_GOLDEN=1: rewrote {path.relative_to(REPO)}; review its git diff")
+    assert path.is_file(), f"no golden file {path}: record it with QWEN3_RL_UPDATE_GOLDEN=1"
+    want = json.loads(path.read_text())
+    assert want["script"] == f"internal/{name}" and list(want["cases"]) == list(got), "cases changed: re-record"
+    for case, rec in got.items():
+        assert rec == want["cases"][case], f"{name} [{case}] differs from {path.relative_to(REPO)}"
+    # the cases exercise what they are named for (guards against a golden file recorded from a broken script)
+    assert "argv" in want["cases"]["defaults"] and "argv" in want["cases"]["every_var"]
+    assert want["cases"]["bad_sam_enable"]["error"].endswith("failed in print mode: SAM_ENABLE must be True or False")
+    assert want["cases"]["extra_args"]["argv"][-1] == "trainer.total_training_steps=3"
