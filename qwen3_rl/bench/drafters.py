@@ -313,8 +313,8 @@ def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int
     Contexts are built (``add``) before timing; each timed step appends only that step's accepted
     tokens (1 to k + 1 per request) and proposes, through ``timed_step`` (for ours: the array API,
     one kernel call per step; list conversion is runner-side work done in ``prepare_step``).
-    ``fill_cache``: finish every corpus response first so the finished-response cache is full
-    (group mode's steady state; its matching then costs inside every step).
+    ``fill_cache``: finish every corpus response (reversed) first so the finished-response cache is
+    full (group mode's steady state; its matching then costs inside every step).
     """
     extra = (steps + warmup + 1) * (k + 1)
     ctxs, conts, keys = build_contexts(groups, batch, context_len, extra, group_size)
@@ -324,7 +324,9 @@ def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int
             for s in g:
                 rid = f"f{s.prompt_id}-{s.sample_id}"
                 d.add(rid, s.prompt, f"fill{s.prompt_id}")
-                d.extend(rid, s.response)
+                # reversed: a cache of the corpus' size and token statistics that does not contain
+                # the cost contexts verbatim (which would make every draft accepted in full)
+                d.extend(rid, np.ascontiguousarray(s.response[::-1]))
                 d.finish(rid)
     rids = [f"c{r}" for r in range(batch)]
     t0 = time.perf_counter()

@@ -238,8 +238,9 @@ class SamProposer:
                 old = self._arrT[i]
                 if old.shape[0] >= need:
                     continue
-                new = np.empty(need if self._exact_growth else max(need, old.shape[0] + (old.shape[0] >> 1) + 16),
-                               np.int32)
+                # headroom of need/16 + 64 tokens: a new prompt does not regrow at its first decode step
+                new = np.empty(need if self._exact_growth else
+                               max(need + (need >> 4) + 64, old.shape[0] + (old.shape[0] >> 1) + 16), np.int32)
                 ln = int(self._SM[i, K.M_LEN])
                 new[:ln] = old[:ln]
                 self._set_array(self._arrT, i, new, (self._SM, i, K.M_T))
