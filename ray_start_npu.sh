@@ -25,12 +25,32 @@ stop_pid() {  # stop_pid PID NAME GRACE_S: SIGTERM, bounded wait, then SIGKILL t
   say "stopping ${name} (pid ${pid})"
   kill -TERM "$pid" 2>/dev/null || true
   for ((i = 0; i < grace * 5; i++)); do
-    kill -0 "$pid" 2>/dev/null || { wait "$pid" 2>/dev/null || true; return 0; }
+    kill -0 "$pid" 2>/dev/null || break
     sleep 0.2
   done
-  say "${name} (pid ${pid}) ignored SIGTERM for ${grace} s; SIGKILL to its process group"
-  kill -KILL -- "-${pid}" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
+  if kill -0 "$pid" 2>/dev/null; then
+    say "${name} (pid ${pid}) ignored SIGTERM for ${grace} s; SIGKILL to its process group"
+    kill -KILL -- "-${pid}" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
+  fi
   wait "$pid" 2>/dev/null || true
+  stop_group "$pid" "$name"
+}
+
+# stop_group PGID NAME: what is left of a process group this launcher created with setsid after its leader
+# exited. Seen with Ray 2.60 on a worker whose head is gone: the raylet is SIGKILLed while unregistering
+# from the dead GCS, and its dashboard/runtime-env agents (same group) linger ~60 s. A group id is not
+# reused while the group has members, so this only reaches processes started under this launcher.
+stop_group() {
+  local pgid=$1 name=$2 i
+  kill -0 -- "-${pgid}" 2>/dev/null || return 0
+  say "${name}: processes of its group ${pgid} outlived it; SIGTERM to the group"
+  kill -TERM -- "-${pgid}" 2>/dev/null || true
+  for ((i = 0; i < 25; i++)); do
+    kill -0 -- "-${pgid}" 2>/dev/null || return 0
+    sleep 0.2
+  done
+  say "${name}: group ${pgid} still running after 5 s; SIGKILL to the group"
+  kill -KILL -- "-${pgid}" 2>/dev/null || true
 }
 
 # shellcheck disable=SC2329  # invoked by the EXIT trap

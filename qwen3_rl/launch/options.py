@@ -142,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--cpu-binding", action="store_true", default=None,
                     help="pin each NPU's processes to its NUMA node's cores [CPU_BINDING=1; default off]")
     opt("--role", "role", "auto | head | worker")
-    opt("--temp-dir", "temp_dir", "Ray temp dir (head only; default Ray's /tmp/ray)")
+    opt("--temp-dir", "temp_dir", "Ray temp dir on this node (default: Ray's /tmp/ray; a worker takes the head's)")
     opt("--join-retries", "join_retries", "worker: attempts to reach/join the head")
     opt("--join-interval", "join_interval", "worker: seconds between attempts")
     opt("--watch-interval", "watch_interval", "worker: seconds between checks that the head is alive")
@@ -323,13 +323,19 @@ def parse_options(argv: list[str], env: dict[str, str] | None = None) -> LaunchP
                           f"--dashboard-port={dash_port}"]
         else:
             ray_start += ["--include-dashboard=false"]
-        if temp_dir:
-            ray_start += [f"--temp-dir={temp_dir}"]
     else:
-        ray_start = [ray_bin, "start", f"--address={master_ip}:{port}", f"--node-ip-address={node_ip}",
-                     f"--resources={resources}", "--disable-usage-stats"]
+        # A worker's Ray is stopped once the head's GCS is gone. On SIGTERM, `ray start --block` (Ray 2.60,
+        # ray/_private/node.py _drain_node_before_shutdown) first asks the GCS to drain the node and waits up
+        # to RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S (default 30 s), which then can only time out: off here
+        # unless the user sets it. (The drain is for Ray Serve proxies; verl does not use it.)
+        drain = env.get("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
+        ray_start = ["env", f"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S={drain}", ray_bin, "start",
+                     f"--address={master_ip}:{port}", f"--node-ip-address={node_ip}", f"--resources={resources}",
+                     "--disable-usage-stats"]
         if dashboard:
             notes.append("--dashboard only applies on the head")
+    if temp_dir:  # per node (Ray 2.60: "Can be specified per node"); a worker without it uses the head's path
+        ray_start += [f"--temp-dir={temp_dir}"]
     ray_start += extra + ["--block"]
 
     log_dir_raw, _ = _value(ns, "log_dir", env)

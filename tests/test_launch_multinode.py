@@ -1,0 +1,262 @@
+"""ray_start_npu.sh on two "nodes" with the real Ray: two network namespaces made by this test.
+
+The head and the worker each run in their own network namespace (``ip netns add``), joined by one veth
+pair whose two addresses (10.213.x.1/30 and 10.213.x.2/30) exist only inside those namespaces; neither
+namespace has a route anywhere else, so no Ray traffic can leave them. Each node runs the very command a
+user runs on a cluster (``bash ray_start_npu.sh TRAIN --nnodes 2 --npus-per-node 16 --master-addr HEAD``)
+with the fake CANN and the stub ``npu-smi`` of tests/test_launch.py, the venv's real ``ray``, one CPU,
+its own Ray temp dir, log dir and TMPDIR.
+
+Checked: the head waits (it reports 1/2 nodes and starts no training) until the worker's 16 NPU are
+registered; the stand-in train script sees 2 live nodes and NPU=32 through ``ray.nodes()`` /
+``ray.cluster_resources()`` and runs one task on each node; the head exits with the script's exit code
+and stops its Ray; the worker notices that the head's cluster is gone and exits 0 by itself; no process
+is left in either namespace or mentions the test's directory. The namespaces (and with them the veth
+pair) are deleted in the fixture's teardown, also on failure. Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN
+for ``ip netns``); without it the test is skipped with the failing command and its error.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from test_launch import REPO, VENV_BIN, make_cann, make_standin, make_stubs, stub_env
+
+NPUS = 16
+EXIT_CODE = 5
+PORT = 6379  # each namespace has its own port space: nothing else listens there
+
+# The stand-in train script: what it sees of the cluster at its very first look (no waiting), then one
+# task pinned to each live node (proves both raylets run work), then the chosen exit code.
+MULTINODE_STANDIN = r"""
+import os, sys
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
+res = ray.cluster_resources()
+alive = [n for n in ray.nodes() if n["Alive"]]
+print(f"standin: nodes={len(alive)} NPU={res.get('NPU')} "
+      f"node_npu={sorted(n['Resources'].get('NPU', 0) for n in alive)} "
+      f"ips={sorted(n['NodeManagerAddress'] for n in alive)}", flush=True)
+@ray.remote(num_cpus=0, resources={"NPU": 1})
+def where():
+    return ray.util.get_node_ip_address()
+refs = [where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+        for n in alive]
+print(f"standin: task_ips={sorted(ray.get(refs, timeout=60))}", flush=True)
+ray.shutdown()
+sys.exit(int(os.environ["STANDIN_EXIT"]))
+"""
+
+
+def _ip(*args: str, timeout: float = 10) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _ns_pids(ns: str) -> list[int]:
+    p = _ip("netns", "pids", ns)
+    return [int(x) for x in p.stdout.split()] if p.returncode == 0 else []
+
+
+def _describe(pids: list[int]) -> str:
+    """``pid: cmdline`` lines, for failure messages."""
+    lines = []
+    for pid in pids:
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            cmd = "(gone)"
+        lines.append(f"{pid}: {cmd[:300]}")
+    return "\n".join(lines)
+
+
+def _pids_mentioning(text: str) -> list[int]:
+    """PIDs whose command line contains ``text`` (the test's own directory)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if text in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
+@dataclass(frozen=True)
+class TwoNodes:
+    """Two network namespaces joined by a veth pair (``head_ip`` in ``head_ns``, ``worker_ip`` in ``worker_ns``)."""
+
+    head_ns: str
+    worker_ns: str
+    head_if: str
+    worker_if: str
+    head_ip: str
+    worker_ip: str
+
+
+@pytest.fixture
+def two_nodes() -> Iterator[TwoNodes]:
+    if shutil.which("ip") is None:
+        pytest.skip("'ip' (iproute2) not found: the two-node test needs 'ip netns'")
+    sfx = secrets.token_hex(3)
+    octet = int(sfx[:2], 16)
+    net = TwoNodes(head_ns=f"q3rl-h-{sfx}", worker_ns=f"q3rl-w-{sfx}", head_if=f"q3h{sfx}", worker_if=f"q3w{sfx}",
+                   head_ip=f"10.213.{octet}.1", worker_ip=f"10.213.{octet}.2")
+    made: list[str] = []
+
+    def teardown() -> None:
+        for ns in made:  # only what this fixture created; stray processes in them are ours by construction
+            for pid in _ns_pids(ns):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for ns in made:
+            _ip("netns", "del", ns)  # deleting a namespace deletes the veth end inside it (and its peer)
+
+    first = ["netns", "add", net.head_ns]
+    p = _ip(*first)
+    if p.returncode != 0:
+        pytest.skip(f"cannot create a network namespace: `ip {' '.join(first)}` failed: {p.stderr.strip()} "
+                    "(needs root / CAP_NET_ADMIN + CAP_SYS_ADMIN)")
+    made.append(net.head_ns)
+    try:
+        steps = [
+            ["netns", "add", net.worker_ns],
+            # the veth pair is created inside the head namespace, its peer goes straight into the worker's:
+            # neither end ever exists in the host's namespace
+            ["-n", net.head_ns, "link", "add", net.head_if, "type", "veth", "peer", "name", net.worker_if,
+             "netns", net.worker_ns],
+            ["-n", net.head_ns, "addr", "add", f"{net.head_ip}/30", "dev", net.head_if],
+            ["-n", net.worker_ns, "addr", "add", f"{net.worker_ip}/30", "dev", net.worker_if],
+            ["-n", net.head_ns, "link", "set", "lo", "up"],
+            ["-n", net.worker_ns, "link", "set", "lo", "up"],
+            ["-n", net.head_ns, "link", "set", net.head_if, "up"],
+            ["-n", net.worker_ns, "link", "set", net.worker_if, "up"],
+            ["netns", "exec", net.head_ns, "true"],  # entering a namespace needs CAP_SYS_ADMIN as well
+        ]
+        for step in steps:
+            p = _ip(*step)
+            if p.returncode != 0:
+                pytest.skip(f"cannot set up the two-node network: `ip {' '.join(step)}` failed: {p.stderr.strip()}")
+            if step[:2] == ["netns", "add"]:
+                made.append(step[2])
+        yield net
+    finally:
+        teardown()
+        left = _ip("netns", "list").stdout
+        links = _ip("-o", "link", "show").stdout
+        assert net.head_ns not in left and net.worker_ns not in left, f"namespaces not deleted: {left}"
+        assert net.head_if not in links and net.worker_if not in links, "veth left in the host namespace"
+
+
+def _wait_for(path: Path, text: str, deadline: float, proc: subprocess.Popen[str]) -> bool:
+    while time.monotonic() < deadline:
+        if path.is_file() and text in path.read_text(errors="replace"):
+            return True
+        if proc.poll() is not None:
+            return path.is_file() and text in path.read_text(errors="replace")
+        time.sleep(0.2)
+    return False
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.is_file() else f"({path} absent)"
+
+
+@pytest.mark.timeout(120)
+def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):
+    ray_bin = VENV_BIN / "ray"
+    if not ray_bin.exists():
+        pytest.skip(f"no ray in the test venv ({ray_bin})")
+    net = two_nodes
+    # short root: Ray's unix socket paths (under each temp dir) are length-limited
+    root = Path(tempfile.mkdtemp(prefix="q3mn", dir="/tmp"))
+    procs: dict[str, subprocess.Popen[str]] = {}
+    t0 = time.monotonic()
+    deadline = t0 + 90  # until the head exits; the worker then has 25 s to leave (whole test < 120 s)
+    try:
+        bin_dir = make_stubs(root, ray=False, ip=False)  # stub npu-smi; real ray and ip
+        script = make_standin(root, MULTINODE_STANDIN)
+        cann = make_cann(root)
+        out: dict[str, Path] = {}
+        for role, ns in (("head", net.head_ns), ("worker", net.worker_ns)):
+            node = root / role
+            (node / "tmp").mkdir(parents=True)
+            env = stub_env(root, bin_dir, CANN_HOME=str(cann), LOG_DIR=str(node / "logs"), TMPDIR=str(node / "tmp"),
+                           STANDIN_EXIT=str(EXIT_CODE), RAY_DEDUP_LOGS="0")
+            env["PATH"] = f"{bin_dir}:{VENV_BIN}:{env['PATH']}"
+            cmd = ["ip", "netns", "exec", ns, "bash", str(REPO / "ray_start_npu.sh"), str(script),
+                   "--nnodes", "2", "--npus-per-node", str(NPUS), "--master-addr", net.head_ip, "--port", str(PORT),
+                   "--no-preflight", "--timeout", "60", "--temp-dir", str(node / "ray"),
+                   "--join-retries", "20", "--join-interval", "1", "--watch-interval", "1", "--watch-misses", "2",
+                   "--ray-arg=--num-cpus=1", "--ray-arg=--object-store-memory=80000000"]
+            out[role] = node / "launcher.out"
+            with out[role].open("w") as fh:
+                procs[role] = subprocess.Popen(cmd, env=env, text=True, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
+                                               start_new_session=True)
+            if role == "head":  # the worker starts once the head reports the half-assembled cluster and waits
+                ok = _wait_for(out["head"], "cluster: 1/2 nodes, 16/32 NPU registered", deadline, procs["head"])
+                assert ok, f"head did not report 1/2 nodes:\n{_tail(out['head'])}"
+                assert procs["head"].poll() is None, _tail(out["head"])
+                assert not list((node / "logs").glob("train_standin_head_*.log")), "training started early"
+
+        head_rc = procs["head"].wait(timeout=max(1.0, deadline - time.monotonic()))
+        t_head = time.monotonic()
+        head_out = out["head"].read_text()
+        train_log = root / "head" / "logs" / f"train_standin_head_{net.head_ip}.log"
+        train = train_log.read_text() if train_log.is_file() else ""
+        assert head_rc == EXIT_CODE, f"head exit {head_rc}\n{head_out}\n--- training log\n{train}\n--- worker\n" \
+                                     f"{_tail(out['worker'])}"
+        assert "cluster: 2/2 nodes, 32/32 NPU registered" in head_out
+        assert "cluster ready: 2 node(s), 32 NPU" in head_out
+        assert f"training exited with code {EXIT_CODE}" in head_out
+        assert "stopping ray (started by this launcher)" in head_out
+        # the head's launcher returns only after its Ray is gone: nothing is left in its namespace
+        assert _ns_pids(net.head_ns) == [], f"head's Ray still running:\n{_describe(_ns_pids(net.head_ns))}"
+        ips = sorted([net.head_ip, net.worker_ip])
+        assert f"standin: nodes=2 NPU={2 * NPUS:.1f} node_npu=[{NPUS:.1f}, {NPUS:.1f}] ips={ips}" in train, train
+        assert f"standin: task_ips={ips}" in train, train
+
+        # the worker notices the head's cluster is gone and leaves on its own (bounded)
+        worker_rc = procs["worker"].wait(timeout=25)
+        t_worker = time.monotonic()
+        worker_out = out["worker"].read_text()
+        assert worker_rc == 0, f"worker exit {worker_rc}\n{worker_out}"
+        assert f"joined {net.head_ip}:{PORT}; staying until the head's cluster goes away" in worker_out
+        assert f"head {net.head_ip}:{PORT} is gone (2 failed checks); leaving" in worker_out
+        assert "stopping ray (started by this launcher)" in worker_out
+
+        # nothing of ours is left: no process in either namespace, none naming the test's directory
+        time.sleep(0.5)
+        left = _ns_pids(net.head_ns) + _ns_pids(net.worker_ns)
+        assert left == [], f"processes left in the namespaces:\n{_describe(left)}\n--- worker\n{worker_out}"
+        left = _pids_mentioning(str(root))
+        assert left == [], f"processes left that belong to this test:\n{_describe(left)}"
+        for role in ("head", "worker"):
+            assert not list((root / role / "logs").glob(".ray_start_npu_*.pid")), f"{role} pid file left"
+            assert list((root / role / "ray").glob("session_*")), f"{role} did not use its own Ray temp dir"
+        print(f"two-node launch: head exit {head_rc} after {t_head - t0:.1f} s, worker exit {worker_rc} "
+              f"{t_worker - t_head:.1f} s later")
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # its own session (start_new_session)
+                proc.wait(timeout=10)
+        for pid in _pids_mentioning(str(root)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(root, ignore_errors=True)
