@@ -533,7 +533,8 @@ def configure_rollout_rebalance(rollout_cfg: Any, llm: Any) -> RebalanceSettings
     if hook is None:
         raise MigrationError(
             "actor_rollout_ref.rollout.rollout_rebalance=True needs the vLLM engine-loop hook that runs the "
-            "rebalance coordinator inside LLMEngine.step; this vLLM build has none (the recipe does not ship "
-            "that vLLM patch yet, see docs/rollout_balancing.md). Switch rollout_rebalance off.")
+            "rebalance coordinator inside LLMEngine.step; this vLLM build has none (apply the recipe's "
+            "patches/vllm/0004-vllm-feature-rollout_rebalance.patch, see docs/rollout_balancing.md) or switch "
+            "rollout_rebalance off.")
     hook.configure(settings, max_moves)
     return settings
