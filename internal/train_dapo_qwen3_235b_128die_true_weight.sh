@@ -45,10 +45,6 @@ ROLLOUT_ENABLE_EP=${ROLLOUT_ENABLE_EP:-True}
 ROLLOUT_GPU_MEMORY_UTILIZATION=${ROLLOUT_GPU_MEMORY_UTILIZATION:-0.87}
 # rollout balancing (docs/rollout_balancing.md); declared per script (tests/test_rollout_integration.py
 # reads these lines from each script), used by internal/lib/train_common.sh
-DATA_REBALANCE=${DATA_REBALANCE:-False}
-ROLLOUT_REBALANCE=${ROLLOUT_REBALANCE:-False}
-ROLLOUT_REBALANCE_INTERVAL_STEPS=${ROLLOUT_REBALANCE_INTERVAL_STEPS:-32}
-ROLLOUT_REBALANCE_MAX_MOVES=${ROLLOUT_REBALANCE_MAX_MOVES:-128}
 
 # shared defaults and override groups; the defaults after it use its DATA_DIR and NPUS_PER_NODE
 # shellcheck source=SCRIPTDIR/lib/train_common.sh

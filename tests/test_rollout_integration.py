@@ -661,13 +661,15 @@ def test_switches_declared_and_mapped_from_scripts(patched_imports: Path) -> Non
     env_base = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
     scripts = sorted((REPO / "internal").glob("train_*.sh"))
     assert len(scripts) == 5
+    from test_train_configs import script_env_defaults
+
     for script in scripts:
-        text = script.read_text()
+        defaults = script_env_defaults(script)
         default_ov = dict(o.split("=", 1) for o in parse_train_script(script, env=env_base).overrides if "=" in o)
         cmd = parse_train_script(script, env={**env_base, "DATA_REBALANCE": "True", "ROLLOUT_REBALANCE_MAX_MOVES": "7"})
         ov = dict(o.split("=", 1) for o in cmd.overrides if "=" in o)
         for var, (key, default_val) in SWITCHES.items():
-            assert f"{var}=${{{var}:-{default_val}}}" in text, (script.name, var)
+            assert defaults[var][0] == str(default_val), (script.name, var)
             assert default_ov[f"actor_rollout_ref.rollout.{key}"] == str(default_val), (script.name, key)
         assert ov["actor_rollout_ref.rollout.data_rebalance"] == "True"
         assert ov["actor_rollout_ref.rollout.rollout_rebalance"] == "False"

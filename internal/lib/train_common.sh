@@ -6,8 +6,7 @@
 # the ones here (TRAIN_FILE uses DATA_DIR, ROLLOUT_DP uses NPUS_PER_NODE).
 #
 # A script provides: QWEN3_RL_HOME, NNODES, EXP_NAME, MODEL_PATH, TRAIN_BATCH_SIZE, MAX_RESPONSE_LENGTH,
-# TRAIN_FILE, ACTOR_TP/PP/CP, ROLLOUT_TP, ROLLOUT_GPU_MEMORY_UTILIZATION, DATA_REBALANCE,
-# ROLLOUT_REBALANCE(_INTERVAL_STEPS/_MAX_MOVES); the "moe" layout also ACTOR_EP/ETP,
+# TRAIN_FILE, ACTOR_TP/PP/CP, ROLLOUT_TP, ROLLOUT_GPU_MEMORY_UTILIZATION; the "moe" layout also ACTOR_EP/ETP,
 # ACTOR_PP_FIRST/LAST_STAGE_LAYERS, ROLLOUT_DP, ROLLOUT_ENABLE_EP; the weight sources "dist_ckpt" and
 # "hf_or_dist_ckpt" DIST_CKPT_PATH, and "hf_or_dist_ckpt" USE_DIST_CKPT (set -u stops on a missing one).
 # Every variable below is an environment variable with a default (docs/setups.md lists them all).
@@ -32,6 +31,11 @@ LR=${LR:-1e-6}
 USE_KL_LOSS=${USE_KL_LOSS:-False}
 # on-policy update without the old-log-prob pass (docs/old_log_prob.md); needs PPO_MINI_BATCH_SIZE == TRAIN_BATCH_SIZE
 USE_CURRENT_LOG_PROB_AS_OLD=${USE_CURRENT_LOG_PROB_AS_OLD:-False}
+# rollout load balancing (docs/rollout_balancing.md)
+DATA_REBALANCE=${DATA_REBALANCE:-False}
+ROLLOUT_REBALANCE=${ROLLOUT_REBALANCE:-False}
+ROLLOUT_REBALANCE_INTERVAL_STEPS=${ROLLOUT_REBALANCE_INTERVAL_STEPS:-32}
+ROLLOUT_REBALANCE_MAX_MOVES=${ROLLOUT_REBALANCE_MAX_MOVES:-128}
 TOTAL_EPOCHS=${TOTAL_EPOCHS:-10}
 OFFLOAD=${OFFLOAD:-True}
 NCCL_TIMEOUT=${NCCL_TIMEOUT:-3600}
