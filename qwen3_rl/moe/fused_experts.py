@@ -25,6 +25,7 @@ import torch
 
 __all__ = [
     "grouped_to_hf",
+    "grouped_to_te_experts",
     "hf_layer_experts_to_grouped",
     "hf_to_grouped",
     "mcore_grouped_names_to_hf",
@@ -119,3 +120,20 @@ def mcore_grouped_names_to_hf(name: str, tensor: torch.Tensor, num_local_experts
             names.append(f"{base}.{expert_offset + e}.down_proj.weight")
             tensors.append(b2[e].t().contiguous())
     return names, tensors
+
+
+def grouped_to_te_experts(tensor: torch.Tensor, which: int, num_local_experts: int) -> list[torch.Tensor]:
+    """One rank's ``weight1`` (``which=1``) or ``weight2`` (``which=2``) -> the same rank's per-expert tensors in
+    megatron-core's TEGroupedMLP form (``linear_fc1.weight{e}`` / ``linear_fc2.weight{e}``), local expert order.
+
+    weight1 [H, E*2f] -> E tensors [2f, H] = ``[gate_e slice; up_e slice]`` (rows of this TP rank);
+    weight2 [E*f, H] -> E tensors [H, f] = ``down_e[:, slice]``. Contiguous copies (one expert each).
+    """
+    E = num_local_experts
+    if which == 1:
+        H = tensor.shape[0]
+        return [b.t().contiguous() for b in tensor.contiguous().view(E, H, -1)]
+    if which == 2:
+        H = tensor.shape[1]
+        return [b.t().contiguous() for b in tensor.contiguous().view(E, -1, H)]
+    raise ValueError(f"which must be 1 or 2, got {which}")
