@@ -54,7 +54,7 @@ def _switches() -> str:
             entry[2].append(script.name.removeprefix("train_").removesuffix(".sh"))
     out = ["| env var | default | Hydra key it sets | scripts |", "|---|---|---|---|"]
     for var, (defaults, keys, names) in sorted(rows.items()):
-        key = ", ".join(k if k.startswith("(") else f"`{k}`" for k in sorted(keys)) or "several keys, set only when True (see the script)"
+        key = ", ".join(k if k.startswith("(") else f"`{k}`" for k in sorted(keys)) or "key(s) added only when True (see the script)"
         where = "all five" if len(names) == len(scripts) else ", ".join(names)
         out.append(f"| `{var}` | `{'/'.join(sorted(defaults))}` | {key} | {where} |")
     return "\n".join(out)

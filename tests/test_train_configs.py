@@ -306,7 +306,7 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     "bad_eplb_and_sam": ({"ROLLOUT_EPLB": "maybe", "SAM_ENABLE": "yes"}, []),
 }
 # variables the scripts check for True/False: given True in the every_var case
-_CHECKED_BOOLS = ("SAM_ENABLE", "SAM_GROUP", "NPUGRAPH_EX", "ROLLOUT_EPLB")
+_CHECKED_BOOLS = ("SAM_ENABLE", "SAM_GROUP", "NPUGRAPH_EX", "ROLLOUT_EPLB", "MOE_ALLTOALL_OVERLAP")
 _RUNTIME_ENV = ("PWD", "OLDPWD", "SHLVL", "_")
 
 
@@ -353,3 +353,20 @@ def test_golden_commands(name: str) -> None:
     assert "argv" in want["cases"]["defaults"] and "argv" in want["cases"]["every_var"]
     assert want["cases"]["bad_sam_enable"]["error"].endswith("failed in print mode: SAM_ENABLE must be True or False")
     assert want["cases"]["extra_args"]["argv"][-1] == "trainer.total_training_steps=3"
+
+
+def test_moe_alltoall_overlap_switch(patched_imports: Path) -> None:
+    """MOE_ALLTOALL_OVERLAP=True adds MindSpeed's overlap key (verl 0012 then syncs GroupedMLP weights);
+    off by default, ignored by the dense setups, a bad value stops the script."""
+    verl_config_dir = patched_imports / "verl" / "verl" / "trainer" / "config"
+    moe = INTERNAL / "train_grpo_qwen3_235b_128die_true_weight.sh"
+    key = "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_alltoall_overlap_comm=True"
+    assert key not in parse_train_script(moe, env=BASE_ENV).overrides
+    on = parse_train_script(moe, env={**BASE_ENV, "MOE_ALLTOALL_OVERLAP": "True"})
+    assert key in on.overrides
+    cfg = _compose(on.overrides, on.config_name, verl_config_dir)
+    assert cfg.actor_rollout_ref.actor.megatron.override_transformer_config.moe_alltoall_overlap_comm is True
+    dense = INTERNAL / "train_grpo_qwen3_32b_32die_true_weight.sh"
+    assert key not in parse_train_script(dense, env={**BASE_ENV, "MOE_ALLTOALL_OVERLAP": "True"}).overrides
+    with pytest.raises(Exception, match="MOE_ALLTOALL_OVERLAP must be True or False"):
+        parse_train_script(moe, env={**BASE_ENV, "MOE_ALLTOALL_OVERLAP": "yes"})

@@ -31,6 +31,9 @@ LR=${LR:-1e-6}
 USE_KL_LOSS=${USE_KL_LOSS:-False}
 # on-policy update without the old-log-prob pass (docs/old_log_prob.md); needs PPO_MINI_BATCH_SIZE == TRAIN_BATCH_SIZE
 USE_CURRENT_LOG_PROB_AS_OLD=${USE_CURRENT_LOG_PROB_AS_OLD:-False}
+# MoE actor only: MindSpeed all-to-all overlap with GroupedMLP (weight1/weight2) experts; verl patch 0012
+# converts their weights for the rollout sync (docs/fused_experts.md). Ignored by the dense layout.
+MOE_ALLTOALL_OVERLAP=${MOE_ALLTOALL_OVERLAP:-False}
 # rollout load balancing (docs/rollout_balancing.md)
 DATA_REBALANCE=${DATA_REBALANCE:-False}
 ROLLOUT_REBALANCE=${ROLLOUT_REBALANCE:-False}
@@ -166,6 +169,12 @@ _train_add_megatron_overrides() {
             "actor_rollout_ref.actor.megatron.expert_model_parallel_size=${ACTOR_EP}"
             "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=${ACTOR_ETP}"
         )
+        case "${MOE_ALLTOALL_OVERLAP}" in
+            True | true | 1)
+                overrides+=("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_alltoall_overlap_comm=True") ;;
+            False | false | 0) ;;
+            *) echo "MOE_ALLTOALL_OVERLAP must be True or False, got '${MOE_ALLTOALL_OVERLAP}'" >&2; exit 2 ;;
+        esac
     fi
     overrides+=(
         actor_rollout_ref.actor.megatron.sequence_parallel=True
