@@ -307,6 +307,8 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
 }
 # variables the scripts check for True/False: given True in the every_var case
 _CHECKED_BOOLS = ("SAM_ENABLE", "SAM_GROUP", "NPUGRAPH_EX", "ROLLOUT_EPLB", "MOE_ALLTOALL_OVERLAP")
+# variables with a fixed set of values: given this value in the every_var case
+_CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1"}
 _RUNTIME_ENV = ("PWD", "OLDPWD", "SHLVL", "_")
 
 
@@ -315,7 +317,7 @@ def _golden_env(case: str) -> dict[str, str]:
     if case != "every_var":
         return dict(env)
     names = sorted({v for s in INTERNAL.glob("train_*.sh") for v in script_env_defaults(s)})
-    return {v: "True" if v in _CHECKED_BOOLS else str(1000 + i) for i, v in enumerate(names)}
+    return {v: "True" if v in _CHECKED_BOOLS else _CHECKED_CHOICES.get(v, str(1000 + i)) for i, v in enumerate(names)}
 
 
 def _golden_record(script: Path, env: dict[str, str], args: list[str]) -> dict:
@@ -370,3 +372,17 @@ def test_moe_alltoall_overlap_switch(patched_imports: Path) -> None:
     assert key not in parse_train_script(dense, env={**BASE_ENV, "MOE_ALLTOALL_OVERLAP": "True"}).overrides
     with pytest.raises(Exception, match="MOE_ALLTOALL_OVERLAP must be True or False"):
         parse_train_script(moe, env={**BASE_ENV, "MOE_ALLTOALL_OVERLAP": "yes"})
+
+
+def test_moe_zero_memory_switch(patched_imports: Path) -> None:
+    """MOE_ZERO_MEMORY=level1 (+ layers) reaches MindSpeed's keys through override_transformer_config."""
+    verl_config_dir = patched_imports / "verl" / "verl" / "trainer" / "config"
+    moe = INTERNAL / "train_dapo_qwen3_235b_128die_true_weight.sh"
+    prefix = "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_zero_memory"
+    assert not any(o.startswith(prefix) for o in parse_train_script(moe, env=BASE_ENV).overrides)
+    on = parse_train_script(moe, env={**BASE_ENV, "MOE_ZERO_MEMORY": "level1", "MOE_ZERO_MEMORY_NUM_LAYERS": "4"})
+    cfg = _compose(on.overrides, on.config_name, verl_config_dir)
+    otc = cfg.actor_rollout_ref.actor.megatron.override_transformer_config
+    assert (otc.moe_zero_memory, otc.moe_zero_memory_num_layers) == ("level1", 4)
+    with pytest.raises(Exception, match="MOE_ZERO_MEMORY must be disable, level0 or level1"):
+        parse_train_script(moe, env={**BASE_ENV, "MOE_ZERO_MEMORY": "on"})

@@ -34,6 +34,10 @@ USE_CURRENT_LOG_PROB_AS_OLD=${USE_CURRENT_LOG_PROB_AS_OLD:-False}
 # MoE actor only: MindSpeed all-to-all overlap with GroupedMLP (weight1/weight2) experts; verl patch 0012
 # converts their weights for the rollout sync (docs/fused_experts.md). Ignored by the dense layout.
 MOE_ALLTOALL_OVERLAP=${MOE_ALLTOALL_OVERLAP:-False}
+# MoE actor only: MindSpeed "MoE zero memory" (seed 002 section 4.1; docs/moe_memory.md): disable | level0 | level1,
+# and for level1 the number of layers per pipeline stage it applies to (empty = MindSpeed's default).
+MOE_ZERO_MEMORY=${MOE_ZERO_MEMORY:-disable}
+MOE_ZERO_MEMORY_NUM_LAYERS=${MOE_ZERO_MEMORY_NUM_LAYERS:-}
 # rollout load balancing (docs/rollout_balancing.md)
 DATA_REBALANCE=${DATA_REBALANCE:-False}
 ROLLOUT_REBALANCE=${ROLLOUT_REBALANCE:-False}
@@ -174,6 +178,16 @@ _train_add_megatron_overrides() {
                 overrides+=("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_alltoall_overlap_comm=True") ;;
             False | false | 0) ;;
             *) echo "MOE_ALLTOALL_OVERLAP must be True or False, got '${MOE_ALLTOALL_OVERLAP}'" >&2; exit 2 ;;
+        esac
+        case "${MOE_ZERO_MEMORY}" in
+            disable) ;;
+            level0 | level1)
+                overrides+=("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_zero_memory=${MOE_ZERO_MEMORY}")
+                if [[ -n "${MOE_ZERO_MEMORY_NUM_LAYERS}" ]]; then
+                    overrides+=("+actor_rollout_ref.actor.megatron.override_transformer_config.moe_zero_memory_num_layers=${MOE_ZERO_MEMORY_NUM_LAYERS}")
+                fi
+                ;;
+            *) echo "MOE_ZERO_MEMORY must be disable, level0 or level1, got '${MOE_ZERO_MEMORY}'" >&2; exit 2 ;;
         esac
     fi
     overrides+=(
