@@ -21,6 +21,7 @@ from qwen3_rl.moe.reshard import (
     RolloutLayout,
     ShardItem,
     TrainLayout,
+    expert_group_exchange,
     layer_buckets,
     plan_moe_reshard,
     rollout_expert_range,
@@ -326,6 +327,27 @@ def _worker(rank: int, world: int, port: int, results) -> None:
                 good &= torch.equal(w13, torch.cat([gate[f0:f0 + fl], up[f0:f0 + fl]]))
                 good &= torch.equal(w2, down[:, f0:f0 + fl])
             ok.append((bool(good), len(dest)))
+        # per-tensor exchange (verl hook): EP2 x ETP2 group = whole world, 6 experts -> vLLM EP4
+        ep, etp, E, F, H = 2, 2, 6, 4, 3
+        got = {}
+        for j in range(E // ep):
+            ex = expert_group_exchange(E, ep, etp, j, list(range(world)), RolloutLayout(tp=2, dp=2))
+            t, k = rank % etp, rank // etp
+            gate, up, down = _full_weights(MoEShape(1, E, H, F), 0, k * (E // ep) + j)
+            fc1 = torch.cat([gate[t * 2:(t + 1) * 2], up[t * 2:(t + 1) * 2]])  # megatron fc1 shard [2F/etp, H]
+            inp, out = ex.split_sizes(rank, fc1.numel())
+            send = torch.cat([fc1.reshape(-1)] * sum(1 for x in inp if x))
+            recv = torch.empty(sum(out))
+            dist.all_to_all_single(recv, send, out, inp)
+            chunks = [c for c in torch.split(recv, out) if c.numel()]
+            for (_, expert, shard), c in zip(ex.recv_from[rank], chunks, strict=True):
+                got[(expert, shard)] = c.view(4, H)
+        need = _needed(RolloutLayout(tp=2, dp=2), MoEShape(1, E, H, F), rank)
+        good = sorted(got) == sorted((e, t) for e in need for t in range(etp))
+        for (expert, t), c in got.items():
+            gate, up, _ = _full_weights(MoEShape(1, E, H, F), 0, expert)
+            good &= torch.equal(c, torch.cat([gate[t * 2:(t + 1) * 2], up[t * 2:(t + 1) * 2]]))
+        ok.append((bool(good), len(got)))
         results[rank] = ok
     finally:
         dist.destroy_process_group()
@@ -346,7 +368,7 @@ def test_gloo_all_to_all_single_delivers_exact_expert_weights() -> None:
         res = dict(results)
     assert sorted(res) == list(range(world))
     for rank, per_case in res.items():
-        assert [g for g, _ in per_case] == [True] * len(_CASES), (rank, per_case)
+        assert [g for g, _ in per_case] == [True] * (len(_CASES) + 1), (rank, per_case)
         assert all(n > 0 for _, n in per_case)
 
 
@@ -376,3 +398,38 @@ def test_checker_rejects_corrupted_plans() -> None:
             numel[a, b] = sum(it.numel(H) for it in v)
         with pytest.raises(AssertionError):
             check_plan(ReshardPlan(world=4, shape=shape, sends=sends, numel=numel), train, rollout, shape)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([1, 2]), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2]), st.sampled_from([1, 2]),
+       st.integers(1, 3), st.data())
+def test_expert_group_exchange_covers_exactly(etp, ep, edp, pp, per_ep, data) -> None:
+    """Over all expert groups and local expert ids, every rank receives every ETP shard of exactly the experts
+    its vLLM EP rank holds, once, from the member holding it."""
+    world = etp * ep * edp * pp
+    E = max(ep * per_ep, ep * -(-world // ep))
+    rtp = data.draw(st.sampled_from([d for d in (1, 2, 4) if world % d == 0]))
+    rollout = RolloutLayout(tp=rtp, dp=world // rtp)
+    train = TrainLayout(tp=1, pp=pp, ep=ep, etp=etp, world=world)
+    got: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for p in range(pp):
+        for d in range(edp):
+            ranks = [train_rank(train, etp_rank=t, ep_rank=k, edp_rank=d, pp_rank=p)
+                     for k in range(ep) for t in range(etp)]
+            for j in range(E // ep):
+                ex = expert_group_exchange(E, ep, etp, j, ranks, rollout)
+                for m, lst in enumerate(ex.recv_from):
+                    for s, expert, t in lst:
+                        assert m in ex.send_to[s]
+                        assert (_decode_train(train, ranks[s])[1:]) == (expert // (E // ep), t)
+                        assert expert % (E // ep) == j
+                        got[ranks[m]].append((expert, t))
+    # pp stages and edp replicas are separate groups: each holds every expert once per rank
+    for r in range(world):
+        want = sorted((e, t) for e in rollout_expert_range(E, world, r) for t in range(etp))
+        assert sorted(got[r]) == sorted(want * 1), (r, got[r], want)
+
+
+def test_expert_group_exchange_rejects_non_ep_rollout() -> None:
+    with pytest.raises(ValueError, match="expert parallel"):
+        expert_group_exchange(4, 2, 1, 0, [0, 1], RolloutLayout(tp=2, dp=1, expert_parallel=False))

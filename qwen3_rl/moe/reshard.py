@@ -49,6 +49,8 @@ __all__ = [
     "rollout_expert_range",
     "rollout_needs",
     "layer_buckets",
+    "GroupExchange",
+    "expert_group_exchange",
     "pack_items",
     "unpack_items",
 ]
@@ -387,3 +389,58 @@ def unpack_items(items: Sequence[ShardItem], buf, hidden_size: int, dest: dict, 
         pos += n * H
     if pos != buf.numel():
         raise ValueError(f"chunk has {buf.numel()} elements, items account for {pos}")
+
+
+# --------------------------------------------------------------------------- per-tensor exchange (verl hook)
+
+
+@dataclass(frozen=True)
+class GroupExchange:
+    """All-to-allv of one per-expert tensor inside megatron's expert-tensor-and-model-parallel group.
+
+    Group members are ordered etp fastest: member m = etp_rank + ETP * ep_rank, and member m holds ETP
+    shard ``etp_rank`` of expert ``ep_rank * E/EP + local_expert_id``.  ``send_to[m]``: members m sends its
+    shard to; ``recv_from[m]``: (source member, global expert, etp shard) m receives, in source order, i.e.
+    the order of ``all_to_all_single``'s output chunks.  Split sizes: ``numel`` for every listed pair, else 0.
+    """
+
+    send_to: tuple[tuple[int, ...], ...]
+    recv_from: tuple[tuple[tuple[int, int, int], ...], ...]
+
+    def split_sizes(self, member: int, numel: int) -> tuple[list[int], list[int]]:
+        """(input_split_sizes, output_split_sizes) of ``member`` for a shard of ``numel`` elements."""
+        n = len(self.send_to)
+        inp = [numel if d in self.send_to[member] else 0 for d in range(n)]
+        src = {s for s, _, _ in self.recv_from[member]}
+        out = [numel if s in src else 0 for s in range(n)]
+        return inp, out
+
+
+def expert_group_exchange(
+    num_experts: int, ep: int, etp: int, local_expert_id: int, group_ranks: Sequence[int], rollout: RolloutLayout
+) -> GroupExchange:
+    """Exchange for verl's per-tensor weight sync (one local expert id of one layer at a time), replacing the
+    EP (+ETP) all-gather where every rank receives every expert: each rank receives only the ETP shards of the
+    experts its vLLM EP rank holds (``rollout_expert_range``; rollout rank = global rank, colocated).
+
+    group_ranks: global ranks of the group in member order (etp fastest, see :class:`GroupExchange`).
+    Requires vLLM expert parallel (without it every rank needs every expert: the all-gather is already exact).
+    """
+    if not rollout.expert_parallel:
+        raise ValueError("expert_group_exchange needs vLLM expert parallel (enable_expert_parallel=True)")
+    if num_experts % ep or not 0 <= local_expert_id < num_experts // ep:
+        raise ValueError(f"num_experts={num_experts} must be divisible by EP={ep}, local id < E/EP")
+    if len(group_ranks) != ep * etp:
+        raise ValueError(f"group has {len(group_ranks)} ranks, expected EP*ETP={ep * etp}")
+    per_ep = num_experts // ep
+    send: list[list[int]] = [[] for _ in group_ranks]
+    recv: list[list[tuple[int, int, int]]] = [[] for _ in group_ranks]
+    for d, g in enumerate(group_ranks):
+        needed = rollout_expert_range(num_experts, rollout.ep, g)
+        for s in range(len(group_ranks)):
+            t, k = s % etp, s // etp
+            expert = k * per_ep + local_expert_id
+            if expert in needed:
+                send[s].append(d)
+                recv[d].append((s, expert, t))
+    return GroupExchange(tuple(tuple(x) for x in send), tuple(tuple(x) for x in recv))
