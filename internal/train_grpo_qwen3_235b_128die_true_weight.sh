@@ -25,23 +25,9 @@ DIST_CKPT_PATH=${DIST_CKPT_PATH:-${QWEN3_RL_HOME}/Qwen3-235B-A22B-mcore}
 TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-512}
 MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-32768}
 
-# ---- actor (Megatron) parallelism: from the published recipe's scripts ------------------------
-ACTOR_TP=${ACTOR_TP:-4}
-ACTOR_PP=${ACTOR_PP:-4}
-# 94 decoder layers do not divide by PP4 (megatron-core 0.12.1 asserts num_layers % PP == 0 unless the
-# first/last stage sizes are given): 23 + 24 + 24 + 23. Set both to "null" for an even split.
-ACTOR_PP_FIRST_STAGE_LAYERS=${ACTOR_PP_FIRST_STAGE_LAYERS:-23}
-ACTOR_PP_LAST_STAGE_LAYERS=${ACTOR_PP_LAST_STAGE_LAYERS:-23}
-ACTOR_CP=${ACTOR_CP:-4}
-ACTOR_EP=${ACTOR_EP:-32}
-ACTOR_ETP=${ACTOR_ETP:-1}
-
-# ---- rollout (vLLM-Ascend) --------------------------------------------------------------------
-ROLLOUT_TP=${ROLLOUT_TP:-4}
-ROLLOUT_ENABLE_EP=${ROLLOUT_ENABLE_EP:-True}
-ROLLOUT_GPU_MEMORY_UTILIZATION=${ROLLOUT_GPU_MEMORY_UTILIZATION:-0.87}
-# rollout balancing (docs/rollout_balancing.md); declared per script (tests/test_rollout_integration.py
-# reads these lines from each script), used by internal/lib/train_common.sh
+# ---- model layout shared by the 235B setups (actor / rollout parallelism) ---------------------
+# shellcheck source=SCRIPTDIR/lib/qwen3_235b_layout.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/qwen3_235b_layout.sh"
 
 # shared defaults and override groups; the defaults after it use its DATA_DIR and NPUS_PER_NODE
 # shellcheck source=SCRIPTDIR/lib/train_common.sh

@@ -25,16 +25,9 @@ DIST_CKPT_PATH=${DIST_CKPT_PATH:-${QWEN3_RL_HOME}/Qwen3-32B-mcore}
 TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}
 MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-34816}
 
-# ---- actor (Megatron) parallelism: from the published recipe's scripts ------------------------
-ACTOR_TP=${ACTOR_TP:-8}
-ACTOR_PP=${ACTOR_PP:-2}
-ACTOR_CP=${ACTOR_CP:-2}
-
-# ---- rollout (vLLM-Ascend) --------------------------------------------------------------------
-ROLLOUT_TP=${ROLLOUT_TP:-8}
-ROLLOUT_GPU_MEMORY_UTILIZATION=${ROLLOUT_GPU_MEMORY_UTILIZATION:-0.85}
-# rollout balancing (docs/rollout_balancing.md); declared per script (tests/test_rollout_integration.py
-# reads these lines from each script), used by internal/lib/train_common.sh
+# ---- model layout shared by the 32B setups (actor / rollout parallelism) ---------------------
+# shellcheck source=SCRIPTDIR/lib/qwen3_32b_layout.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/qwen3_32b_layout.sh"
 
 # shared defaults and override groups; the default after it uses its DATA_DIR
 # shellcheck source=SCRIPTDIR/lib/train_common.sh
