@@ -308,3 +308,76 @@ def test_tight_growth_and_batch_paths_agree(group_mode):
         p.clear_cache()
         p.check_invariants()
         assert p.nbytes() == 0 and p.num_requests == 0
+
+
+def test_cache_pointer_fixup_once_matches_reference():
+    """Cache pointers fixed up once per step (the fast path) equal those fixed up before every token (the
+    reference), through cache growth (stale pointers), generation changes (re-feed) and fallbacks to the root."""
+    rng = np.random.default_rng(21)
+    cfg = SamConfig(group_mode=True, cache_max_responses=5, cache_max_tokens=400)
+    props = [SamProposer(cfg) for _ in range(3)]
+    props[0].cache_fix_each = True
+    props[2].warm_lanes = 0
+    base = rng.integers(0, 8, 600).astype(np.int32)
+    live: dict[str, int] = {}
+    nxt = 0
+    for step in range(80):
+        while len(live) < 10:
+            rid = f"r{nxt}"
+            start = int(rng.integers(0, 500))
+            for p in props:
+                p.add_request(rid, base[start: start + 5], group_id=f"g{nxt % 4}")
+            live[rid] = start + 5
+            nxt += 1
+        rids = list(live)
+        acc = []
+        for r in rids:
+            n = int(rng.integers(0, 5))
+            # mostly the base text (long matches), sometimes noise (fallbacks to the root)
+            acc.append(base[live[r] % 590: live[r] % 590 + n] if rng.random() < 0.8
+                       else rng.integers(0, 12, n).astype(np.int32))
+            live[r] += n
+        res = [p.step(rids, acc) for p in props]
+        assert res[0] == res[1] == res[2], step
+        slots = [p.slots_of(rids) for p in props]
+        ptr = [p._SM[sl][:, 8:14] for p, sl in zip(props, slots, strict=True)]
+        np.testing.assert_array_equal(ptr[0], ptr[1])
+        np.testing.assert_array_equal(ptr[0], ptr[2])
+        for r in rids[: int(rng.integers(0, 3))]:  # finished responses grow the cache / open generations
+            for p in props:
+                p.finish(r)
+            del live[r]
+    for p in props:
+        for r in list(live):
+            p.finish(r)
+        p.clear_cache()
+        assert p.nbytes() == 0
+
+
+def test_cost_contexts_are_distinct_realistic_samples():
+    """Benchmark cost contexts: exact length, tail = own prompt + response prefix, continuation = rest of
+    that response, filler only from other prompts' responses, no span shared verbatim between siblings."""
+    from qwen3_rl.bench.drafters import ROUND_SHIFT, Sample, build_contexts
+
+    rng = np.random.default_rng(2)
+    groups = []
+    for p in range(4):  # token ids encode (prompt, sample): base = 1000 * (10 p + s + 1)
+        prompt = np.full(5, 100 + p, np.int32)
+        groups.append([Sample(p, s, prompt, (1000 * (10 * p + s + 1) + rng.integers(0, 50, 60 + 10 * s)).astype(np.int32))
+                       for s in range(3)])
+    ctxs, conts, keys = build_contexts(groups, 12, 400, 30, 3)
+    assert [c.shape[0] for c in ctxs] == [400] * 12 and [c.shape[0] for c in conts] == [30] * 12
+    assert keys[:6] == ["g0"] * 3 + ["g1"] * 3
+    for r, (ctx, cont) in enumerate(zip(ctxs, conts, strict=True)):
+        gi, j = divmod(r, 3)
+        own = groups[gi % 4][j]
+        s0 = int(np.flatnonzero(ctx == 100 + gi % 4)[-1]) + 1  # end of the own prompt
+        np.testing.assert_array_equal(np.concatenate([ctx[s0:], cont])[: own.response.shape[0]],
+                                      own.response[: ctx.shape[0] - s0 + 30])
+        filler = ctx[: s0 - 5] % ROUND_SHIFT
+        assert filler.size and not np.any(filler // 10000 == gi % 4), "tail prompt's answers in filler"
+        assert np.all(filler >= 1000), "filler holds prompts"
+        for r2 in range(12):  # no 8-token span of one context appears in a sibling's context
+            if r2 != r and r2 // 3 == gi:
+                grams = {tuple(ctx[i: i + 8]) for i in range(s0 - 13)}
+                assert not any(tuple(ctxs[r2][i: i + 8]) in grams for i in range(392))

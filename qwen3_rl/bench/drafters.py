@@ -8,13 +8,15 @@ real tokens (greedy-equivalent) and then advances one more (bonus) token; finish
 reported to the drafter (our cache, arctic's global tree). ``mean_accepted`` = response tokens /
 verification steps (bonus included), ``acceptance_rate`` = accepted / drafted tokens.
 
-Cost: ``--batch`` requests with ``--context-len``-token contexts built by concatenating corpus texts
-(built before timing); ``us_per_step`` = median over ``--cost-steps`` steps of the process CPU time
-(one core; wall time, mean and p90 reported beside it) of one decode step: append that step's
-accepted tokens (1..k+1 per request) + propose for the whole batch. Ours goes through the array API
-(``SamProposer.step_arrays``: one kernel call per step), the list API is reported beside it
-(``us_per_step_list_api``). Group mode is timed with the finished-response cache filled from the
-corpus first. ``bytes_per_token`` = our structures' bytes / tokens held.
+Cost: ``--batch`` requests, each with its own ``--context-len``-token context made of corpus samples
+(see ``build_contexts``: GRPO-like groups of 8 siblings, each ending inside a real response whose
+rest is the continuation), built before timing. A timed step = for every request, append the tokens
+the previous step's drafts earned against its continuation (accepted draft tokens + the bonus token,
+1..k+1) and propose the next drafts, for the whole batch; ``us_per_step`` = median over
+``--cost-steps`` steps of the process CPU time (min, p25, p75, p90, mean and wall time beside it).
+Ours goes through the array API (``SamProposer.step_arrays``: one kernel call per step), the list
+API is reported beside it (``us_per_step_list_api``). Group mode is timed with the finished-response
+cache filled from the corpus first. ``bytes_per_token`` = our structures' bytes / tokens held.
 
 Methods: ``sam`` (ours, per request), ``sam_group`` (ours, group-aware, siblings on one engine),
 ``sam_group_spread`` (ours, group-aware, samples spread over ``--ranks`` engines: own text and the
@@ -45,6 +47,7 @@ from qwen3_rl.spec_decode.sam import SamConfig, SamProposer, group_key
 
 DEFAULT_VLLM_TREE = "/tmp/ws1/vllm"
 KEYS = ("mean_accepted", "acceptance_rate", "us_per_step", "bytes_per_token")
+ROUND_SHIFT = 1 << 18  # > Qwen vocabulary (151,936): filler round c uses token ids t + c * ROUND_SHIFT
 
 
 @dataclass
@@ -285,29 +288,63 @@ def replay(groups: list[list[Sample]], make: Callable[[], Drafter], k: int, rank
 
 
 def build_contexts(groups: list[list[Sample]], batch: int, context_len: int, extra: int,
-                   group_size: int) -> tuple[list[np.ndarray], list[np.ndarray], list[str]]:
-    """Contexts of ``context_len`` tokens cut from the concatenated corpus (cyclic), one per request.
+                   siblings: int) -> tuple[list[np.ndarray], list[np.ndarray], list[str]]:
+    """Cost contexts: one ``context_len``-token text per request, made of corpus samples, plus its continuation.
 
-    Requests ``group_size`` apart share a group (same start = shared prompt part, different tails).
+    Request ``r`` is sibling ``j = r % siblings`` of cost group ``gi = r // siblings``, whose prompt is
+    corpus prompt ``tp = gi % len(groups)``. Its text ends with a real sample: prompt ``tp`` + the first
+    part of response ``(tp, j)``; the continuation (``extra`` tokens, what the timed steps append) is
+    the rest of that response (followed, only if it is too short, by further responses of prompt
+    ``tp``). Before it comes filler made of the responses to the *other* prompts, in a group-specific
+    order: round ``c`` takes response ``(q, (j + c) % n)`` of each other prompt ``q`` with token ids
+    shifted by ``c * ROUND_SHIFT`` (round 0 unshifted, nearest the tail). So siblings share their
+    prompt and have filler answering the same problems in the same order but from different samples
+    (like real siblings), no two requests of a group share a context, no response of the tail prompt
+    is in any filler, and no span is repeated verbatim across rounds or siblings (filler prompts are
+    left out: they would be verbatim copies across siblings). The same contexts serve every method
+    (per-request modes ignore the group keys).
+
     Returns (contexts int32[context_len] each, continuations int32[extra] each, group keys).
     """
-    stream = np.concatenate([np.concatenate([s.prompt, s.response]) for g in groups for s in g])
-    n = stream.shape[0]
-    reps = (context_len + extra) // n + 2
-    big = np.tile(stream, reps)
+    npr = len(groups)
     ctxs, conts, keys = [], [], []
     for r in range(batch):
-        g = r // max(group_size, 1)
-        start = (g * 7919 + (r % max(group_size, 1)) * 613) % n
-        seq = big[start: start + context_len + extra]
-        ctxs.append(np.ascontiguousarray(seq[:context_len]))
-        conts.append(np.ascontiguousarray(seq[context_len:]))
-        keys.append(f"g{g}")
+        gi, j = divmod(r, siblings)
+        tp = gi % npr
+        own = groups[tp][j % len(groups[tp])]
+        resp = own.response
+        s0 = max(0, min(resp.shape[0] // 3, resp.shape[0] - extra))
+        cont = [resp[s0:]]
+        m = 1
+        while sum(c.shape[0] for c in cont) < extra:  # only for very long cost runs
+            cont.append(groups[tp][(j + m) % len(groups[tp])].response)
+            m += 1
+        tail = np.concatenate([own.prompt, resp[:s0]])
+        need = max(context_len - tail.shape[0], 0)
+        others = [q for q in range(npr) if q != tp] or [tp]
+        rot = (gi * 7) % len(others)
+        others = others[rot:] + others[:rot]
+        rounds: list[np.ndarray] = []
+        have = 0
+        c = 0
+        while have < need:
+            parts = []
+            for q in others:
+                s = groups[q][(j + c) % len(groups[q])]
+                parts.append(s.response)
+            piece = np.concatenate(parts).astype(np.int64) + c * ROUND_SHIFT
+            rounds.append(piece.astype(np.int32))
+            have += piece.shape[0]
+            c += 1
+        filler = np.concatenate(rounds[::-1])[-need:] if need else np.zeros(0, np.int32)
+        ctxs.append(np.ascontiguousarray(np.concatenate([filler, tail])[-context_len:], np.int32))
+        conts.append(np.ascontiguousarray(np.concatenate(cont)[:extra], np.int32))
+        keys.append(f"g{gi}")
     return ctxs, conts, keys
 
 
 def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int, batch: int, context_len: int,
-                 steps: int, group_size: int = 1, warmup: int = 3, fill_cache: bool = False) -> dict[str, Any]:
+                 steps: int, warmup: int = 3, fill_cache: bool = False) -> dict[str, Any]:
     """CPU us per decode step (batch update + propose) and bytes per token at ``batch`` x ``context_len``.
 
     Contexts are built (``add``) before timing; each timed step appends only that step's accepted
@@ -316,8 +353,8 @@ def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int
     ``fill_cache``: finish every corpus response (reversed) first so the finished-response cache is
     full (group mode's steady state; its matching then costs inside every step).
     """
-    extra = (steps + warmup + 1) * (k + 1)
-    ctxs, conts, keys = build_contexts(groups, batch, context_len, extra, group_size)
+    extra = (steps + warmup + 1) * (k + 1) + 2 * min(steps, 10)  # timed steps + the list-API steps
+    ctxs, conts, keys = build_contexts(groups, batch, context_len, extra, max(len(g) for g in groups))
     d = make()
     if fill_cache:
         for g in groups:
@@ -365,8 +402,12 @@ def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int
         peak = max(peak or 0.0, nb / nt)
     t_us = 1e6 * np.asarray(times)
     out = {"us_per_step": float(np.median(t_us)), "us_per_step_mean": float(t_us.mean()),
-           "us_per_step_p90": float(np.percentile(t_us, 90)), "us_per_step_wall": 1e6 * float(np.median(walls)),
+           "us_per_step_min": float(t_us.min()), "us_per_step_p25": float(np.percentile(t_us, 25)),
+           "us_per_step_p75": float(np.percentile(t_us, 75)), "us_per_step_p90": float(np.percentile(t_us, 90)),
+           "us_per_step_wall": 1e6 * float(np.median(walls)),
            "cost_steps": len(times), "tokens_appended_per_step": float(np.mean(tokens)),
+           # tokens a request advances per timed step: compare with the replay's mean_accepted
+           "cost_tokens_per_request_step": float(np.mean(tokens)) / batch,
            "bytes_per_token": peak, "build_s": build_s}
     if isinstance(d, SamDrafter):  # the list-in/list-out API on the same state, for reference
         lt = []
@@ -444,7 +485,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if name == "arctic_suffix" and args.arctic_cost_batch:
                     batch = args.arctic_cost_batch
                 res.update(measure_cost(make_cost, groups, k, batch, cost_ctx, args.cost_steps,
-                                        group_size=len(groups[0]) if name == "sam_group" else 1,
                                         fill_cache=name == "sam_group"))
                 res["cost_batch"] = batch
                 res["cost_context_len"] = cost_ctx

@@ -48,6 +48,7 @@ M_T, M_TCAP, M_LEN, M_LAST, M_AUTO, M_LOCAL, M_CLEN, M_CPOS, M_CP = range(9)
 SM_COLS = 16
 # growth request kinds (grow[i] = kind, slot, elements needed)
 G_TOK, G_STATES, G_EDGES, G_ROOT = range(4)
+WARM_MAX_TOKENS = 8  # tokens per request the read-only warm-up pass walks ahead
 
 
 # ------------------------------------------------------------------------------------ raw views
@@ -384,14 +385,20 @@ def _append_tokens(AM, SM, auto_str, s, buf, row, j0, j1, budget, complete, prog
 
 
 @njit(cache=True)
-def _match_step(S, E, R, rcap, st, ln, tok):
-    """Matching statistics: extend the match (state ``st``, length ``ln``) by ``tok``.
-
-    The automaton may have grown (states split) since the pointer was made: first move the pointer
-    to the state that now holds strings of length ``ln``.
-    """
+def _match_fix(S, st, ln):
+    """Move a match pointer (state ``st``, length ``ln``) made before the automaton grew (states split)
+    to the state that now holds the strings of length ``ln``."""
     while st != 0 and S[SREC * S[SREC * st + 1]] >= ln:
         st = S[SREC * st + 1]
+    return st
+
+
+@njit(cache=True)
+def _match_step(S, E, R, rcap, st, ln, tok):
+    """Matching statistics: extend the match (state ``st`` holding length ``ln``) by ``tok``.
+
+    Requires ``st`` to hold ``ln`` (``_match_fix`` after growth); the result holds it again.
+    """
     while True:
         t = _get(S, E, R, rcap, st, tok)
         if t != -1:
@@ -403,11 +410,14 @@ def _match_step(S, E, R, rcap, st, ln, tok):
 
 
 @njit(cache=True)
-def _cache_follow(SM, s, buf, row, j0, j1, stamp, S, E, R, rcap, cache_stamp, resync):
+def _cache_follow(SM, s, buf, row, j0, j1, stamp, S, E, R, rcap, cache_stamp, resync, fix_each=False):
     """Advance string ``s``'s match pointer into a cache automaton (stamp ``stamp``) by ``buf[row, j0:j1]``.
 
     A pointer made for a cache generation that is gone is reset and re-fed with the last
-    ``resync`` tokens of the string before these.
+    ``resync`` tokens of the string before these. The cache may have grown since the pointer was
+    last advanced, so it is fixed up once (``_match_fix``); within this call the automaton does not
+    change and every step keeps the pointer exact, so no further fix-up is needed (``fix_each``:
+    fix up before every token, the reference the tests compare with).
     """
     j = -1
     for jj in range(2):
@@ -426,9 +436,11 @@ def _cache_follow(SM, s, buf, row, j0, j1, stamp, S, E, R, rcap, cache_stamp, re
         for i in range(max(0, end - resync), end):
             st, ln = _match_step(S, E, R, rcap, st, ln, T[i])
     else:
-        st = SM[s, M_CP + 3 * j]
+        st = _match_fix(S, SM[s, M_CP + 3 * j], SM[s, M_CP + 3 * j + 1])
         ln = SM[s, M_CP + 3 * j + 1]
     for i in range(j0, j1):
+        if fix_each:
+            st = _match_fix(S, st, ln)
         st, ln = _match_step(S, E, R, rcap, st, ln, buf[row, i])
     SM[s, M_CP + 3 * j] = st
     SM[s, M_CP + 3 * j + 1] = ln
@@ -436,14 +448,14 @@ def _cache_follow(SM, s, buf, row, j0, j1, stamp, S, E, R, rcap, cache_stamp, re
 
 @njit(cache=True)
 def extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, complete, AM, SM, auto_str, cache_auto,
-                 cache_stamp, grow, precheck=True, warm_lanes=16, warm_hops=2):
+                 cache_stamp, grow, precheck=True, warm_lanes=16, warm_hops=2, cache_fix_each=False):
     """Append ``buf[rows[i], starts[i]:ends[i]]`` to string ``slots[i]`` for every i (one decode step).
 
     ``prog`` int64[2] = (request index, token column) to resume from (0, -1 at the first call).
     Returns the number of growth requests written to ``grow`` (int64[m, 3]: kind, slot, elements);
     0 = done. Phase 1 (``precheck``) checks the room of every request first (hot meta rows only) so
     that decode steps rarely stop in the middle; phase 2 appends, checking room token by token;
-    phase 3 advances the cache pointers.
+    phase 3 advances the cache pointers (``cache_fix_each``: reference walk, see ``_cache_follow``).
     ``complete``: the strings end here (cache insertion), see ``_append_tokens``.
     """
     n = slots.shape[0]
@@ -513,14 +525,18 @@ def extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, complete,
             if ends[i] <= starts[i]:
                 continue
             _cache_follow(SM, slots[i], buf, rows[i], starts[i], ends[i], cache_stamp[g], S, E, R, rcap,
-                          cache_stamp, resync)
+                          cache_stamp, resync, cache_fix_each)
     return 0
 
 
 # ------------------------------------------------------------------------------- warm-up pass
 @njit(cache=True)
-def _lane_start(AM, SM, slots, buf, rows, starts, ends, i, j, lane, Li, Lj, Lst, Lph):
-    """Put request ``i`` (first token column ``j``) on a lane: prefetch its tail lines and ``last``."""
+def _lane_start(AM, SM, slots, buf, rows, starts, ends, i, j, lane, Li, Lj, Lst, Lph, Lend):
+    """Put request ``i`` (first token column ``j``) on a lane: prefetch its tail lines and ``last``.
+
+    The lane walks at most ``WARM_MAX_TOKENS`` tokens of the request (a decode step appends <= k + 1;
+    a long append, e.g. a new prompt, gains nothing from a read-ahead walk over all of it).
+    """
     s = slots[i]
     a = SM[s, M_AUTO]
     _prefetch(SM[s, M_T] + 4 * SM[s, M_LEN])
@@ -532,6 +548,7 @@ def _lane_start(AM, SM, slots, buf, rows, starts, ends, i, j, lane, Li, Lj, Lst,
     Lj[lane] = j
     Lst[lane] = st
     Lph[lane] = 0
+    Lend[lane] = min(ends[i], j + WARM_MAX_TOKENS)
 
 
 @njit(cache=True)
@@ -551,6 +568,7 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
     Le = np.zeros(lanes, np.int64)
     Lph = np.zeros(lanes, np.int64)
     Lh = np.zeros(lanes, np.int64)
+    Lend = np.zeros(lanes, np.int64)
     nxt = i0
     active = 0
     for lane in range(lanes):
@@ -558,7 +576,7 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
             j = starts[nxt] if nxt != i0 or j0 < 0 else j0
             nxt += 1
             if j < ends[nxt - 1]:
-                _lane_start(AM, SM, slots, buf, rows, starts, ends, nxt - 1, j, lane, Li, Lj, Lst, Lph)
+                _lane_start(AM, SM, slots, buf, rows, starts, ends, nxt - 1, j, lane, Li, Lj, Lst, Lph, Lend)
                 active += 1
                 break
     while active:
@@ -630,7 +648,7 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                 else:
                     st = Le[lane]  # the state reached by the token
                     j = Lj[lane] + 1
-                    if j < ends[i]:
+                    if j < Lend[lane]:
                         Lj[lane] = j
                         Lst[lane] = st
                         Lph[lane] = 0
@@ -643,7 +661,7 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                             nxt += 1
                             if jj < ends[nxt - 1]:
                                 _lane_start(AM, SM, slots, buf, rows, starts, ends, nxt - 1, jj, lane, Li, Lj, Lst,
-                                            Lph)
+                                            Lph, Lend)
                                 active += 1
                                 break
             if done:  # token matched (or fell to the root): walk the occurrence hops next
@@ -715,10 +733,11 @@ def propose_batch(slots, k, min_match, use_cache, AM, SM, auto_str, cache_auto, 
 
 @njit(cache=True)
 def step_batch(slots, buf, rows, starts, ends, prog, budget, resync, AM, SM, auto_str, cache_auto, cache_stamp,
-               grow, k, min_match, use_cache, out, out_n, precheck=True, warm_lanes=16, warm_hops=2):
+               grow, k, min_match, use_cache, out, out_n, precheck=True, warm_lanes=16, warm_hops=2,
+               cache_fix_each=False):
     """One decode step in one call: ``extend_batch`` then, once it is done, ``propose_batch``."""
     ng = extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, False, AM, SM, auto_str, cache_auto,
-                      cache_stamp, grow, precheck, warm_lanes, warm_hops)
+                      cache_stamp, grow, precheck, warm_lanes, warm_hops, cache_fix_each)
     if ng == 0:
         propose_batch(slots, k, min_match, use_cache, AM, SM, auto_str, cache_auto, cache_stamp, out, out_n)
     return ng

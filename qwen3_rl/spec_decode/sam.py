@@ -148,6 +148,7 @@ class SamProposer:
         self._exact_growth = False  # tests: grow to exactly the size asked for (no slack)
         self.warm_lanes = 16  # interleaved read-only warm-up walks before a batch update (0 = off)
         self.warm_hops = 2  # suffix links the warm-up walks follow after each token
+        self.cache_fix_each = False  # tests: fix cache pointers up before every token (reference walk)
         self._prog = np.zeros(2, np.int64)
         self._rows = np.zeros(16, np.int64)
         self._out = np.zeros((16, cfg.num_speculative_tokens), np.int32)
@@ -287,12 +288,12 @@ class SamProposer:
                 ng = K.step_batch(slots, buf, rows, starts, ends, prog, cfg.budget, cfg.resync, self._AM, self._SM,
                                   self._auto_str, cache_auto, self._cache_stamp, self._grow, k, cfg.min_match,
                                   use_cache, self._out, self._out_n, not self._exact_growth, self.warm_lanes,
-                                  self.warm_hops)
+                                  self.warm_hops, self.cache_fix_each)
             else:
                 ng = K.extend_batch(slots, buf, rows, starts, ends, prog, cfg.budget, cfg.resync, complete,
                                     self._AM, self._SM, self._auto_str, cache_auto, self._cache_stamp, self._grow,
-                                    not self._exact_growth, self.warm_lanes,
-                                  self.warm_hops)
+                                    not self._exact_growth, self.warm_lanes, self.warm_hops,
+                                    self.cache_fix_each)
             if ng == 0:
                 return
             self._apply_growth(ng)
