@@ -21,7 +21,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from qwen3_rl.launch.cpu_binding import BindingError, BindingMap, compute_binding, read_numa_nodes, run_binder
+from qwen3_rl.launch.cpu_binding import (
+    BindingError,
+    BindingMap,
+    compute_binding,
+    pid_alive,
+    read_numa_nodes,
+    run_binder,
+)
 from qwen3_rl.launch.netinfo import tcp_reachable
 from qwen3_rl.launch.npu_smi import NpuSmiError, run_npu_smi
 from qwen3_rl.launch.options import LaunchError, LaunchPlan, parse_options, usage
@@ -46,20 +53,6 @@ def _write_nul(path: Path, items: list[str]) -> None:
 
 def _load(plan_dir: str) -> LaunchPlan:
     return LaunchPlan.from_json((Path(plan_dir) / "plan.json").read_text())
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child still answers kill(0)
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def train_env(plan: LaunchPlan, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -198,7 +191,7 @@ def cmd_wait_started(argv: list[str]) -> int:
         text = log.read_text(errors="replace") if log.is_file() else ""
         if RAY_STARTED_MARK in text:
             return 0
-        if not _alive(a.pid):
+        if not pid_alive(a.pid):
             last = [ln for ln in text.splitlines() if ln.strip()][-1:] or ["(empty log)"]
             return _die(f"'ray start' exited before the node was up; last line of {log}: {last[0].strip()}")
         if time.monotonic() > deadline:
@@ -216,7 +209,7 @@ def cmd_wait_cluster(argv: list[str]) -> int:
     try:
         st = wait_for_cluster(lambda: query_status(plan.ray_bin, plan.ray_address), plan.nnodes,
                               plan.npus_per_node, plan.timeout, a.interval,
-                              alive=(lambda: _alive(a.pid)) if a.pid else (lambda: True), log=_log)
+                              alive=(lambda: pid_alive(a.pid)) if a.pid else (lambda: True), log=_log)
     except ClusterError as exc:
         return _die(str(exc))
     _log(f"cluster ready: {st.active_nodes} node(s), {st.totals.get('NPU', 0):g} NPU")
@@ -258,7 +251,7 @@ def cmd_watch_head(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     plan = _load(a.plan_dir)
     _log(f"joined {plan.ray_address}; staying until the head's cluster goes away")
-    why = watch_head(lambda: tcp_reachable(plan.master_ip, plan.port, timeout_s=3.0), lambda: _alive(a.pid),
+    why = watch_head(lambda: tcp_reachable(plan.master_ip, plan.port, timeout_s=3.0), lambda: pid_alive(a.pid),
                      plan.watch_interval, plan.watch_misses)
     if why == "local-exit":
         return _die(f"the local 'ray start' exited (see {plan.ray_log})")
@@ -324,9 +317,9 @@ def cmd_stop(argv: list[str]) -> int:
     except ValueError:
         return _die(f"cannot read {pidfile}")
     targets = []
-    if _alive(launcher_pid) and "ray_start_npu.sh" in _cmdline(launcher_pid):
+    if pid_alive(launcher_pid) and "ray_start_npu.sh" in _cmdline(launcher_pid):
         targets.append(("launcher", launcher_pid))
-    elif _alive(ray_pid) and " start " in _cmdline(ray_pid) and "--block" in _cmdline(ray_pid):
+    elif pid_alive(ray_pid) and " start " in _cmdline(ray_pid) and "--block" in _cmdline(ray_pid):
         targets.append(("ray start", ray_pid))
     if not targets:
         _log(f"nothing to stop: processes in {pidfile} are gone")
@@ -337,7 +330,7 @@ def cmd_stop(argv: list[str]) -> int:
         os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + a.grace
     while time.monotonic() < deadline:
-        if not any(_alive(p) for _, p in targets) and not _alive(ray_pid):
+        if not any(pid_alive(p) for _, p in targets) and not pid_alive(ray_pid):
             _log("stopped")
             return 0
         time.sleep(0.5)

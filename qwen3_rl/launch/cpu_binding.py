@@ -204,16 +204,21 @@ def run_binder(bmap: BindingMap, interval_s: float, parent_pid: int | None, once
         bind_pass(bmap, lambda: run_npu_smi("info"), log, seen)
         if once:
             return 0
-        if parent_pid is not None and not _alive(parent_pid):
+        if parent_pid is not None and not pid_alive(parent_pid):
             return 0
         time.sleep(interval_s)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """True while process ``pid`` exists and is not a zombie (a zombie child still answers kill 0)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # a zombie child still answers kill(0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
