@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from qwen3_rl.bench.eplb import (
     ascend_initial_table,
+    hierarchical_bound,
     hot_loads,
     load_vllm_default,
     slot_workload,
@@ -203,3 +204,33 @@ def test_bench_cli_json(pristine_workspace: Path, tmp_path: Path) -> None:
         assert res[name]["ms"] >= 0.0
     assert res["ours"]["balancedness"] >= res["vllm_default"]["balancedness"] - 1e-9
     assert res["ours_migration"]["moved_total"] >= 0
+
+
+@pytest.mark.parametrize("G,N,R,X,seed", [(8, 8, 32, 32, 0), (8, 4, 16, 16, 1), (4, 2, 8, 8, 2), (8, 8, 128, 128, 3)])
+def test_hierarchical_bound_holds(G: int, N: int, R: int, X: int, seed: int) -> None:
+    """No hierarchical placement (ours, any of its layers) beats the bound; ours is above vLLM's hierarchical
+    result and the bound is attained on loads that are uniform (every group and expert equally hot)."""
+    loads = synthetic_loads(num_layers=6, num_experts=64 if R < 128 else 128, zipf=1.0, tokens=4000, seed=seed)
+    E = loads.shape[1]
+    phy = eplb.rebalance_experts(torch.from_numpy(loads.astype(np.float64)), E + X, G, N, R)[0].numpy()
+    bal = eplb.balancedness(loads, phy, R)
+    bound = hierarchical_bound(loads, G, N, R, E + X)
+    assert np.all(bal <= bound + 1e-9), (bal, bound)
+    uniform = np.full((2, E), 100)
+    assert np.allclose(hierarchical_bound(uniform, G, N, R, E + X), 1.0)
+
+
+def test_bench_hierarchical_case_reports_contracts(pristine_workspace: Path, tmp_path: Path) -> None:
+    """A hierarchical case prints the bound, ours under the contract (>= vLLM's) and ours placed globally
+    beside vLLM-Ascend's policies, which ignore groups; each entry says which contract it honours."""
+    from qwen3_rl.bench.eplb import run_case
+
+    loads = synthetic_loads(num_layers=4, num_experts=32, zipf=1.0, tokens=4000, seed=5)
+    res = run_case(loads, 16, 4, 4, 16, ("vllm_default", "ours", "ascend_dynamic_ep"),
+                   vllm_tree=pristine_workspace / "vllm", ascend_tree=pristine_workspace / "vllm-ascend")
+    assert "hierarchical" in res["meta"]["constraint"]
+    assert res["ours"]["balancedness"] <= res["hierarchical_bound"]["balancedness"] + 1e-9
+    assert res["ours"]["balancedness"] >= res["vllm_default"]["balancedness"] - 1e-9
+    assert res["ours_global"]["constraint"].startswith("global")
+    assert res["ascend_dynamic_ep"]["constraint"].startswith("global")
+    assert res["ours_global"]["balancedness"] >= res["ascend_dynamic_ep"]["balancedness"] - 1e-9

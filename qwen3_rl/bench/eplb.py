@@ -156,6 +156,52 @@ def slot_workload(loads: np.ndarray, table: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------ runner
 
 
+def _slot_bound(w: np.ndarray, slots: int, iters: int = 60) -> float:
+    """Smallest makespan ``T`` with ``sum_e ceil(w_e / T) <= slots``: every replica share is at most the
+    busiest rank's load, so expert ``e`` needs ``>= w_e / T`` replicas (a lower bound on the makespan)."""
+    if slots <= 0 or w.max() <= 0:
+        return 0.0
+    lo, hi = 0.0, float(w.max())
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        if mid > 0 and np.ceil(w / mid).sum() <= slots:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def hierarchical_bound(loads: np.ndarray, num_groups: int, num_nodes: int, num_ranks: int,
+                       num_replicas: int) -> np.ndarray:
+    """Per-layer upper bound on the balancedness of any hierarchical placement, ``[L]``.
+
+    Under vLLM's hierarchical contract every replica of a group's experts sits on the group's node, every
+    node holds ``num_groups / num_nodes`` groups and ``num_replicas / num_nodes`` slots.  Lower bounds on the
+    busiest rank's load ``T``: ``node load / ranks per node`` for the busiest node (at least
+    ``max(heaviest group, total / num_nodes)``), and the slot bound (``_slot_bound``) over the node's experts
+    when one group per node fixes them (else over all experts and slots).  Returns ``(total / num_ranks) / T``.
+    """
+    num_layers, num_experts = loads.shape
+    group_size = num_experts // num_groups
+    per_node = num_groups // num_nodes
+    rpn = num_ranks // num_nodes
+    out = np.ones(num_layers)
+    for layer in range(num_layers):
+        w = loads[layer].astype(np.float64)
+        gw = w.reshape(num_groups, group_size).sum(-1)
+        total = gw.sum()
+        if total <= 0:
+            continue
+        t = max(gw.max(), total / num_nodes) / rpn
+        if per_node == 1:
+            for g in range(num_groups):
+                t = max(t, _slot_bound(w[g * group_size:(g + 1) * group_size], num_replicas // num_nodes))
+        else:
+            t = max(t, _slot_bound(w, num_replicas))
+        out[layer] = (total / num_ranks) / t
+    return out
+
+
 def _timed(fn: Any) -> tuple[Any, float]:
     t0 = time.perf_counter()
     out = fn()
@@ -208,6 +254,13 @@ def run_case(
         prev_bal = eplb.balancedness(loads, prev, num_ranks)
         res["previous_placement"] = {"balancedness": round(float(prev_bal.mean()), 6),
                                      "source": "--prev-loads" if prev_loads is not None else f"drift {drift_sigma}"}
+    hier = eplb._hierarchical(num_experts, num_groups, num_nodes)
+    if hier:
+        # vLLM's hierarchical contract: every replica of an expert stays on its group's node.  No placement
+        # honouring it beats this bound; vLLM-Ascend's policies never see groups/nodes (global placement).
+        res["meta"]["constraint"] = "hierarchical: a group's replicas stay on its node (ours, vllm_default)"
+        res["hierarchical_bound"] = {"balancedness": round(float(hierarchical_bound(loads, num_groups, num_nodes,
+                                                                                    num_ranks, num_phy).mean()), 6)}
     for name in policies:
         try:
             if name == "identity":
@@ -224,6 +277,12 @@ def run_case(
             elif name == "ours":
                 out, ms = _timed(lambda: eplb.rebalance_experts(w, num_phy, num_groups, num_nodes, num_ranks))
                 res[name] = _entry(loads, out[0].numpy(), num_ranks, ms, prev)
+                if hier:
+                    # like-for-like with the vLLM-Ascend policies, which place globally (no groups): the
+                    # same call with one group, i.e. what our type-4 vLLM-Ascend policy computes on NPU
+                    out, ms = _timed(lambda: eplb.rebalance_experts(w, num_phy, 1, num_nodes, num_ranks))
+                    res["ours_global"] = _entry(loads, out[0].numpy(), num_ranks, ms, prev)
+                    res["ours_global"]["constraint"] = "global (groups ignored, as vLLM-Ascend policies)"
             elif name == "ours_migration":
                 assert prev is not None
                 out, ms = _timed(lambda: eplb.rebalance_experts_migration_aware(
@@ -252,6 +311,8 @@ def run_case(
                 new = table_to_phy2log(np.asarray(out[2]))
                 res[name] = _entry(loads, new, num_ranks, ms, None)
                 res[name]["moved_vs_initial"] = int((new != table_to_phy2log(table0)).sum())
+                if hier:
+                    res[name]["constraint"] = "global (vLLM-Ascend policies ignore num_groups / num_nodes)"
             else:
                 raise ValueError(f"unknown policy {name!r}; choose from {', '.join(ALL_POLICIES)}")
         except (FileNotFoundError, ImportError) as exc:

@@ -466,18 +466,17 @@ def _align_to_previous(new_e: np.ndarray, prev_e: np.ndarray, num_ranks: int, sl
                 overlap[b, r] += old_has[r, e]
     bin_to_rank = np.full(num_ranks, -1, dtype=np.int64)
     rank_used = np.zeros(num_ranks, dtype=np.int64)
-    flat = np.argsort(-overlap.ravel(), kind="mergesort")
-    assigned = 0
-    for f in flat:
-        b = f // num_ranks
-        r = f % num_ranks
-        if bin_to_rank[b] >= 0 or rank_used[r] == 1:
-            continue
-        bin_to_rank[b] = r
-        rank_used[r] = 1
-        assigned += 1
-        if assigned == num_ranks:
-            break
+    # greedy in order of decreasing overlap, ties by (bin, rank): overlaps are integers in [0, slots], so a
+    # scan per value replaces sorting the R x R matrix (same result as a stable argsort of -overlap)
+    for v in range(slots, -1, -1):
+        for b in range(num_ranks):
+            if bin_to_rank[b] >= 0:
+                continue
+            for r in range(num_ranks):
+                if rank_used[r] == 0 and overlap[b, r] == v:
+                    bin_to_rank[b] = r
+                    rank_used[r] = 1
+                    break
     return _keep_slots(new_e, prev_e, bin_to_rank, slots)
 
 
