@@ -27,6 +27,7 @@ What is built by hand, and why:
 from __future__ import annotations
 
 import asyncio
+import sys
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -127,8 +128,7 @@ def vllm(patched_imports: Path) -> Vllm:
         UnquantizedFusedMoEMethod,
     )
 
-    assert Path(FusedMoE.__module__ and __import__(FusedMoE.__module__, fromlist=["x"]).__file__
-                ).is_relative_to(patched_imports)
+    assert Path(sys.modules[FusedMoE.__module__].__file__).is_relative_to(patched_imports)
 
     class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         """Stand-in: vLLM-Ascend 0.13's class name; process_weights_after_loading replicated."""
