@@ -19,3 +19,6 @@ ACTOR_ETP=${ACTOR_ETP:-1}
 ROLLOUT_TP=${ROLLOUT_TP:-4}
 ROLLOUT_ENABLE_EP=${ROLLOUT_ENABLE_EP:-True}
 ROLLOUT_GPU_MEMORY_UTILIZATION=${ROLLOUT_GPU_MEMORY_UTILIZATION:-0.87}
+# chunked MoE in prefill (seed 002 section 2.1; vllm_ascend patch 0005, docs/moe_memory.md): tokens per chunk of
+# the MoE layers' routed path in prefill steps, 0 = off (no key emitted). 4096 cuts the modelled peak ~1.6 -> 0.2 GiB.
+MOE_PREFILL_CHUNK_SIZE=${MOE_PREFILL_CHUNK_SIZE:-0}

@@ -253,6 +253,16 @@ _train_add_rollout_overrides() {
         actor_rollout_ref.rollout.load_format=dummy
         actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1
     )
+    if [[ "${layout}" == moe ]]; then
+        # chunked MoE in prefill (vllm_ascend patch 0005): the vLLM-Ascend additional_config key only when > 0
+        [[ "${MOE_PREFILL_CHUNK_SIZE}" =~ ^[0-9]{1,9}$ ]] || {
+            echo "MOE_PREFILL_CHUNK_SIZE must be a non-negative integer (tokens per chunk, 0 = off), got '${MOE_PREFILL_CHUNK_SIZE}'" >&2
+            exit 2
+        }
+        if ((10#${MOE_PREFILL_CHUNK_SIZE} > 0)); then
+            overrides+=("+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.moe_prefill_chunk_size=$((10#${MOE_PREFILL_CHUNK_SIZE}))")
+        fi
+    fi
 }
 
 # train_add_trainer_overrides: reward function, Ray runtime env (PYTHONPATH for every worker), trainer
