@@ -54,6 +54,36 @@ def test_matches_brute_force_random(tokens, plen, chunks, rule):
     _check_all_prefixes(text, min(plen, len(tokens)), rule, chunks)
 
 
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("rule", ["recent", "earliest"])
+def test_hub_index_is_transparent(rule: str, exact: bool) -> None:
+    """Texts over 24 token ids give states of out-degree >= HUB_DEGREE: they become hubs (transitions
+    indexed by the hub hash) and drafts still equal brute force after every chunk, with arrays grown
+    exactly to the size asked for (hub-index room checks hit) or with slack."""
+    rng = np.random.default_rng(7 if exact else 8)
+    base = rng.integers(0, 24, 300).astype(np.int32)
+    # repeats with mutations: long matches, many branching states
+    text = np.concatenate([base] + [np.where(rng.random(300) < 0.1, rng.integers(0, 24, 300), base)
+                                    for _ in range(3)]).astype(np.int32)
+    p = SamProposer(rule=rule, recent_budget=1 << 30)
+    p._exact_growth = exact
+    p.add_request("r", text[:50])
+    t = 50
+    while t < text.shape[0]:
+        got = p.propose(["r"], K)[0]
+        ref = brute_force_propose(text[:t], K, 1 if rule == "recent" else 0)[2]
+        assert got == ref.tolist()
+        n = int(rng.integers(1, 5))
+        p.extend("r", text[t: t + n])
+        t += n
+        if t % 97 < 4:
+            p.check_invariants()  # hub index finds every hub edge; counts match
+    assert p.num_hubs() > 0
+    p.check_invariants()
+    p.finish("r")
+    assert p.nbytes() == 0
+
+
 @pytest.mark.parametrize("rule", ["recent", "earliest"])
 @pytest.mark.parametrize("name", ["run", "period", "fib", "thue_morse", "large_ids"])
 def test_matches_brute_force_adversarial(name, rule):
@@ -300,6 +330,7 @@ def test_tight_growth_and_batch_paths_agree(group_mode):
                 p.finish(rids[0])
                 p.add_request(rids[0], [9, 9], group_id="g9")
             texts[rids[0]] = [9, 9]
+    assert tight.num_hubs() > 0  # the hub index was exercised (12 token ids: degrees >= HUB_DEGREE)
     for r in rids:
         np.testing.assert_array_equal(tight.tokens(r), np.asarray(texts[r], np.int32))
         for p in (tight, ref, buf):
@@ -321,6 +352,7 @@ def test_cache_pointer_fixup_once_matches_reference():
     base = rng.integers(0, 8, 600).astype(np.int32)
     live: dict[str, int] = {}
     nxt = 0
+    hubs = 0
     for step in range(80):
         while len(live) < 10:
             rid = f"r{nxt}"
@@ -343,11 +375,14 @@ def test_cache_pointer_fixup_once_matches_reference():
         ptr = [p._SM[sl][:, 8:14] for p, sl in zip(props, slots, strict=True)]
         np.testing.assert_array_equal(ptr[0], ptr[1])
         np.testing.assert_array_equal(ptr[0], ptr[2])
+        hubs = max(hubs, props[1].num_hubs())
         for r in rids[: int(rng.integers(0, 3))]:  # finished responses grow the cache / open generations
             for p in props:
                 p.finish(r)
             del live[r]
+    assert hubs > 0  # hub states were indexed (cache and group automata)
     for p in props:
+        p.check_invariants()
         for r in list(live):
             p.finish(r)
         p.clear_cache()

@@ -13,6 +13,13 @@ Storage model (all token ids are int32 >= 0, all lengths in tokens):
     per state, kept in move-to-front order: a found edge moves to the head of its list).
   - ``R``: root transitions, open-addressing hash of ``[token, state]`` pairs (power-of-2 slots,
     token -1 = empty, load <= 0.5), because the root's out-degree is the number of distinct tokens.
+  - ``H``: transition index of *hub* states (out-degree >= ``HUB_DEGREE``), open-addressing hash of
+    ``[state, token, edge]`` records (power-of-2 slots, state -1 = empty, load <= 0.5). A hub keeps
+    its edge list (enumeration for clones and degrees) and is marked by ``F = -(head + 2)``; its
+    lookups probe ``H`` instead of walking the list. A state becomes a hub when a lookup walks
+    ``HUB_DEGREE`` or more of its edges and ``H`` has room (else the automaton records the room it
+    wants in ``AM[a, A_HWANT]`` and the caller grows ``H`` after the call): the index is a cache of the
+    lists, so making a hub never changes what a lookup returns.
 
 * A *string* (slot ``s``) owns a token buffer ``T`` (int32, address in ``SM[s]``) and its scalars
   in the row ``SM[s]`` (one 128-byte record: length, last state, automaton, ...).
@@ -39,15 +46,18 @@ MAX_STRING_LEN = 1 << OFFSET_BITS
 SREC = 4  # state record: L, K, P, F
 EREC = 3  # edge record: token, target, next
 RREC = 2  # root hash slot: token, state
+HREC = 3  # hub index slot: state, token, edge
+HUB_DEGREE = 8  # a lookup walking this many edges of a state makes it a hub (indexed by H)
 
 # automaton meta row AM[a, :] (int64)
-A_S, A_SCAP, A_NST, A_E, A_ECAP, A_NE, A_R, A_RCAP, A_RN, A_NEED_S, A_NEED_E, A_NEED_R = range(12)
+A_S, A_SCAP, A_NST, A_E, A_ECAP, A_NE, A_R, A_RCAP, A_RN, A_NEED_S, A_NEED_E, A_NEED_R, A_H, A_HCAP, A_HN, \
+    A_HWANT = range(16)
 AM_COLS = 16
 # string meta row SM[s, :] (int64); cache pointers: generation slot j at M_CP + 3 j (state, length, stamp)
 M_T, M_TCAP, M_LEN, M_LAST, M_AUTO, M_LOCAL, M_CLEN, M_CPOS, M_CP = range(9)
 SM_COLS = 16
 # growth request kinds (grow[i] = kind, slot, elements needed)
-G_TOK, G_STATES, G_EDGES, G_ROOT = range(4)
+G_TOK, G_STATES, G_EDGES, G_ROOT, G_HUB = range(5)
 WARM_MAX_TOKENS = 8  # tokens per request the read-only warm-up pass walks ahead
 
 
@@ -93,7 +103,8 @@ def _auto_views(AM, a):
     S = _view(AM[a, A_S], AM[a, A_SCAP] * SREC)
     E = _view(AM[a, A_E], AM[a, A_ECAP] * EREC)
     R = _view(AM[a, A_R], AM[a, A_RCAP] * RREC)
-    return S, E, R
+    H = _view(AM[a, A_H], AM[a, A_HCAP] * HREC)
+    return S, E, R, H
 
 
 # ----------------------------------------------------------------------------- transitions
@@ -119,42 +130,118 @@ def _root_find(R, rcap, tok):
 
 
 @njit(cache=True)
-def _edge_find(S, E, p, tok):
-    """Edge of non-root state ``p`` labelled ``tok`` (-1 if absent); a found edge moves to the front."""
-    e = S[SREC * p + 3]
+def _head(S, p):
+    """First edge of state ``p`` (-1 = none), hub mark removed."""
+    f = S[SREC * p + 3]
+    return f if f >= -1 else -f - 2
+
+
+@njit(cache=True)
+def _set_head(S, p, e):
+    """Make edge ``e`` the first edge of ``p``, keeping the hub mark."""
+    S[SREC * p + 3] = e if S[SREC * p + 3] >= -1 else -e - 2
+
+
+@njit(cache=True)
+def _hub_slot(p, tok, mask):
+    x = (p & 0xFFFFFF) * 0x9E3779B1 ^ (tok & 0x7FFFFFFF) * 0x85EBCA6B
+    x ^= x >> 29
+    return (x >> 7) & mask
+
+
+@njit(cache=True)
+def _hub_find(H, hcap, p, tok):
+    """Edge of hub ``p`` labelled ``tok`` through the index (-1 if absent)."""
+    mask = hcap - 1
+    i = _hub_slot(p, tok, mask)
+    while True:
+        st = H[HREC * i]
+        if st == -1:
+            return -1
+        if st == p and H[HREC * i + 1] == tok:
+            return H[HREC * i + 2]
+        i = (i + 1) & mask
+
+
+@njit(cache=True)
+def _hub_put(H, hcap, p, tok, e):
+    """Index edge ``e`` = ``p --tok-->`` (absent before; room ensured)."""
+    mask = hcap - 1
+    i = _hub_slot(p, tok, mask)
+    while H[HREC * i] != -1:
+        i = (i + 1) & mask
+    H[HREC * i] = p
+    H[HREC * i + 1] = tok
+    H[HREC * i + 2] = e
+
+
+@njit(cache=True)
+def _make_hub(AM, a, S, E, H, p):
+    """Index every edge of ``p`` in ``H`` if it has room, else record the room wanted. Semantics unchanged."""
+    d = _degree(S, E, p)
+    hn = AM[a, A_HN]
+    if (hn + d + 1) * 2 > AM[a, A_HCAP]:
+        AM[a, A_HWANT] = max(AM[a, A_HWANT], hn + d + 1)
+        return
+    hcap = AM[a, A_HCAP]
+    e = _head(S, p)
+    while e != -1:
+        _hub_put(H, hcap, p, E[EREC * e], e)
+        e = E[EREC * e + 2]
+    S[SREC * p + 3] = -S[SREC * p + 3] - 2
+    AM[a, A_HN] = hn + d
+
+
+@njit(cache=True)
+def _edge_find(AM, a, S, E, H, p, tok):
+    """Edge of non-root state ``p`` labelled ``tok`` (-1 if absent).
+
+    Hubs: one probe of ``H``. Others: list walk, a found edge moves to the front; a walk of
+    ``HUB_DEGREE`` or more edges makes ``p`` a hub.
+    """
+    f = S[SREC * p + 3]
+    if f < -1:
+        return _hub_find(H, AM[a, A_HCAP], p, tok)
+    e = f
     prev = -1
+    steps = 0
     while e != -1:
         if E[EREC * e] == tok:
             if prev != -1:
                 E[EREC * prev + 2] = E[EREC * e + 2]
                 E[EREC * e + 2] = S[SREC * p + 3]
                 S[SREC * p + 3] = e
+            if steps >= HUB_DEGREE:
+                _make_hub(AM, a, S, E, H, p)
             return e
         prev = e
         e = E[EREC * e + 2]
+        steps += 1
+    if steps >= HUB_DEGREE:
+        _make_hub(AM, a, S, E, H, p)
     return -1
 
 
 @njit(cache=True)
-def _get(S, E, R, rcap, p, tok):
+def _get(AM, a, S, E, R, H, p, tok):
     """Transition of state ``p`` by ``tok`` (-1 if absent)."""
     if p == 0:
-        i = _root_find(R, rcap, tok)
+        i = _root_find(R, AM[a, A_RCAP], tok)
         return -1 if i < 0 else R[RREC * i + 1]
-    e = _edge_find(S, E, p, tok)
+    e = _edge_find(AM, a, S, E, H, p, tok)
     return -1 if e < 0 else E[EREC * e + 1]
 
 
 @njit(cache=True)
-def _redirect(S, E, R, rcap, p, tok, q, val):
+def _redirect(AM, a, S, E, R, H, p, tok, q, val):
     """If ``p --tok--> q``, point it to ``val`` and return True."""
     if p == 0:
-        i = _root_find(R, rcap, tok)
+        i = _root_find(R, AM[a, A_RCAP], tok)
         if i >= 0 and R[RREC * i + 1] == q:
             R[RREC * i + 1] = val
             return True
         return False
-    e = _edge_find(S, E, p, tok)
+    e = _edge_find(AM, a, S, E, H, p, tok)
     if e >= 0 and E[EREC * e + 1] == q:
         E[EREC * e + 1] = val
         return True
@@ -162,12 +249,15 @@ def _redirect(S, E, R, rcap, p, tok, q, val):
 
 
 @njit(cache=True)
-def _add_edge(S, E, ne, p, tok, val):
-    """Prepend edge ``p --tok--> val`` at edge index ``ne`` (room ensured); returns ne + 1."""
+def _add_edge(AM, a, S, E, H, ne, p, tok, val):
+    """Prepend edge ``p --tok--> val`` at edge index ``ne`` (room ensured, hub index too); returns ne + 1."""
     E[EREC * ne] = tok
     E[EREC * ne + 1] = val
-    E[EREC * ne + 2] = S[SREC * p + 3]
-    S[SREC * p + 3] = ne
+    E[EREC * ne + 2] = _head(S, p)
+    _set_head(S, p, ne)
+    if S[SREC * p + 3] < -1:
+        _hub_put(H, AM[a, A_HCAP], p, tok, ne)
+        AM[a, A_HN] += 1
     return ne + 1
 
 
@@ -186,7 +276,7 @@ def _root_put(R, rcap, tok, val):
 @njit(cache=True)
 def _degree(S, E, q):
     d = 0
-    e = S[SREC * q + 3]
+    e = _head(S, q)
     while e != -1:
         d += 1
         e = E[EREC * e + 2]
@@ -208,9 +298,38 @@ def root_rehash(old, new):
             new[RREC * i + 1] = old[RREC * j + 1]
 
 
+@njit(cache=True)
+def hub_rehash(old, new):
+    """Insert every record of hub index ``old`` into the empty (-1 filled) power-of-2 index ``new``."""
+    ncap = new.shape[0] // HREC
+    for j in range(old.shape[0] // HREC):
+        p = old[HREC * j]
+        if p != -1:
+            _hub_put(new, ncap, p, old[HREC * j + 1], old[HREC * j + 2])
+
+
+@njit(cache=True)
+def hub_check(S, E, H, hcap, nst):
+    """Consistency of the hub index (tests): returns (hubs, indexed edges), or (-1 - state, -1) for a hub
+    edge the index does not find or a count that does not match."""
+    hubs = 0
+    edges = 0
+    for p in range(1, nst):
+        if S[SREC * p + 3] >= -1:
+            continue
+        hubs += 1
+        e = _head(S, p)
+        while e != -1:
+            if _hub_find(H, hcap, p, E[EREC * e]) != e:
+                return -1 - p, -1
+            edges += 1
+            e = E[EREC * e + 2]
+    return hubs, edges
+
+
 # ------------------------------------------------------------------------------- extension
 @njit(cache=True)
-def sam_extend(AM, a, S, E, R, last, tok, posval):
+def sam_extend(AM, a, S, E, R, H, last, tok, posval):
     """Append ``tok`` to the string whose current state is ``last`` (generalized online SAM).
 
     Checks room first and mutates nothing if an array is too small. Returns
@@ -226,7 +345,7 @@ def sam_extend(AM, a, S, E, R, last, tok, posval):
         return -1, 0, G_STATES, nst + 2
     ecap = AM[a, A_ECAP]
     Llast = S[SREC * last]
-    q = _get(S, E, R, rcap, last, tok)
+    q = _get(AM, a, S, E, R, H, last, tok)
     if q != -1:
         # The extended string already occurs in the automaton (another string, or a shared prompt).
         if S[SREC * q] == Llast + 1:
@@ -235,9 +354,9 @@ def sam_extend(AM, a, S, E, R, last, tok, posval):
         if ne + d > ecap:
             return -1, 0, G_EDGES, ne + d
         cl = nst
-        ne = _clone(S, E, ne, q, cl, Llast + 1)
+        ne = _clone(AM, a, S, E, H, ne, q, cl, Llast + 1)
         p = last
-        while p != -1 and _redirect(S, E, R, rcap, p, tok, q, cl):
+        while p != -1 and _redirect(AM, a, S, E, R, H, p, tok, q, cl):
             p = S[SREC * p + 1]
         S[SREC * q + 1] = cl
         AM[a, A_NST] = nst + 1
@@ -245,17 +364,20 @@ def sam_extend(AM, a, S, E, R, last, tok, posval):
         return cl, cl, -1, 0
     # plan: states lacking ``tok`` on the suffix-link chain get a new transition
     cnt = 0
+    hubs = 0
     root_new = 0
     p = last
     q = -1
     while p != -1:
-        q = _get(S, E, R, rcap, p, tok)
+        q = _get(AM, a, S, E, R, H, p, tok)
         if q != -1:
             break
         if p == 0:
             root_new = 1
         else:
             cnt += 1
+            if S[SREC * p + 3] < -1:
+                hubs += 1
         p = S[SREC * p + 1]
     need_e = ne + cnt
     clone = False
@@ -267,6 +389,8 @@ def sam_extend(AM, a, S, E, R, last, tok, posval):
         return -1, 0, G_EDGES, need_e
     if root_new and (AM[a, A_RN] + 1) * 2 > rcap:
         return -1, 0, G_ROOT, AM[a, A_RN] + 1
+    if hubs and (AM[a, A_HN] + hubs) * 2 > AM[a, A_HCAP]:
+        return -1, 0, G_HUB, AM[a, A_HN] + hubs
     # mutate
     cur = nst
     S[SREC * cur] = Llast + 1
@@ -279,7 +403,7 @@ def sam_extend(AM, a, S, E, R, last, tok, posval):
         if x == 0:
             AM[a, A_RN] += _root_put(R, rcap, tok, cur)
         else:
-            ne = _add_edge(S, E, ne, x, tok, cur)
+            ne = _add_edge(AM, a, S, E, H, ne, x, tok, cur)
         x = S[SREC * x + 1]
     chain = 0
     if p != -1:
@@ -289,8 +413,8 @@ def sam_extend(AM, a, S, E, R, last, tok, posval):
         else:
             cl = nst
             nst += 1
-            ne = _clone(S, E, ne, q, cl, S[SREC * p] + 1)
-            while p != -1 and _redirect(S, E, R, rcap, p, tok, q, cl):
+            ne = _clone(AM, a, S, E, H, ne, q, cl, S[SREC * p] + 1)
+            while p != -1 and _redirect(AM, a, S, E, R, H, p, tok, q, cl):
                 p = S[SREC * p + 1]
             S[SREC * q + 1] = cl
             S[SREC * cur + 1] = cl
@@ -301,15 +425,15 @@ def sam_extend(AM, a, S, E, R, last, tok, posval):
 
 
 @njit(cache=True)
-def _clone(S, E, ne, q, c, length):
-    """Make state ``c`` a clone of ``q`` with length ``length`` (link, occurrence and all edges)."""
+def _clone(AM, a, S, E, H, ne, q, c, length):
+    """Make state ``c`` a clone of ``q`` with length ``length`` (link, occurrence and all edges; not a hub)."""
     S[SREC * c] = length
     S[SREC * c + 1] = S[SREC * q + 1]
     S[SREC * c + 2] = S[SREC * q + 2]
     S[SREC * c + 3] = -1
-    e = S[SREC * q + 3]
+    e = _head(S, q)
     while e != -1:
-        ne = _add_edge(S, E, ne, c, E[EREC * e], E[EREC * e + 1])
+        ne = _add_edge(AM, a, S, E, H, ne, c, E[EREC * e], E[EREC * e + 1])
         e = E[EREC * e + 2]
     return ne
 
@@ -340,7 +464,7 @@ def _append_tokens(AM, SM, auto_str, s, buf, row, j0, j1, budget, complete, prog
         prog[1] = j0
         return 1
     T = _view(SM[s, M_T], SM[s, M_TCAP])
-    S, E, R = _auto_views(AM, a)
+    S, E, R, H = _auto_views(AM, a)
     local = SM[s, M_LOCAL] << OFFSET_BITS
     last = SM[s, M_LAST]
     cand_len = SM[s, M_CLEN]
@@ -348,7 +472,7 @@ def _append_tokens(AM, SM, auto_str, s, buf, row, j0, j1, budget, complete, prog
     for j in range(j0, j1):
         tok = buf[row, j]
         posval = local | ln
-        nl, x, kind, need = sam_extend(AM, a, S, E, R, last, tok, posval)
+        nl, x, kind, need = sam_extend(AM, a, S, E, R, H, last, tok, posval)
         if kind >= 0:
             grow[0, 0] = kind
             grow[0, 1] = a
@@ -394,13 +518,13 @@ def _match_fix(S, st, ln):
 
 
 @njit(cache=True)
-def _match_step(S, E, R, rcap, st, ln, tok):
+def _match_step(AM, a, S, E, R, H, st, ln, tok):
     """Matching statistics: extend the match (state ``st`` holding length ``ln``) by ``tok``.
 
     Requires ``st`` to hold ``ln`` (``_match_fix`` after growth); the result holds it again.
     """
     while True:
-        t = _get(S, E, R, rcap, st, tok)
+        t = _get(AM, a, S, E, R, H, st, tok)
         if t != -1:
             return t, ln + 1
         if st == 0:
@@ -410,7 +534,7 @@ def _match_step(S, E, R, rcap, st, ln, tok):
 
 
 @njit(cache=True)
-def _cache_follow(SM, s, buf, row, j0, j1, stamp, S, E, R, rcap, cache_stamp, resync, fix_each=False):
+def _cache_follow(AM, a, SM, s, buf, row, j0, j1, stamp, S, E, R, H, cache_stamp, resync, fix_each=False):
     """Advance string ``s``'s match pointer into a cache automaton (stamp ``stamp``) by ``buf[row, j0:j1]``.
 
     A pointer made for a cache generation that is gone is reset and re-fed with the last
@@ -434,14 +558,14 @@ def _cache_follow(SM, s, buf, row, j0, j1, stamp, S, E, R, rcap, cache_stamp, re
         T = _view(SM[s, M_T], SM[s, M_TCAP])
         end = SM[s, M_LEN] - (j1 - j0)
         for i in range(max(0, end - resync), end):
-            st, ln = _match_step(S, E, R, rcap, st, ln, T[i])
+            st, ln = _match_step(AM, a, S, E, R, H, st, ln, T[i])
     else:
         st = _match_fix(S, SM[s, M_CP + 3 * j], SM[s, M_CP + 3 * j + 1])
         ln = SM[s, M_CP + 3 * j + 1]
     for i in range(j0, j1):
         if fix_each:
             st = _match_fix(S, st, ln)
-        st, ln = _match_step(S, E, R, rcap, st, ln, buf[row, i])
+        st, ln = _match_step(AM, a, S, E, R, H, st, ln, buf[row, i])
     SM[s, M_CP + 3 * j] = st
     SM[s, M_CP + 3 * j + 1] = ln
 
@@ -519,12 +643,11 @@ def extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, complete,
         ca = cache_auto[g]
         if ca < 0:
             continue
-        S, E, R = _auto_views(AM, ca)
-        rcap = AM[ca, A_RCAP]
+        S, E, R, H = _auto_views(AM, ca)
         for i in range(n):
             if ends[i] <= starts[i]:
                 continue
-            _cache_follow(SM, slots[i], buf, rows[i], starts[i], ends[i], cache_stamp[g], S, E, R, rcap,
+            _cache_follow(AM, ca, SM, slots[i], buf, rows[i], starts[i], ends[i], cache_stamp[g], S, E, R, H,
                           cache_stamp, resync, cache_fix_each)
     return 0
 
@@ -604,7 +727,12 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                 else:
                     rec = _view(S + 4 * SREC * st, SREC)
                     e = rec[3]
-                    if e == -1:
+                    if e < -1:  # hub: probe the index
+                        h = _hub_slot(st, tok, AM[a, A_HCAP] - 1)
+                        Lh[lane] = h
+                        Lph[lane] = 4
+                        _prefetch(AM[a, A_H] + 4 * HREC * h)
+                    elif e == -1:
                         st = rec[1]
                         Lst[lane] = st
                         _prefetch(S + 4 * SREC * st)
@@ -626,6 +754,22 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                 else:
                     Le[lane] = er[2]
                     _prefetch(AM[a, A_E] + 4 * EREC * er[2])
+            elif ph == 4:  # hub index probe
+                h = Lh[lane]
+                hr = _view(AM[a, A_H] + 4 * HREC * h, HREC)
+                if hr[0] == st and hr[1] == tok:
+                    Le[lane] = hr[2]
+                    Lph[lane] = 1
+                    _prefetch(AM[a, A_E] + 4 * EREC * hr[2])
+                elif hr[0] == -1:
+                    st = _view(S + 4 * SREC * st, SREC)[1]
+                    Lst[lane] = st
+                    Lph[lane] = 0
+                    _prefetch(S + 4 * SREC * st)
+                else:
+                    h = (h + 1) & (AM[a, A_HCAP] - 1)
+                    Lh[lane] = h
+                    _prefetch(AM[a, A_H] + 4 * HREC * h)
             elif ph == 2:  # root hash probe
                 h = Lh[lane]
                 kv = _view(AM[a, A_R] + 4 * RREC * h, RREC)
@@ -696,7 +840,7 @@ def propose_batch(slots, k, min_match, use_cache, AM, SM, auto_str, cache_auto, 
             ca = cache_auto[g]
             if ca < 0:
                 continue
-            S, E, R = _auto_views(AM, ca)
+            S, E, R, H = _auto_views(AM, ca)
             for i in range(n):
                 s = slots[i]
                 for j in range(2):

@@ -57,7 +57,7 @@ class SamConfig:
 
     num_speculative_tokens: int = 3
     rule: str = "recent"
-    recent_budget: int = 32
+    recent_budget: int = 2
     min_match: int = 1
     group_mode: bool = False
     cache_max_responses: int = 64
@@ -98,9 +98,10 @@ class _Auto:
 
 
 _EMPTY = np.zeros(0, np.int32)
-_REC = {K.G_STATES: K.SREC, K.G_EDGES: K.EREC, K.G_ROOT: K.RREC}
+_REC = {K.G_STATES: K.SREC, K.G_EDGES: K.EREC, K.G_ROOT: K.RREC, K.G_HUB: K.HREC}
 _COLS = {K.G_STATES: (K.A_S, K.A_SCAP, K.A_NST), K.G_EDGES: (K.A_E, K.A_ECAP, K.A_NE),
-         K.G_ROOT: (K.A_R, K.A_RCAP, K.A_RN)}
+         K.G_ROOT: (K.A_R, K.A_RCAP, K.A_RN), K.G_HUB: (K.A_H, K.A_HCAP, K.A_HN)}
+_HASHED = {K.G_ROOT: K.root_rehash, K.G_HUB: K.hub_rehash}
 
 
 def drafts_to_lists(out: np.ndarray, counts: np.ndarray) -> list[list[int]]:
@@ -132,6 +133,7 @@ class SamProposer:
         self._arrS: list[np.ndarray] = []  # per automaton: state records int32[4 cap]
         self._arrE: list[np.ndarray] = []  # per automaton: edge records int32[3 cap]
         self._arrR: list[np.ndarray] = []  # per automaton: root hash int32[2 cap]
+        self._arrH: list[np.ndarray] = []  # per automaton: hub-state transition index int32[3 cap]
         self._arrT: list[np.ndarray] = []  # per string: tokens int32[cap]
         self._free_autos: list[int] = []
         self._free_strings: list[int] = []
@@ -164,7 +166,7 @@ class SamProposer:
         st = np.full((n, K.MAX_STRINGS + 1), -1, np.int64)
         st[:old] = self._auto_str
         self._AM, self._auto_str = am, st
-        for lst in (self._arrS, self._arrE, self._arrR):
+        for lst in (self._arrS, self._arrE, self._arrR, self._arrH):
             lst.extend([_EMPTY] * (n - old))
         self._free_autos.extend(range(n - 1, old - 1, -1))
 
@@ -221,7 +223,7 @@ class SamProposer:
 
     def _free_auto(self, a: int) -> None:
         auto = self._autos.pop(a)
-        for lst, col in ((self._arrS, K.A_S), (self._arrE, K.A_E), (self._arrR, K.A_R)):
+        for lst, col in ((self._arrS, K.A_S), (self._arrE, K.A_E), (self._arrR, K.A_R), (self._arrH, K.A_H)):
             self._set_array(lst, a, _EMPTY, (self._AM, a, col))
         self._AM[a] = 0
         for s in auto.strings:
@@ -249,16 +251,16 @@ class SamProposer:
                 continue
             rec = _REC[kind]
             addr_col, cap_col, used_col = _COLS[kind]
-            lst = {K.G_STATES: self._arrS, K.G_EDGES: self._arrE, K.G_ROOT: self._arrR}[kind]
+            lst = {K.G_STATES: self._arrS, K.G_EDGES: self._arrE, K.G_ROOT: self._arrR, K.G_HUB: self._arrH}[kind]
             cap = int(self._AM[i, cap_col])
-            if kind == K.G_ROOT:
+            if kind in _HASHED:
                 if 2 * need <= cap:
                     continue
                 ncap = max(16, 2 * cap)
                 while ncap < 2 * need:
                     ncap *= 2
                 new = np.full(ncap * rec, -1, np.int32)
-                K.root_rehash(lst[i], new)
+                _HASHED[kind](lst[i], new)
             else:
                 if cap >= need:
                     continue
@@ -295,8 +297,14 @@ class SamProposer:
                                     not self._exact_growth, self.warm_lanes, self.warm_hops,
                                     self.cache_fix_each)
             if ng == 0:
-                return
+                break
             self._apply_growth(ng)
+        want = self._AM[:, K.A_HWANT]
+        if want.any():  # lookups that would have made a state a hub found the index full: grow it
+            for a in np.flatnonzero(want).tolist():
+                self._grow[0] = (K.G_HUB, a, want[a])
+                want[a] = 0
+                self._apply_growth(1)
 
     def _out_buffers(self, n: int, k: int) -> None:
         if self._out.shape[0] < n or self._out.shape[1] != k:
@@ -554,10 +562,18 @@ class SamProposer:
             assert am[K.A_NST] <= am[K.A_SCAP] and 4 * am[K.A_SCAP] == self._arrS[a].shape[0], a
             assert am[K.A_NE] <= am[K.A_ECAP] and 3 * am[K.A_ECAP] == self._arrE[a].shape[0], a
             assert 2 * am[K.A_RN] <= am[K.A_RCAP] and 2 * am[K.A_RCAP] == self._arrR[a].shape[0], a
+            assert 2 * am[K.A_HN] <= am[K.A_HCAP] and 3 * am[K.A_HCAP] == self._arrH[a].shape[0], a
+            hubs, indexed = K.hub_check(self._arrS[a], self._arrE[a], self._arrH[a], am[K.A_HCAP], am[K.A_NST])
+            assert hubs >= 0 and indexed == am[K.A_HN], (a, hubs, indexed, am[K.A_HN])
             for s in self._autos[a].strings:
                 assert self._SM[s, K.M_LEN] <= self._SM[s, K.M_TCAP] == self._arrT[s].shape[0], s
-        held = sum(x.nbytes for lst in (self._arrS, self._arrE, self._arrR, self._arrT) for x in lst)
+        held = sum(x.nbytes for lst in (self._arrS, self._arrE, self._arrR, self._arrH, self._arrT) for x in lst)
         assert held == self._nbytes, (held, self._nbytes)
+
+    def num_hubs(self) -> int:
+        """States whose transitions are indexed by the hub hash (diagnostics, tests)."""
+        return sum(int(K.hub_check(self._arrS[a], self._arrE[a], self._arrH[a], self._AM[a, K.A_HCAP],
+                                   self._AM[a, K.A_NST])[0]) for a in self._autos)
 
     def nbytes(self) -> int:
         """Bytes held by the per-token arrays (token buffers, states, edges, root hashes; capacity)."""
