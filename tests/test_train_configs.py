@@ -306,7 +306,7 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     "bad_eplb_and_sam": ({"ROLLOUT_EPLB": "maybe", "SAM_ENABLE": "yes"}, []),
 }
 # variables the scripts check for True/False: given True in the every_var case
-_CHECKED_BOOLS = ("SAM_ENABLE", "SAM_GROUP", "NPUGRAPH_EX", "ROLLOUT_EPLB", "MOE_ALLTOALL_OVERLAP")
+_CHECKED_BOOLS = ("SAM_ENABLE", "SAM_GROUP", "NPUGRAPH_EX", "ROLLOUT_EPLB", "MOE_ALLTOALL_OVERLAP", "MOE_ALLTOALLV")
 # variables with a fixed set of values: given this value in the every_var case
 _CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1"}
 _RUNTIME_ENV = ("PWD", "OLDPWD", "SHLVL", "_")

@@ -7,7 +7,7 @@
 #
 # A script provides: QWEN3_RL_HOME, NNODES, EXP_NAME, MODEL_PATH, TRAIN_BATCH_SIZE, MAX_RESPONSE_LENGTH,
 # TRAIN_FILE, ACTOR_TP/PP/CP, ROLLOUT_TP, ROLLOUT_GPU_MEMORY_UTILIZATION; the "moe" layout also ACTOR_EP/ETP,
-# ACTOR_PP_FIRST/LAST_STAGE_LAYERS, ROLLOUT_DP, ROLLOUT_ENABLE_EP; the weight sources "dist_ckpt" and
+# ACTOR_PP_FIRST/LAST_STAGE_LAYERS, ROLLOUT_DP, ROLLOUT_ENABLE_EP, MOE_ALLTOALLV; the weight sources "dist_ckpt" and
 # "hf_or_dist_ckpt" DIST_CKPT_PATH, and "hf_or_dist_ckpt" USE_DIST_CKPT (set -u stops on a missing one).
 # Every variable below is an environment variable with a default (docs/setups.md lists them all).
 [[ "${BASH_SOURCE[0]}" != "$0" ]] || { echo "${BASH_SOURCE[0]}: source it from a train script" >&2; exit 2; }
@@ -235,6 +235,12 @@ _train_add_rollout_overrides() {
             "+actor_rollout_ref.rollout.engine_kwargs.vllm.data_parallel_size=${ROLLOUT_DP}"
             "+actor_rollout_ref.rollout.engine_kwargs.vllm.enable_expert_parallel=${ROLLOUT_ENABLE_EP}"
         )
+        # expert weights to the vLLM EP ranks by all-to-allv (verl 0013)
+        case "${MOE_ALLTOALLV}" in
+            True | False) ;;
+            *) echo "MOE_ALLTOALLV must be True or False, got '${MOE_ALLTOALLV}'" >&2; exit 2 ;;
+        esac
+        overrides+=("actor_rollout_ref.actor.moe_alltoallv=${MOE_ALLTOALLV}")
     fi
     overrides+=(
         "actor_rollout_ref.rollout.gpu_memory_utilization=${ROLLOUT_GPU_MEMORY_UTILIZATION}"
