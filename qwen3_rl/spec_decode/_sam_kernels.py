@@ -14,8 +14,9 @@ Storage model (all token ids are int32 >= 0, all lengths in tokens):
   - ``R``: root transitions, open-addressing hash of ``[token, state]`` pairs (power-of-2 slots,
     token -1 = empty, load <= 0.5), because the root's out-degree is the number of distinct tokens.
   - ``H``: transition index of *hub* states (out-degree >= ``HUB_DEGREE``), open-addressing hash of
-    ``[state, token, edge]`` records (power-of-2 slots, state -1 = empty, load <= 0.5). A hub keeps
-    its edge list (enumeration for clones and degrees) and is marked by ``F = -(head + 2)``; its
+    ``[state, token, target, edge]`` records (power-of-2 slots, state -1 = empty, load <= 0.5; one
+    16-byte record, so a hit costs one line like a list head). A hub keeps its edge list (enumeration
+    for clones and degrees; targets kept equal in both) and is marked by ``F = -(head + 2)``; its
     lookups probe ``H`` instead of walking the list. A state becomes a hub when a lookup walks
     ``HUB_DEGREE`` or more of its edges and ``H`` has room (else the automaton records the room it
     wants in ``AM[a, A_HWANT]`` and the caller grows ``H`` after the call): the index is a cache of the
@@ -46,13 +47,13 @@ MAX_STRING_LEN = 1 << OFFSET_BITS
 SREC = 4  # state record: L, K, P, F
 EREC = 3  # edge record: token, target, next
 RREC = 2  # root hash slot: token, state
-HREC = 3  # hub index slot: state, token, edge
-HUB_DEGREE = 8  # a lookup walking this many edges of a state makes it a hub (indexed by H)
+HREC = 4  # hub index slot: state, token, target, edge
+HUB_DEGREE = 8  # default of AM[a, A_HUBDEG]: a lookup walking this many edges makes a state a hub (0 = never)
 
 # automaton meta row AM[a, :] (int64)
 A_S, A_SCAP, A_NST, A_E, A_ECAP, A_NE, A_R, A_RCAP, A_RN, A_NEED_S, A_NEED_E, A_NEED_R, A_H, A_HCAP, A_HN, \
-    A_HWANT = range(16)
-AM_COLS = 16
+    A_HWANT, A_HUBDEG = range(17)
+AM_COLS = 24
 # string meta row SM[s, :] (int64); cache pointers: generation slot j at M_CP + 3 j (state, length, stamp)
 M_T, M_TCAP, M_LEN, M_LAST, M_AUTO, M_LOCAL, M_CLEN, M_CPOS, M_CP = range(9)
 SM_COLS = 16
@@ -151,7 +152,7 @@ def _hub_slot(p, tok, mask):
 
 @njit(cache=True)
 def _hub_find(H, hcap, p, tok):
-    """Edge of hub ``p`` labelled ``tok`` through the index (-1 if absent)."""
+    """Index slot of hub ``p``'s transition by ``tok`` (-1 if absent)."""
     mask = hcap - 1
     i = _hub_slot(p, tok, mask)
     while True:
@@ -159,20 +160,21 @@ def _hub_find(H, hcap, p, tok):
         if st == -1:
             return -1
         if st == p and H[HREC * i + 1] == tok:
-            return H[HREC * i + 2]
+            return i
         i = (i + 1) & mask
 
 
 @njit(cache=True)
-def _hub_put(H, hcap, p, tok, e):
-    """Index edge ``e`` = ``p --tok-->`` (absent before; room ensured)."""
+def _hub_put(H, hcap, p, tok, val, e):
+    """Index edge ``e`` = ``p --tok--> val`` (absent before; room ensured)."""
     mask = hcap - 1
     i = _hub_slot(p, tok, mask)
     while H[HREC * i] != -1:
         i = (i + 1) & mask
     H[HREC * i] = p
     H[HREC * i + 1] = tok
-    H[HREC * i + 2] = e
+    H[HREC * i + 2] = val
+    H[HREC * i + 3] = e
 
 
 @njit(cache=True)
@@ -186,7 +188,7 @@ def _make_hub(AM, a, S, E, H, p):
     hcap = AM[a, A_HCAP]
     e = _head(S, p)
     while e != -1:
-        _hub_put(H, hcap, p, E[EREC * e], e)
+        _hub_put(H, hcap, p, E[EREC * e], E[EREC * e + 1], e)
         e = E[EREC * e + 2]
     S[SREC * p + 3] = -S[SREC * p + 3] - 2
     AM[a, A_HN] = hn + d
@@ -201,7 +203,8 @@ def _edge_find(AM, a, S, E, H, p, tok):
     """
     f = S[SREC * p + 3]
     if f < -1:
-        return _hub_find(H, AM[a, A_HCAP], p, tok)
+        i = _hub_find(H, AM[a, A_HCAP], p, tok)
+        return -1 if i < 0 else H[HREC * i + 3]
     e = f
     prev = -1
     steps = 0
@@ -211,13 +214,13 @@ def _edge_find(AM, a, S, E, H, p, tok):
                 E[EREC * prev + 2] = E[EREC * e + 2]
                 E[EREC * e + 2] = S[SREC * p + 3]
                 S[SREC * p + 3] = e
-            if steps >= HUB_DEGREE:
+            if steps >= AM[a, A_HUBDEG] > 0:
                 _make_hub(AM, a, S, E, H, p)
             return e
         prev = e
         e = E[EREC * e + 2]
         steps += 1
-    if steps >= HUB_DEGREE:
+    if steps >= AM[a, A_HUBDEG] > 0:
         _make_hub(AM, a, S, E, H, p)
     return -1
 
@@ -228,6 +231,9 @@ def _get(AM, a, S, E, R, H, p, tok):
     if p == 0:
         i = _root_find(R, AM[a, A_RCAP], tok)
         return -1 if i < 0 else R[RREC * i + 1]
+    if S[SREC * p + 3] < -1:
+        i = _hub_find(H, AM[a, A_HCAP], p, tok)
+        return -1 if i < 0 else H[HREC * i + 2]
     e = _edge_find(AM, a, S, E, H, p, tok)
     return -1 if e < 0 else E[EREC * e + 1]
 
@@ -241,9 +247,18 @@ def _redirect(AM, a, S, E, R, H, p, tok, q, val):
             R[RREC * i + 1] = val
             return True
         return False
+    if S[SREC * p + 3] < -1:
+        i = _hub_find(H, AM[a, A_HCAP], p, tok)
+        if i >= 0 and H[HREC * i + 2] == q:
+            H[HREC * i + 2] = val
+            E[EREC * H[HREC * i + 3] + 1] = val
+            return True
+        return False
     e = _edge_find(AM, a, S, E, H, p, tok)
     if e >= 0 and E[EREC * e + 1] == q:
         E[EREC * e + 1] = val
+        if S[SREC * p + 3] < -1:  # the lookup just made p a hub: its index holds the old target
+            H[HREC * _hub_find(H, AM[a, A_HCAP], p, tok) + 2] = val
         return True
     return False
 
@@ -256,7 +271,7 @@ def _add_edge(AM, a, S, E, H, ne, p, tok, val):
     E[EREC * ne + 2] = _head(S, p)
     _set_head(S, p, ne)
     if S[SREC * p + 3] < -1:
-        _hub_put(H, AM[a, A_HCAP], p, tok, ne)
+        _hub_put(H, AM[a, A_HCAP], p, tok, val, ne)
         AM[a, A_HN] += 1
     return ne + 1
 
@@ -305,7 +320,7 @@ def hub_rehash(old, new):
     for j in range(old.shape[0] // HREC):
         p = old[HREC * j]
         if p != -1:
-            _hub_put(new, ncap, p, old[HREC * j + 1], old[HREC * j + 2])
+            _hub_put(new, ncap, p, old[HREC * j + 1], old[HREC * j + 2], old[HREC * j + 3])
 
 
 @njit(cache=True)
@@ -320,7 +335,8 @@ def hub_check(S, E, H, hcap, nst):
         hubs += 1
         e = _head(S, p)
         while e != -1:
-            if _hub_find(H, hcap, p, E[EREC * e]) != e:
+            i = _hub_find(H, hcap, p, E[EREC * e])
+            if i < 0 or H[HREC * i + 3] != e or H[HREC * i + 2] != E[EREC * e + 1]:
                 return -1 - p, -1
             edges += 1
             e = E[EREC * e + 2]
@@ -758,9 +774,8 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                 h = Lh[lane]
                 hr = _view(AM[a, A_H] + 4 * HREC * h, HREC)
                 if hr[0] == st and hr[1] == tok:
-                    Le[lane] = hr[2]
-                    Lph[lane] = 1
-                    _prefetch(AM[a, A_E] + 4 * EREC * hr[2])
+                    st = hr[2]
+                    done = True
                 elif hr[0] == -1:
                     st = _view(S + 4 * SREC * st, SREC)[1]
                     Lst[lane] = st

@@ -53,6 +53,8 @@ class SamConfig:
         cache_max_responses: responses per cache generation (0 disables the cache; <= 127).
         cache_max_tokens: tokens per cache generation; two generations are kept at most.
         resync: tokens re-fed to a request's cache pointer when a new cache generation starts.
+        hub_degree: a lookup that walks this many edges of a state indexes the state's transitions
+            in a hash (one probe instead of a list walk; 0 = never). Changes speed, never drafts.
     """
 
     num_speculative_tokens: int = 3
@@ -63,14 +65,15 @@ class SamConfig:
     cache_max_responses: int = 64
     cache_max_tokens: int = 131072
     resync: int = 32
+    hub_degree: int = K.HUB_DEGREE
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.rule not in ("recent", "earliest"):
             raise ValueError(f"rule must be 'recent' or 'earliest', got {self.rule!r}")
-        if self.recent_budget < 0 or self.min_match < 1 or self.resync < 0:
-            raise ValueError("recent_budget >= 0, min_match >= 1 and resync >= 0 are required")
+        if self.recent_budget < 0 or self.min_match < 1 or self.resync < 0 or self.hub_degree < 0:
+            raise ValueError("recent_budget >= 0, min_match >= 1, resync >= 0 and hub_degree >= 0 are required")
         if not 0 <= self.cache_max_responses <= K.MAX_STRINGS:
             raise ValueError(f"cache_max_responses must be in [0, {K.MAX_STRINGS}]")
         if self.cache_max_tokens < 1:
@@ -133,7 +136,7 @@ class SamProposer:
         self._arrS: list[np.ndarray] = []  # per automaton: state records int32[4 cap]
         self._arrE: list[np.ndarray] = []  # per automaton: edge records int32[3 cap]
         self._arrR: list[np.ndarray] = []  # per automaton: root hash int32[2 cap]
-        self._arrH: list[np.ndarray] = []  # per automaton: hub-state transition index int32[3 cap]
+        self._arrH: list[np.ndarray] = []  # per automaton: hub-state transition index int32[4 cap]
         self._arrT: list[np.ndarray] = []  # per string: tokens int32[cap]
         self._free_autos: list[int] = []
         self._free_strings: list[int] = []
@@ -198,6 +201,7 @@ class SamProposer:
         self._set_array(self._arrS, a, root, (self._AM, a, K.A_S))
         self._AM[a, K.A_SCAP] = 1
         self._AM[a, K.A_NST] = 1
+        self._AM[a, K.A_HUBDEG] = self.config.hub_degree
         self._auto_str[a, :] = -1
         self._autos[a] = _Auto()
         return a
@@ -233,6 +237,17 @@ class SamProposer:
             self._free_strings.append(s)
         self._auto_str[a, :] = -1
         self._free_autos.append(a)
+
+    def _grow_hub(self, a: int, need: int) -> None:
+        """Hub index of automaton ``a`` with room for ``need`` entries (power-of-2 slots, load <= 0.5)."""
+        cap = int(self._AM[a, K.A_HCAP])
+        ncap = max(16, 2 * cap)
+        while ncap < 2 * need:
+            ncap *= 2
+        new = np.full(ncap * K.HREC, -1, np.int32)
+        K.hub_rehash(self._arrH[a], new)
+        self._set_array(self._arrH, a, new, (self._AM, a, K.A_H))
+        self._AM[a, K.A_HCAP] = ncap
 
     def _apply_growth(self, ng: int) -> None:
         """Grow the arrays the kernel asked for (kind, slot, elements needed); 1.5x policy."""
@@ -270,6 +285,10 @@ class SamProposer:
                 new[:used] = lst[i][:used]
             self._set_array(lst, i, new, (self._AM, i, addr_col))
             self._AM[i, cap_col] = ncap
+            if kind == K.G_STATES and self.config.hub_degree and 8 * self._AM[i, K.A_HCAP] < ncap:
+                # hub index sized with the states (capacity >= states / 8, 2 B per state): later hub
+                # conversions rarely need a growth round trip of their own
+                self._grow_hub(i, ncap // 16)
 
     # --------------------------------------------------------------------------- kernels
     def _cache_for_kernel(self) -> np.ndarray:
@@ -300,9 +319,9 @@ class SamProposer:
                 break
             self._apply_growth(ng)
         want = self._AM[:, K.A_HWANT]
-        if want.any():  # lookups that would have made a state a hub found the index full: grow it
+        if want.any():  # lookups that would have made a state a hub found the index full: grow it (4x room)
             for a in np.flatnonzero(want).tolist():
-                self._grow[0] = (K.G_HUB, a, want[a])
+                self._grow[0] = (K.G_HUB, a, 2 * want[a])
                 want[a] = 0
                 self._apply_growth(1)
 
@@ -562,7 +581,7 @@ class SamProposer:
             assert am[K.A_NST] <= am[K.A_SCAP] and 4 * am[K.A_SCAP] == self._arrS[a].shape[0], a
             assert am[K.A_NE] <= am[K.A_ECAP] and 3 * am[K.A_ECAP] == self._arrE[a].shape[0], a
             assert 2 * am[K.A_RN] <= am[K.A_RCAP] and 2 * am[K.A_RCAP] == self._arrR[a].shape[0], a
-            assert 2 * am[K.A_HN] <= am[K.A_HCAP] and 3 * am[K.A_HCAP] == self._arrH[a].shape[0], a
+            assert 2 * am[K.A_HN] <= am[K.A_HCAP] and K.HREC * am[K.A_HCAP] == self._arrH[a].shape[0], a
             hubs, indexed = K.hub_check(self._arrS[a], self._arrE[a], self._arrH[a], am[K.A_HCAP], am[K.A_NST])
             assert hubs >= 0 and indexed == am[K.A_HN], (a, hubs, indexed, am[K.A_HN])
             for s in self._autos[a].strings:
