@@ -16,6 +16,7 @@ import importlib.util
 import socket
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -383,9 +384,22 @@ def _gloo_case(rank: int, world: int, case: tuple[int, int, int, int, int], mu, 
     return len(held), len(got), on_calls["a2a_numel"], len(off), len(on)
 
 
+_INHERITED_GROUPS: list = []  # forked ranks: process groups inherited from the parent, never destroyed here
+
+
 def _gloo_worker(rank: int, world: int, port: int, pristine_utils: str, results) -> None:
     import torch.distributed as dist
+    from megatron.core import parallel_state as mpu0
 
+    # A forked rank inherits the parent's megatron globals. megatron-core 0.12.1's destroy_model_parallel does
+    # not reset every group global (e.g. _INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO), so when an earlier
+    # test of this pytest process initialised megatron, initialize_model_parallel here would drop the parent's
+    # gloo group and its destructor would join threads that do not exist after fork (hang). Keep such objects
+    # alive instead (the forked child leaves with os._exit, no destructors run).
+    for name, value in list(vars(mpu0).items()):
+        if isinstance(value, dist.ProcessGroup):
+            _INHERITED_GROUPS.append(value)
+            setattr(mpu0, name, None)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         import verl.utils.megatron_utils as mu
@@ -435,8 +449,14 @@ def test_patched_per_tensor_generator_gloo_4_ranks(patched_imports: Path, pristi
     world = 4
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.start_processes(_gloo_worker, args=(world, port, pristine_utils, results), nprocs=world, join=True,
-                           start_method="fork")
+        ctx = mp.start_processes(_gloo_worker, args=(world, port, pristine_utils, results), nprocs=world,
+                                 join=False, start_method="fork")
+        deadline = time.monotonic() + 300
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for proc in ctx.processes:
+                    proc.kill()
+                pytest.fail("gloo ranks did not finish within 300 s (hang)")
         res = dict(results)
     assert sorted(res) == list(range(world))
     for rank, summary in res.items():
