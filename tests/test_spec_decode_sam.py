@@ -267,7 +267,7 @@ def test_batch_arrays_api_matches_list_api():
 def test_benchmark_smoke(tmp_path):
     """Two prompts of the corpus, tiny cost run: JSON keys and sane numbers (arctic may be null)."""
     cmd = [sys.executable, "-m", "qwen3_rl.bench.drafters", "--corpus", str(CORPUS), "--k", "3", "--group",
-           "--limit-prompts", "2", "--batch", "4", "--context-len", "512", "--cost-steps", "3", "--json"]
+           "--limit-prompts", "2", "--batch", "4", "--context-len", "512", "--cost-steps", "3", "--cost-repeats", "3", "--json"]
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=True)
     res = json.loads(out.stdout)
     methods = res["methods"]
@@ -282,6 +282,8 @@ def test_benchmark_smoke(tmp_path):
     for name in ("sam", "sam_group"):
         m = methods[name]
         assert m["us_per_step"] > 0 and 4 <= m["bytes_per_token"] <= 400
+        runs = m["us_per_step_runs"]  # three fresh runs; the reported figure is their median
+        assert len(runs) == 3 and round(m["us_per_step"], 1) == sorted(runs)[1]
         assert m["nbytes_after_clear_cache"] == 0
     assert methods["sam"]["nbytes_after_finish"] == 0
     # group mode sees the siblings: it must draft better than own-only on the same responses
