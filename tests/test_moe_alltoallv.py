@@ -532,12 +532,19 @@ def test_train_script_switch_reaches_the_worker(patched_imports: Path, monkeypat
             tf_config=None, layer_name_mapping={}, gen_random_states=None)
         asyncio.run(mw.ActorRolloutRefWorker.rollout_mode(worker))
     assert seen == [{}, {"moe_alltoallv": True, "rollout_layout": RolloutLayout(tp=4, dp=32, expert_parallel=True)}]
-    # refused combinations surface at the weight sync, with the reason
-    _, cfg_eplb = composed(moe, {"MOE_ALLTOALLV": "True", "ROLLOUT_EPLB": "True"})
+    # refused combinations: the train script stops before anything loads ...
+    with pytest.raises(Exception, match="cannot be combined with ROLLOUT_EPLB=True"):
+        parse_train_script(INTERNAL / moe, env={**env, "MOE_ALLTOALLV": "True", "ROLLOUT_EPLB": "True"})
+    with pytest.raises(Exception, match="MOE_ALLTOALLV=True needs ROLLOUT_ENABLE_EP=True"):
+        parse_train_script(INTERNAL / moe, env={**env, "MOE_ALLTOALLV": "True", "ROLLOUT_ENABLE_EP": "False"})
+    # ... and a hand-written command gets the reason at the weight sync
+    eplb_key = "+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.eplb_config.dynamic_eplb=True"
+    _, cfg_eplb = composed(moe, {"MOE_ALLTOALLV": "True"}, eplb_key)
     worker.config = cfg_eplb.actor_rollout_ref
     with pytest.raises(ValueError, match="eplb_config.dynamic_eplb"):
         asyncio.run(mw.ActorRolloutRefWorker.rollout_mode(worker))
-    _, cfg_no_ep = composed(moe, {"MOE_ALLTOALLV": "True", "ROLLOUT_ENABLE_EP": "False"})
+    _, cfg_no_ep = composed(moe, {"MOE_ALLTOALLV": "True"},
+                            "++actor_rollout_ref.rollout.engine_kwargs.vllm.enable_expert_parallel=False")
     worker.config = cfg_no_ep.actor_rollout_ref
     with pytest.raises(ValueError, match="needs rollout expert parallel"):
         asyncio.run(mw.ActorRolloutRefWorker.rollout_mode(worker))

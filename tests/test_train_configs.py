@@ -304,11 +304,14 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     "bad_npugraph_ex": ({"NPUGRAPH_EX": "1"}, []),
     "bad_eplb": ({"ROLLOUT_EPLB": "maybe"}, []),
     "bad_eplb_and_sam": ({"ROLLOUT_EPLB": "maybe", "SAM_ENABLE": "yes"}, []),
+    "moe_alltoallv": ({"MOE_ALLTOALLV": "True"}, []),
+    "bad_alltoallv_with_eplb": ({"MOE_ALLTOALLV": "True", "ROLLOUT_EPLB": "True"}, []),
 }
 # variables the scripts check for True/False: given True in the every_var case
-_CHECKED_BOOLS = ("SAM_ENABLE", "SAM_GROUP", "NPUGRAPH_EX", "ROLLOUT_EPLB", "MOE_ALLTOALL_OVERLAP", "MOE_ALLTOALLV")
-# variables with a fixed set of values: given this value in the every_var case
-_CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1"}
+_CHECKED_BOOLS = ("SAM_ENABLE", "SAM_GROUP", "NPUGRAPH_EX", "ROLLOUT_EPLB", "MOE_ALLTOALL_OVERLAP")
+# variables with a fixed set of values: given this value in the every_var case (MOE_ALLTOALLV=True conflicts
+# with ROLLOUT_EPLB=True; it has its own case)
+_CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1", "MOE_ALLTOALLV": "False"}
 _RUNTIME_ENV = ("PWD", "OLDPWD", "SHLVL", "_")
 
 

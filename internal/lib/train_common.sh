@@ -240,6 +240,18 @@ _train_add_rollout_overrides() {
             True | False) ;;
             *) echo "MOE_ALLTOALLV must be True or False, got '${MOE_ALLTOALLV}'" >&2; exit 2 ;;
         esac
+        # verl 0013 sends each rank the experts of vLLM's default (linear) EP placement: refuse here, before any
+        # model loads, what it would refuse at the first weight sync
+        case "${MOE_ALLTOALLV}:${ROLLOUT_ENABLE_EP}" in
+            True:True | False:*) ;;
+            *) echo "MOE_ALLTOALLV=True needs ROLLOUT_ENABLE_EP=True (vLLM expert parallel), got '${ROLLOUT_ENABLE_EP}'" >&2
+               exit 2 ;;
+        esac
+        case "${MOE_ALLTOALLV}:${ROLLOUT_EPLB:-False}" in
+            True:True | True:true | True:1)
+                echo "MOE_ALLTOALLV=True cannot be combined with ROLLOUT_EPLB=True (EPLB moves experts off vLLM's default placement)" >&2
+                exit 2 ;;
+        esac
         overrides+=("actor_rollout_ref.actor.moe_alltoallv=${MOE_ALLTOALLV}")
     fi
     overrides+=(
