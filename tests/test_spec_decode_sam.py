@@ -187,6 +187,42 @@ def test_rejected_tokens_never_enter():
     assert p.propose(["r"]) == [[]]
 
 
+def test_cache_compaction_keeps_newest_responses_within_bounds():
+    """One cache automaton: at most 2 x cache_max_tokens tokens and 2 x cache_max_responses responses; when
+    full it is rebuilt from its newest responses (<= cache_max_responses, <= cache_max_tokens), so the newest
+    response always drafts, dropped ones never do, and a running request's pointer follows the rebuild."""
+    R, T = 3, 50
+    p = SamProposer(group_mode=True, cache_max_responses=R, cache_max_tokens=T)
+    rng = np.random.default_rng(5)
+    p.add_request("live", [7, 7])
+    resps = []
+    for i in range(12):
+        resp = (1000 * (i + 1) + np.arange(20)).astype(np.int32)  # disjoint token ids per response
+        resps.append(resp)
+        p.add_request(f"f{i}", rng.integers(10, 20, 3).astype(np.int32))
+        p.extend(f"f{i}", resp)
+        p.finish(f"f{i}")
+        cache = [a for a in p._autos if a == int(p._cache_auto[1])]
+        assert len(cache) == 1 and int(p._cache_auto[0]) == -1
+        auto = p._autos[cache[0]]
+        assert len(auto.strings) <= 2 * R and auto.tokens <= 2 * T
+        p.check_invariants()
+        # the newest response drafts (pointer of a running request re-fed after a rebuild)
+        p.extend("live", resp[:4])
+        assert p.propose(["live"]) == [resp[4:7].tolist()]
+    # the oldest responses are gone after the rebuilds: their spans no longer draft (fresh requests, so
+    # that nothing comes from their own text)
+    p.add_request("old", [8, 8])
+    p.extend("old", resps[0][:4])
+    p.add_request("recent", [9, 9])
+    p.extend("recent", resps[-2][:4])
+    assert p.propose(["old", "recent"]) == [[], resps[-2][4:7].tolist()]
+    for r in ("live", "old", "recent"):
+        p.abort(r)
+    p.clear_cache()
+    assert p.nbytes() == 0
+
+
 def test_group_mode_drafts_from_siblings_and_cache():
     prompt = np.arange(100, 110, dtype=np.int32)
     span = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -216,7 +252,7 @@ def test_group_mode_drafts_from_siblings_and_cache():
     grp.add_request("y", np.arange(700, 705, dtype=np.int32))
     grp.extend("y", [4, 5])
     assert grp.propose(["y"]) == [[6, 7, 8]]
-    # the cache is bounded: many finished responses keep at most two generations of 64 tokens
+    # the cache is bounded: many finished responses keep at most 2 x 64 tokens
     rng = np.random.default_rng(3)
     for i in range(40):
         grp.add_request(f"z{i}", [900 + i])

@@ -543,19 +543,23 @@ class SamProposer:
             self._free_auto(req.auto)
 
     def _cache_insert(self, resp: np.ndarray) -> None:
+        """Add a finished response to the cache: ONE generalized automaton (one matching pointer per request).
+
+        It holds at most ``2 * cache_max_tokens`` tokens and ``min(2 * cache_max_responses, MAX_STRINGS)``
+        responses. When the next response would exceed either, the automaton is rebuilt from its newest
+        responses that fit ``cache_max_responses`` and ``cache_max_tokens`` (the older half is dropped), then
+        the response is added; requests re-feed their pointer (``resync`` tokens) at their next step.
+        """
         cfg = self.config
         resp = resp[-cfg.cache_max_tokens:]
         cur = int(self._cache_auto[1])
+        max_strings = min(2 * cfg.cache_max_responses, K.MAX_STRINGS)
         if cur >= 0:
             auto = self._autos[cur]
-            if len(auto.strings) >= cfg.cache_max_responses or auto.tokens + resp.shape[0] > cfg.cache_max_tokens:
-                cur = -1
+            if len(auto.strings) + 1 > max_strings or auto.tokens + resp.shape[0] > 2 * cfg.cache_max_tokens:
+                cur = self._cache_compact(cur, min(cfg.cache_max_responses, K.MAX_STRINGS - 1),
+                                          cfg.cache_max_tokens)
         if cur < 0:
-            old = int(self._cache_auto[0])
-            if old >= 0:
-                self._free_auto(old)
-            self._cache_auto[0] = self._cache_auto[1]
-            self._cache_stamp[0] = self._cache_stamp[1]
             cur = self._new_auto()
             self._cache_auto[1] = cur
             self._cache_stamp[1] = self._next_stamp
@@ -565,8 +569,34 @@ class SamProposer:
         # cache strings do not follow the cache (appended with the cache switched off)
         self._append_string(s, resp, complete=True)
 
+    def _cache_compact(self, cur: int, keep_responses: int, keep_tokens: int) -> int:
+        """Rebuild the cache automaton from its newest responses (<= ``keep_responses``, <= ``keep_tokens``
+        tokens); returns the new automaton (-1 if nothing is kept). Bytes of the old one are freed."""
+        kept: list[np.ndarray] = []
+        total = 0
+        for s in reversed(self._autos[cur].strings):
+            n = int(self._SM[s, K.M_LEN])
+            if len(kept) >= keep_responses or total + n > keep_tokens:
+                break
+            kept.append(self._arrT[s][:n].copy())
+            total += n
+        self._free_auto(cur)
+        self._cache_auto[1] = -1
+        self._cache_stamp[1] = 0
+        if not kept:
+            return -1
+        new = self._new_auto()
+        self._cache_auto[1] = new
+        self._cache_stamp[1] = self._next_stamp
+        self._next_stamp += 1
+        for toks in reversed(kept):
+            s = self._new_string(new)
+            self._autos[new].tokens += int(toks.shape[0])
+            self._append_string(s, toks, complete=True)
+        return new
+
     def clear_cache(self) -> None:
-        """Drop both cache generations."""
+        """Drop the finished-response cache."""
         for g in range(2):
             a = int(self._cache_auto[g])
             if a >= 0:
