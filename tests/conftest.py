@@ -108,3 +108,68 @@ def patched_imports(patched_workspace: Path) -> Path:
     loaded = [m for m in ("verl", "vllm", "megatron") if m in sys.modules]
     assert not loaded, f"{loaded} imported before the patched trees were put on sys.path"
     return patched_workspace
+
+
+@pytest.fixture
+def vllm_ascend_on_path(patched_imports: Path, monkeypatch: pytest.MonkeyPatch):
+    """The patched vllm-ascend tree importable, ``vllm_ascend.utils`` stood in (it needs torch_npu); every
+    vllm_ascend module imported meanwhile is dropped afterwards. Yields the tree's root."""
+    import types
+
+    root = patched_imports / "vllm-ascend"
+    assert (root / "vllm_ascend" / "ascend_config.py").is_file()
+    monkeypatch.syspath_prepend(str(root))
+    utils = types.ModuleType("vllm_ascend.utils")
+    utils.get_flashcomm2_config_and_validate = lambda ascend_config, vllm_config: 0
+    utils.enable_sp = lambda *a, **k: False
+    monkeypatch.setitem(sys.modules, "vllm_ascend.utils", utils)
+    before = set(sys.modules)
+    yield root
+    for name in set(sys.modules) - before:
+        if name == "vllm_ascend" or name.startswith("vllm_ascend."):
+            del sys.modules[name]
+
+
+@pytest.fixture
+def ascend_config(vllm_ascend_on_path: Path):
+    """``make(additional_config) -> AscendConfig``: the PATCHED vLLM-Ascend config built as vLLM-Ascend does,
+    from a stand-in VllmConfig (expert parallel, TP 4)."""
+    import types
+
+    def make(additional_config: dict | None):
+        from vllm_ascend.ascend_config import AscendConfig
+
+        vllm_config = types.SimpleNamespace(
+            additional_config=additional_config, kv_transfer_config=None, speculative_config=None,
+            parallel_config=types.SimpleNamespace(enable_expert_parallel=True, tensor_parallel_size=4,
+                                                  pipeline_parallel_size=1),
+            model_config=types.SimpleNamespace(is_deepseek_mla=False, hf_text_config=types.SimpleNamespace()))
+        return AscendConfig(vllm_config)
+
+    return make
+
+
+@pytest.fixture
+def rollout_engine_kwargs(patched_imports: Path):
+    """``get(script, env) -> (engine kwargs, Ray worker env vars)``: what verl's SPMD rollout passes to
+    ``LLM(**engine_kwargs)`` (vllm_rollout_spmd.py) for the train script's command composed with the
+    patched verl config."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from qwen3_rl.launch import parse_train_script
+
+    def get(script: Path, env: dict[str, str]) -> tuple[dict, dict]:
+        from verl.utils.config import omega_conf_to_dataclass
+
+        cmd = parse_train_script(script, env=env)
+        with initialize_config_dir(config_dir=str(patched_imports / "verl/verl/trainer/config"),
+                                   version_base=None):
+            cfg = compose(config_name=cmd.config_name, overrides=list(cmd.overrides))
+        OmegaConf.resolve(cfg)
+        rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
+        kwargs = rollout.get("engine_kwargs", {}).get("vllm", {}) or {}
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        return kwargs, OmegaConf.to_container(cfg.ray_kwargs.ray_init.runtime_env.env_vars)
+
+    return get

@@ -6,8 +6,6 @@ except ``vllm_ascend.utils`` (torch_npu), which is stood in for the one function
 
 from __future__ import annotations
 
-import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -22,72 +20,26 @@ SCRIPT = REPO / "internal" / "train_grpo_qwen3_235b_128die_true_weight.sh"
 BASE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
 
 
-@pytest.fixture
-def vllm_ascend_on_path(patched_imports, monkeypatch):
-    """The patched vllm-ascend tree importable, ``vllm_ascend.utils`` stood in; every vllm_ascend module
-    imported here is dropped afterwards."""
-    root = patched_imports / "vllm-ascend"
-    assert (root / "vllm_ascend" / "eplb" / "core" / "policy" / "policy_factory.py").is_file()
-    monkeypatch.syspath_prepend(str(root))
-    utils = types.ModuleType("vllm_ascend.utils")
-    utils.get_flashcomm2_config_and_validate = lambda ascend_config, vllm_config: 0
-    utils.enable_sp = lambda *a, **k: False
-    monkeypatch.setitem(sys.modules, "vllm_ascend.utils", utils)
-    before = set(sys.modules)
-    yield root
-    for name in set(sys.modules) - before:
-        if name == "vllm_ascend" or name.startswith("vllm_ascend."):
-            del sys.modules[name]
-
-
-def _engine_kwargs_and_env(patched_imports: Path, **env: str) -> tuple[dict, dict]:
-    """The vLLM engine kwargs verl's SPMD rollout passes to ``LLM(**engine_kwargs)`` and the Ray
-    workers' env vars, from the train script's command composed with the patched verl config."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-    from verl.utils.config import omega_conf_to_dataclass
-
-    cmd = parse_train_script(SCRIPT, env=dict(BASE_ENV, **env))
-    with initialize_config_dir(config_dir=str(patched_imports / "verl/verl/trainer/config"), version_base=None):
-        cfg = compose(config_name=cmd.config_name, overrides=list(cmd.overrides))
-    OmegaConf.resolve(cfg)
-    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
-    # what vllm_rollout_spmd.py does before LLM(...)
-    kwargs = rollout.get("engine_kwargs", {}).get("vllm", {}) or {}
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    env_vars = OmegaConf.to_container(cfg.ray_kwargs.ray_init.runtime_env.env_vars)
-    return kwargs, env_vars
-
-
-def _ascend_config(additional_config: dict | None):
-    from vllm_ascend.ascend_config import AscendConfig
-
-    vllm_config = types.SimpleNamespace(
-        additional_config=additional_config, kv_transfer_config=None, speculative_config=None,
-        parallel_config=types.SimpleNamespace(enable_expert_parallel=True, tensor_parallel_size=4,
-                                              pipeline_parallel_size=1),
-        model_config=types.SimpleNamespace(is_deepseek_mla=False, hf_text_config=types.SimpleNamespace()))
-    return AscendConfig(vllm_config)
-
-
 def test_extra_policies_table() -> None:
     assert extra_policies() == {ASCEND_POLICY_TYPE: PackingAwareAscendPolicy} and ASCEND_POLICY_TYPE == 4
 
 
-def test_train_script_switch_reaches_policy_factory(patched_imports, vllm_ascend_on_path, monkeypatch) -> None:
+def test_train_script_switch_reaches_policy_factory(vllm_ascend_on_path, ascend_config, rollout_engine_kwargs,
+                                                     monkeypatch) -> None:
     from vllm_ascend.eplb.core.eplb_utils import EPLBParamUtils
     from vllm_ascend.eplb.core.policy.policy_abstract import DynamicConfig
     from vllm_ascend.eplb.core.policy.policy_dynamic_ep import DynamicEplb
     from vllm_ascend.eplb.core.policy.policy_factory import PolicyFactory
 
-    kwargs, env_vars = _engine_kwargs_and_env(patched_imports, ROLLOUT_EPLB="True")
+    assert (vllm_ascend_on_path / "vllm_ascend" / "eplb" / "core" / "policy" / "policy_factory.py").is_file()
+    kwargs, env_vars = rollout_engine_kwargs(SCRIPT, dict(BASE_ENV, ROLLOUT_EPLB="True"))
     add = kwargs["additional_config"]
     assert type(add) is dict  # plain dict, as vLLM's VllmConfig.additional_config expects
     assert dict(add) == {"eplb_config": {"dynamic_eplb": True, "eplb_policy_type": 4, "num_redundant_experts": 128,
                                          "expert_heat_collection_interval": 400,
                                          "algorithm_execution_interval": 30}}
     assert env_vars["DYNAMIC_EPLB"] == "true"  # a string, as Ray's runtime_env env_vars require
-    ascend = _ascend_config(add)
+    ascend = ascend_config(add)
     # what worker/model_runner_v1.py reads to start the EPLB process, and what eplb_utils reads to place
     assert (ascend.dynamic_eplb, ascend.eplb_policy_type, ascend.init_redundancy_expert) == (True, 4, 128)
     assert (ascend.num_iterations_eplb_update, ascend.num_wait_worker_iterations) == (400, 30)
@@ -113,13 +65,13 @@ def test_train_script_switch_reaches_policy_factory(patched_imports, vllm_ascend
         assert {0, 1} not in [set(r.tolist()) for r in layer]  # the hot pair is split
 
     # default (switch off): no additional_config at all -> upstream defaults, no EPLB
-    kwargs_off, env_off = _engine_kwargs_and_env(patched_imports)
+    kwargs_off, env_off = rollout_engine_kwargs(SCRIPT, BASE_ENV)
     assert "additional_config" not in kwargs_off and "DYNAMIC_EPLB" not in env_off
-    off = _ascend_config(kwargs_off.get("additional_config"))
+    off = ascend_config(kwargs_off.get("additional_config"))
     assert (off.dynamic_eplb, off.eplb_policy_type) == (False, 1)
     assert type(PolicyFactory.generate_policy(off.eplb_policy_type, DynamicConfig())) is DynamicEplb
     # the deprecated top-level key selects it too
-    assert _ascend_config({"eplb_policy_type": ASCEND_POLICY_TYPE}).eplb_policy_type == 4
+    assert ascend_config({"eplb_policy_type": ASCEND_POLICY_TYPE}).eplb_policy_type == 4
 
 
 def test_bad_switch_value_is_an_error() -> None:

@@ -251,73 +251,30 @@ def test_memory_model_qwen3_235b_figures() -> None:
 
 # ---- patched vLLM-Ascend: AscendConfig -------------------------------------------------------------------
 
-@pytest.fixture
-def vllm_ascend_on_path(patched_imports, monkeypatch):
-    """The patched vllm-ascend tree importable, ``vllm_ascend.utils`` stood in (torch_npu); every
-    vllm_ascend module imported here is dropped afterwards."""
-    root = patched_imports / "vllm-ascend"
-    monkeypatch.syspath_prepend(str(root))
-    utils = types.ModuleType("vllm_ascend.utils")
-    utils.get_flashcomm2_config_and_validate = lambda ascend_config, vllm_config: 0
-    utils.enable_sp = lambda *a, **k: False
-    monkeypatch.setitem(sys.modules, "vllm_ascend.utils", utils)
-    before = set(sys.modules)
-    yield root
-    for name in set(sys.modules) - before:
-        if name == "vllm_ascend" or name.startswith("vllm_ascend."):
-            del sys.modules[name]
-
-
-def _ascend_config(additional_config):
-    from vllm_ascend.ascend_config import AscendConfig
-
-    vllm_config = types.SimpleNamespace(
-        additional_config=additional_config, kv_transfer_config=None, speculative_config=None,
-        parallel_config=types.SimpleNamespace(enable_expert_parallel=True, tensor_parallel_size=4,
-                                              pipeline_parallel_size=1),
-        model_config=types.SimpleNamespace(is_deepseek_mla=False, hf_text_config=types.SimpleNamespace()))
-    return AscendConfig(vllm_config)
-
-
-def _engine_kwargs(patched_imports: Path, **env: str) -> dict:
-    """The vLLM engine kwargs verl's SPMD rollout passes to ``LLM(**engine_kwargs)``, from the train
-    script's command composed with the patched verl config (as tests/test_eplb_wiring.py)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-    from verl.utils.config import omega_conf_to_dataclass
-
-    from qwen3_rl.launch import parse_train_script
-
-    cmd = parse_train_script(SCRIPT_235B, env=dict(BASE_ENV, **env))
-    with initialize_config_dir(config_dir=str(patched_imports / "verl/verl/trainer/config"), version_base=None):
-        cfg = compose(config_name=cmd.config_name, overrides=list(cmd.overrides))
-    OmegaConf.resolve(cfg)
-    rollout = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
-    kwargs = rollout.get("engine_kwargs", {}).get("vllm", {}) or {}
-    return {k: v for k, v in kwargs.items() if v is not None}
-
-
-def test_train_switch_reaches_patched_ascend_config(patched_imports, vllm_ascend_on_path) -> None:
+def test_train_switch_reaches_patchedascend_config(ascend_config, rollout_engine_kwargs) -> None:
     from qwen3_rl.launch import TrainScriptError, parse_train_script
 
-    kwargs = _engine_kwargs(patched_imports, MOE_PREFILL_CHUNK_SIZE="4096")
+    def _engine_kwargs(**env: str) -> dict:
+        return rollout_engine_kwargs(SCRIPT_235B, dict(BASE_ENV, **env))[0]
+
+    kwargs = _engine_kwargs(MOE_PREFILL_CHUNK_SIZE="4096")
     add = kwargs["additional_config"]
     assert dict(add) == {"moe_prefill_chunk_size": 4096}
-    assert _ascend_config(add).moe_prefill_chunk_size == 4096
+    assert ascend_config(add).moe_prefill_chunk_size == 4096
     # with EPLB on both sets of keys share additional_config
-    both = _engine_kwargs(patched_imports, MOE_PREFILL_CHUNK_SIZE="2048", ROLLOUT_EPLB="True")["additional_config"]
+    both = _engine_kwargs(MOE_PREFILL_CHUNK_SIZE="2048", ROLLOUT_EPLB="True")["additional_config"]
     assert both["moe_prefill_chunk_size"] == 2048 and both["eplb_config"]["eplb_policy_type"] == 4
-    assert _ascend_config(both).moe_prefill_chunk_size == 2048
+    assert ascend_config(both).moe_prefill_chunk_size == 2048
     # default 0: no key at all -> the patched AscendConfig reports off
-    off = _engine_kwargs(patched_imports)
+    off = _engine_kwargs()
     assert "additional_config" not in off
-    assert _ascend_config(off.get("additional_config")).moe_prefill_chunk_size == 0
-    assert _ascend_config({"moe_prefill_chunk_size": 0}).moe_prefill_chunk_size == 0
+    assert ascend_config(off.get("additional_config")).moe_prefill_chunk_size == 0
+    assert ascend_config({"moe_prefill_chunk_size": 0}).moe_prefill_chunk_size == 0
     # the patched AscendConfig refuses what the package refuses
     with pytest.raises(ValueError, match="must be >= 0"):
-        _ascend_config({"moe_prefill_chunk_size": -8})
+        ascend_config({"moe_prefill_chunk_size": -8})
     with pytest.raises(ValueError, match="multistream_overlap_gate"):
-        _ascend_config({"moe_prefill_chunk_size": 1024, "multistream_overlap_gate": True})
+        ascend_config({"moe_prefill_chunk_size": 1024, "multistream_overlap_gate": True})
     # script side: only for values > 0, only the MoE setups, integers only
     assert not any(o.startswith(KEY) for o in parse_train_script(SCRIPT_235B, env=BASE_ENV).overrides)
     assert f"{KEY}=100" in parse_train_script(SCRIPT_235B, env=dict(BASE_ENV, MOE_PREFILL_CHUNK_SIZE="0100")).overrides
