@@ -691,6 +691,17 @@ def _lane_start(AM, SM, slots, buf, rows, starts, ends, i, j, lane, Li, Lj, Lst,
 
 
 @njit(cache=True)
+def _lane_to_link(S, st, lane, Lst, Lph):
+    """A lane's token has no transition at ``st`` (address ``S`` of the state records): continue at the
+    suffix link, reading its record next (phase 0). Returns the link."""
+    st = _view(S + 4 * SREC * st, SREC)[1]
+    Lst[lane] = st
+    Lph[lane] = 0
+    _prefetch(S + 4 * SREC * st)
+    return st
+
+
+@njit(cache=True)
 def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
     """Read-only pass that brings into cache what ``extend_batch`` will touch (no semantic effect).
 
@@ -763,10 +774,7 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                     st = er[1]
                     done = True
                 elif er[2] == -1:
-                    st = _view(S + 4 * SREC * st, SREC)[1]
-                    Lst[lane] = st
-                    Lph[lane] = 0
-                    _prefetch(S + 4 * SREC * st)
+                    st = _lane_to_link(S, st, lane, Lst, Lph)
                 else:
                     Le[lane] = er[2]
                     _prefetch(AM[a, A_E] + 4 * EREC * er[2])
@@ -777,10 +785,7 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                     st = hr[2]
                     done = True
                 elif hr[0] == -1:
-                    st = _view(S + 4 * SREC * st, SREC)[1]
-                    Lst[lane] = st
-                    Lph[lane] = 0
-                    _prefetch(S + 4 * SREC * st)
+                    st = _lane_to_link(S, st, lane, Lst, Lph)
                 else:
                     h = (h + 1) & (AM[a, A_HCAP] - 1)
                     Lh[lane] = h
