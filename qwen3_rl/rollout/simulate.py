@@ -239,6 +239,14 @@ class _Engine:
             self.C[r] += self.plen[i]
             self.P[r] += self.plen[i]
 
+    def admit_all(self, step: int) -> int | None:
+        """Admit waiting requests on every rank; steps from ``step`` to the next finish (None: nothing runs)."""
+        for r in range(self.ndp):
+            self.admit(r)
+        if not self.R.any():
+            return None
+        return min(f - step for r in range(self.ndp) if (f := self.next_finish(r)) is not None)
+
     def next_finish(self, r: int) -> int | None:
         h = self.heaps[r]
         while h and (self.epoch[h[0][1]] != h[0][2] or self.rank[h[0][1]] != r):
@@ -381,11 +389,9 @@ def _run_lockstep(eng: _Engine, cfg: SimConfig, share: int = 1) -> _Stats:
     t = 0.0
     S = 0
     while True:
-        for r in range(eng.ndp):
-            eng.admit(r)
-        if not eng.R.any():
+        k = eng.admit_all(S)
+        if k is None:
             break
-        k = min(f - S for r in range(eng.ndp) if (f := eng.next_finish(r)) is not None)
         if rebalancing:
             k = min(k, next_round - S)
         maxR = int(eng.R.max())
@@ -583,11 +589,9 @@ def _lockstep_segments(lengths: Lengths, cfg: SimConfig) -> np.ndarray:
     rows = []
     S = 0
     while True:
-        for r in range(eng.ndp):
-            eng.admit(r)
-        if not eng.R.any():
+        k = eng.admit_all(S)
+        if k is None:
             break
-        k = min(f - S for r in range(eng.ndp) if (f := eng.next_finish(r)) is not None)
         csum, cpeak = _sum_max_lines(eng.C, eng.R, k)
         rows.append((k, bucket_for(int(eng.R.max()), buckets), csum, cpeak, float(eng.P.max())))
         S += k
