@@ -238,16 +238,21 @@ class SamProposer:
         self._auto_str[a, :] = -1
         self._free_autos.append(a)
 
-    def _grow_hub(self, a: int, need: int) -> None:
-        """Hub index of automaton ``a`` with room for ``need`` entries (power-of-2 slots, load <= 0.5)."""
-        cap = int(self._AM[a, K.A_HCAP])
+    def _grow_hashed(self, kind: int, a: int, need: int) -> None:
+        """Root hash (``G_ROOT``) or hub index (``G_HUB``) of automaton ``a`` with room for ``need`` entries
+        (power-of-2 slots, load <= 0.5; rehashed); nothing to do if it has the room."""
+        addr_col, cap_col, _ = _COLS[kind]
+        lst = self._arrR if kind == K.G_ROOT else self._arrH
+        cap = int(self._AM[a, cap_col])
+        if 2 * need <= cap:
+            return
         ncap = max(16, 2 * cap)
         while ncap < 2 * need:
             ncap *= 2
-        new = np.full(ncap * K.HREC, -1, np.int32)
-        K.hub_rehash(self._arrH[a], new)
-        self._set_array(self._arrH, a, new, (self._AM, a, K.A_H))
-        self._AM[a, K.A_HCAP] = ncap
+        new = np.full(ncap * _REC[kind], -1, np.int32)
+        _HASHED[kind](lst[a], new)
+        self._set_array(lst, a, new, (self._AM, a, addr_col))
+        self._AM[a, cap_col] = ncap
 
     def _apply_growth(self, ng: int) -> None:
         """Grow the arrays the kernel asked for (kind, slot, elements needed); 1.5x policy."""
@@ -264,31 +269,25 @@ class SamProposer:
                 self._set_array(self._arrT, i, new, (self._SM, i, K.M_T))
                 self._SM[i, K.M_TCAP] = new.shape[0]
                 continue
+            if kind in _HASHED:
+                self._grow_hashed(kind, i, need)
+                continue
             rec = _REC[kind]
             addr_col, cap_col, used_col = _COLS[kind]
-            lst = {K.G_STATES: self._arrS, K.G_EDGES: self._arrE, K.G_ROOT: self._arrR, K.G_HUB: self._arrH}[kind]
+            lst = self._arrS if kind == K.G_STATES else self._arrE
             cap = int(self._AM[i, cap_col])
-            if kind in _HASHED:
-                if 2 * need <= cap:
-                    continue
-                ncap = max(16, 2 * cap)
-                while ncap < 2 * need:
-                    ncap *= 2
-                new = np.full(ncap * rec, -1, np.int32)
-                _HASHED[kind](lst[i], new)
-            else:
-                if cap >= need:
-                    continue
-                ncap = need if self._exact_growth else max(need, cap + (cap >> 1) + 16)
-                new = np.empty(ncap * rec, np.int32)
-                used = int(self._AM[i, used_col]) * rec
-                new[:used] = lst[i][:used]
+            if cap >= need:
+                continue
+            ncap = need if self._exact_growth else max(need, cap + (cap >> 1) + 16)
+            new = np.empty(ncap * rec, np.int32)
+            used = int(self._AM[i, used_col]) * rec
+            new[:used] = lst[i][:used]
             self._set_array(lst, i, new, (self._AM, i, addr_col))
             self._AM[i, cap_col] = ncap
             if kind == K.G_STATES and self.config.hub_degree and 8 * self._AM[i, K.A_HCAP] < ncap:
                 # hub index sized with the states (capacity >= states / 8, 2 B per state): later hub
                 # conversions rarely need a growth round trip of their own
-                self._grow_hub(i, ncap // 16)
+                self._grow_hashed(K.G_HUB, i, ncap // 16)
 
     # --------------------------------------------------------------------------- kernels
     def _cache_for_kernel(self) -> np.ndarray:
@@ -321,9 +320,8 @@ class SamProposer:
         want = self._AM[:, K.A_HWANT]
         if want.any():  # lookups that would have made a state a hub found the index full: grow it (4x room)
             for a in np.flatnonzero(want).tolist():
-                self._grow[0] = (K.G_HUB, a, 2 * want[a])
+                self._grow_hashed(K.G_HUB, a, 2 * int(want[a]))
                 want[a] = 0
-                self._apply_growth(1)
 
     def _out_buffers(self, n: int, k: int) -> None:
         if self._out.shape[0] < n or self._out.shape[1] != k:
