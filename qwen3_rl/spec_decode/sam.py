@@ -145,7 +145,8 @@ class SamProposer:
         self._autos: dict[int, _Auto] = {}
         self._reqs: dict[str, _Req] = {}
         self._groups: dict[str, int] = {}
-        self._cache_auto = np.full(2, -1, np.int64)  # [old, current]
+        # kernel table of up to two cache automata; the proposer keeps one, in slot 1 (slot 0 stays -1)
+        self._cache_auto = np.full(2, -1, np.int64)
         self._no_cache = np.full(2, -1, np.int64)
         self._cache_stamp = np.zeros(2, np.int64)
         self._next_stamp = 1
