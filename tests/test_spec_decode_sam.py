@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qwen3_rl.spec_decode import DraftProposer, SamConfig, SamProposer, group_key
+from qwen3_rl.spec_decode import _sam_kernels as kern
 from qwen3_rl.spec_decode._sam_kernels import brute_force_propose
 
 REPO = Path(__file__).resolve().parent.parent
@@ -202,8 +203,8 @@ def test_cache_compaction_keeps_newest_responses_within_bounds():
         p.add_request(f"f{i}", rng.integers(10, 20, 3).astype(np.int32))
         p.extend(f"f{i}", resp)
         p.finish(f"f{i}")
-        cache = [a for a in p._autos if a == int(p._cache_auto[1])]
-        assert len(cache) == 1 and int(p._cache_auto[0]) == -1
+        cache = [a for a in p._autos if a == p._cache]
+        assert len(cache) == 1
         auto = p._autos[cache[0]]
         assert len(auto.strings) <= 2 * R and auto.tokens <= 2 * T
         p.check_invariants()
@@ -381,12 +382,14 @@ def test_tight_growth_and_batch_paths_agree(group_mode):
 
 def test_cache_pointer_fixup_once_matches_reference():
     """Cache pointers fixed up once per step (the fast path) equal those fixed up before every token (the
-    reference), through cache growth (stale pointers), generation changes (re-feed) and fallbacks to the root."""
+    reference), through cache growth (stale pointers), cache rebuilds (re-feed) and fallbacks to the root, with
+    the warm-up pass on (16 lanes for 10 requests, or 3 lanes recycled) and off."""
     rng = np.random.default_rng(21)
     cfg = SamConfig(group_mode=True, cache_max_responses=5, cache_max_tokens=400)
-    props = [SamProposer(cfg) for _ in range(3)]
+    props = [SamProposer(cfg) for _ in range(4)]
     props[0].cache_fix_each = True
     props[2].warm_lanes = 0
+    props[3].warm_lanes = 3
     base = rng.integers(0, 8, 600).astype(np.int32)
     live: dict[str, int] = {}
     nxt = 0
@@ -408,11 +411,11 @@ def test_cache_pointer_fixup_once_matches_reference():
                        else rng.integers(0, 12, n).astype(np.int32))
             live[r] += n
         res = [p.step(rids, acc) for p in props]
-        assert res[0] == res[1] == res[2], step
-        slots = [p.slots_of(rids) for p in props]
-        ptr = [p._SM[sl][:, 8:14] for p, sl in zip(props, slots, strict=True)]
-        np.testing.assert_array_equal(ptr[0], ptr[1])
-        np.testing.assert_array_equal(ptr[0], ptr[2])
+        assert res[0] == res[1] == res[2] == res[3], step
+        cols = [kern.M_CST, kern.M_CLN, kern.M_CSTAMP, kern.M_CVER]
+        ptr = [p._SM[np.ix_(p.slots_of(rids), cols)] for p in props]
+        for other in ptr[1:]:
+            np.testing.assert_array_equal(ptr[0], other)
         hubs = max(hubs, props[1].num_hubs())
         for r in rids[: int(rng.integers(0, 3))]:  # finished responses grow the cache / open generations
             for p in props:

@@ -54,8 +54,10 @@ HUB_DEGREE = 8  # default of AM[a, A_HUBDEG]: a lookup walking this many edges m
 A_S, A_SCAP, A_NST, A_E, A_ECAP, A_NE, A_R, A_RCAP, A_RN, A_NEED_S, A_NEED_E, A_NEED_R, A_H, A_HCAP, A_HN, \
     A_HWANT, A_HUBDEG = range(17)
 AM_COLS = 24
-# string meta row SM[s, :] (int64); cache pointers: generation slot j at M_CP + 3 j (state, length, stamp)
-M_T, M_TCAP, M_LEN, M_LAST, M_AUTO, M_LOCAL, M_CLEN, M_CPOS, M_CP = range(9)
+# string meta row SM[s, :] (int64). The cache pointer: state and match length in the cache automaton, the
+# stamp of the cache it was made for (another stamp = re-feed) and that cache's state count when the pointer was
+# last exact (the same count = the cache has not grown since: no fix-up needed)
+M_T, M_TCAP, M_LEN, M_LAST, M_AUTO, M_LOCAL, M_CLEN, M_CPOS, M_CST, M_CLN, M_CSTAMP, M_CVER = range(12)
 SM_COLS = 16
 # growth request kinds (grow[i] = kind, slot, elements needed)
 G_TOK, G_STATES, G_EDGES, G_ROOT, G_HUB = range(5)
@@ -550,52 +552,54 @@ def _match_step(AM, a, S, E, R, H, st, ln, tok):
 
 
 @njit(cache=True)
-def _cache_follow(AM, a, SM, s, buf, row, j0, j1, stamp, S, E, R, H, cache_stamp, resync, fix_each=False):
-    """Advance string ``s``'s match pointer into a cache automaton (stamp ``stamp``) by ``buf[row, j0:j1]``.
-
-    A pointer made for a cache generation that is gone is reset and re-fed with the last
-    ``resync`` tokens of the string before these. The cache may have grown since the pointer was
-    last advanced, so it is fixed up once (``_match_fix``); within this call the automaton does not
-    change and every step keeps the pointer exact, so no further fix-up is needed (``fix_each``:
-    fix up before every token, the reference the tests compare with).
-    """
-    j = -1
-    for jj in range(2):
-        if SM[s, M_CP + 3 * jj + 2] == stamp:
-            j = jj
-    if j == -1:
-        for jj in range(2):
-            o = SM[s, M_CP + 3 * jj + 2]
-            if o != cache_stamp[0] and o != cache_stamp[1]:
-                j = jj
-        SM[s, M_CP + 3 * j + 2] = stamp
-        st = 0
-        ln = 0
-        T = _view(SM[s, M_T], SM[s, M_TCAP])
-        end = SM[s, M_LEN] - (j1 - j0)
-        for i in range(max(0, end - resync), end):
-            st, ln = _match_step(AM, a, S, E, R, H, st, ln, T[i])
-    else:
-        st = _match_fix(S, SM[s, M_CP + 3 * j], SM[s, M_CP + 3 * j + 1])
-        ln = SM[s, M_CP + 3 * j + 1]
-    for i in range(j0, j1):
-        if fix_each:
-            st = _match_fix(S, st, ln)
-        st, ln = _match_step(AM, a, S, E, R, H, st, ln, buf[row, i])
-    SM[s, M_CP + 3 * j] = st
-    SM[s, M_CP + 3 * j + 1] = ln
+def _cache_resync(AM, ca, SM, s, n_new, stamp, S, E, R, H, resync):
+    """Make string ``s``'s pointer for cache automaton ``ca`` (stamp ``stamp``) from scratch: match the
+    ``resync`` tokens before its ``n_new`` newest ones (a pointer made for a cache that is gone)."""
+    st = 0
+    ln = 0
+    T = _view(SM[s, M_T], SM[s, M_TCAP])
+    end = SM[s, M_LEN] - n_new
+    for i in range(max(0, end - resync), end):
+        st, ln = _match_step(AM, ca, S, E, R, H, st, ln, T[i])
+    SM[s, M_CST] = st
+    SM[s, M_CLN] = ln
+    SM[s, M_CSTAMP] = stamp
+    SM[s, M_CVER] = AM[ca, A_NST]
 
 
 @njit(cache=True)
-def extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, complete, AM, SM, auto_str, cache_auto,
-                 cache_stamp, grow, precheck=True, warm_lanes=16, warm_hops=2, cache_fix_each=False):
+def _cache_follow(AM, ca, SM, s, buf, row, j0, j1, S, E, R, H, fix_each=False):
+    """Advance string ``s``'s (current, see ``_cache_resync``) pointer into cache automaton ``ca`` by
+    ``buf[row, j0:j1]``.
+
+    If the cache grew since the pointer was last advanced, it is fixed up once (``_match_fix``); within
+    a call the automaton does not change and every step keeps the pointer exact (``fix_each``: fix up
+    before every token, the reference the tests compare with).
+    """
+    st = SM[s, M_CST]
+    ln = SM[s, M_CLN]
+    if fix_each or SM[s, M_CVER] != AM[ca, A_NST]:
+        st = _match_fix(S, st, ln)
+    for i in range(j0, j1):
+        if fix_each:
+            st = _match_fix(S, st, ln)
+        st, ln = _match_step(AM, ca, S, E, R, H, st, ln, buf[row, i])
+    SM[s, M_CST] = st
+    SM[s, M_CLN] = ln
+    SM[s, M_CVER] = AM[ca, A_NST]
+
+
+@njit(cache=True)
+def extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, complete, AM, SM, auto_str, ca, stamp,
+                 grow, precheck=True, warm_lanes=16, warm_hops=2, cache_fix_each=False):
     """Append ``buf[rows[i], starts[i]:ends[i]]`` to string ``slots[i]`` for every i (one decode step).
 
     ``prog`` int64[2] = (request index, token column) to resume from (0, -1 at the first call).
     Returns the number of growth requests written to ``grow`` (int64[m, 3]: kind, slot, elements);
     0 = done. Phase 1 (``precheck``) checks the room of every request first (hot meta rows only) so
     that decode steps rarely stop in the middle; phase 2 appends, checking room token by token;
-    phase 3 advances the cache pointers (``cache_fix_each``: reference walk, see ``_cache_follow``).
+    phase 3 advances the pointers into the cache automaton ``ca`` (stamp ``stamp``; -1 = no cache;
+    ``cache_fix_each``: reference walk, see ``_cache_follow``).
     ``complete``: the strings end here (cache insertion), see ``_append_tokens``.
     """
     n = slots.shape[0]
@@ -654,17 +658,20 @@ def extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, complete,
             return 1
     prog[0] = n
     prog[1] = -1
-    # phase 3: cache automata do not change during a batch
-    for g in range(2):
-        ca = cache_auto[g]
-        if ca < 0:
+    # phase 3: the cache automaton does not change during a batch
+    if ca < 0:
+        return 0
+    S, E, R, H = _auto_views(AM, ca)
+    for i in range(n):  # every pointer's state line requested before the first walk needs it
+        s = slots[i]
+        if ends[i] > starts[i] and SM[s, M_CSTAMP] == stamp:
+            _prefetch(AM[ca, A_S] + 4 * SREC * SM[s, M_CST])
+    for i in range(n):
+        if ends[i] <= starts[i]:
             continue
-        S, E, R, H = _auto_views(AM, ca)
-        for i in range(n):
-            if ends[i] <= starts[i]:
-                continue
-            _cache_follow(AM, ca, SM, slots[i], buf, rows[i], starts[i], ends[i], cache_stamp[g], S, E, R, H,
-                          cache_stamp, resync, cache_fix_each)
+        if SM[slots[i], M_CSTAMP] != stamp:  # made for a cache that is gone (rare): re-fed
+            _cache_resync(AM, ca, SM, slots[i], ends[i] - starts[i], stamp, S, E, R, H, resync)
+        _cache_follow(AM, ca, SM, slots[i], buf, rows[i], starts[i], ends[i], S, E, R, H, cache_fix_each)
     return 0
 
 
@@ -719,6 +726,9 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
     Lph = np.zeros(lanes, np.int64)
     Lh = np.zeros(lanes, np.int64)
     Lend = np.zeros(lanes, np.int64)
+    Lp = np.full(lanes, -1, np.int64)  # state whose transition was found (-1: fell to the root)
+    Lpl = np.zeros(lanes, np.int64)  # its length
+    Lx = np.zeros(lanes, np.int64)  # edge cursor of the clone walk
     nxt = i0
     active = 0
     for lane in range(lanes):
@@ -740,7 +750,9 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
             ph = Lph[lane]
             st = Lst[lane]
             done = False
+            found = False
             if ph == 0:  # at state st: read its record
+                Lpl[lane] = 0
                 if st == 0:
                     rcap = AM[a, A_RCAP]
                     if rcap == 0:
@@ -753,6 +765,7 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                         _prefetch(AM[a, A_R] + 4 * RREC * h)
                 else:
                     rec = _view(S + 4 * SREC * st, SREC)
+                    Lpl[lane] = rec[0]
                     e = rec[3]
                     if e < -1:  # hub: probe the index
                         h = _hub_slot(st, tok, AM[a, A_HCAP] - 1)
@@ -772,7 +785,7 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                 er = _view(AM[a, A_E] + 4 * EREC * e, EREC)
                 if er[0] == tok:
                     st = er[1]
-                    done = True
+                    done = found = True
                 elif er[2] == -1:
                     st = _lane_to_link(S, st, lane, Lst, Lph)
                 else:
@@ -783,7 +796,7 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                 hr = _view(AM[a, A_H] + 4 * HREC * h, HREC)
                 if hr[0] == st and hr[1] == tok:
                     st = hr[2]
-                    done = True
+                    done = found = True
                 elif hr[0] == -1:
                     st = _lane_to_link(S, st, lane, Lst, Lph)
                 else:
@@ -795,7 +808,7 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                 kv = _view(AM[a, A_R] + 4 * RREC * h, RREC)
                 if kv[0] == tok:
                     st = kv[1]
-                    done = True
+                    done = found = True
                 elif kv[0] == -1:
                     st = 0
                     done = True
@@ -803,9 +816,40 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                     h = (h + 1) & (AM[a, A_RCAP] - 1)
                     Lh[lane] = h
                     _prefetch(AM[a, A_R] + 4 * RREC * h)
+            elif ph == 5:  # clone ahead: the edge list of the reached state (the clone copies it)
+                nx = _view(AM[a, A_E] + 4 * EREC * Lx[lane], EREC)[2]
+                if nx != -1:
+                    Lx[lane] = nx
+                    _prefetch(AM[a, A_E] + 4 * EREC * nx)
+                else:  # then the first redirect: the suffix link of the state whose transition was found
+                    p2 = _view(S + 4 * SREC * Lp[lane], SREC)[1]  # (-1 for the root)
+                    Lp[lane] = -1
+                    Lph[lane] = 3
+                    if p2 > 0:
+                        Lx[lane] = p2
+                        Lph[lane] = 6
+                        _prefetch(S + 4 * SREC * p2)
+            elif ph == 6:  # its first edge (or its hub slot for the token)
+                p2 = Lx[lane]
+                f = _view(S + 4 * SREC * p2, SREC)[3]
+                if f < -1:
+                    _prefetch(AM[a, A_H] + 4 * HREC * _hub_slot(p2, tok, AM[a, A_HCAP] - 1))
+                elif f >= 0:
+                    _prefetch(AM[a, A_E] + 4 * EREC * f)
+                Lph[lane] = 3
             else:  # ph 3: suffix-link hops of the reached state (occurrence update walk)
                 if st > 0 and Lh[lane] > 0:
-                    st = _view(S + 4 * SREC * st, SREC)[1]
+                    rec = _view(S + 4 * SREC * st, SREC)
+                    if Lp[lane] >= 0 and Lpl[lane] + 1 != rec[0]:
+                        # the extension will clone this state: walk what the clone reads first
+                        hd = rec[3] if rec[3] >= -1 else -rec[3] - 2
+                        if hd >= 0:
+                            Lx[lane] = hd
+                            Lph[lane] = 5
+                            _prefetch(AM[a, A_E] + 4 * EREC * hd)
+                            continue
+                    Lp[lane] = -1
+                    st = rec[1]
                     Lst[lane] = st
                     Lh[lane] -= 1
                     _prefetch(S + 4 * SREC * st)
@@ -829,6 +873,7 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                                 active += 1
                                 break
             if done:  # token matched (or fell to the root): walk the occurrence hops next
+                Lp[lane] = Lst[lane] if found else -1
                 Le[lane] = st
                 Lst[lane] = st
                 Lh[lane] = hops
@@ -839,12 +884,12 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
 
 # ---------------------------------------------------------------------------------- propose
 @njit(cache=True)
-def propose_batch(slots, k, min_match, use_cache, AM, SM, auto_str, cache_auto, cache_stamp, out, out_n):
+def propose_batch(slots, k, min_match, AM, SM, auto_str, ca, stamp, out, out_n):
     """Drafts for strings ``slots``: up to ``k`` tokens after the chosen occurrence of the longest match.
 
     Candidates: the string's own automaton (own text and, in group mode, running siblings) and the
-    two cache generations. Longest match wins; ties go to the own automaton. ``out``: int32[n, k];
-    ``out_n``: int32[n] number of valid tokens per row.
+    cache automaton ``ca`` (stamp ``stamp``; -1 = none). Longest match wins; ties go to the own
+    automaton. ``out``: int32[n, k]; ``out_n``: int32[n] number of valid tokens per row.
     """
     n = slots.shape[0]
     best_len = np.empty(n, np.int64)
@@ -855,32 +900,32 @@ def propose_batch(slots, k, min_match, use_cache, AM, SM, auto_str, cache_auto, 
         best_len[i] = SM[s, M_CLEN]
         best_pos[i] = SM[s, M_CPOS]
         best_a[i] = SM[s, M_AUTO]
-    if use_cache:
-        for g in range(2):
-            ca = cache_auto[g]
-            if ca < 0:
+    if ca >= 0:
+        S = _view(AM[ca, A_S], AM[ca, A_SCAP] * SREC)
+        nst = AM[ca, A_NST]
+        for i in range(n):
+            s = slots[i]
+            if SM[s, M_CSTAMP] != stamp:
                 continue
-            S, E, R, H = _auto_views(AM, ca)
-            for i in range(n):
-                s = slots[i]
-                for j in range(2):
-                    if SM[s, M_CP + 3 * j + 2] != cache_stamp[g]:
-                        continue
-                    st = SM[s, M_CP + 3 * j]
-                    ln = SM[s, M_CP + 3 * j + 1]
-                    while st != 0 and S[SREC * S[SREC * st + 1]] >= ln:
-                        st = S[SREC * st + 1]
-                    tries = 0
-                    while st > 0 and tries < 4 and ln > best_len[i]:
-                        pos = S[SREC * st + 2]
-                        if _has_cont(SM, auto_str, ca, pos):
-                            best_len[i] = ln
-                            best_pos[i] = pos
-                            best_a[i] = ca
-                            break
-                        st = S[SREC * st + 1]
-                        ln = S[SREC * st]
-                        tries += 1
+            st = SM[s, M_CST]
+            ln = SM[s, M_CLN]
+            if SM[s, M_CVER] != nst:
+                st = _match_fix(S, st, ln)
+            tries = 0
+            while st > 0 and tries < 4 and ln > best_len[i]:
+                pos = S[SREC * st + 2]
+                if _has_cont(SM, auto_str, ca, pos):
+                    best_len[i] = ln
+                    best_pos[i] = pos
+                    best_a[i] = ca
+                    break
+                st = S[SREC * st + 1]
+                ln = S[SREC * st]
+                tries += 1
+    for i in range(n):  # the drafts' token lines, all requested before the first is read
+        if best_len[i] >= min_match and best_pos[i] >= 0:
+            pos = best_pos[i]
+            _prefetch(SM[auto_str[best_a[i], pos >> OFFSET_BITS], M_T] + 4 * ((pos & OFFSET_MASK) + 1))
     for i in range(n):
         if best_len[i] < min_match or best_pos[i] < 0:
             out_n[i] = 0
@@ -896,14 +941,13 @@ def propose_batch(slots, k, min_match, use_cache, AM, SM, auto_str, cache_auto, 
 
 
 @njit(cache=True)
-def step_batch(slots, buf, rows, starts, ends, prog, budget, resync, AM, SM, auto_str, cache_auto, cache_stamp,
-               grow, k, min_match, use_cache, out, out_n, precheck=True, warm_lanes=16, warm_hops=2,
-               cache_fix_each=False):
+def step_batch(slots, buf, rows, starts, ends, prog, budget, resync, AM, SM, auto_str, ca, stamp, grow, k, min_match,
+               out, out_n, precheck=True, warm_lanes=16, warm_hops=2, cache_fix_each=False):
     """One decode step in one call: ``extend_batch`` then, once it is done, ``propose_batch``."""
-    ng = extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, False, AM, SM, auto_str, cache_auto,
-                      cache_stamp, grow, precheck, warm_lanes, warm_hops, cache_fix_each)
+    ng = extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, False, AM, SM, auto_str, ca, stamp, grow,
+                      precheck, warm_lanes, warm_hops, cache_fix_each)
     if ng == 0:
-        propose_batch(slots, k, min_match, use_cache, AM, SM, auto_str, cache_auto, cache_stamp, out, out_n)
+        propose_batch(slots, k, min_match, AM, SM, auto_str, ca, stamp, out, out_n)
     return ng
 
 

@@ -9,7 +9,7 @@ earliest one (``rule="earliest"``).
 
 Group-aware mode (``group_mode=True``): requests with the same ``group_id`` (GRPO samples of one
 prompt) share one automaton, so a request also drafts from its running siblings; finished responses
-enter a bounded two-generation cache automaton that every request matches against.
+enter one bounded cache automaton that every request matches against (one match pointer each).
 
 All per-token state lives in numpy int32 record arrays owned here and reached by the numba kernels
 through an address table (see ``_sam_kernels``); a decode step for a whole batch is one kernel call
@@ -50,9 +50,10 @@ class SamConfig:
             (bounds the update cost; only used by rule "recent").
         min_match: shortest suffix match (tokens) that may produce a draft.
         group_mode: share one automaton among requests of the same group and use the cache.
-        cache_max_responses: responses per cache generation (0 disables the cache; <= 127).
-        cache_max_tokens: tokens per cache generation; two generations are kept at most.
-        resync: tokens re-fed to a request's cache pointer when a new cache generation starts.
+        cache_max_responses: responses kept after a cache rebuild; the cache holds at most
+            ``min(2 * cache_max_responses, 127)`` (0 disables the cache; <= 127).
+        cache_max_tokens: tokens kept after a cache rebuild; the cache holds at most twice this.
+        resync: tokens re-fed to a request's cache pointer after the cache was rebuilt.
         hub_degree: a lookup that walks this many edges of a state indexes the state's transitions
             in a hash (one probe instead of a list walk; 0 = never). Changes speed, never drafts.
     """
@@ -145,10 +146,8 @@ class SamProposer:
         self._autos: dict[int, _Auto] = {}
         self._reqs: dict[str, _Req] = {}
         self._groups: dict[str, int] = {}
-        # kernel table of up to two cache automata; the proposer keeps one, in slot 1 (slot 0 stays -1)
-        self._cache_auto = np.full(2, -1, np.int64)
-        self._no_cache = np.full(2, -1, np.int64)
-        self._cache_stamp = np.zeros(2, np.int64)
+        self._cache = -1  # the finished-response cache automaton (-1 = none)
+        self._cache_stamp = 0  # changes whenever ``_cache`` is replaced (requests' pointers then re-feed)
         self._next_stamp = 1
         self._grow = np.zeros((1024, 3), np.int64)
         self._exact_growth = False  # tests: grow to exactly the size asked for (no slack)
@@ -222,8 +221,7 @@ class SamProposer:
         row[K.M_AUTO] = a
         row[K.M_LOCAL] = local
         row[K.M_CPOS] = -1
-        row[K.M_CP + 2] = -1
-        row[K.M_CP + 5] = -1
+        row[K.M_CSTAMP] = -1
         return s
 
     def _free_auto(self, a: int) -> None:
@@ -291,28 +289,27 @@ class SamProposer:
                 self._grow_hashed(K.G_HUB, i, ncap // 16)
 
     # --------------------------------------------------------------------------- kernels
-    def _cache_for_kernel(self) -> np.ndarray:
+    def _cache_for_kernel(self) -> int:
         cfg = self.config
-        return self._cache_auto if cfg.group_mode and cfg.cache_max_responses > 0 else self._no_cache
+        return self._cache if cfg.group_mode and cfg.cache_max_responses > 0 else -1
 
     def _run(self, slots: np.ndarray, buf: np.ndarray, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
-             complete: bool = False, k: int = 0, cache_auto: np.ndarray | None = None) -> None:
+             complete: bool = False, k: int = 0, cache: int | None = None) -> None:
         """Extend (and with ``k`` > 0 propose into ``self._out``) in kernel calls, growing arrays between."""
         cfg = self.config
-        cache_auto = self._cache_for_kernel() if cache_auto is None else cache_auto
+        ca = self._cache_for_kernel() if cache is None else cache
         prog = self._prog
         prog[0] = 0
         prog[1] = -1
-        use_cache = bool(cache_auto[0] >= 0 or cache_auto[1] >= 0)
         while True:
             if k:
                 ng = K.step_batch(slots, buf, rows, starts, ends, prog, cfg.budget, cfg.resync, self._AM, self._SM,
-                                  self._auto_str, cache_auto, self._cache_stamp, self._grow, k, cfg.min_match,
-                                  use_cache, self._out, self._out_n, not self._exact_growth, self.warm_lanes,
-                                  self.warm_hops, self.cache_fix_each)
+                                  self._auto_str, ca, self._cache_stamp, self._grow, k, cfg.min_match, self._out,
+                                  self._out_n, not self._exact_growth, self.warm_lanes, self.warm_hops,
+                                  self.cache_fix_each)
             else:
                 ng = K.extend_batch(slots, buf, rows, starts, ends, prog, cfg.budget, cfg.resync, complete,
-                                    self._AM, self._SM, self._auto_str, cache_auto, self._cache_stamp, self._grow,
+                                    self._AM, self._SM, self._auto_str, ca, self._cache_stamp, self._grow,
                                     not self._exact_growth, self.warm_lanes, self.warm_hops,
                                     self.cache_fix_each)
             if ng == 0:
@@ -350,7 +347,7 @@ class SamProposer:
             raise ValueError(f"string longer than {K.MAX_STRING_LEN} tokens")
         self._run(np.array([s], np.int64), toks.reshape(1, -1), self._zero_rows(1), np.zeros(1, np.int64),
                   np.array([toks.shape[0]], np.int64), complete,
-                  cache_auto=self._no_cache if complete else None)
+                  cache=-1 if complete else None)
 
     def _check_len(self, slots: np.ndarray, ends: np.ndarray, starts: np.ndarray) -> None:
         if slots.shape[0] and int((self._SM[slots, K.M_LEN] + ends - starts).max()) >= K.MAX_STRING_LEN:
@@ -429,9 +426,7 @@ class SamProposer:
         slots = np.asarray(slots, np.int64)
         n = slots.shape[0]
         self._out_buffers(n, k)
-        cache_auto = self._cache_for_kernel()
-        use_cache = bool(cache_auto[0] >= 0 or cache_auto[1] >= 0)
-        K.propose_batch(slots, k, self.config.min_match, use_cache, self._AM, self._SM, self._auto_str, cache_auto,
+        K.propose_batch(slots, k, self.config.min_match, self._AM, self._SM, self._auto_str, self._cache_for_kernel(),
                         self._cache_stamp, self._out, self._out_n)
         return self._out[:n], self._out_n[:n]
 
@@ -551,7 +546,7 @@ class SamProposer:
         """
         cfg = self.config
         resp = resp[-cfg.cache_max_tokens:]
-        cur = int(self._cache_auto[1])
+        cur = self._cache
         max_strings = min(2 * cfg.cache_max_responses, K.MAX_STRINGS)
         if cur >= 0:
             auto = self._autos[cur]
@@ -560,8 +555,8 @@ class SamProposer:
                                           cfg.cache_max_tokens)
         if cur < 0:
             cur = self._new_auto()
-            self._cache_auto[1] = cur
-            self._cache_stamp[1] = self._next_stamp
+            self._cache = cur
+            self._cache_stamp = self._next_stamp
             self._next_stamp += 1
         s = self._new_string(cur)
         self._autos[cur].tokens += int(resp.shape[0])
@@ -580,13 +575,13 @@ class SamProposer:
             kept.append(self._arrT[s][:n].copy())
             total += n
         self._free_auto(cur)
-        self._cache_auto[1] = -1
-        self._cache_stamp[1] = 0
+        self._cache = -1
+        self._cache_stamp = 0
         if not kept:
             return -1
         new = self._new_auto()
-        self._cache_auto[1] = new
-        self._cache_stamp[1] = self._next_stamp
+        self._cache = new
+        self._cache_stamp = self._next_stamp
         self._next_stamp += 1
         for toks in reversed(kept):
             s = self._new_string(new)
@@ -596,12 +591,10 @@ class SamProposer:
 
     def clear_cache(self) -> None:
         """Drop the finished-response cache."""
-        for g in range(2):
-            a = int(self._cache_auto[g])
-            if a >= 0:
-                self._free_auto(a)
-            self._cache_auto[g] = -1
-            self._cache_stamp[g] = 0
+        if self._cache >= 0:
+            self._free_auto(self._cache)
+        self._cache = -1
+        self._cache_stamp = 0
 
     def check_invariants(self) -> None:
         """Assert that every count fits its array (tests; O(slots))."""
@@ -633,5 +626,5 @@ class SamProposer:
         return int(self._SM[live, K.M_LEN].sum())
 
     def cache_bound_tokens(self) -> int:
-        """Upper bound of tokens held by the finished-response cache (two generations)."""
+        """Upper bound of tokens held by the finished-response cache (2 x ``cache_max_tokens``)."""
         return 2 * self.config.cache_max_tokens if self.config.group_mode and self.config.cache_max_responses else 0
