@@ -457,3 +457,27 @@ def test_cost_contexts_are_distinct_realistic_samples():
             if r2 != r and r2 // 3 == gi:
                 grams = {tuple(ctx[i: i + 8]) for i in range(s0 - 13)}
                 assert not any(tuple(ctxs[r2][i: i + 8]) in grams for i in range(392))
+
+
+def test_bad_token_ranges_raise_before_anything_changes():
+    """The kernel checks every request's range and length first: a bad one raises and changes nothing."""
+    p = SamProposer()
+    p.add_request("a", [1, 2, 3, 1, 2])
+    p.add_request("b", [4, 5, 6])
+    slots = p.slots_of(["a", "b"])
+    before = [p.tokens("a"), p.tokens("b")]
+    runner = np.array([[1, 2, 3, 1, 2, 3, 0], [4, 5, 6, 4, 0, 0, 0]], np.int32)
+    with pytest.raises(ValueError, match="shorter than the drafter's text"):
+        p.step_from_buffer(slots, runner, np.array([6, 2]))  # b's buffer is behind its text
+    with pytest.raises(ValueError, match="must not end before they start"):
+        p.extend_arrays(slots, np.array([3, 4], np.int32), np.array([0, 2, 1]))
+    s = int(slots[1])
+    p._SM[s, kern.M_LEN] = kern.MAX_STRING_LEN - 1  # pretend b is at the length limit (no 16M-token build)
+    with pytest.raises(ValueError, match="longer than"):
+        p.step_from_buffer(slots, runner, np.array([6, kern.MAX_STRING_LEN + 1]))
+    p._SM[s, kern.M_LEN] = 3
+    for r, want in zip(("a", "b"), before, strict=True):
+        np.testing.assert_array_equal(p.tokens(r), want)  # a was not extended although its range was good
+    out, cnt = p.step_from_buffer(slots, runner, np.array([6, 4]))
+    assert [out[i, : cnt[i]].tolist() for i in range(2)] == [[1, 2, 3], [5, 6, 4]]  # the good step still works
+    p.check_invariants()

@@ -61,6 +61,7 @@ M_T, M_TCAP, M_LEN, M_LAST, M_AUTO, M_LOCAL, M_CLEN, M_CPOS, M_CST, M_CLN, M_CST
 SM_COLS = 16
 # growth request kinds (grow[i] = kind, slot, elements needed)
 G_TOK, G_STATES, G_EDGES, G_ROOT, G_HUB = range(5)
+BAD_RANGE, TOO_LONG = -1, -2  # extend_batch / step_batch return codes for bad input (nothing changed)
 WARM_MAX_TOKENS = 8  # tokens per request the read-only warm-up pass walks ahead
 
 
@@ -601,9 +602,17 @@ def extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, complete,
     phase 3 advances the pointers into the cache automaton ``ca`` (stamp ``stamp``; -1 = no cache;
     ``cache_fix_each``: reference walk, see ``_cache_follow``).
     ``complete``: the strings end here (cache insertion), see ``_append_tokens``.
+    Bad input, checked before anything changes: returns ``BAD_RANGE`` if some ``ends[i] < starts[i]``,
+    ``TOO_LONG`` if a string would reach ``MAX_STRING_LEN`` tokens.
     """
     n = slots.shape[0]
     i0 = prog[0]
+    if i0 == 0 and prog[1] < 0:
+        for i in range(n):
+            if ends[i] < starts[i]:
+                return BAD_RANGE
+            if SM[slots[i], M_LEN] + ends[i] - starts[i] >= MAX_STRING_LEN:
+                return TOO_LONG
     # phase 1: room for tokens, states (2 per token), edges (margin) and root entries
     ng = 0
     for i in range(i0, n if precheck else 0):
@@ -677,11 +686,12 @@ def extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, complete,
 
 # ------------------------------------------------------------------------------- warm-up pass
 @njit(cache=True)
-def _lane_start(AM, SM, slots, buf, rows, starts, ends, i, j, lane, Li, Lj, Lst, Lph, Lend):
+def _lane_start(AM, SM, slots, buf, rows, starts, ends, i, j, lane, Li, Lj, Lst, Lph, Lend, La, Ltok):
     """Put request ``i`` (first token column ``j``) on a lane: prefetch its tail lines and ``last``.
 
     The lane walks at most ``WARM_MAX_TOKENS`` tokens of the request (a decode step appends <= k + 1;
-    a long append, e.g. a new prompt, gains nothing from a read-ahead walk over all of it).
+    a long append, e.g. a new prompt, gains nothing from a read-ahead walk over all of it). ``La`` and
+    ``Ltok`` keep the lane's automaton and current token at hand.
     """
     s = slots[i]
     a = SM[s, M_AUTO]
@@ -695,6 +705,8 @@ def _lane_start(AM, SM, slots, buf, rows, starts, ends, i, j, lane, Li, Lj, Lst,
     Lst[lane] = st
     Lph[lane] = 0
     Lend[lane] = min(ends[i], j + WARM_MAX_TOKENS)
+    La[lane] = a
+    Ltok[lane] = buf[rows[i], j]
 
 
 @njit(cache=True)
@@ -729,6 +741,8 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
     Lp = np.full(lanes, -1, np.int64)  # state whose transition was found (-1: fell to the root)
     Lpl = np.zeros(lanes, np.int64)  # its length
     Lx = np.zeros(lanes, np.int64)  # edge cursor of the clone walk
+    La = np.zeros(lanes, np.int64)
+    Ltok = np.zeros(lanes, np.int64)
     nxt = i0
     active = 0
     for lane in range(lanes):
@@ -736,7 +750,8 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
             j = starts[nxt] if nxt != i0 or j0 < 0 else j0
             nxt += 1
             if j < ends[nxt - 1]:
-                _lane_start(AM, SM, slots, buf, rows, starts, ends, nxt - 1, j, lane, Li, Lj, Lst, Lph, Lend)
+                _lane_start(AM, SM, slots, buf, rows, starts, ends, nxt - 1, j, lane, Li, Lj, Lst, Lph, Lend, La,
+                            Ltok)
                 active += 1
                 break
     while active:
@@ -744,9 +759,9 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
             i = Li[lane]
             if i < 0:
                 continue
-            a = SM[slots[i], M_AUTO]
+            a = La[lane]
             S = AM[a, A_S]
-            tok = buf[rows[i], Lj[lane]]
+            tok = Ltok[lane]
             ph = Lph[lane]
             st = Lst[lane]
             done = False
@@ -858,6 +873,7 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                     j = Lj[lane] + 1
                     if j < Lend[lane]:
                         Lj[lane] = j
+                        Ltok[lane] = buf[rows[i], j]
                         Lst[lane] = st
                         Lph[lane] = 0
                         _prefetch(S + 4 * SREC * st)
@@ -869,7 +885,7 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                             nxt += 1
                             if jj < ends[nxt - 1]:
                                 _lane_start(AM, SM, slots, buf, rows, starts, ends, nxt - 1, jj, lane, Li, Lj, Lst,
-                                            Lph, Lend)
+                                            Lph, Lend, La, Ltok)
                                 active += 1
                                 break
             if done:  # token matched (or fell to the root): walk the occurrence hops next

@@ -314,6 +314,11 @@ class SamProposer:
                                     self.cache_fix_each)
             if ng == 0:
                 break
+            if ng == K.BAD_RANGE:
+                raise ValueError("token ranges must not end before they start (offs decreasing, or num_tokens "
+                                 "shorter than the drafter's text)")
+            if ng == K.TOO_LONG:
+                raise ValueError(f"string longer than {K.MAX_STRING_LEN} tokens")
             self._apply_growth(ng)
         want = self._AM[:, K.A_HWANT]
         if want.any():  # lookups that would have made a state a hub found the index full: grow it (4x room)
@@ -343,15 +348,9 @@ class SamProposer:
 
     def _append_string(self, s: int, toks: np.ndarray, complete: bool = False) -> None:
         toks = np.ascontiguousarray(toks, np.int32)
-        if toks.shape[0] + self._SM[s, K.M_LEN] >= K.MAX_STRING_LEN:
-            raise ValueError(f"string longer than {K.MAX_STRING_LEN} tokens")
         self._run(np.array([s], np.int64), toks.reshape(1, -1), self._zero_rows(1), np.zeros(1, np.int64),
                   np.array([toks.shape[0]], np.int64), complete,
                   cache=-1 if complete else None)
-
-    def _check_len(self, slots: np.ndarray, ends: np.ndarray, starts: np.ndarray) -> None:
-        if slots.shape[0] and int((self._SM[slots, K.M_LEN] + ends - starts).max()) >= K.MAX_STRING_LEN:
-            raise ValueError(f"string longer than {K.MAX_STRING_LEN} tokens")
 
     # --------------------------------------------------------------------------- public API
     @property
@@ -408,9 +407,7 @@ class SamProposer:
 
     def extend_arrays(self, slots: np.ndarray, toks: np.ndarray, offs: np.ndarray) -> None:
         """Array form of ``extend_batch``: slots int[n] (``slot_of``), toks int32[total], offs int64[n+1]."""
-        slots, buf, rows, starts, ends = self._flat(slots, toks, offs)
-        self._check_len(slots, ends, starts)
-        self._run(slots, buf, rows, starts, ends)
+        self._run(*self._flat(slots, toks, offs))
 
     def slot_of(self, req_id: str) -> int:
         """Kernel slot of a request (stable from ``add_request`` to ``finish``/``abort``)."""
@@ -435,7 +432,6 @@ class SamProposer:
         """One decode step in one kernel call: ``extend_arrays`` then ``propose_arrays`` (same shapes)."""
         k = k or self.config.num_speculative_tokens
         slots, buf, rows, starts, ends = self._flat(slots, toks, offs)
-        self._check_len(slots, ends, starts)
         n = slots.shape[0]
         self._out_buffers(n, k)
         self._run(slots, buf, rows, starts, ends, k=k)
@@ -463,9 +459,6 @@ class SamProposer:
         buf = np.asarray(token_ids, np.int32)
         ends = np.asarray(num_tokens, np.int64)[:n]
         starts = self._SM[slots, K.M_LEN]
-        if n and int((ends - starts).min()) < 0:
-            raise ValueError("num_tokens shorter than the drafter's text")
-        self._check_len(slots, ends, starts)
         self._out_buffers(n, k)
         self._run(slots, buf, rows, starts, ends, k=k)
         return self._out[:n], self._out_n[:n]
