@@ -553,6 +553,20 @@ def _match_step(AM, a, S, E, R, H, st, ln, tok):
 
 
 @njit(cache=True)
+def _prefetch_lookup(AM, a, S, st, tok):
+    """Request the line that looking up ``tok`` at state ``st`` reads after the state's record."""
+    if st == 0:
+        if AM[a, A_RCAP]:
+            _prefetch(AM[a, A_R] + 4 * RREC * _hash_slot(tok, AM[a, A_RCAP] - 1))
+        return
+    f = S[SREC * st + 3]
+    if f < -1:
+        _prefetch(AM[a, A_H] + 4 * HREC * _hub_slot(st, tok, AM[a, A_HCAP] - 1))
+    elif f >= 0:
+        _prefetch(AM[a, A_E] + 4 * EREC * f)
+
+
+@njit(cache=True)
 def _cache_resync(AM, ca, SM, s, n_new, stamp, S, E, R, H, resync):
     """Make string ``s``'s pointer for cache automaton ``ca`` (stamp ``stamp``) from scratch: match the
     ``resync`` tokens before its ``n_new`` newest ones (a pointer made for a cache that is gone)."""
@@ -671,10 +685,14 @@ def extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, complete,
     if ca < 0:
         return 0
     S, E, R, H = _auto_views(AM, ca)
-    for i in range(n):  # every pointer's state line requested before the first walk needs it
+    for i in range(n):  # every pointer's state line requested before the first walk needs it ...
         s = slots[i]
         if ends[i] > starts[i] and SM[s, M_CSTAMP] == stamp:
             _prefetch(AM[ca, A_S] + 4 * SREC * SM[s, M_CST])
+    for i in range(n):  # ... then the line its first lookup reads (list head, hub slot or root slot)
+        s = slots[i]
+        if ends[i] > starts[i] and SM[s, M_CSTAMP] == stamp:
+            _prefetch_lookup(AM, ca, S, SM[s, M_CST], buf[rows[i], starts[i]])
     for i in range(n):
         if ends[i] <= starts[i]:
             continue
