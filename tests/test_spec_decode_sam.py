@@ -106,11 +106,12 @@ def test_matches_brute_force_adversarial(name, rule):
     _check_all_prefixes(text, 1, rule, [1, 2, 3])
 
 
-def test_bounded_recent_walk_is_a_real_occurrence():
-    """With the default (bounded) update walk the draft still follows an occurrence of the longest match."""
+@pytest.mark.parametrize("budget", [SamConfig.recent_budget, 2])
+def test_bounded_recent_walk_is_a_real_occurrence(budget):
+    """With a bounded update walk (the default, 1) the draft still follows an occurrence of the longest match."""
     rng = np.random.default_rng(7)
     text = np.concatenate([np.tile(rng.integers(0, 6, 40), 5), rng.integers(0, 6, 200)]).astype(np.int32)
-    p = SamProposer(recent_budget=2)
+    p = SamProposer(recent_budget=budget)
     p.add_request("r", text[:1])
     for t in range(2, text.shape[0] + 1):
         p.extend("r", text[t - 1: t])

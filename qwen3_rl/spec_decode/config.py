@@ -53,7 +53,7 @@ class SamOptions:
 
     group_mode: bool = False
     rule: str = "recent"
-    recent_budget: int = 2
+    recent_budget: int = 1
     min_match: int = 1
     cache_max_responses: int = 64
     cache_max_tokens: int = 131072

@@ -60,7 +60,7 @@ class SamConfig:
 
     num_speculative_tokens: int = 3
     rule: str = "recent"
-    recent_budget: int = 2
+    recent_budget: int = 1
     min_match: int = 1
     group_mode: bool = False
     cache_max_responses: int = 64
