@@ -537,7 +537,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=256, help="requests in the cost measurement")
     p.add_argument("--context-len", type=int, default=32768, help="tokens per request in the cost measurement")
     p.add_argument("--cost-steps", type=int, default=30, help="timed decode steps")
-    p.add_argument("--cost-repeats", type=int, default=3,
+    p.add_argument("--cost-repeats", type=int, default=5,
                    help="independent cost runs per method; us_per_step = median of the runs' medians")
     p.add_argument("--skip-cost", action="store_true", help="acceptance replay only")
     p.add_argument("--arctic-cost-batch", type=int, default=0, help="batch for arctic's cost (0 = --batch)")
