@@ -112,12 +112,12 @@ def _auto_views(AM, a):
 
 
 # ----------------------------------------------------------------------------- transitions
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _hash_slot(tok, mask):
     return ((tok * 0x9E3779B1) >> 7) & mask
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _root_find(R, rcap, tok):
     """Slot of ``tok`` in the root hash, -1 if absent."""
     if rcap == 0:
@@ -133,27 +133,27 @@ def _root_find(R, rcap, tok):
         i = (i + 1) & mask
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _head(S, p):
     """First edge of state ``p`` (-1 = none), hub mark removed."""
     f = S[SREC * p + 3]
     return f if f >= -1 else -f - 2
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _set_head(S, p, e):
     """Make edge ``e`` the first edge of ``p``, keeping the hub mark."""
     S[SREC * p + 3] = e if S[SREC * p + 3] >= -1 else -e - 2
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _hub_slot(p, tok, mask):
     x = (p & 0xFFFFFF) * 0x9E3779B1 ^ (tok & 0x7FFFFFFF) * 0x85EBCA6B
     x ^= x >> 29
     return (x >> 7) & mask
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _hub_find(H, hcap, p, tok):
     """Index slot of hub ``p``'s transition by ``tok`` (-1 if absent)."""
     mask = hcap - 1
@@ -167,7 +167,7 @@ def _hub_find(H, hcap, p, tok):
         i = (i + 1) & mask
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _hub_put(H, hcap, p, tok, val, e):
     """Index edge ``e`` = ``p --tok--> val`` (absent before; room ensured)."""
     mask = hcap - 1
@@ -197,7 +197,7 @@ def _make_hub(AM, a, S, E, H, p):
     AM[a, A_HN] = hn + d
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _edge_find(AM, a, S, E, H, p, tok):
     """Edge of non-root state ``p`` labelled ``tok`` (-1 if absent).
 
@@ -228,7 +228,7 @@ def _edge_find(AM, a, S, E, H, p, tok):
     return -1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _get(AM, a, S, E, R, H, p, tok):
     """Transition of state ``p`` by ``tok`` (-1 if absent)."""
     if p == 0:
@@ -241,7 +241,7 @@ def _get(AM, a, S, E, R, H, p, tok):
     return -1 if e < 0 else E[EREC * e + 1]
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _redirect(AM, a, S, E, R, H, p, tok, q, val):
     """If ``p --tok--> q``, point it to ``val`` and return True."""
     if p == 0:
@@ -266,7 +266,7 @@ def _redirect(AM, a, S, E, R, H, p, tok, q, val):
     return False
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _add_edge(AM, a, S, E, H, ne, p, tok, val):
     """Prepend edge ``p --tok--> val`` at edge index ``ne`` (room ensured, hub index too); returns ne + 1."""
     E[EREC * ne] = tok
@@ -279,7 +279,7 @@ def _add_edge(AM, a, S, E, H, ne, p, tok, val):
     return ne + 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _root_put(R, rcap, tok, val):
     """Insert a new root transition (absent before; room ensured). Returns 1."""
     mask = rcap - 1
@@ -291,7 +291,7 @@ def _root_put(R, rcap, tok, val):
     return 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _degree(S, E, q):
     d = 0
     e = _head(S, q)
@@ -457,7 +457,7 @@ def _clone(AM, a, S, E, H, ne, q, c, length):
     return ne
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _has_cont(SM, auto_str, a, pos):
     """True if the occurrence ``pos`` (packed) is followed by at least one token in its string."""
     g = auto_str[a, pos >> OFFSET_BITS]
@@ -527,7 +527,7 @@ def _append_tokens(AM, SM, auto_str, s, buf, row, j0, j1, budget, complete, prog
     return 0
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _match_fix(S, st, ln):
     """Move a match pointer (state ``st``, length ``ln``) made before the automaton grew (states split)
     to the state that now holds the strings of length ``ln``."""
@@ -536,7 +536,7 @@ def _match_fix(S, st, ln):
     return st
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _match_step(AM, a, S, E, R, H, st, ln, tok):
     """Matching statistics: extend the match (state ``st`` holding length ``ln``) by ``tok``.
 
