@@ -43,9 +43,10 @@ class SamOptions:
         rule: "recent" or "earliest" occurrence as the continuation.
         recent_budget: suffix-link ancestors re-pointed per appended token (rule "recent").
         min_match: shortest suffix match (tokens) that may draft.
-        cache_max_responses: responses per cache generation (0..127, 0 = no cache).
-        cache_max_tokens: tokens per cache generation (2 generations at most).
-        resync: tokens re-fed to a request's cache pointer when a cache generation starts.
+        cache_max_responses: responses kept when the cache is rebuilt; it holds at most
+            min(2 x this, 127) (0..127, 0 = no cache).
+        cache_max_tokens: tokens kept when the cache is rebuilt; it holds at most 2 x this.
+        resync: tokens re-fed to a request's cache pointer after the cache was rebuilt.
         pad_drafts: pad every draft to exactly k tokens (repeating its last token) so that each
             pure-decode step has query length 1 + k, the only shape a FULL_DECODE_ONLY graph
             (needed by npugraph_ex) replays; padded tokens are verified like any draft token.
