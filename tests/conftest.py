@@ -12,10 +12,13 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -32,6 +35,24 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 PINS = load_pins(REPO / "pins.toml")
 PYPI_KEYS = [k for k, fw in PINS.frameworks.items() if fw.on_pypi]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for a gloo store or a stand-in server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_module(path: Path, alias: str) -> ModuleType:
+    """Import the file ``path`` as module ``alias`` (registered in ``sys.modules``), e.g. a pristine
+    upstream file beside its patched twin."""
+    spec = importlib.util.spec_from_file_location(alias, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[alias] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _pins_hash() -> str:

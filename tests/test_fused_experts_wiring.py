@@ -7,7 +7,6 @@ pristine verl 0.6.1."""
 from __future__ import annotations
 
 import ast
-import importlib.util
 import sys
 import threading
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from types import ModuleType
 
 import pytest
 import torch
+from conftest import load_module
 from torch import nn
 
 from qwen3_rl.moe.fused_experts import grouped_to_hf, hf_layer_experts_to_grouped
@@ -31,15 +31,6 @@ MEGATRON_UTILS = "verl/utils/megatron_utils.py"
 
 
 # ----------------------------------------------------------------------------------------------- fixtures
-def _load(path: Path, alias: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(alias, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[alias] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def world(patched_imports: Path, pristine_workspace: Path, tmp_path_factory: pytest.TempPathFactory):
     """gloo world of 1 + megatron parallel state (TP=PP=EP=ETP=1); patched and pristine modules."""
@@ -54,9 +45,9 @@ def world(patched_imports: Path, pristine_workspace: Path, tmp_path_factory: pyt
     if not mpu.model_parallel_is_initialized():
         mpu.initialize_model_parallel(1, 1)
     mods = {
-        "script": _load(patched_imports / "verl" / SCRIPT, "qwen3_rl_t_conv_patched"),
-        "script0": _load(pristine_workspace / "verl" / SCRIPT, "qwen3_rl_t_conv_pristine"),
-        "mu0": _load(pristine_workspace / "verl" / MEGATRON_UTILS, "qwen3_rl_t_mu_pristine"),
+        "script": load_module(patched_imports / "verl" / SCRIPT, "qwen3_rl_t_conv_patched"),
+        "script0": load_module(pristine_workspace / "verl" / SCRIPT, "qwen3_rl_t_conv_pristine"),
+        "mu0": load_module(pristine_workspace / "verl" / MEGATRON_UTILS, "qwen3_rl_t_mu_pristine"),
     }
     import verl.utils.megatron_utils as mu
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import free_port
 
 from qwen3_rl.parallel.hdp import HDPAssignment, Placement, assign_hdp
 from qwen3_rl.parallel.hdp_runtime import HDPConfig, HDPRuntime, check_supported
@@ -288,12 +288,6 @@ def _worker(rank: int, port: int, seqs: list[torch.Tensor], weights, q: mp.Queue
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_gloo_subgroups_ring_attention_equals_full_computation() -> None:
     torch.manual_seed(1)
     lens = [40, 30, 9, 12, 5, 17, 3]
@@ -301,7 +295,7 @@ def test_gloo_subgroups_ring_attention_equals_full_computation() -> None:
     weights = tuple(torch.randn(D, D, dtype=torch.float64) / D ** 0.5 for _ in range(3))
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, port, seqs, weights, q)) for r in range(4)]
     for p in procs:
         p.start()

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from qwen3_rl.launch.netinfo import NetError, parse_addr_show, parse_route_get
 from qwen3_rl.launch.ray_status import ClusterError, ClusterStatus, parse_ray_status, wait_for_cluster
@@ -256,12 +257,6 @@ def stubs(tmp_path: Path):
     return root, bin_dir
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _errors(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if ln.startswith("error:")]
 
@@ -422,7 +417,7 @@ def test_missing_cann_is_one_line_error(stubs):
 
 def test_worker_cannot_reach_head(stubs):
     root, bin_dir = stubs
-    port = _free_port()  # nothing listens there
+    port = free_port()  # nothing listens there
     env = stub_env(root, bin_dir, CANN_HOME=str(make_cann(root)))
     p = run_launcher([S32, "--role", "worker", "--master-addr", "127.0.0.1", "--port", str(port), "--no-preflight",
                       "--join-retries", "2", "--join-interval", "0.1"], env)

@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import socket
 import sys
 import threading
 import time
@@ -22,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port, load_module
 from omegaconf import OmegaConf
 
 from qwen3_rl.moe.reshard import RolloutLayout, rollout_expert_range
@@ -319,15 +318,6 @@ def _grouped_experts(sd, layer: int, experts: range, etp: int, t: int) -> torch.
     return _node(weight1=_param(w1), weight2=_param(w2))
 
 
-def _load(path: Path, alias: str):
-    spec = importlib.util.spec_from_file_location(alias, path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[alias] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _same(a: list, b: list) -> bool:
     return [n for n, _ in a] == [n for n, _ in b] and all(
         x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y) for (_, x), (_, y) in zip(a, b, strict=True))
@@ -405,7 +395,7 @@ def _gloo_worker(rank: int, world: int, port: int, pristine_utils: str, results)
         import verl.utils.megatron_utils as mu
         from megatron.core import parallel_state as mpu
 
-        mu0 = sys.modules.get(_PRISTINE_ALIAS) or _load(Path(pristine_utils), _PRISTINE_ALIAS)  # forked: loaded
+        mu0 = sys.modules.get(_PRISTINE_ALIAS) or load_module(Path(pristine_utils), _PRISTINE_ALIAS)  # forked: loaded
         calls = {"a2a": 0, "a2a_numel": 0, "all_gather": 0}
         real_a2a, real_ag = dist.all_to_all_single, dist.all_gather
 
@@ -442,10 +432,8 @@ def test_patched_per_tensor_generator_gloo_4_ranks(patched_imports: Path, pristi
     assert Path(mu.__file__).is_relative_to(patched_imports)
     pristine_utils = str(pristine_workspace / "verl" / "verl" / "utils" / "megatron_utils.py")
     if _PRISTINE_ALIAS not in sys.modules:
-        _load(Path(pristine_utils), _PRISTINE_ALIAS)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        load_module(Path(pristine_utils), _PRISTINE_ALIAS)
+    port = free_port()
     world = 4
     with mp.Manager() as manager:
         results = manager.dict()

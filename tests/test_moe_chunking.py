@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import types
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -451,16 +451,10 @@ def _worker(rank: int, world: int, port: int, ws: Path) -> dict:
     return results
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_patched_forward_impl_chunks_on_two_ranks(patched_workspace: Path) -> None:
     """The real patched forward_impl on 2 gloo ranks (EP over both): chunked output equals the toy MoE
     and the unchunked run; every rank issues the same number of dispatch/combine rounds."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, VLLM_PLUGINS="none", VLLM_TARGET_DEVICE="cpu", OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(rank), "2", str(port),
                                str(patched_workspace)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -354,13 +355,10 @@ def _worker(rank: int, world: int, port: int, results) -> None:
 
 
 def test_gloo_all_to_all_single_delivers_exact_expert_weights() -> None:
-    import socket
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     world = 4
     with mp.Manager() as manager:
         results = manager.dict()
