@@ -553,17 +553,29 @@ def _match_step(AM, a, S, E, R, H, st, ln, tok):
 
 
 @njit(cache=True)
-def _prefetch_lookup(AM, a, S, st, tok):
-    """Request the line that looking up ``tok`` at state ``st`` reads after the state's record."""
+def _prefetch_lookup(AM, a, st, tok):
+    """Request the line that looking up ``tok`` at state ``st`` of automaton ``a`` reads after the state's
+    record (root slot, hub slot or list head); the record itself is read here."""
     if st == 0:
         if AM[a, A_RCAP]:
             _prefetch(AM[a, A_R] + 4 * RREC * _hash_slot(tok, AM[a, A_RCAP] - 1))
         return
-    f = S[SREC * st + 3]
+    f = _view(AM[a, A_S] + 4 * SREC * st, SREC)[3]
     if f < -1:
         _prefetch(AM[a, A_H] + 4 * HREC * _hub_slot(st, tok, AM[a, A_HCAP] - 1))
     elif f >= 0:
         _prefetch(AM[a, A_E] + 4 * EREC * f)
+
+
+@njit(cache=True, inline="always")
+def _cache_pointer(S, SM, s, nst):
+    """String ``s``'s (current) cache pointer (state, length), fixed up if the cache automaton (state
+    records ``S``, ``nst`` states now) grew since the pointer was last exact."""
+    st = SM[s, M_CST]
+    ln = SM[s, M_CLN]
+    if SM[s, M_CVER] != nst:
+        st = _match_fix(S, st, ln)
+    return st, ln
 
 
 @njit(cache=True)
@@ -591,10 +603,7 @@ def _cache_follow(AM, ca, SM, s, buf, row, j0, j1, S, E, R, H, fix_each=False):
     a call the automaton does not change and every step keeps the pointer exact (``fix_each``: fix up
     before every token, the reference the tests compare with).
     """
-    st = SM[s, M_CST]
-    ln = SM[s, M_CLN]
-    if fix_each or SM[s, M_CVER] != AM[ca, A_NST]:
-        st = _match_fix(S, st, ln)
+    st, ln = _cache_pointer(S, SM, s, AM[ca, A_NST])
     for i in range(j0, j1):
         if fix_each:
             st = _match_fix(S, st, ln)
@@ -692,7 +701,7 @@ def extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, complete,
     for i in range(n):  # ... then the line its first lookup reads (list head, hub slot or root slot)
         s = slots[i]
         if ends[i] > starts[i] and SM[s, M_CSTAMP] == stamp:
-            _prefetch_lookup(AM, ca, S, SM[s, M_CST], buf[rows[i], starts[i]])
+            _prefetch_lookup(AM, ca, SM[s, M_CST], buf[rows[i], starts[i]])
     for i in range(n):
         if ends[i] <= starts[i]:
             continue
@@ -863,12 +872,7 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                         Lph[lane] = 6
                         _prefetch(S + 4 * SREC * p2)
             elif ph == 6:  # its first edge (or its hub slot for the token)
-                p2 = Lx[lane]
-                f = _view(S + 4 * SREC * p2, SREC)[3]
-                if f < -1:
-                    _prefetch(AM[a, A_H] + 4 * HREC * _hub_slot(p2, tok, AM[a, A_HCAP] - 1))
-                elif f >= 0:
-                    _prefetch(AM[a, A_E] + 4 * EREC * f)
+                _prefetch_lookup(AM, a, Lx[lane], tok)
                 Lph[lane] = 3
             else:  # ph 3: suffix-link hops of the reached state (occurrence update walk)
                 if st > 0 and Lh[lane] > 0:
@@ -941,10 +945,7 @@ def propose_batch(slots, k, min_match, AM, SM, auto_str, ca, stamp, out, out_n):
             s = slots[i]
             if SM[s, M_CSTAMP] != stamp:
                 continue
-            st = SM[s, M_CST]
-            ln = SM[s, M_CLN]
-            if SM[s, M_CVER] != nst:
-                st = _match_fix(S, st, ln)
+            st, ln = _cache_pointer(S, SM, s, nst)
             tries = 0
             while st > 0 and tries < 4 and ln > best_len[i]:
                 pos = S[SREC * st + 2]

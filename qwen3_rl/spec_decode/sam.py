@@ -544,43 +544,34 @@ class SamProposer:
         if cur >= 0:
             auto = self._autos[cur]
             if len(auto.strings) + 1 > max_strings or auto.tokens + resp.shape[0] > 2 * cfg.cache_max_tokens:
-                cur = self._cache_compact(cur, min(cfg.cache_max_responses, K.MAX_STRINGS - 1),
-                                          cfg.cache_max_tokens)
-        if cur < 0:
-            cur = self._new_auto()
-            self._cache = cur
+                self._cache_compact(min(cfg.cache_max_responses, K.MAX_STRINGS - 1), cfg.cache_max_tokens)
+        self._cache_add(resp)
+
+    def _cache_add(self, toks: np.ndarray) -> None:
+        """Append one response to the cache automaton, opening a new one (new stamp) if there is none."""
+        if self._cache < 0:
+            self._cache = self._new_auto()
             self._cache_stamp = self._next_stamp
             self._next_stamp += 1
-        s = self._new_string(cur)
-        self._autos[cur].tokens += int(resp.shape[0])
+        s = self._new_string(self._cache)
+        self._autos[self._cache].tokens += int(toks.shape[0])
         # cache strings do not follow the cache (appended with the cache switched off)
-        self._append_string(s, resp, complete=True)
+        self._append_string(s, toks, complete=True)
 
-    def _cache_compact(self, cur: int, keep_responses: int, keep_tokens: int) -> int:
+    def _cache_compact(self, keep_responses: int, keep_tokens: int) -> None:
         """Rebuild the cache automaton from its newest responses (<= ``keep_responses``, <= ``keep_tokens``
-        tokens); returns the new automaton (-1 if nothing is kept). Bytes of the old one are freed."""
+        tokens) under a new stamp (none is left if nothing is kept). Bytes of the old one are freed."""
         kept: list[np.ndarray] = []
         total = 0
-        for s in reversed(self._autos[cur].strings):
+        for s in reversed(self._autos[self._cache].strings):
             n = int(self._SM[s, K.M_LEN])
             if len(kept) >= keep_responses or total + n > keep_tokens:
                 break
             kept.append(self._arrT[s][:n].copy())
             total += n
-        self._free_auto(cur)
-        self._cache = -1
-        self._cache_stamp = 0
-        if not kept:
-            return -1
-        new = self._new_auto()
-        self._cache = new
-        self._cache_stamp = self._next_stamp
-        self._next_stamp += 1
+        self.clear_cache()
         for toks in reversed(kept):
-            s = self._new_string(new)
-            self._autos[new].tokens += int(toks.shape[0])
-            self._append_string(s, toks, complete=True)
-        return new
+            self._cache_add(toks)
 
     def clear_cache(self) -> None:
         """Drop the finished-response cache."""
@@ -610,7 +601,7 @@ class SamProposer:
                                    self._AM[a, K.A_NST])[0]) for a in self._autos)
 
     def nbytes(self) -> int:
-        """Bytes held by the per-token arrays (token buffers, states, edges, root hashes; capacity)."""
+        """Bytes held by the per-token arrays (tokens, states, edges, root hashes, hub indexes; capacity)."""
         return self._nbytes
 
     def num_tokens(self) -> int:
