@@ -418,7 +418,7 @@ def test_cache_pointer_fixup_once_matches_reference():
         for other in ptr[1:]:
             np.testing.assert_array_equal(ptr[0], other)
         hubs = max(hubs, props[1].num_hubs())
-        for r in rids[: int(rng.integers(0, 3))]:  # finished responses grow the cache / open generations
+        for r in rids[: int(rng.integers(0, 3))]:  # finished responses grow the cache / rebuild it
             for p in props:
                 p.finish(r)
             del live[r]
