@@ -1,0 +1,90 @@
+"""Run the real vLLM 0.13.0 engine (CPU build, patched tree) for one or more configurations, in this
+process, one after another; print one JSON line with the results.
+
+    python tests/engine/engine_driver.py SPEC.json
+
+SPEC: {"workspace": DIR, "model": DIR, "prompts": [[token ids], ...], "runs": [RUN, ...]}
+RUN:  {"name": str, "llm": {LLM kwargs}, "sampling": {SamplingParams kwargs},
+       "prompts": optional override, "phases": optional [[prompt indices], ...] (one generate call per
+       phase, to drive batch sizes)}
+Each result: {"name", "outputs": [[token ids] per prompt (per phase, flattened in order)],
+"metrics": vLLM's own counters from LLM.get_metrics(), "drafter": the runner's drafter state}.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import workspace  # noqa: E402
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+
+
+def counters(llm) -> dict[str, float]:
+    """vLLM's own spec-decode counters (Prometheus-style metrics of the v1 engine)."""
+    out = {}
+    for m in llm.get_metrics():
+        if m.name in SPEC_COUNTERS:
+            out[m.name.split(":", 1)[1]] = float(getattr(m, "value", 0) or 0)
+    return out
+
+
+def runner_of(llm):
+    """The engine's model runner (in-process engine, uniproc executor)."""
+    core = llm.llm_engine.engine_core.engine_core
+    return core.model_executor.driver_worker.worker.model_runner
+
+
+def drafter_state(llm) -> dict:
+    runner = runner_of(llm)
+    d = getattr(runner, "drafter", None)
+    if d is None:
+        return {}
+    st = {"class": type(d).__name__}
+    gate = getattr(d, "gate", None)
+    if gate is not None:
+        st["gate"] = {"threshold": gate.threshold, "steps_on": gate.steps_on, "steps_off": gate.steps_off,
+                      "switches": gate.switches}
+    return st
+
+
+def main() -> int:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    workspace.activate(Path(spec["workspace"]))
+    import shims
+
+    shims.install_ascend_pytorch_rejection_sampler(Path(spec["workspace"]) / "vllm-ascend")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    results = []
+    for run in spec["runs"]:
+        prompts = run.get("prompts", spec["prompts"])
+        kwargs = dict(model=spec["model"], dtype="float32", enforce_eager=True, seed=0,
+                      compilation_config={"custom_ops": ["none"]}, max_model_len=512,
+                      gpu_memory_utilization=0.5, disable_log_stats=False)
+        kwargs.update(run.get("llm", {}))
+        llm = LLM(**kwargs)
+        sp = SamplingParams(**{"temperature": 0.0, "max_tokens": 64, "ignore_eos": True, **run.get("sampling", {})})
+        phases = run.get("phases") or [list(range(len(prompts)))]
+        outs = []
+        for idx in phases:
+            res = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in idx], sp, use_tqdm=False)
+            outs += [list(o.outputs[0].token_ids) for o in res]
+        results.append({"name": run["name"], "outputs": outs, "metrics": counters(llm),
+                        "drafter": drafter_state(llm)})
+        del llm
+        gc.collect()
+    print("ENGINE_RESULT " + json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

