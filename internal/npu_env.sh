@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # CANN / HCCL / torch-npu environment, sourced by ray_start_npu.sh on every node BEFORE `ray start`
 # (Ray workers inherit it). Setup-specific settings (timeouts, vLLM switches) live in the optional
-# ENV_SCRIPT, which the launcher sources first; this file only fills in what is still unset.
+# ENV_SCRIPT, which the launcher sources first; this file only fills in what is still unset, including
+# the vLLM-Ascend settings every setup needs (`python -m qwen3_rl preflight` checks them).
 #
 #   source internal/npu_env.sh [--check=strict|warn]
 #
@@ -79,6 +80,10 @@ export ASCEND_GLOBAL_LOG_LEVEL=${ASCEND_GLOBAL_LOG_LEVEL:-3}
 export ASCEND_SLOG_PRINT_TO_STDOUT=${ASCEND_SLOG_PRINT_TO_STDOUT:-0}
 # HCCL rendezvous: a cluster of 8 nodes needs more than the 120 s default to connect.
 export HCCL_CONNECT_TIMEOUT=${HCCL_CONNECT_TIMEOUT:-1200}
+# vLLM-Ascend: no FRACTAL_NZ weight format. Its default (1) casts only quantized weights (bf16 is
+# untouched), but NPUWorker.wake_up raises for any non-zero value (vllm_ascend/worker/worker.py:181-184),
+# and every setup wakes the rollout engine each step (sleep mode, rollout.free_cache_engine=True).
+export VLLM_ASCEND_ENABLE_NZ=${VLLM_ASCEND_ENABLE_NZ:-0}
 unset _q3_mode _q3_toolkit _q3_atb _q3_c _q3_rc
 # shellcheck disable=SC2317  # reached when the file is executed instead of sourced
 return 0 2>/dev/null || true

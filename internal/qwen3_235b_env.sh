@@ -11,10 +11,13 @@ export HCCL_EXEC_TIMEOUT=${HCCL_EXEC_TIMEOUT:-3600}
 # HCCL communication buffer per rank (MB).
 export HCCL_BUFFSIZE=${HCCL_BUFFSIZE:-512}
 
-# torch_npu: asynchronous task queue level 2 (fewer host-bound gaps), expandable segments against
-# fragmentation between training and rollout.
+# torch_npu: asynchronous task queue level 2 (fewer host-bound gaps).
 export TASK_QUEUE_ENABLE=${TASK_QUEUE_ENABLE:-2}
-export PYTORCH_NPU_ALLOC_CONF=${PYTORCH_NPU_ALLOC_CONF:-expandable_segments:True}
+# PYTORCH_NPU_ALLOC_CONF is deliberately left unset: vLLM-Ascend's sleep-mode allocator refuses
+# expandable_segments:True in it (vllm_ascend/device_allocator/camem.py:145-149), and every setup runs
+# the rollout in sleep mode (rollout.free_cache_engine=True). Training still gets expandable segments
+# against fragmentation: verl patch 0004 (qwen3_rl/compat/allocator.py) switches them on at run time
+# for training and off before the rollout wakes up. `python -m qwen3_rl preflight` refuses the export.
 
 # vLLM: V1 engine; keep the external-launcher engine in-process (verl's sync SPMD rollout).
 export VLLM_USE_V1=${VLLM_USE_V1:-1}
