@@ -1,23 +1,33 @@
 #!/usr/bin/env bash
-# The test command: lint (ruff, shellcheck) then pytest, in the venv made by tests/setup_env.sh.
+# The test command: lint (ruff, shellcheck), then pytest in the main venv (tests/setup_env.sh) and the
+# real-engine tests (tests/engine, marker "engine") in the engine venv (tests/setup_engine_env.sh).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${QWEN3_RL_VENV:-${HOME}/.cache/qwen3_rl/venv}"
+ENGINE_VENV="${QWEN3_RL_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/engine-venv}"
 
 usage() {
   cat <<'USAGE'
 usage: bash tests/run_tests.sh [PYTEST_ARGS...]
-Runs ruff and shellcheck on the repo, then pytest (extra arguments go to pytest).
+Runs ruff and shellcheck on the repo, then pytest twice with the same arguments: the main suite in
+$QWEN3_RL_VENV and tests/engine (vLLM 0.13.0's real CPU engine) in $QWEN3_RL_ENGINE_VENV.
+Examples:  bash tests/run_tests.sh -m engine        # the real-engine tests alone
+           bash tests/run_tests.sh tests/test_pins.py
+Test paths decide the part: paths only under tests/engine skip the main run, paths elsewhere skip
+the engine run. Either part collecting nothing is fine as long as the other ran tests.
 USAGE
 }
 
 main() {
   case "${1:-}" in -h|--help) usage; return 0 ;; esac
-  if [[ ! -x "${VENV}/bin/python" ]]; then
-    echo "error: no test environment at ${VENV}; run: bash tests/setup_env.sh" >&2
-    return 1
-  fi
+  local v
+  for v in "${VENV}" "${ENGINE_VENV}"; do
+    if [[ ! -x "${v}/bin/python" ]]; then
+      echo "error: no test environment at ${v}; run: bash tests/setup_env.sh && bash tests/setup_engine_env.sh" >&2
+      return 1
+    fi
+  done
   cd "${HERE}"
   echo "== ruff"
   "${VENV}/bin/ruff" check qwen3_rl tests
@@ -27,14 +37,39 @@ main() {
   if [[ ${#scripts[@]} -gt 0 ]]; then
     "${VENV}/bin/shellcheck" -x "${scripts[@]}"
   fi
-  echo "== pytest"
-  local rc=0
-  "${VENV}/bin/python" -m pytest "$@" || rc=$?
-  if [[ ${rc} -eq 5 ]]; then
+  local arg main_paths=0 engine_paths=0
+  for arg in "$@"; do
+    [[ "${arg}" == -* || ! -e "${arg%%::*}" ]] && continue
+    case "$(realpath "${arg%%::*}")" in
+      "${HERE}/tests/engine"*) engine_paths=1 ;;
+      *) main_paths=1 ;;
+    esac
+  done
+  local rc_main=5 rc_engine=5
+  if (( main_paths || ! engine_paths )); then
+    echo "== pytest (main venv)"
+    rc_main=0
+    "${VENV}/bin/python" -m pytest "$@" || rc_main=$?
+  fi
+  if (( engine_paths || ! main_paths )); then
+    echo "== pytest (engine venv: tests/engine)"
+    local eargs=("$@")
+    (( engine_paths )) || eargs=(tests/engine "$@")
+    rc_engine=0
+    "${ENGINE_VENV}/bin/python" -m pytest "${eargs[@]}" || rc_engine=$?
+  fi
+  echo "== pytest exit codes: main ${rc_main}, engine ${rc_engine} (5 = nothing collected)"
+  if [[ ${rc_main} -eq 5 && ${rc_engine} -eq 5 ]]; then
     echo "error: pytest collected no tests" >&2
     return 1
   fi
-  return "${rc}"
+  local rc
+  for rc in "${rc_main}" "${rc_engine}"; do
+    if [[ ${rc} -ne 0 && ${rc} -ne 5 ]]; then
+      return "${rc}"
+    fi
+  done
+  return 0
 }
 
 main "$@"

