@@ -4,13 +4,17 @@ verl patch 0010 builds one ``HDPRuntime`` per actor when ``actor_rollout_ref.act
 (default false) and calls it from ``forward_backward_batch`` / ``compute_log_prob`` / the mcore forward.
 Every rank of a CP group holds the same mini-batch (verl dispatches by DP), computes the same assignment
 from the sequence lengths (deterministic), and runs its own ``HDPMicroBatch`` list; all ranks of the CP group
-get the same number of micro-batches (Megatron's schedule needs it).
+get the same number of micro-batches (Megatron's schedule needs it). Across data-parallel groups the mini-batches
+differ, and so would the micro-batch counts; but the MoE expert-parallel all-to-alls span the DP ranks, so a rank
+that ran fewer micro-batches would leave the others waiting in an all-to-all. ``plan`` therefore takes the world-wide
+maximum of the count (all-reduce MAX, as verl 0.6.1's ``rearrange_micro_batches`` does for dynamic batching,
+verl/utils/seqlen_balancing.py:304-307) and pads with filler-only micro-batches that carry no loss.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +83,10 @@ class HDPRuntime:
     """Per-actor HDP state that does not change between steps: sizes, token budget, process groups."""
 
     def __init__(self, cfg: HDPConfig, cp_rank: int, cp_size: int, tp_size: int, token_budget: int,
-                 process_groups: HDPProcessGroups | None = None, cp_group: Any = None) -> None:
+                 process_groups: HDPProcessGroups | None = None, cp_group: Any = None,
+                 sync_num_micro_batches: Callable[[int], int] | None = None) -> None:
+        """sync_num_micro_batches: this rank's micro-batch count -> the count every rank runs (the maximum over
+        all ranks whose schedules meet in collectives; collective). None: the local count (single process)."""
         if cp_size < 2 or cp_size & (cp_size - 1):
             raise ValueError(f"HDP needs a power-of-two context_parallel_size >= 2, got {cp_size}")
         self.cfg = cfg
@@ -89,10 +96,15 @@ class HDPRuntime:
         self.token_budget = int(cfg.token_budget or token_budget)
         self.process_groups = process_groups
         self.cp_group = cp_group
+        self.sync_num_micro_batches = sync_num_micro_batches
 
     @classmethod
-    def from_megatron(cls, cfg: HDPConfig, mpu: Any, default_token_budget: int) -> HDPRuntime:
-        """Build with Megatron's parallel state (collective: every rank of the world must call it)."""
+    def from_megatron(cls, cfg: HDPConfig, mpu: Any, default_token_budget: int,
+                      device: torch.device | str | int | None = None) -> HDPRuntime:
+        """Build with Megatron's parallel state (collective: every rank of the world must call it).
+
+        device: where the micro-batch-count all-reduce runs (the accelerator for HCCL/NCCL; None = CPU, gloo).
+        """
         import torch.distributed as dist
 
         mine = list(mpu.get_context_parallel_global_ranks())
@@ -100,22 +112,36 @@ class HDPRuntime:
         dist.all_gather_object(world, mine)
         cp_groups = sorted({tuple(g) for g in world if g is not None})
         pgs = HDPProcessGroups.build([list(g) for g in cp_groups], mine, lambda ranks: dist.new_group(ranks))
+
+        def world_max(n: int) -> int:
+            # every rank of the world, as verl's rearrange_micro_batches(dp_group=None): DP x CP (TP and PP peers
+            # hold the same mini-batch, so they agree anyway)
+            t = torch.tensor([int(n)], dtype=torch.int64, device=device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            return int(t.item())
+
         return cls(cfg, mpu.get_context_parallel_rank(), mpu.get_context_parallel_world_size(),
                    mpu.get_tensor_model_parallel_world_size(), default_token_budget, pgs,
-                   mpu.get_context_parallel_group())
+                   mpu.get_context_parallel_group(), world_max)
 
     def plan(self, attention_mask: torch.Tensor, loss_mask: torch.Tensor | None = None) -> HDPStep:
         """Assignment and this rank's micro-batches; attention_mask [B, L] bool, loss_mask [B, R] (tokens the
-        loss averages over, e.g. response_mask; None -> no loss scaling)."""
+        loss averages over, e.g. response_mask; None -> no loss scaling). Collective when
+        ``sync_num_micro_batches`` is set: the micro-batch count is the maximum over the ranks, the micro-batches
+        past this CP group's own count are filler-only (loss scale 0)."""
         lens = attention_mask.sum(-1).tolist()
         a = assign_hdp(lens, self.cp_size, self.token_budget, self.cfg.cost_model, align=self.align)
-        mbs = plan_micro_batches(a, self.cp_rank, process_groups=self.process_groups)
+        n = a.num_micro_batches
+        if self.sync_num_micro_batches is not None:
+            n = self.sync_num_micro_batches(n)
+        mbs = plan_micro_batches(a, self.cp_rank, process_groups=self.process_groups, num_micro_batches=n)
         if loss_mask is not None:
             per_seq = loss_mask.sum(-1).tolist()
             group_tokens = sum(per_seq)
             if group_tokens > 0:
+                # Megatron scales each micro-batch loss by C / (micro-batches it runs): the padded count
                 mbs = [dataclasses.replace(mb, loss_scale=hdp_loss_scale(
-                    sum(per_seq[i] for i in mb.seq_indices if i != FILLER), group_tokens, a.num_micro_batches))
+                    sum(per_seq[i] for i in mb.seq_indices if i != FILLER), group_tokens, n))
                        for mb in mbs]
         return HDPStep(a, mbs)
 

@@ -156,6 +156,11 @@ class HDPMicroBatch:
         return [s.seq for s in self.segments]
 
     @property
+    def is_filler(self) -> bool:
+        """True when this rank runs only filler tokens in this micro-batch (no loss, no output rows)."""
+        return all(s.seq == FILLER for s in self.segments)
+
+    @property
     def num_tokens(self) -> int:
         return sum(s.local_length for s in self.segments)
 
@@ -203,16 +208,23 @@ def _group(segs: list[HDPSegment]) -> HDPGroupSlice:
 
 
 def plan_micro_batches(assignment: HDPAssignment, rank: int, align: int | None = None,
-                       process_groups: HDPProcessGroups | None = None) -> list[HDPMicroBatch]:
+                       process_groups: HDPProcessGroups | None = None,
+                       num_micro_batches: int | None = None) -> list[HDPMicroBatch]:
     """Per micro-batch, the ``HDPMicroBatch`` of CP-group rank ``rank`` (every rank gets the same count).
 
     A rank with nothing to run in a micro-batch gets one filler segment (``seq == FILLER``, ``align`` tokens
     on its own rank) so that every rank runs the micro-batch; fillers carry no loss and no output.
 
-    align defaults to the assignment's. loss_scale is left at 1.0 (set with ``dataclasses.replace``).
+    num_micro_batches: how many micro-batches to return (default: the assignment's); the ones past the
+    assignment's are filler-only on every rank. This is how all data-parallel groups run the same count (the
+    expert-parallel all-to-alls span them). align defaults to the assignment's. loss_scale is left at 1.0 (set
+    with ``dataclasses.replace``).
     """
     al = assignment.align if align is None else align
-    per_mb: list[list[tuple[tuple[int, int, int], Any]]] = [[] for _ in range(assignment.num_micro_batches)]
+    total = assignment.num_micro_batches if num_micro_batches is None else int(num_micro_batches)
+    if total < assignment.num_micro_batches:
+        raise ValueError(f"num_micro_batches {total} < the assignment's {assignment.num_micro_batches}")
+    per_mb: list[list[tuple[tuple[int, int, int], Any]]] = [[] for _ in range(total)]
     for p in assignment.placements:
         if rank in p.ranks:
             per_mb[p.micro_batch].append(((p.block_size, p.block_start, p.seq), p))
@@ -228,8 +240,7 @@ def plan_micro_batches(assignment: HDPAssignment, rank: int, align: int | None =
             off += seg.local_length
         if not segs:  # Megatron cannot run 0 tokens: a filler of `al` tokens (seq -1, no loss, no output)
             segs.append(HDPSegment(FILLER, rank, 1, 0, al, al, 0))
-        out.append(HDPMicroBatch(rank, assignment.cp_size, m, assignment.num_micro_batches, al, tuple(segs),
-                                 process_groups=process_groups))
+        out.append(HDPMicroBatch(rank, assignment.cp_size, m, total, al, tuple(segs), process_groups=process_groups))
     return out
 
 
