@@ -103,12 +103,17 @@ if [[ $DRY == 1 ]]; then
   exit $?
 fi
 
-# 3. preflight (all problems at once) before anything starts
+# 3. preflight (all problems at once) before anything starts; with --no-preflight still the environment
+#    contract (env vars / engine keys the pinned upstream refuses at start-up or wake-up; no file or node access)
+pre=(q3 preflight "${P[TRAIN_SCRIPT]}" --npu-env "${P[NPU_ENV]}" --nnodes "${P[NNODES]}"
+     --npus-per-node "${P[NPUS_PER_NODE]}" --role "${P[ROLE]}")
+[[ -n "${P[ENV_SCRIPT]}" ]] && pre+=(--env-script "${P[ENV_SCRIPT]}")
+extra=()
+((${#TRAIN_CMD[@]} > 2)) && extra=(-- "${TRAIN_CMD[@]:2}")
 if [[ "${P[PREFLIGHT]}" == 1 ]]; then
-  extra=()
-  ((${#TRAIN_CMD[@]} > 2)) && extra=(-- "${TRAIN_CMD[@]:2}")
-  q3 preflight "${P[TRAIN_SCRIPT]}" --nnodes "${P[NNODES]}" --npus-per-node "${P[NPUS_PER_NODE]}" \
-    --role "${P[ROLE]}" "${extra[@]}" || die "preflight failed (see above); fix it or pass --no-preflight"
+  "${pre[@]}" "${extra[@]}" || die "preflight failed (see above); fix it or pass --no-preflight"
+else
+  "${pre[@]}" --env-only "${extra[@]}" || die "the environment breaks the pinned upstream's contract (see above)"
 fi
 
 mkdir -p "${P[LOG_DIR]}"

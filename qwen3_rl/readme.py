@@ -1,4 +1,5 @@
-"""Generated sections of README.md (pin table, patch table): ``python -m qwen3_rl readme --write|--check``.
+"""Generated sections of README.md (pins, patches, switches, environment contract):
+``python -m qwen3_rl readme --write|--check``.
 
 A section sits between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``; ``--check``
 exits 1 when README.md differs from what the pin file and the patch headers say.
@@ -60,7 +61,14 @@ def _switches() -> str:
     return "\n".join(out)
 
 
-SECTIONS: dict[str, Callable[[], str]] = {"pins": _pins, "patches": _patches, "switches": _switches}
+def _env_contract() -> str:
+    from qwen3_rl.launch.env_contract import markdown_table as contract_table
+
+    return contract_table()
+
+
+SECTIONS: dict[str, Callable[[], str]] = {"pins": _pins, "patches": _patches, "switches": _switches,
+                                          "env-contract": _env_contract}
 
 
 def render(text: str) -> str:

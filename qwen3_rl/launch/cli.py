@@ -118,10 +118,10 @@ def format_plan(plan: LaunchPlan, env_now: dict[str, str], env_before: dict[str,
     if plan.env_script:
         add(f"source (set -a) {plan.env_script}")
     add(f"source {plan.npu_env}  (CANN from {plan.cann_home}; HCCL/GLOO sockets on {plan.ifname})")
-    if plan.preflight:
-        add(f"{plan.python} -m qwen3_rl preflight {plan.train_script} --nnodes {plan.nnodes} --npus-per-node "
-            f"{plan.npus_per_node} --role {plan.role}" + (f" --env-script {plan.env_script}" if plan.env_script
-                                                          else ""))
+    add(f"{plan.python} -m qwen3_rl preflight {plan.train_script} --npu-env {plan.npu_env} --nnodes {plan.nnodes} "
+        f"--npus-per-node {plan.npus_per_node} --role {plan.role}"
+        + (f" --env-script {plan.env_script}" if plan.env_script else "")
+        + ("" if plan.preflight else " --env-only  (--no-preflight: the environment contract only)"))
     if plan.cpu_binding:
         add(f"{plan.python} -m qwen3_rl launch cpu-map (npu-smi info -t topo) then cpu-bind in the background")
         if cpu_map:
@@ -150,7 +150,8 @@ def format_plan(plan: LaunchPlan, env_now: dict[str, str], env_before: dict[str,
     changed.update(launcher)
     for k in sorted(changed):
         lines.append(f"  {k}={changed[k]}")
-    lines.append("preflight (a real launch stops on errors):" if plan.preflight else "preflight: skipped")
+    lines.append("preflight (a real launch stops on errors):" if plan.preflight
+                 else "preflight: skipped; environment contract (a real launch stops on errors):")
     lines += ["  " + ln for ln in preflight_lines]
     return "\n".join(lines)
 
@@ -162,13 +163,13 @@ def cmd_show(argv: list[str]) -> int:
     plan = _load(a.plan_dir)
     before = json.loads((Path(a.plan_dir) / "env.before.json").read_text())
     now = dict(os.environ)
-    pre: list[str] = []
-    if plan.preflight:
-        from qwen3_rl.launch.preflight import run_preflight
+    from qwen3_rl.launch.preflight import run_preflight
 
-        findings = run_preflight(plan.train_script, None, plan.nnodes, plan.npus_per_node, plan.role,
-                                 extra_args=plan.train_args, env=train_env(plan, now))
-        pre = [f.line() for f in findings] or ["no problems found"]
+    # the same check as the real launch (ray_start_npu.sh step 3): full preflight, or the env contract only
+    findings = run_preflight(plan.train_script, plan.env_script or None, plan.nnodes, plan.npus_per_node, plan.role,
+                             extra_args=plan.train_args, env=train_env(plan, now), npu_env=plan.npu_env,
+                             env_only=not plan.preflight)
+    pre = [f.line() for f in findings] or ["no problems found"]
     cpu_map = None
     if plan.cpu_binding:
         try:

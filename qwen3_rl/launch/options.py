@@ -152,7 +152,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--ray-arg", action="append", default=None, metavar="ARG",
                     help="extra 'ray start' argument, repeatable (e.g. --ray-arg=--num-cpus=64) [RAY_START_ARGS]")
     ap.add_argument("--no-preflight", action="store_true", default=None,
-                    help="skip 'python -m qwen3_rl preflight' before ray start [SKIP_PREFLIGHT=1]")
+                    help="skip 'python -m qwen3_rl preflight' before ray start, except its environment "
+                         "contract (--env-only) [SKIP_PREFLIGHT=1]")
     ap.add_argument("--dry-run", action="store_true", help="print every command and the environment; run nothing")
     ap.add_argument("--stop", action="store_true", help="stop the Ray (and training) this launcher started here")
     ap.add_argument("-h", "--help", action="store_true", help="show this help")

@@ -11,7 +11,13 @@ verl command with every default resolved), then checks, all at once:
   (EP×ETP×PP) too, EP divides the experts, TP divides heads and KV heads, layers split over PP,
   rollout TP×DP = world;
 * batches: the sizes verl and Megatron divide really divide;
-* lengths: prompt + response fits the model's context (and the dynamic-batch token budget).
+* lengths: prompt + response fits the model's context (and the dynamic-batch token budget);
+* environment contract (:mod:`qwen3_rl.launch.env_contract`): the environment the Ray workers will get
+  -- the user's, then the launcher's env file(s) sourced by bash exactly as ``ray_start_npu.sh`` does
+  (``--env-script`` with ``set -a``, then ``--npu-env``), then the command's Ray runtime-env variables --
+  and the engine keys, against what the pinned verl / vLLM / vLLM-Ascend refuse at start-up, sleep or
+  wake-up. One line per broken rule: ``error: env-contract[<id>]: VAR=value ... (file:line)``.
+  ``--env-only`` runs just this check (the launcher runs it even with ``--no-preflight``).
 
 Each problem is one line; the command exits 1 when any error is found. Warnings (e.g. very low KV
 concurrency from the per-die memory planner ``qwen3_rl.plan``) do not fail the check.
@@ -29,8 +35,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from qwen3_rl.launch.env_contract import (
+    CONTRACT_CHECK,
+    DEFAULT_NPU_ENV,
+    EngineContext,
+    EnvResolveError,
+    check_env,
+    resolve_launch_env,
+)
 from qwen3_rl.launch.npu_smi import NpuSmiError, parse_chip_map, run_npu_smi
-from qwen3_rl.launch.train_script import TrainScriptError, parse_train_script
+from qwen3_rl.launch.train_script import TrainCommand, TrainScriptError, parse_train_script
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,6 +67,8 @@ class Finding:
     message: str
 
     def line(self) -> str:
+        if self.check.startswith(CONTRACT_CHECK + "["):  # env-contract[<rule id>]: names the rule itself
+            return f"{self.level}: {self.check}: {self.message}"
         return f"{self.level}: [{self.check}] {self.message}"
 
 
@@ -210,9 +226,7 @@ def check_lengths(vals: Mapping[str, str], cfg: Mapping[str, Any] | None) -> lis
         if budget is not None and budget < total:
             out.append(_err("length", f"ppo_max_token_len_per_gpu {budget} < prompt + response {total}: one "
                                       "sequence would not fit a micro-batch"))
-    mbt = _get_int(vals, R + "max_num_batched_tokens")
-    if mbt is not None and mbt < total and not _get_bool(vals, R + "enable_chunked_prefill", True):
-        out.append(_err("length", f"rollout.max_num_batched_tokens {mbt} < {total} without chunked prefill"))
+    # max_num_batched_tokens against max_model_len / max_num_seqs: env-contract rules (verl and vLLM refuse it)
     return out
 
 
@@ -242,6 +256,12 @@ def check_kv_concurrency(vals: Mapping[str, str], cfg: Mapping[str, Any] | None)
         return [_warn("memory", f"KV cache fits only {conc} sequences of {p + r} tokens per rollout engine "
                                 f"(KV budget {plan['kv_budget_gib']:.1f} GiB/die; see python -m qwen3_rl plan)")]
     return []
+
+
+def check_contract(cmd: TrainCommand, cfg: Mapping[str, Any] | None) -> list[Finding]:
+    """The environment contract on the command's environment and engine keys (one error per broken rule)."""
+    ctx = EngineContext.from_overrides(cmd.override_map(), cfg)
+    return [_err(f"{CONTRACT_CHECK}[{v.rule.id}]", v.message()) for v in check_env(cmd.env, ctx)]
 
 
 # --- file checks ---------------------------------------------------------------------------------
@@ -368,27 +388,40 @@ def check_patches(workspace: str | None, only: str | None = None, timeout_s: flo
 def run_preflight(train_script: str, env_script: str | None = None, nnodes: int | None = None,
                   npus_per_node: int | None = None, role: str = "head", workspace: str | None = None,
                   extra_args: list[str] | None = None, node_checks: bool = True,
-                  env: Mapping[str, str] | None = None, patch_only: str | None = None) -> list[Finding]:
-    """All checks; returns findings (errors and warnings) in a stable order."""
+                  env: Mapping[str, str] | None = None, patch_only: str | None = None,
+                  npu_env: str | os.PathLike[str] | None = DEFAULT_NPU_ENV, env_only: bool = False) -> list[Finding]:
+    """All checks; returns findings (errors and warnings) in a stable order.
+
+    The train script is read in the environment the launcher would give it: ``env`` (default: this
+    process's) with ``env_script`` and then ``npu_env`` sourced by bash (``npu_env=None``: not sourced).
+    ``env_only``: only the environment contract.
+    """
     env = dict(os.environ if env is None else env)
     if nnodes is not None:
         env["NNODES"] = str(nnodes)
     if npus_per_node is not None:
         env["NPUS_PER_NODE"] = str(npus_per_node)
     try:
-        cmd = parse_train_script(train_script, env=env, env_file=env_script, extra_args=extra_args)
+        env = resolve_launch_env(env, env_script, npu_env)
+    except EnvResolveError as exc:
+        return [_err("env", str(exc))]
+    try:
+        cmd = parse_train_script(train_script, env=env, extra_args=extra_args)
     except TrainScriptError as exc:
         return [_err("script", str(exc))]
     vals = cmd.override_map()
+    cfg = load_config(vals.get("actor_rollout_ref.model.path"))
+    if env_only:
+        return check_contract(cmd, cfg)
     findings: list[Finding] = []
     if node_checks:
         findings += check_npus(npus_per_node or _get_int(vals, "trainer.n_gpus_per_node", 16) or 16)
         findings += check_cann(env)
         findings += check_patches(workspace, patch_only)
+    findings += check_contract(cmd, cfg)
     findings += check_model(vals)
     if role == "head":
         findings += check_datasets(vals)
-    cfg = load_config(vals.get("actor_rollout_ref.model.path"))
     try:
         findings += check_world(vals, nnodes, npus_per_node)
         findings += check_layout(vals, cfg)
@@ -403,7 +436,13 @@ def run_preflight(train_script: str, env_script: str | None = None, nnodes: int 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qwen3_rl preflight", description=__doc__.split("\n")[0])
     ap.add_argument("train_script")
-    ap.add_argument("--env-script", help="env script sourced before the train script (like the launcher)")
+    ap.add_argument("--env-script", help="env script sourced (set -a) before the train script, like the launcher's "
+                                         "ENV_SCRIPT")
+    ap.add_argument("--npu-env", default=os.environ.get("NPU_ENV_SCRIPT") or str(DEFAULT_NPU_ENV),
+                    help="the launcher's CANN/HCCL/vLLM env file, sourced after --env-script ('' = none) "
+                         "[NPU_ENV_SCRIPT; default internal/npu_env.sh]")
+    ap.add_argument("--env-only", action="store_true",
+                    help="only the environment contract (the env vars and engine keys pinned upstream refuses)")
     ap.add_argument("--nnodes", type=int, help="nodes the launcher will start (default: the script's)")
     ap.add_argument("--npus-per-node", type=int, help="NPU dies per node (default: the script's)")
     ap.add_argument("--role", choices=("head", "worker"), default="head",
@@ -416,13 +455,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="extra Hydra overrides passed to the train script")
     a = ap.parse_intermixed_args(argv)
     findings = run_preflight(a.train_script, a.env_script, a.nnodes, a.npus_per_node, a.role, a.workspace,
-                             a.overrides, node_checks=not a.no_node_checks, patch_only=a.only)
+                             a.overrides, node_checks=not a.no_node_checks, patch_only=a.only,
+                             npu_env=a.npu_env or None, env_only=a.env_only)
     errors = [f for f in findings if f.level == "error"]
     if a.json:
         print(json.dumps([f.__dict__ for f in findings], indent=1))
     else:
         for f in findings:
             print(f.line(), file=sys.stderr if f.level == "error" else sys.stdout)
-        print(f"preflight: {len(errors)} error(s), {len(findings) - len(errors)} warning(s)"
+        print(f"preflight{' (environment contract only)' if a.env_only else ''}: {len(errors)} error(s), "
+              f"{len(findings) - len(errors)} warning(s)"
               f"{'' if errors else ' - OK'}")
     return 1 if errors else 0
