@@ -232,8 +232,15 @@ def _rank_main(rank: int, port: int, results) -> None:
             "hdp": {"enable": True, "token_budget": BUDGET}})
         actor = ma.MegatronPPOActor(config, None, None, SimpleNamespace(sequence_parallel=False), [model],
                                     _DdpSgd(model))
+        out["new_groups"] = list(made)
+        # a second runtime (e.g. another actor) reuses the groups; the whole-CP block is Megatron's CP group
+        from qwen3_rl.parallel.hdp_runtime import HDPConfig, HDPRuntime
+
+        again = HDPRuntime.from_megatron(HDPConfig(enable=True), mpu, 16)
         dist.new_group = real_new_group
-        out["new_groups"] = made
+        out["new_groups_again"] = made[len(out["new_groups"]):]
+        out["full_block_is_cp_group"] = actor._hdp.process_groups.group(0, CP) is mpu.cp_group
+        out["same_groups"] = again.process_groups is actor._hdp.process_groups
 
         batch = make_batch(rank // CP)  # verl dispatches by DP: both CP ranks of a group hold the same rows
         data = DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0, "use_dynamic_bsz": True,
@@ -286,6 +293,9 @@ def test_unequal_dp_groups_run_the_same_micro_batches(patched_imports: Path) -> 
         assert "error" not in out, f"rank {rank}:\n{out['error']}"
     params, ref_lps = reference_update()
     for rank, out in res.items():
+        # HDP sub-groups: blocks of 1 rank only (CP 2: the block of 2 is Megatron's CP group), made once
+        assert out["new_groups"] == [(0,), (1,), (2,), (3,)], (rank, out["new_groups"])
+        assert out["new_groups_again"] == [] and out["same_groups"] and out["full_block_is_cp_group"], rank
         # every rank ran the world-wide maximum, in compute_log_prob (phase 1) and in the update (phase 2)
         assert out["micro_batches"] == {1: 4, 2: 4}, (rank, out["micro_batches"])
         # statistics only from the micro-batches in which the rank runs a sequence (not from filler-only ones)

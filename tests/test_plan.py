@@ -300,3 +300,32 @@ def test_real_train_script_parser():
     assert plan["rollout"]["weights_gib_per_die"] == pytest.approx(7.09, rel=0.02)
     assert 20 <= plan["rollout"]["max_concurrent_seqs"] <= 30
     assert plan["training"]["layout"]["world"] == 128
+
+
+@pytest.mark.parametrize("cp, comms", [(2, 0), (4, 1), (8, 2)])
+def test_hdp_sub_group_hccl_buffers(capsys, cp, comms):
+    """--actor-hdp counts the HCCL communicators of HDP's CP sub-groups: the groups HDPProcessGroups.build really
+    makes that contain a die and have more than one member (a ring of one carries no traffic; the whole CP group
+    is Megatron's own), each 2 × HCCL_BUFFSIZE."""
+    from qwen3_rl.parallel.hdp_wiring import HDPProcessGroups
+
+    made: list[tuple[int, ...]] = []
+    groups = [list(range(i, i + cp)) for i in range(0, 2 * cp, cp)]
+    HDPProcessGroups.build(groups, groups[0], lambda r: made.append(tuple(r)) or tuple(r), cp_group="cp")
+    assert len(made) == len(set(made)) and tuple(range(cp)) not in made
+    assert sum(1 for g in made if 0 in g and len(g) > 1) == comms
+    args = [*SEED_235B, "--train-dies", "128", "--actor-tp", "4", "--actor-pp", "4", "--actor-cp", str(cp),
+            "--actor-ep", "32", "--actor-etp", "1", "--actor-first-stage-layers", "23", "--actor-last-stage-layers",
+            "23", "--hccl-buffsize-mb", "512"]  # fmt: skip
+    assert _run_json(capsys, args)["training"]["hdp"] is None  # off unless asked for
+    hdp = _run_json(capsys, [*args, "--actor-hdp"])["training"]["hdp"]
+    assert hdp == {"hccl_comms_per_die": comms, "hccl_buffsize_mb": 512, "hccl_gib": comms * 2 * 512 / 1024}
+    assert plan_main([*args, "--actor-hdp"]) == 0
+    assert f"HDP sub-groups        HCCL {comms:.2f} GiB ({comms} comms × 2 × 512 MB)" in capsys.readouterr().out
+
+
+def test_hdp_needs_context_parallel(capsys):
+    args = [*SEED_235B, "--train-dies", "128", "--actor-tp", "4", "--actor-pp", "1", "--actor-cp", "1",
+            "--actor-ep", "32", "--actor-etp", "1", "--actor-hdp"]  # fmt: skip
+    assert plan_main(args) == 1
+    assert "HDP needs context parallel size >= 2" in capsys.readouterr().err

@@ -35,6 +35,11 @@ from qwen3_rl.parallel.hdp_wiring import (
 
 __all__ = ["HDPConfig", "HDPRuntime", "HDPStep"]
 
+# HDP sub-groups per set of CP groups, made once per process (new_group is collective and, on HCCL, slow; a second
+# actor built with the same layout reuses them instead of creating another set). Value: (the default process group
+# they were made in, the groups); a re-initialised default group makes them stale.
+_PROCESS_GROUPS: dict[tuple[tuple[int, ...], ...], tuple[Any, HDPProcessGroups]] = {}
+
 
 @dataclass(frozen=True)
 class HDPConfig:
@@ -104,14 +109,20 @@ class HDPRuntime:
         """Build with Megatron's parallel state (collective: every rank of the world must call it).
 
         device: where the micro-batch-count all-reduce runs (the accelerator for HCCL/NCCL; None = CPU, gloo).
+        The sub-groups are created once per process; the whole-CP-group block reuses Megatron's CP group.
         """
         import torch.distributed as dist
 
         mine = list(mpu.get_context_parallel_global_ranks())
         world: list[list[int] | None] = [None] * dist.get_world_size()
         dist.all_gather_object(world, mine)
-        cp_groups = sorted({tuple(g) for g in world if g is not None})
-        pgs = HDPProcessGroups.build([list(g) for g in cp_groups], mine, lambda ranks: dist.new_group(ranks))
+        cp_groups = tuple(sorted({tuple(g) for g in world if g is not None}))
+        cp_group = mpu.get_context_parallel_group()
+        made_in, pgs = _PROCESS_GROUPS.get(cp_groups, (None, None))
+        if pgs is None or made_in is not dist.group.WORLD:
+            pgs = HDPProcessGroups.build([list(g) for g in cp_groups], mine, lambda ranks: dist.new_group(ranks),
+                                         cp_group=cp_group)
+            _PROCESS_GROUPS[cp_groups] = (dist.group.WORLD, pgs)
 
         def world_max(n: int) -> int:
             # every rank of the world, as verl's rearrange_micro_batches(dp_group=None): DP x CP (TP and PP peers
@@ -121,8 +132,7 @@ class HDPRuntime:
             return int(t.item())
 
         return cls(cfg, mpu.get_context_parallel_rank(), mpu.get_context_parallel_world_size(),
-                   mpu.get_tensor_model_parallel_world_size(), default_token_budget, pgs,
-                   mpu.get_context_parallel_group(), world_max)
+                   mpu.get_tensor_model_parallel_world_size(), default_token_budget, pgs, cp_group, world_max)
 
     def plan(self, attention_mask: torch.Tensor, loss_mask: torch.Tensor | None = None) -> HDPStep:
         """Assignment and this rank's micro-batches; attention_mask [B, L] bool, loss_mask [B, R] (tokens the

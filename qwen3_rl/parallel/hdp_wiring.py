@@ -19,8 +19,12 @@ Layout of one rank's packed ``thd`` input for one micro-batch (``T`` tokens):
 Position ids of the local tokens (for RoPE) are the chunk positions in the padded sequence: identical to what
 Megatron's ``_get_thd_freqs_on_this_cp_rank(i, k, ...)`` selects for full CP with ``k`` ranks.
 
-Sub-groups: ``HDPProcessGroups.build`` creates one process group per aligned block of every CP group, once, at
-start-up (``new_group`` is collective over the world, so all ranks create all groups in the same order).
+Sub-groups: ``HDPProcessGroups.build`` creates one process group per aligned block smaller than the CP group, for
+every CP group, once, at start-up (``new_group`` is collective over the world, so all ranks create all groups in the
+same order); a block spanning the whole CP group reuses the CP group itself. On HCCL a communicator (and its
+``2 x HCCL_BUFFSIZE`` buffer) comes into being at the first collective on a group, so the groups that cost device
+memory are the blocks of 2 .. C/2 ranks (a DP segment is a ring of one: no traffic); ``python -m qwen3_rl plan``
+counts them (``qwen3_rl.plan.memory.hdp_hccl_comms``).
 """
 
 from __future__ import annotations
@@ -349,16 +353,27 @@ class HDPProcessGroups:
 
     @classmethod
     def build(cls, cp_groups: Sequence[Sequence[int]], my_cp_global_ranks: Sequence[int],
-              new_group: Callable[[list[int]], Any]) -> HDPProcessGroups:
+              new_group: Callable[[list[int]], Any], cp_group: Any = None) -> HDPProcessGroups:
+        """``new_group(ranks)`` for every aligned block of every CP group, in one global order.
+
+        cp_group: this rank's existing CP process group (Megatron's); when given, the block spanning the whole CP
+        group is that group (no new group, no second HCCL communicator) — every rank must then pass its own.
+        None: the whole-group blocks are created like the others (single-process use, tests).
+        """
         groups: dict[tuple[int, ...], Any] = {}
         sizes = {len(g) for g in cp_groups}
         if len(sizes) != 1:
             raise ValueError(f"CP groups of different sizes: {sorted(sizes)}")
+        mine = tuple(my_cp_global_ranks)
         for g in sorted(tuple(x) for x in cp_groups):
             for st, k in aligned_blocks(len(g), min_size=1):  # size 1: DP segments run as a ring of one
                 ranks = tuple(g[st:st + k])
+                if k == len(g) and cp_group is not None:
+                    if ranks == mine:
+                        groups[ranks] = cp_group
+                    continue
                 groups[ranks] = new_group(list(ranks))
-        return cls(tuple(my_cp_global_ranks), groups)
+        return cls(mine, groups)
 
     def block_ranks(self, block_start: int, block_size: int) -> tuple[int, ...]:
         return self.cp_global_ranks[block_start:block_start + block_size]

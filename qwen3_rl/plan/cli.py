@@ -53,6 +53,7 @@ SCRIPT_KEYS: dict[str, tuple[str, type]] = {
     # verl's sync rollout passes engine_kwargs.vllm to vLLM as is: these win over the keys above
     "actor_rollout_ref.rollout.engine_kwargs.vllm.data_parallel_size": ("rollout_dp", int),
     "actor_rollout_ref.rollout.engine_kwargs.vllm.enable_expert_parallel": ("rollout_ep_enabled", bool),
+    "actor_rollout_ref.actor.hdp.enable": ("actor_hdp", bool),
     "trainer.nnodes": ("nnodes", int),
     "trainer.n_gpus_per_node": ("n_gpus_per_node", int),
 }
@@ -79,7 +80,8 @@ def _build_parser() -> argparse.ArgumentParser:
     d = p.add_argument_group("device")
     d.add_argument("--hbm-gib", type=float, default=A3_DIE_HBM_GIB)
     d.add_argument("--visible-gib", type=float, default=A3_DIE_VISIBLE_GIB, help="torch-visible total")
-    d.add_argument("--hccl-buffsize-mb", type=int, default=HCCL_BUFFSIZE_MB_DEFAULT)
+    d.add_argument("--hccl-buffsize-mb", type=int, default=HCCL_BUFFSIZE_MB_DEFAULT,
+                   help="HCCL_BUFFSIZE in MB (CANN default 200; internal/qwen3_235b_env.sh sets 512)")
     d.add_argument("--hccl-comms", type=int, help="override the rollout communicator count")
     d.add_argument("--activation-gib", type=float, help="override the activation-peak estimate")
     d.add_argument("--extra-reserved-gib", type=float, default=0.0, help="other memory held during rollout")
@@ -96,6 +98,8 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--actor-first-stage-layers", type=int)
     t.add_argument("--actor-last-stage-layers", type=int)
     t.add_argument("--no-distributed-optimizer", action="store_true")
+    t.add_argument("--actor-hdp", action="store_true", default=None,
+                   help="actor.hdp.enable: count the HCCL buffers of HDP's CP sub-groups")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -243,8 +247,9 @@ def build_plan(spec: ModelSpec, vals: Mapping[str, Any], args: argparse.Namespac
             first_stage_layers=vals.get("actor_first_stage_layers"),
             last_stage_layers=vals.get("actor_last_stage_layers"),
             distributed_optimizer=not args.no_distributed_optimizer,
+            hdp=bool(vals.get("actor_hdp")),
         )
-        plan["training"] = plan_training(spec, tl)
+        plan["training"] = plan_training(spec, tl, args.hccl_buffsize_mb)
     return plan
 
 
@@ -280,6 +285,10 @@ def format_plan(plan: Mapping[str, Any]) -> str:
             f"  grads {t['grads_gib']:.2f} GiB  optimizer {t['optimizer_gib']:.2f} GiB  "
             f"static total {t['static_gib']:.2f} GiB",
         ]
+        if t.get("hdp"):
+            h = t["hdp"]
+            lines.append(f"  HDP sub-groups        HCCL {h['hccl_gib']:.2f} GiB ({h['hccl_comms_per_die']} comms × 2 × "
+                         f"{h['hccl_buffsize_mb']} MB)")
     else:
         lines.append("actor: no layout given (--actor-tp ...), training estimate skipped")
     return "\n".join(lines)

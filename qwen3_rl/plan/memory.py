@@ -284,11 +284,28 @@ def plan_rollout(spec: ModelSpec, lay: RolloutLayout, dev: DeviceBudget | None =
 
 
 # --- training ----------------------------------------------------------------------------------
+def hdp_hccl_comms(cp: int) -> int:
+    """HDP process groups (``actor.hdp.enable``) per die that carry traffic, so hold an HCCL communicator.
+
+    ``qwen3_rl.parallel.hdp_wiring.HDPProcessGroups`` gives every aligned block of ``k`` ranks of a CP group of
+    ``cp`` ranks its own group, except the whole group (k = cp), which reuses Megatron's CP group. A die is in one
+    block of each size. HCCL creates a group's communicator, with its 2 × HCCL_BUFFSIZE buffer, at the first
+    collective on it; blocks of 2 .. cp/2 carry ring attention and the output gathers, a block of 1 (a DP
+    sequence, a ring of one) carries nothing (MindSpeed's RingP2P sends only to other ring members,
+    mindspeed/core/context_parallel/ring_context_parallel/ring_context_parallel.py:1001-1008). So: one
+    communicator per block size 2 .. cp/2 = log2(cp) - 1 (0 for cp <= 2).
+    """
+    if cp < 1 or cp & (cp - 1):
+        raise PlanError(f"HDP needs a power-of-two context parallel size, got CP{cp}")
+    return max(0, cp.bit_length() - 2)
+
+
 @dataclass(frozen=True)
 class TrainLayout:
     """Megatron actor layout. ``etp`` None = megatron-core's default (= TP,
     megatron/core/model_parallel_config.py:355). ``first_stage_layers`` / ``last_stage_layers`` are
-    megatron's ``num_layers_in_first/last_pipeline_stage`` (uneven pipeline)."""
+    megatron's ``num_layers_in_first/last_pipeline_stage`` (uneven pipeline). ``hdp``: the actor's
+    ``actor.hdp.enable`` (its sub-groups' HCCL buffers are counted, see :func:`hdp_hccl_comms`)."""
 
     world: int
     tp: int = 1
@@ -300,6 +317,7 @@ class TrainLayout:
     last_stage_layers: int | None = None
     distributed_optimizer: bool = True
     grad_fp32: bool = True
+    hdp: bool = False
 
 
 def pipeline_stage_layers(num_layers: int, lay: TrainLayout) -> list[int]:
@@ -325,8 +343,9 @@ def pipeline_stage_layers(num_layers: int, lay: TrainLayout) -> list[int]:
     return ([first] if first is not None else []) + mid + ([last] if last is not None else [])
 
 
-def plan_training(spec: ModelSpec, lay: TrainLayout) -> dict:
-    """Static memory (parameters, gradients, optimizer states) of the actor on its heaviest die.
+def plan_training(spec: ModelSpec, lay: TrainLayout, hccl_buffsize_mb: int = HCCL_BUFFSIZE_MB_DEFAULT) -> dict:
+    """Static memory (parameters, gradients, optimizer states) of the actor on its heaviest die, and with
+    ``lay.hdp`` the HCCL buffers of HDP's sub-groups (``hdp``: communicators × 2 × ``hccl_buffsize_mb``).
 
     Bytes per parameter with megatron's distributed optimizer and verl's DDP settings
     (``grad_reduce_in_fp32=True``, verl/utils/megatron_utils.py:141): bf16 param 2 + fp32 main
@@ -381,6 +400,13 @@ def plan_training(spec: ModelSpec, lay: TrainLayout) -> dict:
     params_b = 2 * (dense_p + expert_p)
     grads_b = grad_b * (dense_p + expert_p)
     optim_b = 12 * dense_p / shard_dense + 12 * expert_p / shard_expert
+    hdp = None
+    if lay.hdp:
+        if lay.cp < 2:
+            raise PlanError(f"actor HDP needs context parallel size >= 2, got CP{lay.cp}")
+        comms = hdp_hccl_comms(lay.cp)
+        hdp = {"hccl_comms_per_die": comms, "hccl_buffsize_mb": hccl_buffsize_mb,
+               "hccl_gib": comms * 2 * hccl_buffsize_mb * MIB / GIB}
     return {
         "layout": {**asdict(lay), "etp": etp if spec.is_moe else None, "dp": dp, "expert_dp": edp},
         "stage_layers": stages,
@@ -393,4 +419,5 @@ def plan_training(spec: ModelSpec, lay: TrainLayout) -> dict:
         "static_gib": (params_b + grads_b + optim_b) / GIB,
         "bytes_per_param_dense": 2 + grad_b + 12 / shard_dense,
         "bytes_per_param_expert": 2 + grad_b + 12 / shard_expert if spec.is_moe else None,
+        "hdp": hdp,
     }
