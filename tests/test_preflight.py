@@ -178,3 +178,32 @@ def test_shipped_scripts_pass_config_checks_with_real_configs(tmp_path: Path):
         cfg_errors = [ln for ln in p.stderr.splitlines()
                       if ln.startswith("error:") and ("[layout]" in ln or "[batch]" in ln or "[length]" in ln)]
         assert cfg_errors == [], f"{script.name}: {cfg_errors}"
+
+
+OTC = W + "override_transformer_config."
+MOE_SCRIPT = REPO / "internal" / "train_grpo_qwen3_235b_128die_true_weight.sh"
+
+
+def _feature_errors(extra: list[str], **env: str) -> list[str]:
+    """[feature] errors of the real 235B script with hand-written Hydra overrides (past the script's own checks)."""
+    from qwen3_rl.launch.preflight import run_preflight
+
+    base = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **env}
+    found = run_preflight(str(MOE_SCRIPT), node_checks=False, env=base, extra_args=extra, npu_env=None)
+    assert not [f for f in found if f.check == "script"], found
+    return [f.message for f in found if f.check == "feature"]
+
+
+def test_moe_zero_memory_needs_alltoall_overlap():
+    from qwen3_rl.launch.preflight import check_moe_zero_memory
+
+    assert check_moe_zero_memory({}) == [] and check_moe_zero_memory({OTC + "moe_zero_memory": "disable"}) == []
+    for level in ("level0", "level1"):
+        (err,) = check_moe_zero_memory({OTC + "moe_zero_memory": level})
+        assert err.line() == (f"error: [feature] moe_zero_memory={level} needs moe_alltoall_overlap_comm=True "
+                              "(MOE_ALLTOALL_OVERLAP=True): MindSpeed applies it only with the all-to-all overlap")
+        assert check_moe_zero_memory({OTC + "moe_zero_memory": level, OTC + "moe_alltoall_overlap_comm": "True"}) == []
+    assert _feature_errors([]) == []
+    (msg,) = _feature_errors([f"+{OTC}moe_zero_memory=level1"])
+    assert msg.startswith("moe_zero_memory=level1 needs moe_alltoall_overlap_comm=True")
+    assert _feature_errors([f"+{OTC}moe_zero_memory=level1"], MOE_ALLTOALL_OVERLAP="True") == []

@@ -306,6 +306,7 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     "bad_eplb_and_sam": ({"ROLLOUT_EPLB": "maybe", "SAM_ENABLE": "yes"}, []),
     "moe_alltoallv": ({"MOE_ALLTOALLV": "True"}, []),
     "bad_alltoallv_with_eplb": ({"MOE_ALLTOALLV": "True", "ROLLOUT_EPLB": "True"}, []),
+    "bad_zero_memory_without_overlap": ({"MOE_ZERO_MEMORY": "level0"}, []),
 }
 # variables the scripts check for True/False: given True in the every_var case
 _CHECKED_BOOLS = ("SAM_ENABLE", "SAM_GROUP", "NPUGRAPH_EX", "ROLLOUT_EPLB", "MOE_ALLTOALL_OVERLAP")
@@ -378,14 +379,27 @@ def test_moe_alltoall_overlap_switch(patched_imports: Path) -> None:
 
 
 def test_moe_zero_memory_switch(patched_imports: Path) -> None:
-    """MOE_ZERO_MEMORY=level1 (+ layers) reaches MindSpeed's keys through override_transformer_config."""
+    """MOE_ZERO_MEMORY=level1 (+ layers) with MOE_ALLTOALL_OVERLAP=True reaches MindSpeed's keys through
+    override_transformer_config; without the overlap (MindSpeed ignores zero memory then) the script stops."""
     verl_config_dir = patched_imports / "verl" / "verl" / "trainer" / "config"
     moe = INTERNAL / "train_dapo_qwen3_235b_128die_true_weight.sh"
     prefix = "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_zero_memory"
     assert not any(o.startswith(prefix) for o in parse_train_script(moe, env=BASE_ENV).overrides)
-    on = parse_train_script(moe, env={**BASE_ENV, "MOE_ZERO_MEMORY": "level1", "MOE_ZERO_MEMORY_NUM_LAYERS": "4"})
+    on = parse_train_script(moe, env={**BASE_ENV, "MOE_ZERO_MEMORY": "level1", "MOE_ZERO_MEMORY_NUM_LAYERS": "4",
+                                      "MOE_ALLTOALL_OVERLAP": "True"})
     cfg = _compose(on.overrides, on.config_name, verl_config_dir)
     otc = cfg.actor_rollout_ref.actor.megatron.override_transformer_config
     assert (otc.moe_zero_memory, otc.moe_zero_memory_num_layers) == ("level1", 4)
+    assert otc.moe_alltoall_overlap_comm is True
     with pytest.raises(Exception, match="MOE_ZERO_MEMORY must be disable, level0 or level1"):
         parse_train_script(moe, env={**BASE_ENV, "MOE_ZERO_MEMORY": "on"})
+    for level in ("level0", "level1"):
+        for overlap in ({}, {"MOE_ALLTOALL_OVERLAP": "False"}):
+            with pytest.raises(TrainScriptError) as err:
+                parse_train_script(moe, env={**BASE_ENV, "MOE_ZERO_MEMORY": level, **overlap})
+            assert str(err.value).endswith(f"MOE_ZERO_MEMORY={level} needs MOE_ALLTOALL_OVERLAP=True (MindSpeed "
+                                           "applies moe_zero_memory only with moe_alltoall_overlap_comm)")
+    # the dense setups ignore the MoE variables
+    dense = INTERNAL / "train_dapo_qwen3_32b_32die_true_weight.sh"
+    assert not any(o.startswith(prefix) for o in parse_train_script(dense, env={**BASE_ENV,
+                                                                                "MOE_ZERO_MEMORY": "level1"}).overrides)

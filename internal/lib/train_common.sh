@@ -189,6 +189,13 @@ _train_add_megatron_overrides() {
                 ;;
             *) echo "MOE_ZERO_MEMORY must be disable, level0 or level1, got '${MOE_ZERO_MEMORY}'" >&2; exit 2 ;;
         esac
+        # MindSpeed acts on moe_zero_memory only together with moe_alltoall_overlap_comm
+        # (mindspeed/features_manager/moe/moe_zero_memory.py:33,37): refuse it alone instead of running without it
+        case "${MOE_ZERO_MEMORY}:${MOE_ALLTOALL_OVERLAP}" in
+            level0:True | level0:true | level0:1 | level1:True | level1:true | level1:1 | disable:*) ;;
+            *) echo "MOE_ZERO_MEMORY=${MOE_ZERO_MEMORY} needs MOE_ALLTOALL_OVERLAP=True (MindSpeed applies moe_zero_memory only with moe_alltoall_overlap_comm)" >&2
+               exit 2 ;;
+        esac
     fi
     overrides+=(
         actor_rollout_ref.actor.megatron.sequence_parallel=True

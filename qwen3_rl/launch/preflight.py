@@ -230,6 +230,17 @@ def check_lengths(vals: Mapping[str, str], cfg: Mapping[str, Any] | None) -> lis
     return out
 
 
+def check_moe_zero_memory(vals: Mapping[str, str]) -> list[Finding]:
+    """MindSpeed's moe_zero_memory (level0 / level1) acts only together with moe_alltoall_overlap_comm
+    (mindspeed/features_manager/moe/moe_zero_memory.py:33,37); alone it would silently do nothing."""
+    otc = M + "override_transformer_config."
+    level = (vals.get(otc + "moe_zero_memory") or "disable").strip().strip("'\"")
+    if level in ("level0", "level1") and not _get_bool(vals, otc + "moe_alltoall_overlap_comm", False):
+        return [_err("feature", f"moe_zero_memory={level} needs moe_alltoall_overlap_comm=True (MOE_ALLTOALL_OVERLAP="
+                                "True): MindSpeed applies it only with the all-to-all overlap")]
+    return []
+
+
 def check_kv_concurrency(vals: Mapping[str, str], cfg: Mapping[str, Any] | None) -> list[Finding]:
     """Warn when the per-die memory plan leaves room for very few full-length sequences."""
     if not cfg:
@@ -427,6 +438,7 @@ def run_preflight(train_script: str, env_script: str | None = None, nnodes: int 
         findings += check_layout(vals, cfg)
         findings += check_batches(vals)
         findings += check_lengths(vals, cfg)
+        findings += check_moe_zero_memory(vals)
     except ValueError as exc:
         findings.append(_err("script", f"non-integer size in the train command: {str(exc).splitlines()[0]}"))
     findings += check_kv_concurrency(vals, cfg)
