@@ -21,6 +21,15 @@ sys.path.insert(0, str(HERE))
 
 import workspace  # noqa: E402
 
+
+def gloo_port() -> int:
+    """A free TCP port on 127.0.0.1 for a child's gloo store."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 ENGINE_TIMEOUT_S = 900
 
 
@@ -46,16 +55,18 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "moe": make_tiny_model(root / "moe", TinySpec(moe=True))}
 
 
-def run_engine(spec: dict, tmp_path: Path, env: dict[str, str] | None = None) -> dict[str, dict]:
-    """Run ``engine_driver.py`` on ``spec`` in a child process; returns ``{run name: result}``."""
+def run_engine(spec: dict, tmp_path: Path, env: dict[str, str] | None = None, driver: str = "engine_driver.py"):
+    """Run ``driver`` on ``spec`` in a child process; returns its result (``engine_driver.py``: ``{run name:
+    result}``; ``rollout_driver.py``: one dict)."""
     f = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*.json')))}.json"
     f.write_text(json.dumps(spec))
     full = dict(os.environ)
     full.update(env or {})
-    proc = subprocess.run([sys.executable, str(HERE / "engine_driver.py"), str(f)], capture_output=True,
+    proc = subprocess.run([sys.executable, str(HERE / driver), str(f)], capture_output=True,
                           text=True, timeout=ENGINE_TIMEOUT_S, env=full)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ENGINE_RESULT ")]
     if proc.returncode != 0 or not lines:
         tail = "\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-60:])
         raise AssertionError(f"engine driver failed (rc {proc.returncode}):\n{tail}")
-    return {r["name"]: r for r in json.loads(lines[-1][len("ENGINE_RESULT "):])}
+    result = json.loads(lines[-1][len("ENGINE_RESULT "):])
+    return {r["name"]: r for r in result} if isinstance(result, list) else result

