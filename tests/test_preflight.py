@@ -207,3 +207,21 @@ def test_moe_zero_memory_needs_alltoall_overlap():
     (msg,) = _feature_errors([f"+{OTC}moe_zero_memory=level1"])
     assert msg.startswith("moe_zero_memory=level1 needs moe_alltoall_overlap_comm=True")
     assert _feature_errors([f"+{OTC}moe_zero_memory=level1"], MOE_ALLTOALL_OVERLAP="True") == []
+
+
+def test_rollout_rebalance_needs_vllm_dp():
+    from qwen3_rl.launch.preflight import check_rollout_rebalance
+
+    R = "actor_rollout_ref.rollout."
+    assert check_rollout_rebalance({R + "rollout_rebalance": "False"}) == []
+    assert check_rollout_rebalance({R + "rollout_rebalance": "True",
+                                    R + "engine_kwargs.vllm.data_parallel_size": "32"}) == []
+    for dp in ({}, {R + "engine_kwargs.vllm.data_parallel_size": "1"}):
+        (err,) = check_rollout_rebalance({R + "rollout_rebalance": "true", **dp})
+        assert err.line() == ("error: [feature] rollout_rebalance=True needs vLLM data parallelism > 1 (engine_kwargs."
+                              "vllm.data_parallel_size is 1: nothing to move requests between; the engine refuses "
+                              "it at start-up)")
+    # a hand-written override past the script's own check: the 235B script with vLLM DP 1
+    (msg,) = _feature_errors([R + "rollout_rebalance=True", f"+{R}engine_kwargs.vllm.data_parallel_size=1"])
+    assert msg.startswith("rollout_rebalance=True needs vLLM data parallelism > 1")
+    assert _feature_errors([R + "rollout_rebalance=True"]) == []  # DP 32

@@ -288,8 +288,9 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     "eplb": ({"ROLLOUT_EPLB": "True"}, []),
     "eplb_lowercase_and_intervals": ({"ROLLOUT_EPLB": "true", "ROLLOUT_EPLB_HEAT_INTERVAL": "100",
                                       "ROLLOUT_EPLB_ALGO_INTERVAL": "7", "NNODES": "4"}, []),
-    "balance_and_old_log_prob": ({"DATA_REBALANCE": "True", "ROLLOUT_REBALANCE": "True",
-                                  "USE_CURRENT_LOG_PROB_AS_OLD": "True"}, []),
+    "balance_and_old_log_prob": ({"DATA_REBALANCE": "True", "USE_CURRENT_LOG_PROB_AS_OLD": "True"}, []),
+    "rollout_rebalance": ({"ROLLOUT_REBALANCE": "True"}, []),  # 235B: on; 32B (vLLM DP 1): refused
+    "bad_rollout_rebalance_vllm_dp1": ({"ROLLOUT_REBALANCE": "True", "ROLLOUT_DP": "1"}, []),
     "dist_ckpt": ({"USE_DIST_CKPT": "True", "DIST_CKPT_PATH": "/ckpt/mcore"}, []),
     "derived_defaults": ({"QWEN3_RL_HOME": "/home/q", "DATA_DIR": "/data", "EXP_NAME": "exp",
                           "TRAIN_BATCH_SIZE": "64", "MAX_PROMPT_LENGTH": "1024", "MAX_RESPONSE_LENGTH": "3000",
@@ -403,3 +404,24 @@ def test_moe_zero_memory_switch(patched_imports: Path) -> None:
     dense = INTERNAL / "train_dapo_qwen3_32b_32die_true_weight.sh"
     assert not any(o.startswith(prefix) for o in parse_train_script(dense, env={**BASE_ENV,
                                                                                 "MOE_ZERO_MEMORY": "level1"}).overrides)
+
+
+def test_rollout_rebalance_needs_vllm_dp() -> None:
+    """ROLLOUT_REBALANCE=True reaches the rollout config where vLLM runs DP > 1 (235B: DP32); the 32B setups (four
+    independent TP8 engines, vLLM DP 1) and a 235B run with ROLLOUT_DP=1 stop instead of failing at engine start."""
+    reason = "ROLLOUT_REBALANCE=True needs vLLM data parallelism > 1 (this setup runs vLLM DP 1: nothing to move " \
+             "requests between)"
+    for script in sorted(INTERNAL.glob("train_*.sh")):
+        on = {**BASE_ENV, "ROLLOUT_REBALANCE": "True"}
+        if "_32b_" in script.name:
+            with pytest.raises(TrainScriptError) as err:
+                parse_train_script(script, env=on)
+            assert str(err.value).endswith(reason)
+            continue
+        assert parse_train_script(script, env=on).get("actor_rollout_ref.rollout.rollout_rebalance") == "True"
+        with pytest.raises(TrainScriptError) as err:
+            parse_train_script(script, env={**on, "ROLLOUT_DP": "1"})
+        assert str(err.value).endswith(reason)
+        # off, any vLLM DP is fine
+        off = parse_train_script(script, env={**BASE_ENV, "ROLLOUT_DP": "1"})
+        assert off.get("actor_rollout_ref.rollout.rollout_rebalance") == "False"

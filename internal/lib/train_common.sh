@@ -224,7 +224,16 @@ _train_add_megatron_overrides() {
 }
 
 _train_add_rollout_overrides() {
-    local layout=$1
+    local layout=$1 vllm_dp=1
+    if [[ "${layout}" == moe ]]; then
+        vllm_dp=${ROLLOUT_DP}
+    fi
+    # rollout rebalance moves requests between vLLM DP ranks (docs/rollout_balancing.md); with vLLM DP 1 (the dense
+    # setups: independent TP engines) the engine hook refuses at start-up, so refuse here, before anything loads
+    if [[ "${ROLLOUT_REBALANCE,,}" == true ]] && ! { [[ "${vllm_dp}" =~ ^[0-9]{1,9}$ ]] && ((10#${vllm_dp} > 1)); }; then
+        echo "ROLLOUT_REBALANCE=True needs vLLM data parallelism > 1 (this setup runs vLLM DP ${vllm_dp}: nothing to move requests between)" >&2
+        exit 2
+    fi
     overrides+=(
         actor_rollout_ref.rollout.name=vllm
         actor_rollout_ref.rollout.mode=sync

@@ -241,6 +241,19 @@ def check_moe_zero_memory(vals: Mapping[str, str]) -> list[Finding]:
     return []
 
 
+def check_rollout_rebalance(vals: Mapping[str, str]) -> list[Finding]:
+    """Rollout rebalance moves requests between vLLM DP ranks; the engine hook refuses vLLM DP 1 at start-up
+    (qwen3_rl/rollout/vllm_engine_hook.py, ``VllmRebalanceHook.configure``), e.g. the 32B setups' TP8 engines."""
+    if not _get_bool(vals, R + "rollout_rebalance", False):
+        return []
+    dp = _get_int(vals, R + "engine_kwargs.vllm.data_parallel_size", 1) or 1
+    if dp > 1:
+        return []
+    return [_err("feature", f"rollout_rebalance=True needs vLLM data parallelism > 1 (engine_kwargs.vllm."
+                            f"data_parallel_size is {dp}: nothing to move requests between; the engine refuses it "
+                            "at start-up)")]
+
+
 def check_kv_concurrency(vals: Mapping[str, str], cfg: Mapping[str, Any] | None) -> list[Finding]:
     """Warn when the per-die memory plan leaves room for very few full-length sequences."""
     if not cfg:
@@ -439,6 +452,7 @@ def run_preflight(train_script: str, env_script: str | None = None, nnodes: int 
         findings += check_batches(vals)
         findings += check_lengths(vals, cfg)
         findings += check_moe_zero_memory(vals)
+        findings += check_rollout_rebalance(vals)
     except ValueError as exc:
         findings.append(_err("script", f"non-integer size in the train command: {str(exc).splitlines()[0]}"))
     findings += check_kv_concurrency(vals, cfg)
