@@ -232,11 +232,16 @@ def test_memory_model_qwen3_235b_figures() -> None:
     # balanced, one expert per rank: the combine all-to-all stage (received + expert out + back) dominates
     assert moe_routed_peak_bytes(34816, QWEN3_235B) == 3 * n * k * h * b == 1_711_276_032
     res = qwen3_235b_prefill_peak(34816, 4096)
-    largest = 8704 // 9 * 4 + 4  # 968 units of 4 rows
-    assert (res["chunks"], res["largest_chunk"]) == (9, largest)
-    assert res["peak_bytes_chunked"] == 3 * (largest // t) * k * h * b + largest * h * b
+    # by hand: 34816 rows = 8704 units of TP 4 rows, 4096 rows = 1024 units -> ceil(8704 / 1024) = 9 chunks;
+    # 8704 = 9 * 967 + 1 spread evenly -> eight chunks of 967 units, one of 968 = 3872 rows
+    assert (res["chunks"], res["largest_chunk"]) == (9, 3872)
+    # the largest chunk's combine stage (3 * 968 rows/rank * top-8 of H, bf16) + its [3872, H] output copy
+    assert res["peak_bytes_chunked"] == 3 * 968 * 8 * 4096 * 2 + 3872 * 4096 * 2 == 222_035_968
+    assert res["peak_bytes_unchunked"] == 1_711_276_032
+    # 1_711_276_032 / 2**30 = 1.5938, 222_035_968 / 2**30 = 0.2068, difference 1.3870
     assert (res["peak_gib_unchunked"], res["peak_gib_chunked"], res["saved_gib"]) == (1.594, 0.207, 1.387)
-    assert qwen3_235b_prefill_peak(34816)["peak_bytes_chunked"] == res["peak_bytes_unchunked"]  # off
+    off = qwen3_235b_prefill_peak(34816)  # chunk size 0: one chunk, the unchunked figure
+    assert (off["chunks"], off["largest_chunk"], off["peak_bytes_chunked"]) == (1, 34816, 1_711_276_032)
     assert qwen3_235b_prefill_peak(2048, 4096)["chunks"] == 1  # not above the size: unchanged
     # a wide FFN makes the gate_up stage dominate; >1 local expert adds the expert-order copies
     wide = MoeShape(hidden=16, ffn=100, topk=2)

@@ -544,9 +544,12 @@ def test_train_script_switches_reach_llm(patched_imports: Path, monkeypatch: pyt
 
     off = _llm_kwargs_from_script(patched_imports, monkeypatch, {})
     assert "speculative_config" not in off and "additional_config" not in off
-    # (verl 0.6.1 drops rollout.cudagraph_capture_sizes here: vllm_rollout_spmd.py:224 wants a ListConfig,
-    # the dataclass holds a list; with NPUGRAPH_EX the sizes go to vLLM directly, below)
-    assert not isinstance(off.get("compilation_config"), dict)
+    # the script's graph sizes reach vLLM as a CompilationConfig (verl 0011: pristine verl 0.6.1 drops
+    # rollout.cudagraph_capture_sizes, vllm_rollout_spmd.py:224 wants a ListConfig and the dataclass holds a list);
+    # with NPUGRAPH_EX they go to vLLM directly as a dict, below
+    script_sizes = [8, 16, 32, 64, 96, 128, 160, 192, 224, 256]  # GRAPH_CAPTURE_SIZES, internal/lib/train_common.sh
+    assert isinstance(off["compilation_config"], CompilationConfig)
+    assert sorted(off["compilation_config"].cudagraph_capture_sizes) == script_sizes
 
     on = _llm_kwargs_from_script(patched_imports, monkeypatch, SAM_ON)
     spec_kwargs = on["speculative_config"]
@@ -557,14 +560,14 @@ def test_train_script_switches_reach_llm(patched_imports: Path, monkeypatch: pyt
     assert spec.method == "sam" and BatchSizeGate.from_vllm_config(types.SimpleNamespace(
         speculative_config=spec)).threshold == 96
     assert on["additional_config"] == {"enable_npugraph_ex": True}
-    assert on["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY",
-                                        "cudagraph_capture_sizes": [8, 16, 32, 64, 96, 128, 160, 192, 224, 256]}
+    assert on["compilation_config"] == {"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": script_sizes}
     assert CompilationConfig(**on["compilation_config"]).cudagraph_mode.name == "FULL_DECODE_ONLY"
 
     sam_only = _llm_kwargs_from_script(patched_imports, monkeypatch, {"SAM_ENABLE": "True"})
     assert sam_only["speculative_config"] == {"method": "sam", "num_speculative_tokens": 3,
                                               "sam_config": {"group_mode": False, "pad_drafts": False}}
-    assert "additional_config" not in sam_only and not isinstance(sam_only.get("compilation_config"), dict)
+    assert "additional_config" not in sam_only and isinstance(sam_only["compilation_config"], CompilationConfig)
+    assert sorted(sam_only["compilation_config"].cudagraph_capture_sizes) == script_sizes
 
     for name in sorted((REPO / "internal").glob("train_*.sh")):
         cmd = parse_train_script(name, env=dict(BASE_ENV, **SAM_ON))
