@@ -225,3 +225,26 @@ def test_rollout_rebalance_needs_vllm_dp():
     (msg,) = _feature_errors([R + "rollout_rebalance=True", f"+{R}engine_kwargs.vllm.data_parallel_size=1"])
     assert msg.startswith("rollout_rebalance=True needs vLLM data parallelism > 1")
     assert _feature_errors([R + "rollout_rebalance=True"]) == []  # DP 32
+
+
+def test_spec_decode_requests_a_drafter_can_serve():
+    """SAM on through the real 235B script: clean; a penalty the rollout passes to every request is a warning
+    (vLLM drafts nothing for it); calculate_log_probs with SAM is an error (verl 0015 refuses it at start-up)."""
+    from qwen3_rl.launch.preflight import run_preflight
+
+    R = "actor_rollout_ref.rollout."
+    base = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "SAM_ENABLE": "True"}
+
+    def found(extra: list[str]) -> list[str]:
+        got = run_preflight(str(MOE_SCRIPT), node_checks=False, env=base, extra_args=extra, npu_env=None)
+        return [f.line() for f in got if f.check == "spec-decode"]
+
+    assert found([]) == []
+    (warn,) = found([f"+{R}repetition_penalty=1.05"])
+    assert warn == ("warning: [spec-decode] speculative_config.method=sam drafts nothing: every rollout request has "
+                    "repetition_penalty=1.05 (must be 1.0) (vllm/v1/spec_decode/utils.py:9-17)")
+    (err,) = found([f"{R}calculate_log_probs=True"])
+    assert err.startswith("error: [spec-decode] speculative_config.method=sam with rollout.calculate_log_probs=True")
+    # without a drafter neither matters
+    base["SAM_ENABLE"] = "False"
+    assert found([f"+{R}repetition_penalty=1.05", f"{R}calculate_log_probs=True"]) == []

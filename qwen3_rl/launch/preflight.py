@@ -254,6 +254,28 @@ def check_rollout_rebalance(vals: Mapping[str, str]) -> list[Finding]:
                             "at start-up)")]
 
 
+def check_spec_decode_requests(vals: Mapping[str, str]) -> list[Finding]:
+    """A drafter whose every rollout request vLLM 0.13 would leave undrafted (``vllm/v1/spec_decode/utils.py:9-17``:
+    penalties, ``min_p``, log-probs): a warning per setting; ``calculate_log_probs`` with a drafter is an error
+    (verl 0015 stops the rollout at start-up)."""
+    from qwen3_rl.rollout.spec_decode_requests import unsupported_reasons
+
+    method = vals.get(R + "engine_kwargs.vllm.speculative_config.method")
+    if not method:
+        return []
+    out = []
+    if _get_bool(vals, R + "calculate_log_probs", False):
+        out.append(_err("spec-decode", f"speculative_config.method={method} with rollout.calculate_log_probs=True: "
+                                       "vLLM 0.13 drafts nothing for requests that ask for log-probs; the rollout "
+                                       "refuses the pair at start-up (patches/verl/0015)"))
+    sampling = {k: vals[R + k] for k in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p")
+                if R + k in vals}
+    for why in unsupported_reasons(sampling):
+        out.append(_warn("spec-decode", f"speculative_config.method={method} drafts nothing: every rollout request "
+                                        f"has {why} (vllm/v1/spec_decode/utils.py:9-17)"))
+    return out
+
+
 def check_kv_concurrency(vals: Mapping[str, str], cfg: Mapping[str, Any] | None) -> list[Finding]:
     """Warn when the per-die memory plan leaves room for very few full-length sequences."""
     if not cfg:
@@ -453,6 +475,7 @@ def run_preflight(train_script: str, env_script: str | None = None, nnodes: int 
         findings += check_lengths(vals, cfg)
         findings += check_moe_zero_memory(vals)
         findings += check_rollout_rebalance(vals)
+        findings += check_spec_decode_requests(vals)
     except ValueError as exc:
         findings.append(_err("script", f"non-integer size in the train command: {str(exc).splitlines()[0]}"))
     findings += check_kv_concurrency(vals, cfg)
