@@ -1,15 +1,18 @@
-"""MindSpeed patch series on a real MindSpeed tree, when one is available.
+"""MindSpeed patch series on the real pinned MindSpeed tree.
 
-MindSpeed is not on PyPI, so CI has no pristine tree for it. When a git source of the pinned
-commit is at hand (``QWEN3_RL_MINDSPEED_TREE`` = a git checkout of it, or the developer mirror
-``/work/.mirror/Ascend+MindSpeed/repo``), the series is applied with the real scripts in git mode
-(pins override pointing ``git_url`` at that source): download verifies the pinned commit, the
-series applies, re-applies as a no-op and reverts byte-identically. Otherwise the test skips
-with the reason below; the patch names and headers are checked for every series elsewhere.
+MindSpeed is not on PyPI and CI reaches no git host, so its pinned tree comes from the archive beside the checkout:
+``../shared/upstream/mindspeed-<commit>.tar.gz`` (``git archive`` of the pinned commit, see
+``../shared/upstream/README.md``). The archive is verified against ``../shared/upstream/SHA256SUMS`` and its
+embedded commit id (``git get-tar-commit-id``) against ``pins.toml``, unpacked into a one-commit git repo, and the
+series is applied with the real scripts: it applies, re-applies as a no-op and reverts byte-identically. Without
+the archive the tests skip with the reason below; the patch names and headers are checked for every series
+elsewhere.
 """
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import os
 import re
 import shutil
@@ -19,54 +22,52 @@ from pathlib import Path
 import pytest
 from conftest import PINS, REPO, run_script
 
+from qwen3_rl.upstream.common import GIT_ENV
+
 FW = PINS.frameworks["mindspeed"]
-MIRROR = Path("/work/.mirror/Ascend+MindSpeed/repo")
+UPSTREAM = REPO.parent / "shared" / "upstream"
+ARCHIVE = UPSTREAM / f"mindspeed-{FW.commit}.tar.gz"
 SKIP_REASON = (
-    f"MindSpeed is not on PyPI: its patches were applied and compiled against {FW.commit} "
-    "in a developer session (see README); CI checks their names and headers only"
+    f"MindSpeed is not on PyPI and the pinned archive ../shared/upstream/{ARCHIVE.name} is not beside this "
+    "checkout; CI checks the MindSpeed patches' names and headers only"
 )
 # The <cstring> functions the builder patch is about (see patches/mindspeed/0001-*.patch).
 CSTRING_FUNCS = ("strlen", "strcpy", "strncpy", "strcmp", "strncmp", "memcpy", "memmove", "memset")
 
 
-def _source() -> Path | None:
-    env = os.environ.get("QWEN3_RL_MINDSPEED_TREE")
-    if env:
-        return Path(env)
-    return MIRROR if MIRROR.is_dir() else None
-
-
 def _git(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **GIT_ENV})
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")
-def mindspeed_ws(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(workspace holding MindSpeed at the pinned commit, pins override). Skips without a source."""
-    src = _source()
-    if src is None:
+def mindspeed_ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A workspace holding MindSpeed at the pinned commit, from the verified archive. Skips without it."""
+    if not ARCHIVE.is_file():
         pytest.skip(SKIP_REASON)
+    sums = dict(reversed(line.split(None, 1)) for line in (UPSTREAM / "SHA256SUMS").read_text().splitlines()
+                if line.strip())
+    assert sums.get(ARCHIVE.name) == _sha256(ARCHIVE), f"{ARCHIVE.name} does not match ../shared/upstream/SHA256SUMS"
+    with gzip.open(ARCHIVE) as f:  # git archive's pax header names the commit
+        head = f.read(1 << 16)
+    proc = subprocess.run(["git", "get-tar-commit-id"], input=head, capture_output=True, timeout=60)
+    assert proc.stdout.decode().strip() == FW.commit, f"{ARCHIVE.name} is not a git archive of {FW.commit}"
     ws = tmp_path_factory.mktemp("ms_ws")
+    subprocess.run(["tar", "-xzf", str(ARCHIVE), "-C", str(ws)], check=True, timeout=600)
     tree = ws / FW.dir
-    # The developer mirror is a partial clone (a full clone fails on a missing old blob), so
-    # take the tag shallowly; a plain checkout falls back to a shared clone of the commit.
-    proc = _git("clone", "-q", "--depth", "1", "--branch", FW.git_ref, f"file://{src}", str(tree))
-    if proc.returncode != 0:
-        shutil.rmtree(tree, ignore_errors=True)
-        proc = _git("clone", "-q", "--shared", str(src), str(tree))
+    assert (tree / "mindspeed").is_dir(), f"the archive holds no {FW.dir}/mindspeed"
+    for args in (("init", "-q"), ("add", "-A", "-f"), ("commit", "-q", "--no-verify", "-m", f"pinned {FW.commit}")):
+        proc = _git(*args, cwd=tree)
         assert proc.returncode == 0, proc.stderr
-        proc = _git("checkout", "-q", "--detach", FW.commit, cwd=tree)
-        assert proc.returncode == 0, proc.stderr
-    pins = ws / "pins_ms.toml"
-    text = (REPO / "pins.toml").read_text()
-    assert text.count(f'"{FW.git_url}"') == 1
-    pins.write_text(text.replace(f'"{FW.git_url}"', f'"file://{src}"'))
-    # our downloader (git mode) verifies the tree: exact pinned commit, clean
-    proc = run_script("download_frameworks_source_code.sh", "--pins", str(pins), "--only", "mindspeed",
-                      "--dest", str(ws))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"verified at {FW.git_ref}" in proc.stdout + proc.stderr
-    return ws, pins
+    return ws
 
 
 def _patched_files() -> list[str]:
@@ -76,13 +77,13 @@ def _patched_files() -> list[str]:
     return files
 
 
-def test_mindspeed_series_applies_reapplies_and_reverts(mindspeed_ws: tuple[Path, Path]) -> None:
-    ws, pins = mindspeed_ws
+def test_mindspeed_series_applies_reapplies_and_reverts(mindspeed_ws: Path) -> None:
+    ws = mindspeed_ws
     tree = ws / FW.dir
     files = _patched_files()
     assert files, "no mindspeed patches"
     pristine = {f: (tree / f).read_bytes() for f in files}
-    common = ("--pins", str(pins), "--workspace", str(ws), "--only", "mindspeed")
+    common = ("--workspace", str(ws), "--only", "mindspeed")
 
     proc = run_script("apply_all_patches.sh", *common)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -104,8 +105,7 @@ def _own_system_includes(text: str) -> list[str]:
     return re.findall(r"^\s*#\s*include\s*<([^>]+)>", text, re.M)
 
 
-def test_builder_patch_makes_cstring_users_self_sufficient(mindspeed_ws: tuple[Path, Path],
-                                                          tmp_path: Path) -> None:
+def test_builder_patch_makes_cstring_users_self_sufficient(mindspeed_ws: Path, tmp_path: Path) -> None:
     """Each C++ source the builder patch touches declares the <cstring> functions it calls itself.
 
     Pristine, these files get ``strlen`` only through torch/torch_npu headers; a translation unit
@@ -115,11 +115,11 @@ def test_builder_patch_makes_cstring_users_self_sufficient(mindspeed_ws: tuple[P
     gxx = shutil.which("g++")
     if gxx is None:
         pytest.skip("g++ not installed: cannot compile the include check")
-    ws, pins = mindspeed_ws
+    ws = mindspeed_ws
     tree = ws / FW.dir
     builder = REPO / "patches" / "mindspeed" / "0001-mindspeed-bugfix-builder.patch"
     files = re.findall(r"^diff --git a/(\S+) b/", builder.read_text(), re.M)
-    common = ("--pins", str(pins), "--workspace", str(ws), "--only", "mindspeed")
+    common = ("--workspace", str(ws), "--only", "mindspeed")
 
     def compiles(rel: str) -> bool:
         text = (tree / rel).read_text()

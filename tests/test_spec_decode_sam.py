@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,7 @@ from qwen3_rl.spec_decode import _sam_kernels as kern
 from qwen3_rl.spec_decode._sam_kernels import brute_force_propose
 
 REPO = Path(__file__).resolve().parent.parent
-CORPUS = Path("/work/shared/bench/rollouts_dev.jsonl")
+CORPUS = REPO.parent / "shared" / "bench" / "rollouts_dev.jsonl"  # ../shared beside the checkout
 K = 3
 
 
@@ -302,14 +303,17 @@ def test_batch_arrays_api_matches_list_api():
 
 
 @pytest.mark.skipif(not CORPUS.is_file(), reason=f"shared corpus {CORPUS} not present on this machine")
-def test_benchmark_smoke(tmp_path):
-    """Two prompts of the corpus, tiny cost run: JSON keys and sane numbers (arctic may be null)."""
+def test_benchmark_smoke(tmp_path, pristine_workspace):
+    """Two prompts of the corpus, tiny cost run: JSON keys and sane numbers (arctic may be null); vLLM's n-gram
+    drafter from the workspace's vLLM tree (the pinned wheel's sources)."""
     cmd = [sys.executable, "-m", "qwen3_rl.bench.drafters", "--corpus", str(CORPUS), "--k", "3", "--group",
            "--limit-prompts", "2", "--batch", "4", "--context-len", "512", "--cost-steps", "3", "--cost-repeats", "3", "--json"]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=True)
+    env = {**os.environ, "QWEN3_RL_WORKSPACE": str(pristine_workspace)}
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=True, env=env)
     res = json.loads(out.stdout)
     methods = res["methods"]
     assert set(methods) >= {"sam", "sam_group", "vllm_ngram", "arctic_suffix"}
+    assert methods["vllm_ngram"]["mean_accepted"] is not None, methods["vllm_ngram"]
     for name, m in methods.items():
         assert set(m) >= {"mean_accepted", "acceptance_rate", "us_per_step", "bytes_per_token"}, name
         if m["mean_accepted"] is None:

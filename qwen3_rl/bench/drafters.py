@@ -21,7 +21,8 @@ cache filled from the corpus first. ``bytes_per_token`` = our structures' bytes 
 Methods: ``sam`` (ours, per request), ``sam_group`` (ours, group-aware, siblings on one engine),
 ``sam_group_spread`` (ours, group-aware, samples spread over ``--ranks`` engines: own text and the
 engine's finished-response cache only), ``vllm_ngram`` (vLLM 0.13 ``NgramProposer``, defaults
-min = max = 5, imported from ``--vllm-tree``), ``arctic_suffix`` (arctic-inference 0.1.1
+min = max = 5, imported from ``--vllm-tree``, default the workspace's vLLM tree, made from the pinned wheel when
+missing), ``arctic_suffix`` (arctic-inference 0.1.1
 ``SuffixDecodingCache`` used as vLLM 0.13's ``SuffixDecodingProposer`` does). A baseline that cannot
 run reports null values and the reason.
 """
@@ -43,9 +44,9 @@ from typing import Any
 
 import numpy as np
 
+from qwen3_rl.bench.upstream_trees import UpstreamTreeError, upstream_tree
 from qwen3_rl.spec_decode.sam import SamConfig, SamProposer, group_key
 
-DEFAULT_VLLM_TREE = "/tmp/ws1/vllm"
 KEYS = ("mean_accepted", "acceptance_rate", "us_per_step", "bytes_per_token")
 ROUND_SHIFT = 1 << 18  # > Qwen vocabulary (151,936): filler round c uses token ids t + c * ROUND_SHIFT
 
@@ -470,7 +471,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         methods["sam_group"] = _null("group-aware mode not requested (--group)")
         methods["sam_group_spread"] = _null("group-aware mode not requested (--group)")
     try:
-        ngram_cls = import_vllm_ngram(args.vllm_tree)
+        try:
+            vllm_tree = str(upstream_tree("vllm", args.vllm_tree))
+        except UpstreamTreeError as exc:
+            print(f"hint: {exc}", file=sys.stderr)
+            raise
+        ngram_cls = import_vllm_ngram(vllm_tree)
         group_n = max(len(g) for g in groups)
         makers["vllm_ngram"] = (
             lambda: VllmNgramDrafter(ngram_cls, k, max_len, group_n),
@@ -549,7 +555,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-tokens", type=int, default=SamConfig.cache_max_tokens)
     p.add_argument("--limit-prompts", type=int, default=None, help="use the first N prompts only")
     p.add_argument("--methods", nargs="*", default=None, help="subset of methods to run")
-    p.add_argument("--vllm-tree", default=DEFAULT_VLLM_TREE, help="vLLM source tree holding vllm/")
+    p.add_argument("--vllm-tree", default=None,
+                   help="vLLM source tree holding vllm/ (default: the workspace's, fetched if missing)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 

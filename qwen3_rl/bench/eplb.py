@@ -12,7 +12,7 @@ layers (each layer's all-to-all waits for its busiest rank). ``ms`` = wall time 
 
 Policies:
   identity          no EPLB: no redundant experts, expert e on rank e // (E / R)
-  vllm_default      vLLM 0.13 ``DefaultEplbPolicy.rebalance_experts``, loaded by path from the pristine tree
+  vllm_default      vLLM 0.13 ``DefaultEplbPolicy.rebalance_experts``, loaded by path from the pinned tree
   ours              ``qwen3_rl.moe.eplb.rebalance_experts``
   ours_migration    ``rebalance_experts_migration_aware`` against the previous placement (below)
   ascend_dynamic_ep, ascend_dynamic_ep_v2, ascend_flashlb
@@ -20,6 +20,8 @@ Policies:
                     vLLM-Ascend's initial placement and per-slot loads; v2 needs ``vllm.logger`` (imports vLLM)
 The previous placement (for ``moved`` counts) is ours on ``--prev-loads`` if given, else ours on the loads
 perturbed by multiplicative log-normal noise (sigma ``--drift``), i.e. the previous EPLB window.
+The vLLM / vLLM-Ascend trees default to the workspace's (``--vllm-tree`` / ``--ascend-tree`` override), made from
+the pinned wheels when missing (``qwen3_rl.bench.upstream_trees``).
 """
 
 from __future__ import annotations
@@ -36,10 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from qwen3_rl.bench.upstream_trees import UpstreamTreeError, upstream_tree
 from qwen3_rl.moe import eplb
 
-DEFAULT_VLLM_TREE = Path("/tmp/ws1/vllm")
-DEFAULT_ASCEND_TREE = Path("/tmp/ws1/vllm-ascend")
 ALL_POLICIES = (
     "identity", "vllm_default", "ours", "ours_migration",
     "ascend_dynamic_ep", "ascend_dynamic_ep_v2", "ascend_flashlb",
@@ -100,8 +101,10 @@ def write_csv(path: str | Path, loads: np.ndarray) -> None:
 # ------------------------------------------------------------------------------------------------ baselines
 
 
-def load_vllm_default(vllm_tree: Path) -> Any:
+def load_vllm_default(vllm_tree: Path | None) -> Any:
     """vLLM 0.13's ``DefaultEplbPolicy`` loaded by path (only abstract.py + default.py; no vLLM import)."""
+    if vllm_tree is None:
+        raise FileNotFoundError("no vLLM tree (see the hint above)")
     pdir = vllm_tree / "vllm" / "distributed" / "eplb" / "policy"
     if not (pdir / "default.py").is_file():
         raise FileNotFoundError(f"{pdir}/default.py not found (pass --vllm-tree)")
@@ -113,8 +116,10 @@ def load_vllm_default(vllm_tree: Path) -> Any:
     return importlib.import_module(f"{name}.default").DefaultEplbPolicy
 
 
-def load_ascend_policy(ascend_tree: Path, module: str, cls: str, vllm_tree: Path | None) -> Any:
+def load_ascend_policy(ascend_tree: Path | None, module: str, cls: str, vllm_tree: Path | None) -> Any:
     """A vLLM-Ascend 0.13 policy class loaded by path from ``vllm_ascend/eplb/core/policy``."""
+    if ascend_tree is None:
+        raise FileNotFoundError("no vLLM-Ascend tree (see the hint above)")
     pdir = ascend_tree / "vllm_ascend" / "eplb" / "core" / "policy"
     if not (pdir / f"{module}.py").is_file():
         raise FileNotFoundError(f"{pdir}/{module}.py not found (pass --ascend-tree)")
@@ -229,11 +234,12 @@ def run_case(
     prev_loads: np.ndarray | None = None,
     drift_sigma: float = 0.3,
     migration_weight: float = 0.002,
-    vllm_tree: Path = DEFAULT_VLLM_TREE,
-    ascend_tree: Path = DEFAULT_ASCEND_TREE,
+    vllm_tree: Path | None = None,
+    ascend_tree: Path | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """All requested policies on one load matrix; returns the JSON-able result dict."""
+    """All requested policies on one load matrix; returns the JSON-able result dict. ``vllm_tree`` /
+    ``ascend_tree``: the pinned trees (see :func:`baseline_trees`); None: their policies report an error."""
     num_layers, num_experts = loads.shape
     num_phy = num_experts + redundant
     if num_phy % num_ranks:
@@ -332,7 +338,25 @@ SUITE = (
 )
 
 
-def run_suite(policies: tuple[str, ...], args: argparse.Namespace) -> dict[str, Any]:
+def baseline_trees(policies: tuple[str, ...], vllm_tree: str | None, ascend_tree: str | None,
+                   ) -> tuple[Path | None, Path | None]:
+    """The vLLM and vLLM-Ascend trees the requested upstream policies need (the workspace's by default, made
+    from the pinned wheels when missing); a tree that cannot be had is None, with a one-line hint on stderr."""
+    def get(key: str, explicit: str | None) -> Path | None:
+        try:
+            return upstream_tree(key, explicit)
+        except UpstreamTreeError as exc:
+            print(f"hint: {exc}", file=sys.stderr)
+            return None
+
+    # vLLM-Ascend's v2 policy imports vllm.logger, so it needs the vLLM tree too
+    need_vllm = any(p in ("vllm_default", "ascend_dynamic_ep_v2") for p in policies)
+    need_ascend = any(p.startswith("ascend_") for p in policies)
+    return (get("vllm", vllm_tree) if need_vllm else None, get("vllm_ascend", ascend_tree) if need_ascend else None)
+
+
+def run_suite(policies: tuple[str, ...], args: argparse.Namespace, vllm_tree: Path | None = None,
+              ascend_tree: Path | None = None) -> dict[str, Any]:
     out = {}
     for label, kind, zipf, ranks, nodes, groups, red in SUITE:
         loads = synthetic_loads(zipf=zipf, seed=args.seed) if kind == "zipf" else hot_loads()
@@ -340,7 +364,7 @@ def run_suite(policies: tuple[str, ...], args: argparse.Namespace) -> dict[str, 
         if "identity" in pol and red:
             pol = tuple(p for p in pol if p != "identity")
         out[label] = run_case(loads, ranks, nodes, groups, red, pol, None, args.drift, args.migration_weight,
-                              Path(args.vllm_tree), Path(args.ascend_tree), args.seed)
+                              vllm_tree, ascend_tree, args.seed)
         out[label]["meta"]["loads"] = f"{kind} zipf={zipf}" if kind == "zipf" else "hot16"
     return out
 
@@ -356,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES), help=f"subset of {','.join(ALL_POLICIES)}")
     ap.add_argument("--migration-weight", type=float, default=0.002)
     ap.add_argument("--drift", type=float, default=0.3, help="log-normal sigma of the previous window's noise")
-    ap.add_argument("--vllm-tree", default=str(DEFAULT_VLLM_TREE))
-    ap.add_argument("--ascend-tree", default=str(DEFAULT_ASCEND_TREE))
+    ap.add_argument("--vllm-tree", help="vLLM source tree (default: the workspace's, fetched if missing)")
+    ap.add_argument("--ascend-tree", help="vLLM-Ascend source tree (default: the workspace's, fetched if missing)")
     ap.add_argument("--suite", action="store_true", help="run the standard Qwen3-235B cases on synthetic loads")
     ap.add_argument("--write-synthetic", metavar="OUT.csv", help="write Zipf-like synthetic loads and exit")
     ap.add_argument("--layers", type=int, default=94)
@@ -378,15 +402,15 @@ def main(argv: list[str] | None = None) -> int:
         print(args.write_synthetic)
         return 0
     if args.suite:
-        result = run_suite(policies, args)
+        result = run_suite(policies, args, *baseline_trees(policies, args.vllm_tree, args.ascend_tree))
     else:
         if not args.loads or not args.num_ranks:
             ap.error("--loads and --num-ranks are required (or --suite / --write-synthetic)")
         loads = read_csv(args.loads)
         prev_loads = read_csv(args.prev_loads) if args.prev_loads else None
+        vllm_tree, ascend_tree = baseline_trees(policies, args.vllm_tree, args.ascend_tree)
         result = run_case(loads, args.num_ranks, args.num_nodes, args.num_groups, args.redundant, policies,
-                          prev_loads, args.drift, args.migration_weight, Path(args.vllm_tree),
-                          Path(args.ascend_tree), args.seed)
+                          prev_loads, args.drift, args.migration_weight, vllm_tree, ascend_tree, args.seed)
     if args.json:
         print(json.dumps(result, indent=1))
     else:

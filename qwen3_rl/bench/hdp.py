@@ -15,7 +15,8 @@ Compared on the same batch and cost model (``qwen3_rl.parallel.hdp.CostModel``):
   pure_dp  every sequence whole on one rank; verl's KK partition of the sequences over the C ranks on the cost;
            ``budget_violations`` counts sequences longer than the budget (pure DP cannot run them)
 Each reports ``ratio`` = max per-rank cost / ``lower_bound`` (>= 1; lower is better) and HDP's speedup over
-pure CP (= pure_cp cost / hdp cost). verl is imported from ``--verl-tree`` (default /tmp/ws1/verl).
+pure CP (= pure_cp cost / hdp cost). verl is imported from ``--verl-tree`` (default: the workspace's verl tree,
+made from the pinned wheel when missing, ``qwen3_rl.bench.upstream_trees``).
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from typing import Any
 
 import numpy as np
 
+from qwen3_rl.bench.upstream_trees import UpstreamTreeError, upstream_tree
 from qwen3_rl.parallel import hdp
 
-DEFAULT_VERL_TREE = Path("/tmp/ws1/verl")
 MAX_PROMPT, MAX_RESPONSE = 2048, 32768
 
 
@@ -125,13 +126,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, default=5, help="random batches per case")
     ap.add_argument("--budget", type=int, default=None, help="tokens per rank per micro-batch (default per CP)")
     ap.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of response lengths")
-    ap.add_argument("--verl-tree", default=str(DEFAULT_VERL_TREE))
+    ap.add_argument("--verl-tree", help="verl source tree (default: the workspace's, fetched if missing)")
     ap.add_argument("--no-verl", action="store_true", help="skip the verl baselines (no verl import)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    verl_tree = None
+    if not args.no_verl:
+        try:
+            verl_tree = upstream_tree("verl", args.verl_tree)
+        except UpstreamTreeError as exc:
+            print(f"error: {exc} (or --no-verl: HDP alone, without verl's baselines)", file=sys.stderr)
+            return 1
     res = run([int(x) for x in args.sizes.split(",")], [int(x) for x in args.cp.split(",")], args.batches,
-              args.budget, args.sigma, None if args.no_verl else Path(args.verl_tree), args.seed)
+              args.budget, args.sigma, verl_tree, args.seed)
     if args.json:
         print(json.dumps(res, indent=1))
     else:
