@@ -67,7 +67,8 @@ def test_real_series_apply_noop_revert(make_workspace):
 
 
 # ------------------------------------------------------------------ synthetic series on real verl
-HEADER = "Subject: {s}\nDescription: test patch\nSwitch: none\nUpstream: no\n---\n"
+HEADER = ("Subject: {s}\nDescription: test patch\nSwitch: none\nUpstream: no\n"
+          "Verified: stand-in (tests/test_apply_patches.py)\n---\n")
 
 
 @pytest.fixture
@@ -165,6 +166,34 @@ def test_lint_catches_bad_names_numbers_and_headers(tmp_path):
     assert "0005-verl-feature-noheader.patch: header lacks 'Subject:'" in problems
     proc = run_script("apply_all_patches.sh", "--lint", "--only", "verl", "--patches-dir", str(tmp_path))
     assert proc.returncode == 1 and "problem(s)" in proc.stderr
+
+
+def test_lint_requires_a_verified_level_and_the_table_shows_it(tmp_path):
+    pdir = tmp_path / "verl"
+    pdir.mkdir()
+    diff = "diff --git a/x b/x\n--- a/x\n+++ b/x\n@@ -1 +1 @@\n-a\n+b\n"
+    ok = HEADER.format(s="ok").replace("Verified: stand-in (tests/test_apply_patches.py)",
+                                       "Verified: real engine (tests/engine/x.py: runs it);\n also on CPU")
+    (pdir / "0001-verl-bugfix-ok.patch").write_text(ok + diff)
+    unverified = "".join(ln for ln in HEADER.format(s="u").splitlines(True) if not ln.startswith("Verified:"))
+    (pdir / "0002-verl-bugfix-unverified.patch").write_text(unverified + diff)
+    (pdir / "0003-verl-bugfix-vague.patch").write_text(
+        HEADER.format(s="v").replace("Verified: stand-in", "Verified: tested") + diff)
+    assert ps.series("verl", tmp_path)[0].header()["Verified"] == "real engine (tests/engine/x.py: runs it); also on CPU"
+    assert ps.lint_series("verl", tmp_path) == [
+        "0002-verl-bugfix-unverified.patch: header lacks 'Verified:'",
+        "0003-verl-bugfix-vague.patch: 'Verified:' must start with one of real engine, upstream code on CPU, "
+        "stand-in, compiled/parsed only (then ';' or '(' and the tests), got 'tested'"]
+    assert [ps.verified_level(v) for v in ("compiled/parsed only; x", "upstream code on CPU (x)",
+                                           "stand-in \u2014 x", "real engine")] == [
+        "compiled/parsed only", "upstream code on CPU", "stand-in", "real engine"]
+    table = ps.markdown_table(["verl"], tmp_path).splitlines()
+    assert table[0] == "| framework | patch | what | switch (default) | verified |"
+    assert table[2].endswith("| ok | none | real engine |")
+    # the shipped series: every patch says how it is verified, with one of the levels
+    for key in PINS.frameworks:
+        for p in ps.series(key):
+            assert ps.verified_level(p.header()["Verified"]) in ps.VERIFIED_LEVELS, p.path.name
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,14 @@ from qwen3_rl.pins import REPO_ROOT, Framework
 from qwen3_rl.upstream.common import UpstreamError, is_git_repo, log, run
 
 PATCH_RE = re.compile(r"^(?P<num>\d{4})-(?P<fw>[a-z_]+)-(?P<kind>feature|bugfix)-(?P<name>[a-z0-9_]+)\.patch$")
-HEADER_FIELDS = ("Subject", "Description", "Switch", "Upstream")
+HEADER_FIELDS = ("Subject", "Description", "Switch", "Upstream", "Verified")
+#: How a patch is verified; its ``Verified:`` header starts with exactly one of these, then says which test
+#: does what. real engine: runs inside vLLM 0.13.0's real engine (tests/engine); upstream code on CPU: the
+#: patched upstream code is executed by the main suite among real upstream objects; stand-in: executed,
+#: but on stand-in objects (fake runner / engine core / worker, torch_npu stood in); compiled/parsed only:
+#: the patch applies and the file compiles or parses, no test executes the changed lines.
+VERIFIED_LEVELS = ("real engine", "upstream code on CPU", "stand-in", "compiled/parsed only")
+_LEVEL_END_RE = re.compile(r"[;(\u2014]")
 _DIFF_RE = re.compile(r"^diff --git a/(\S+) b/(\S+)$", re.M)
 _FAIL_RE = re.compile(r"error: (?:patch failed: (\S+?):\d+|(\S+?): (?:No such file|does not exist|already exists))")
 
@@ -65,6 +72,11 @@ class Patch:
         return fields
 
 
+def verified_level(value: str) -> str:
+    """The level a ``Verified:`` header value starts with: its words before the first ';', '(' or em dash."""
+    return _LEVEL_END_RE.split(value, maxsplit=1)[0].strip()
+
+
 def patches_root() -> Path:
     return REPO_ROOT / "patches"
 
@@ -108,6 +120,10 @@ def lint_series(key: str, root: Path | None = None) -> list[str]:
         for f in HEADER_FIELDS:
             if not head.get(f):
                 problems.append(f"{p.path.name}: header lacks '{f}:'")
+        level = verified_level(head.get("Verified", ""))
+        if head.get("Verified") and level not in VERIFIED_LEVELS:
+            problems.append(f"{p.path.name}: 'Verified:' must start with one of {', '.join(VERIFIED_LEVELS)} "
+                            f"(then ';' or '(' and the tests), got '{level}'")
         if not p.files:
             problems.append(f"{p.path.name}: contains no 'diff --git' section")
     return problems
@@ -269,12 +285,14 @@ def _restore(tree: Path, backup: _Sandbox, files: list[str]) -> None:
 
 
 def markdown_table(keys: list[str], root: Path | None = None) -> str:
-    """The README's patch table: one row per patch with its subject and switch (from its header)."""
-    rows = ["| framework | patch | what | switch (default) |", "|---|---|---|---|"]
+    """The README's patch table: one row per patch with its subject, switch and verification level (from its
+    header; the level only, the patch header says which tests)."""
+    rows = ["| framework | patch | what | switch (default) | verified |", "|---|---|---|---|---|"]
     for key in keys:
         for p in series(key, root):
             head = p.header()
             subject = head.get("Subject", "").replace("|", "\\|")
             switch = head.get("Switch", "").replace("|", "\\|")
-            rows.append(f"| {key} | [{p.path.name}](patches/{key}/{p.path.name}) | {subject} | {switch} |")
+            level = verified_level(head.get("Verified", "")).replace("|", "\\|")
+            rows.append(f"| {key} | [{p.path.name}](patches/{key}/{p.path.name}) | {subject} | {switch} | {level} |")
     return "\n".join(rows)
