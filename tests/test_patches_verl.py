@@ -379,6 +379,78 @@ def test_0004_set_expandable_segments_reaches_npu_allocator(verl_on_vllm: Path,
     assert cuda_calls == ["expandable_segments:False"] and len(calls) == 2
 
 
+def test_allocator_switch_off_leaves_npu_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(allocator, "_npu_enabled", True)
+    fake, calls = _fake_torch("cuda", "npu")
+    assert allocator.configure_from_rollout_config({"npu_expandable_segments": False}) is False
+    assert allocator.set_expandable_segments(False, "npu", fake) is False  # upstream: NPU never switched
+    assert allocator.set_expandable_segments(False, "cuda", fake) is True  # CUDA as upstream
+    assert calls == [("cuda", "expandable_segments:False")]
+    assert allocator.configure_from_rollout_config({}) is True  # missing key: the fix (default)
+    assert allocator.configure_from_rollout_config(None) is True
+    assert allocator.set_expandable_segments(True, "npu", fake) is True
+    with pytest.raises(TypeError, match="npu_expandable_segments"):
+        allocator.configure_from_rollout_config({"npu_expandable_segments": "false"})
+
+
+def test_0004_switch_off_restores_upstream(verl_on_vllm: Path, clean_hydra: None,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """rollout.npu_expandable_segments, declared in verl's config, read by the patched Megatron
+    ActorRolloutRefWorker.__init__: false = upstream's CUDA-only swap, true (default) = also on NPU."""
+    import torch
+    import verl.utils.device as device
+    import verl.workers.megatron_workers as mw
+    from hydra.errors import ConfigCompositionException
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cfg_dir = verl_on_vllm / VERL_DIR / "verl" / "trainer" / "config"
+    off = _compose_rollout(cfg_dir, ["actor_rollout_ref.rollout.npu_expandable_segments=false", NAME_VLLM])
+    assert omega_conf_to_dataclass(off.actor_rollout_ref.rollout).npu_expandable_segments is False
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    on = _compose_rollout(cfg_dir, [NAME_VLLM])
+    assert on.actor_rollout_ref.rollout.npu_expandable_segments is True
+    GlobalHydra.instance().clear()
+    with pytest.raises(ConfigCompositionException, match="npu_expandable_segmentss"):
+        _compose_rollout(cfg_dir, ["actor_rollout_ref.rollout.npu_expandable_segmentss=false"])
+
+    class _StopInit(Exception):
+        pass
+
+    def stop(*_a, **_k):  # MindSpeed's repatch is the next statement: end __init__ there
+        raise _StopInit
+
+    monkeypatch.setattr(mw.Worker, "__init__", lambda self: None)
+    monkeypatch.setattr(mw, "repatch", stop)
+    monkeypatch.setattr(allocator, "_npu_enabled", True)
+    fake_npu, calls = _fake_torch("npu")
+    monkeypatch.setattr(torch, "npu", fake_npu.npu, raising=False)
+    monkeypatch.setattr(device, "is_cuda_available", False)
+    monkeypatch.setattr(device, "is_npu_available", True)
+
+    def run_worker_init(cfg) -> None:
+        worker = object.__new__(mw.ActorRolloutRefWorker)
+        with pytest.raises(_StopInit):
+            mw.ActorRolloutRefWorker.__init__(worker, cfg.actor_rollout_ref, role="actor_rollout")
+        device.set_expandable_segments(False)  # rollout_mode()
+        device.set_expandable_segments(True)  # trainer_mode()
+
+    run_worker_init(off)
+    assert calls == []  # upstream verl 0.6.1 on NPU: the swap is a no-op
+    cuda_calls: list[str] = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", cuda_calls.append)
+    monkeypatch.setattr(device, "is_cuda_available", True)
+    device.set_expandable_segments(False)
+    assert cuda_calls == ["expandable_segments:False"]  # CUDA keeps being switched, as upstream
+    monkeypatch.setattr(device, "is_cuda_available", False)
+    run_worker_init(on)
+    assert calls == [("npu", "expandable_segments:False"), ("npu", "expandable_segments:True")]
+
+
+NAME_VLLM = "actor_rollout_ref.rollout.name=vllm"
+
+
 _PRISTINE_PROBE = textwrap.dedent("""
     import json, sys, types
     import torch

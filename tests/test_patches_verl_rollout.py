@@ -103,6 +103,34 @@ def test_plain_list_graph_sizes_reach_vllm(patched_imports: Path, monkeypatch: p
     assert "compilation_config" not in _RecordingLLM.instances[-1].kwargs  # eager: no graphs
 
 
+def test_0011_switch_off_restores_upstream(patched_imports: Path, monkeypatch: pytest.MonkeyPatch,
+                                           caplog: pytest.LogCaptureFixture, clean_hydra: None) -> None:
+    """rollout.plain_list_capture_sizes=false: the patched vLLMRollout.__init__ drops the plain list with
+    upstream's warning (vLLM's default sizes); true (default, declared in Hydra) passes it."""
+    import logging
+
+    from omegaconf import ListConfig, OmegaConf
+
+    from qwen3_rl.compat.capture_sizes import capture_sizes_for_vllm
+
+    assert _compose(patched_imports, [NAME]).actor_rollout_ref.rollout.plain_list_capture_sizes is True
+    with caplog.at_level(logging.WARNING):
+        _init_rollout(monkeypatch, enforce_eager=False, cudagraph_capture_sizes=[8, 16, 32],
+                      plain_list_capture_sizes=False)
+    assert "compilation_config" not in _RecordingLLM.instances[-1].kwargs
+    assert "cudagraph_capture_sizes must be a list, but got [8, 16, 32]" in caplog.text
+    _init_rollout(monkeypatch, enforce_eager=False, cudagraph_capture_sizes=[8, 16, 32],
+                  plain_list_capture_sizes=True)
+    assert list(_RecordingLLM.instances[-1].kwargs["compilation_config"].cudagraph_capture_sizes) == [8, 16, 32]
+    # the decision itself: off = upstream's isinstance(..., ListConfig), the ListConfig passed on unchanged
+    lc = OmegaConf.create([8, 16])
+    off = {"plain_list_capture_sizes": False}
+    assert capture_sizes_for_vllm(lc, off) is lc and isinstance(lc, ListConfig)
+    assert capture_sizes_for_vllm([8, 16], off) is None and capture_sizes_for_vllm((8,), off) is None
+    assert capture_sizes_for_vllm(lc, {}) == [8, 16] and capture_sizes_for_vllm(("8", 16), None) == [8, 16]
+    assert capture_sizes_for_vllm("8,16", {}) is None
+
+
 def test_pristine_pin_drops_plain_list(pristine_workspace: Path) -> None:
     src = (pristine_workspace / "verl" / "verl" / "workers" / "rollout" / "vllm_rollout"
            / "vllm_rollout_spmd.py").read_text()

@@ -80,9 +80,9 @@ def test_noop_when_not_replaced() -> None:
     assert torch.compile is REAL
 
 
-def test_patched_megatron_worker_generate_sequences(patched_imports, monkeypatch) -> None:
-    """EXECUTE the patched ActorRolloutRefWorker.generate_sequences on a stand-in worker: the rollout
-    sees the real torch.compile, the training side gets MindSpeed's dummy back."""
+def _run_patched_generate_sequences(monkeypatch, rollout_config) -> list:
+    """EXECUTE the patched ActorRolloutRefWorker.generate_sequences on a stand-in worker with MindSpeed's
+    dummy installed; returns the torch.compile the rollout saw."""
     import verl.workers.megatron_workers as mw
     from verl import DataProto
 
@@ -98,12 +98,53 @@ def test_patched_megatron_worker_generate_sequences(patched_imports, monkeypatch
 
     worker = types.SimpleNamespace(
         _is_rollout=True, _is_actor=False, _is_offload_optimizer=False, generation_config=None,
+        config=types.SimpleNamespace(rollout=rollout_config),
         tokenizer=types.SimpleNamespace(eos_token_id=1, pad_token_id=0), rollout=Rollout())
     prompts = DataProto.from_dict(tensors={"input_ids": torch.zeros(2, 3, dtype=torch.long)})
     out = mw.ActorRolloutRefWorker.generate_sequences(worker, prompts)
-    assert seen == [REAL] and torch.compile is dummy_compile
+    assert torch.compile is dummy_compile  # the training side keeps MindSpeed's choice
     assert out.batch["responses"].shape == (2, 2) and "timing" in out.meta_info
+    return seen
+
+
+def test_patched_megatron_worker_generate_sequences(patched_imports, monkeypatch) -> None:
+    """EXECUTE the patched ActorRolloutRefWorker.generate_sequences on a stand-in worker: the rollout
+    sees the real torch.compile, the training side gets MindSpeed's dummy back."""
+    import verl.workers.megatron_workers as mw
+    from omegaconf import OmegaConf
+
+    assert _run_patched_generate_sequences(monkeypatch, OmegaConf.create({"real_torch_compile": True})) == [REAL]
+    assert _run_patched_generate_sequences(monkeypatch, OmegaConf.create({})) == [REAL]  # missing key: on
     # rollout engine creation runs in the same context (vLLM calls torch.compile while building the model)
     src = inspect.getsource(mw.ActorRolloutRefWorker._build_rollout)
-    assert "with real_torch_compile():" in src
-    assert src.index("with real_torch_compile():") < src.index("get_rollout_class(rollout_config.name")
+    assert "with rollout_torch_compile(rollout_config):" in src
+    assert src.index("with rollout_torch_compile(rollout_config):") < src.index("get_rollout_class(rollout_config.name")
+
+
+def test_0009_switch_off_restores_upstream(patched_imports, monkeypatch) -> None:
+    """rollout.real_torch_compile=false (declared in verl's RolloutConfig): the patched generate_sequences
+    leaves MindSpeed's dummy in place, as the pristine pin does."""
+    from omegaconf import OmegaConf
+    from verl.workers.config import RolloutConfig
+
+    assert RolloutConfig(name="vllm").real_torch_compile is True
+    assert RolloutConfig(name="vllm", real_torch_compile=False).real_torch_compile is False
+    off = OmegaConf.create({"real_torch_compile": False})
+    assert _run_patched_generate_sequences(monkeypatch, off) == [dummy_compile]
+    # the dataclass form _build_rollout passes behaves the same
+    with tc.rollout_torch_compile(RolloutConfig(name="vllm", real_torch_compile=False)) as fn:
+        assert fn is dummy_compile and torch.compile is dummy_compile
+    with tc.rollout_torch_compile(RolloutConfig(name="vllm")) as fn:
+        assert fn is REAL and torch.compile is REAL
+    assert torch.compile is dummy_compile
+
+
+def test_rollout_torch_compile_switch(mindspeed_replaced) -> None:
+    mindspeed_replaced.setattr(tc, "_remembered", REAL)
+    with tc.rollout_torch_compile({"real_torch_compile": False}) as fn:
+        assert fn is dummy_compile and torch.compile is dummy_compile
+    with tc.rollout_torch_compile(None) as fn:
+        assert fn is REAL and torch.compile is REAL
+    assert torch.compile is dummy_compile
+    with pytest.raises(TypeError, match="real_torch_compile"), tc.rollout_torch_compile({"real_torch_compile": 0}):
+        pass

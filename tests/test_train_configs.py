@@ -308,9 +308,14 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     "moe_alltoallv": ({"MOE_ALLTOALLV": "True"}, []),
     "bad_alltoallv_with_eplb": ({"MOE_ALLTOALLV": "True", "ROLLOUT_EPLB": "True"}, []),
     "bad_zero_memory_without_overlap": ({"MOE_ZERO_MEMORY": "level0"}, []),
+    # the off switches of the always-on verl fixes 0004 / 0009 / 0011 (upstream verl 0.6.1's behaviour)
+    "upstream_fixes_off": ({"NPU_EXPANDABLE_SEGMENTS": "False", "ROLLOUT_REAL_TORCH_COMPILE": "False",
+                            "ROLLOUT_PLAIN_LIST_CAPTURE_SIZES": "False"}, []),
+    "bad_fix_switch_lowercase": ({"ROLLOUT_REAL_TORCH_COMPILE": "false"}, []),
 }
 # variables the scripts check for True/False: given True in the every_var case
-_CHECKED_BOOLS = ("SAM_ENABLE", "SAM_GROUP", "NPUGRAPH_EX", "ROLLOUT_EPLB", "MOE_ALLTOALL_OVERLAP")
+_CHECKED_BOOLS = ("SAM_ENABLE", "SAM_GROUP", "NPUGRAPH_EX", "ROLLOUT_EPLB", "MOE_ALLTOALL_OVERLAP",
+                  "NPU_EXPANDABLE_SEGMENTS", "ROLLOUT_REAL_TORCH_COMPILE", "ROLLOUT_PLAIN_LIST_CAPTURE_SIZES")
 # variables with a fixed set of values: given this value in the every_var case (MOE_ALLTOALLV=True conflicts
 # with ROLLOUT_EPLB=True; it has its own case)
 _CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1", "MOE_ALLTOALLV": "False"}
@@ -360,6 +365,11 @@ def test_golden_commands(name: str) -> None:
     assert "argv" in want["cases"]["defaults"] and "argv" in want["cases"]["every_var"]
     assert want["cases"]["bad_sam_enable"]["error"].endswith("failed in print mode: SAM_ENABLE must be True or False")
     assert want["cases"]["extra_args"]["argv"][-1] == "trainer.total_training_steps=3"
+    assert want["cases"]["bad_fix_switch_lowercase"]["error"].endswith(
+        "ROLLOUT_REAL_TORCH_COMPILE must be True or False, got 'false'")
+    off = want["cases"]["upstream_fixes_off"]["argv"]
+    assert all(f"actor_rollout_ref.rollout.{k}=False" in off
+               for k in ("npu_expandable_segments", "real_torch_compile", "plain_list_capture_sizes"))
 
 
 def test_moe_alltoall_overlap_switch(patched_imports: Path) -> None:
@@ -425,3 +435,22 @@ def test_rollout_rebalance_needs_vllm_dp() -> None:
         # off, any vLLM DP is fine
         off = parse_train_script(script, env={**BASE_ENV, "ROLLOUT_DP": "1"})
         assert off.get("actor_rollout_ref.rollout.rollout_rebalance") == "False"
+
+
+def test_upstream_fix_switches(patched_imports: Path) -> None:
+    """NPU_EXPANDABLE_SEGMENTS / ROLLOUT_REAL_TORCH_COMPILE / ROLLOUT_PLAIN_LIST_CAPTURE_SIZES (verl 0004 / 0009 /
+    0011): on by default, False composes to the declared rollout keys set to false, a bad value stops the script."""
+    verl_config_dir = patched_imports / "verl" / "verl" / "trainer" / "config"
+    keys = ("npu_expandable_segments", "real_torch_compile", "plain_list_capture_sizes")
+    env_vars = ("NPU_EXPANDABLE_SEGMENTS", "ROLLOUT_REAL_TORCH_COMPILE", "ROLLOUT_PLAIN_LIST_CAPTURE_SIZES")
+    for script in (INTERNAL / "train_grpo_qwen3_235b_128die_true_weight.sh",
+                   INTERNAL / "train_grpo_qwen3_32b_32die_true_weight.sh"):
+        on = parse_train_script(script, env=BASE_ENV)
+        cfg = _compose(on.overrides, on.config_name, verl_config_dir)
+        assert all(cfg.actor_rollout_ref.rollout[k] is True for k in keys)
+        off = parse_train_script(script, env={**BASE_ENV, **dict.fromkeys(env_vars, "False")})
+        cfg = _compose(off.overrides, off.config_name, verl_config_dir)
+        assert all(cfg.actor_rollout_ref.rollout[k] is False for k in keys)
+    for var in env_vars:
+        with pytest.raises(Exception, match=f"{var} must be True or False"):
+            parse_train_script(script, env={**BASE_ENV, var: "yes"})

@@ -56,6 +56,13 @@ GRAPH_CAPTURE_SIZES=${GRAPH_CAPTURE_SIZES:-[8,16,32,64,96,128,160,192,224,256]}
 # qwen3_rl switches (README "Switches"): tqdm progress in the rollout, gc off during each engine step
 ROLLOUT_USE_TQDM=${ROLLOUT_USE_TQDM:-False}
 DISABLE_GC_IN_ENGINE_STEP=${DISABLE_GC_IN_ENGINE_STEP:-False}
+# off switches of always-on fixes (README "Switches"; to bisect a first cluster run, False = upstream verl 0.6.1):
+# verl 0004 expandable-segments hot swap around vLLM sleep/wake also on the NPU allocator
+NPU_EXPANDABLE_SEGMENTS=${NPU_EXPANDABLE_SEGMENTS:-True}
+# verl 0009 real torch.compile for the vLLM rollout (MindSpeed replaces it with a no-op in the Megatron worker)
+ROLLOUT_REAL_TORCH_COMPILE=${ROLLOUT_REAL_TORCH_COMPILE:-True}
+# verl 0011 GRAPH_CAPTURE_SIZES reach vLLM (upstream drops the plain list the Megatron worker holds)
+ROLLOUT_PLAIN_LIST_CAPTURE_SIZES=${ROLLOUT_PLAIN_LIST_CAPTURE_SIZES:-True}
 # SAM speculative decoding (docs/sam_decoding.md) and npugraph_ex; engine keys are emitted only when on.
 # SAM_BS_THRESHOLD: drafting off while a vLLM step runs more requests than this (0 = never off).
 SAM_ENABLE=${SAM_ENABLE:-False}
@@ -270,6 +277,13 @@ _train_add_rollout_overrides() {
         esac
         overrides+=("actor_rollout_ref.actor.moe_alltoallv=${MOE_ALLTOALLV}")
     fi
+    local _flag
+    for _flag in NPU_EXPANDABLE_SEGMENTS ROLLOUT_REAL_TORCH_COMPILE ROLLOUT_PLAIN_LIST_CAPTURE_SIZES; do
+        case "${!_flag}" in
+            True | False) ;;
+            *) echo "${_flag} must be True or False, got '${!_flag}'" >&2; exit 2 ;;
+        esac
+    done
     overrides+=(
         "actor_rollout_ref.rollout.gpu_memory_utilization=${ROLLOUT_GPU_MEMORY_UTILIZATION}"
         "actor_rollout_ref.rollout.max_num_seqs=${ROLLOUT_MAX_NUM_SEQS}"
@@ -277,6 +291,9 @@ _train_add_rollout_overrides() {
         "actor_rollout_ref.rollout.enforce_eager=${ROLLOUT_ENFORCE_EAGER}"
         "actor_rollout_ref.rollout.use_tqdm=${ROLLOUT_USE_TQDM}"
         "actor_rollout_ref.rollout.disable_gc_in_engine_step=${DISABLE_GC_IN_ENGINE_STEP}"
+        "actor_rollout_ref.rollout.npu_expandable_segments=${NPU_EXPANDABLE_SEGMENTS}"
+        "actor_rollout_ref.rollout.real_torch_compile=${ROLLOUT_REAL_TORCH_COMPILE}"
+        "actor_rollout_ref.rollout.plain_list_capture_sizes=${ROLLOUT_PLAIN_LIST_CAPTURE_SIZES}"
         "actor_rollout_ref.rollout.data_rebalance=${DATA_REBALANCE}"
         "actor_rollout_ref.rollout.rollout_rebalance=${ROLLOUT_REBALANCE}"
         "actor_rollout_ref.rollout.rollout_rebalance_interval_steps=${ROLLOUT_REBALANCE_INTERVAL_STEPS}"

@@ -16,17 +16,26 @@ MindSpeed's choice. The real function is found, in order: ``torch.compile`` itse
 the one :func:`remember_real_torch_compile` recorded before MindSpeed was imported; MindSpeed's own
 record of the original (``MindSpeedPatchesManager.patches_info["torch.compile"].orig_func``).
 With nothing replaced the context does nothing (GPU, or MindSpeed absent).
+
+Off switch (default on): ``actor_rollout_ref.rollout.real_torch_compile=false`` makes
+:func:`rollout_torch_compile` (what the patched worker calls) a no-op, i.e. upstream's behaviour: the
+rollout engine is built and generates with whatever ``torch.compile`` is (MindSpeed's dummy).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
+from qwen3_rl.compat.switches import read_switch
+
 logger = logging.getLogger(__name__)
+
+#: Key of the switch inside verl's rollout config (``actor_rollout_ref.rollout.<CONFIG_KEY>``).
+CONFIG_KEY = "real_torch_compile"
 
 _remembered: Callable[..., Any] | None = None
 
@@ -99,3 +108,20 @@ def real_torch_compile() -> Iterator[Callable[..., Any]]:
         yield real
     finally:
         torch.compile = current
+
+
+@contextmanager
+def rollout_torch_compile(rollout_config: Mapping[str, object] | None) -> Iterator[Callable[..., Any]]:
+    """:func:`real_torch_compile` if ``rollout.real_torch_compile`` is on (missing = on), else nothing.
+
+    Yields:
+        The function ``torch.compile`` is during the context. With the switch off it is left as it is
+        (upstream verl 0.6.1: MindSpeed's dummy in the Megatron worker).
+    """
+    if read_switch(rollout_config, CONFIG_KEY, True):
+        with real_torch_compile() as fn:
+            yield fn
+        return
+    import torch
+
+    yield torch.compile
