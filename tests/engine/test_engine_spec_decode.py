@@ -8,14 +8,11 @@ engine decoding without drafts (greedy, float32, vLLM's native ops).
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import run_engine
+from conftest import run_engine, tree_without
 
-REPO = Path(__file__).resolve().parents[2]
 K = 3
 
 # Four prompts of varied shape (ids < 512, the tiny vocabulary); GROUP repeats each twice, as GRPO's n=2,
@@ -133,10 +130,7 @@ def test_inproc_client_drafts_only_with_vllm_0005(engine_ws: Path, tiny_models: 
                                                   tmp_path: Path) -> None:
     # vllm 0005: without it the in-process client (verl's SPMD mode) never calls EngineCore.post_step,
     # so no draft reaches the scheduler. Same tree with 0005 reversed: zero drafts; with it: drafts.
-    old = tmp_path / "ws-without-0005"
-    shutil.copytree(engine_ws, old, symlinks=True)
-    patch = sorted((REPO / "patches" / "vllm").glob("0005-*.patch"))[0]
-    subprocess.run(["git", "apply", "-R", str(patch)], cwd=old / "vllm", check=True)
+    old = tree_without(engine_ws, tmp_path / "ws-without-0005", "vllm", 5)
     runs = [{"name": "sam", "llm": sam(), "sampling": {"max_tokens": 32}}]
     with_fix = run_engine({"workspace": str(engine_ws), "model": str(tiny_models["dense"]), "prompts": PROMPTS,
                            "runs": runs}, tmp_path)
