@@ -229,3 +229,28 @@ def test_dispatcher_report(tmp_path):
     )
     assert res.returncode == 0, res.stderr
     assert "resp_len/mean" in res.stdout and "t/generate_sequences" in res.stdout
+
+
+def test_spec_decode_columns_when_the_log_carries_them(tmp_path, capsys):
+    """verl 0016's rollout/spec_decode/* items (SAM on): the table shows drafted tokens and the acceptance
+    rate, plus one summary line; logs without them show neither."""
+    spec = {1: "rollout/spec_decode/num_drafts:1200 - rollout/spec_decode/draft_tokens:3400 - "
+               "rollout/spec_decode/accepted_tokens:1700 - rollout/spec_decode/acceptance_rate:0.5 - "
+               "rollout/spec_decode/mean_acceptance_length:2.4166666666666665",
+            2: "rollout/spec_decode/num_drafts:0 - rollout/spec_decode/draft_tokens:0 - "
+               "rollout/spec_decode/accepted_tokens:0",
+            3: "rollout/spec_decode/num_drafts:900 - rollout/spec_decode/draft_tokens:2600 - "
+               "rollout/spec_decode/accepted_tokens:780 - rollout/spec_decode/acceptance_rate:np.float64(0.3)"}
+    p = tmp_path / "train.log"
+    p.write_text("\n".join(f"(TaskRunner pid=1) {_step_line(s)} - {spec[s]}" for s in (1, 2, 3)) + "\n")
+    assert report_main([str(p)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    head = out[1].split()
+    assert head[-2:] == ["sd/draft_tokens", "sd/acceptance_rate"]
+    rows = [r.split() for r in out[2:5]]
+    assert [r[-2:] for r in rows] == [["3400.0", "0.5"], ["0", "-"], ["2600.0", "0.3"]]
+    assert out[5] == ("speculative decoding: drafted in 2 of 3 steps that logged spec-decode counters, "
+                      "acceptance rate 0.413 over the log")  # (1700 + 780) / (3400 + 2600) = 0.4133
+    assert report_main([str(write_sample_log(tmp_path / "plain.log", steps=2))]) == 0
+    plain = capsys.readouterr().out
+    assert "sd/" not in plain and "speculative decoding" not in plain

@@ -352,6 +352,8 @@ train_add_sam_npugraph_ex_overrides() {
             "+${_vllm_kw}.speculative_config.num_speculative_tokens=${SAM_K}"
             "+${_vllm_kw}.speculative_config.sam_config.group_mode=${SAM_GROUP}"
             "+${_vllm_kw}.speculative_config.sam_config.pad_drafts=${NPUGRAPH_EX}"
+            # vLLM's stats on: its spec-decode counters become the rollout/spec_decode/* step metrics (verl 0016)
+            actor_rollout_ref.rollout.disable_log_stats=False
         )
         if [[ "${SAM_BS_THRESHOLD}" != 0 ]]; then
             overrides+=("+${_vllm_kw}.speculative_config.disable_by_batch_size=${SAM_BS_THRESHOLD}")

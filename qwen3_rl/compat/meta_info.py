@@ -7,7 +7,9 @@ averaged floats can differ in the last bits between ranks, so concat fails with
 ``AssertionError: Conflicting values for meta_info key 'timing'``.
 
 Rule: keys listed in :data:`TOLERANT_KEYS` are merged with their merge function; every other key
-keeps upstream's behaviour (equal or ``AssertionError``).
+keeps upstream's behaviour (equal or ``AssertionError``). Besides ``timing``: the rollout's
+speculative-decoding counts (``qwen3_rl.rollout.spec_decode_metrics.META_KEY``, verl 0016), one record
+per engine, are summed.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from numbers import Real
 from typing import Any
+
+from qwen3_rl.rollout.spec_decode_metrics import META_KEY as SPEC_DECODE_KEY
+from qwen3_rl.rollout.spec_decode_metrics import merge_counts
 
 
 def merge_timing(a: Any, b: Any) -> Any:
@@ -39,7 +44,7 @@ def merge_timing(a: Any, b: Any) -> Any:
 
 
 # meta_info key -> merge function for values that legitimately differ between workers.
-TOLERANT_KEYS: dict[str, Callable[[Any, Any], Any]] = {"timing": merge_timing}
+TOLERANT_KEYS: dict[str, Callable[[Any, Any], Any]] = {"timing": merge_timing, SPEC_DECODE_KEY: merge_counts}
 
 
 def merge_meta_value(key: str, current: Any, new: Any) -> Any:

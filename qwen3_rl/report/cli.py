@@ -28,8 +28,19 @@ TABLE_KEYS = (
     "timing_s/generate_sequences",
     "timing_s/update_actor",
     "timing_s/step",
+    # speculative decoding (verl 0016; only in logs of runs with a drafter and vLLM stats on)
+    "rollout/spec_decode/draft_tokens",
+    "rollout/spec_decode/acceptance_rate",
 )
-_ABBREV = (("critic/", ""), ("timing_s/", "t/"), ("response_length/", "resp_len/"), ("perf/", ""))
+_ABBREV = (
+    ("critic/", ""),
+    ("timing_s/", "t/"),
+    ("response_length/", "resp_len/"),
+    ("perf/", ""),
+    ("rollout/spec_decode/", "sd/"),
+)
+SPEC_DRAFT_TOKENS = "rollout/spec_decode/draft_tokens"
+SPEC_ACCEPTED_TOKENS = "rollout/spec_decode/accepted_tokens"
 
 
 def _short(key: str) -> str:
@@ -58,6 +69,21 @@ def format_table(log: StepLog, keys: Sequence[str]) -> str:
     lines = ["  ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     return "\n".join(lines)
+
+
+def spec_decode_summary(log: StepLog) -> str | None:
+    """One line on speculative decoding when the log carries ``rollout/spec_decode/*`` (else None):
+    in how many steps the rollout drafted, and accepted / drafted tokens over the whole log."""
+    steps, drafted = log.series(SPEC_DRAFT_TOKENS)
+    if not steps:
+        return None
+    on = sum(1 for d in drafted if d > 0)
+    line = f"speculative decoding: drafted in {on} of {len(steps)} steps that logged spec-decode counters"
+    both = [m for m in log.steps.values() if SPEC_DRAFT_TOKENS in m and SPEC_ACCEPTED_TOKENS in m]
+    total = sum(m[SPEC_DRAFT_TOKENS] for m in both)
+    if total > 0 and math.isfinite(total):
+        line += f", acceptance rate {sum(m[SPEC_ACCEPTED_TOKENS] for m in both) / total:.3f} over the log"
+    return line
 
 
 def compare(log: StepLog, figures: Sequence[Figure]) -> list[dict[str, Any]]:
@@ -166,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{len(log.steps)} steps, {len(log.keys())} metrics in {args.log}")
     print(format_table(log, keys))
+    spec = spec_decode_summary(log)
+    if spec:
+        print(spec)
     if log.repeated_steps:
         print(f"note: steps logged more than once (last kept): {sorted(set(log.repeated_steps))}")
     if setup:

