@@ -63,12 +63,16 @@ def build(ws: Path, pristine: Path) -> Path:
 
 
 def activate(ws: Path) -> None:
-    """Put the patched trees first on ``sys.path`` in this process (before any vllm/verl import)."""
+    """Put the patched trees and this checkout first on ``sys.path`` in this process (before any
+    vllm/verl/qwen3_rl import)."""
     loaded = [m for m in ("vllm", "verl") if m in sys.modules]
     if loaded:
         raise RuntimeError(f"{loaded} imported before the engine tree was activated")
     for d in reversed(PATH_TREES):
         sys.path.insert(0, str(ws / d))
+    # this checkout's qwen3_rl (as tests/conftest.py does for pytest): the venv's editable install may
+    # point at another clone when ~/.cache outlives it
+    sys.path.insert(0, str(REPO))
     sys.path.append(str(ws / ".dist-info"))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_PLUGINS", "none")
