@@ -95,8 +95,15 @@ if [[ -n "${P[ENV_SCRIPT]}" ]]; then
   source "${P[ENV_SCRIPT]}"
   set +a
 fi
+if [[ "${P[DEVICE]}" == cpu ]]; then
+  NPU_ENV_CHECK=skip   # CPU profile: no CANN on this node; the file's other settings still apply
+elif [[ $DRY == 1 ]]; then
+  NPU_ENV_CHECK=warn
+else
+  NPU_ENV_CHECK=strict
+fi
 # shellcheck source=/dev/null
-source "${P[NPU_ENV]}" "--check=$([[ $DRY == 1 ]] && echo warn || echo strict)" || exit 1
+source "${P[NPU_ENV]}" "--check=${NPU_ENV_CHECK}" || exit 1
 
 if [[ $DRY == 1 ]]; then
   q3 launch show --plan-dir "$PLAN_DIR"
@@ -107,6 +114,7 @@ fi
 #    contract (env vars / engine keys the pinned upstream refuses at start-up or wake-up; no file or node access)
 pre=(q3 preflight "${P[TRAIN_SCRIPT]}" --npu-env "${P[NPU_ENV]}" --nnodes "${P[NNODES]}"
      --npus-per-node "${P[NPUS_PER_NODE]}" --role "${P[ROLE]}")
+[[ "${P[DEVICE]}" == cpu ]] && pre+=(--no-node-checks)   # no npu-smi / CANN / patch workspace on a CPU node
 [[ -n "${P[ENV_SCRIPT]}" ]] && pre+=(--env-script "${P[ENV_SCRIPT]}")
 extra=()
 ((${#TRAIN_CMD[@]} > 2)) && extra=(-- "${TRAIN_CMD[@]:2}")

@@ -8,14 +8,16 @@
 #
 # Inputs: CANN_HOME (default /usr/local/Ascend), SOCKET_IFNAME (the interface that reaches the head;
 # the launcher exports it). Every path sourced is checked first; in strict mode (default) a missing
-# one is a one-line error naming it and `return 1`; --check=warn (used by --dry-run) only warns.
+# one is a one-line error naming it and `return 1`; --check=warn (used by --dry-run) only warns;
+# --check=skip (the launcher's CPU profile, a node without NPUs) neither looks for nor sources CANN.
 # shellcheck disable=SC1090,SC1091
 
 _q3_mode=strict
 case "${1:-}" in
   --check=warn) _q3_mode=warn ;;
+  --check=skip) _q3_mode=skip ;;
   --check=strict|"") ;;
-  *) echo "error: npu_env.sh: unknown argument '$1' (use --check=strict|warn)" >&2; return 2 ;;
+  *) echo "error: npu_env.sh: unknown argument '$1' (use --check=strict|warn|skip)" >&2; return 2 ;;
 esac
 
 _q3_missing() {
@@ -37,36 +39,38 @@ _q3_source() {
 }
 
 CANN_HOME=${CANN_HOME:-/usr/local/Ascend}
-# CANN 8.x layouts: <home>/ascend-toolkit (bare metal, seed README) or <home>/cann/ascend-toolkit (images)
-_q3_toolkit=""
-for _q3_c in "${ASCEND_TOOLKIT_SET_ENV:-}" "${CANN_HOME}/ascend-toolkit/set_env.sh" \
-             "${CANN_HOME}/cann/ascend-toolkit/set_env.sh"; do
-  [[ -n "${_q3_c}" && -f "${_q3_c}" ]] && { _q3_toolkit=${_q3_c}; break; }
-done
-_q3_rc=0
-if [[ -z "${_q3_toolkit}" ]]; then
-  _q3_missing "CANN toolkit not found: ${CANN_HOME}/ascend-toolkit/set_env.sh (nor ${CANN_HOME}/cann/ascend-toolkit/set_env.sh); set --cann-home or CANN_HOME" || _q3_rc=1
-else
-  _q3_source "${_q3_toolkit}"
-fi
-_q3_atb=""
-for _q3_c in "${CANN_HOME}/nnal/atb/set_env.sh" "${CANN_HOME}/cann/nnal/atb/set_env.sh"; do
-  [[ -f "${_q3_c}" ]] && { _q3_atb=${_q3_c}; break; }
-done
-if [[ -z "${_q3_atb}" ]]; then
-  ((_q3_rc)) || _q3_missing "CANN NNAL/ATB not found: ${CANN_HOME}/nnal/atb/set_env.sh (vLLM-Ascend needs it); set --cann-home or CANN_HOME" || _q3_rc=1
-else
-  _q3_source "${_q3_atb}"
-fi
-if ((_q3_rc == 0)) && [[ ! -d "${CANN_HOME}/driver/lib64" ]]; then
-  _q3_missing "Ascend driver libraries not found: ${CANN_HOME}/driver/lib64 (mount /usr/local/Ascend/driver into the container)" || _q3_rc=1
-fi
-if ((_q3_rc)); then
-  unset _q3_mode _q3_toolkit _q3_atb _q3_c _q3_rc
-  return 1
-fi
-if [[ -d "${CANN_HOME}/driver/lib64" ]]; then
-  export LD_LIBRARY_PATH="${CANN_HOME}/driver/lib64/common:${CANN_HOME}/driver/lib64/driver${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
+if [[ "${_q3_mode}" != skip ]]; then
+  # CANN 8.x layouts: <home>/ascend-toolkit (bare metal, seed README) or <home>/cann/ascend-toolkit (images)
+  _q3_toolkit=""
+  for _q3_c in "${ASCEND_TOOLKIT_SET_ENV:-}" "${CANN_HOME}/ascend-toolkit/set_env.sh" \
+               "${CANN_HOME}/cann/ascend-toolkit/set_env.sh"; do
+    [[ -n "${_q3_c}" && -f "${_q3_c}" ]] && { _q3_toolkit=${_q3_c}; break; }
+  done
+  _q3_rc=0
+  if [[ -z "${_q3_toolkit}" ]]; then
+    _q3_missing "CANN toolkit not found: ${CANN_HOME}/ascend-toolkit/set_env.sh (nor ${CANN_HOME}/cann/ascend-toolkit/set_env.sh); set --cann-home or CANN_HOME" || _q3_rc=1
+  else
+    _q3_source "${_q3_toolkit}"
+  fi
+  _q3_atb=""
+  for _q3_c in "${CANN_HOME}/nnal/atb/set_env.sh" "${CANN_HOME}/cann/nnal/atb/set_env.sh"; do
+    [[ -f "${_q3_c}" ]] && { _q3_atb=${_q3_c}; break; }
+  done
+  if [[ -z "${_q3_atb}" ]]; then
+    ((_q3_rc)) || _q3_missing "CANN NNAL/ATB not found: ${CANN_HOME}/nnal/atb/set_env.sh (vLLM-Ascend needs it); set --cann-home or CANN_HOME" || _q3_rc=1
+  else
+    _q3_source "${_q3_atb}"
+  fi
+  if ((_q3_rc == 0)) && [[ ! -d "${CANN_HOME}/driver/lib64" ]]; then
+    _q3_missing "Ascend driver libraries not found: ${CANN_HOME}/driver/lib64 (mount /usr/local/Ascend/driver into the container)" || _q3_rc=1
+  fi
+  if ((_q3_rc)); then
+    unset _q3_mode _q3_toolkit _q3_atb _q3_c _q3_rc
+    return 1
+  fi
+  if [[ -d "${CANN_HOME}/driver/lib64" ]]; then
+    export LD_LIBRARY_PATH="${CANN_HOME}/driver/lib64/common:${CANN_HOME}/driver/lib64/driver${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}}"
+  fi
 fi
 
 # Host sockets of HCCL / gloo / torch RPC go over the interface that reaches the head.

@@ -21,6 +21,7 @@ def _usage() -> str:
         "  preflight  check a train script, the node and the files before launching (preflight TRAIN_SCRIPT)\n"
         "  launch     steps of ray_start_npu.sh (resolve, show, wait-cluster, cpu-bind, ...)\n"
         "  tiny-model tiny random-weight Qwen3 / Qwen3-MoE with a local tokenizer (tiny-model --out DIR [--moe])\n"
+        "  tiny-data  generated gsm8k-style problems as verl parquet for the tiny CPU run (tiny-data --out DIR)\n"
     )
 
 
@@ -78,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         from qwen3_rl.tools.tiny_model import main as tiny_main
 
         return tiny_main(rest)
+    if cmd == "tiny-data":
+        from qwen3_rl.tools.tiny_data import main as tiny_data_main
+
+        return tiny_data_main(rest)
     print(f"error: unknown command '{cmd}'\n\n{_usage()}", file=sys.stderr)
     return 2
 

@@ -100,9 +100,10 @@ def format_plan(plan: LaunchPlan, env_now: dict[str, str], env_before: dict[str,
     """The dry-run printout: every step with its command, the environment, preflight findings."""
     lines = ["== ray_start_npu.sh plan (dry run: nothing is started) =="]
     where = "this node holds the master address" if plan.role == "head" else "joins the head"
+    slots = "NPUs" if plan.device == "npu" else "worker slots (CPU profile: no NPU)"
     lines += [f"role:        {plan.role} ({where})",
-              f"cluster:     {plan.nnodes} node(s) x {plan.npus_per_node} NPUs = "
-              f"{plan.nnodes * plan.npus_per_node} NPUs; head {plan.ray_address}",
+              f"cluster:     {plan.nnodes} node(s) x {plan.npus_per_node} {slots} = "
+              f"{plan.nnodes * plan.npus_per_node}; head {plan.ray_address}",
               f"this node:   {plan.node_ip} on interface {plan.ifname}",
               f"logs:        {plan.log_file} (training), {plan.ray_log} (ray)",
               f"dashboard:   {f'{plan.dashboard_host}:{plan.dashboard_port}' if plan.dashboard else 'off'}",
@@ -117,9 +118,13 @@ def format_plan(plan: LaunchPlan, env_now: dict[str, str], env_before: dict[str,
 
     if plan.env_script:
         add(f"source (set -a) {plan.env_script}")
-    add(f"source {plan.npu_env}  (CANN from {plan.cann_home}; HCCL/GLOO sockets on {plan.ifname})")
+    if plan.device == "cpu":
+        add(f"source {plan.npu_env} --check=skip  (CPU profile: CANN not sourced; GLOO sockets on {plan.ifname})")
+    else:
+        add(f"source {plan.npu_env}  (CANN from {plan.cann_home}; HCCL/GLOO sockets on {plan.ifname})")
     add(f"{plan.python} -m qwen3_rl preflight {plan.train_script} --npu-env {plan.npu_env} --nnodes {plan.nnodes} "
         f"--npus-per-node {plan.npus_per_node} --role {plan.role}"
+        + (" --no-node-checks" if plan.device == "cpu" else "")
         + (f" --env-script {plan.env_script}" if plan.env_script else "")
         + ("" if plan.preflight else " --env-only  (--no-preflight: the environment contract only)"))
     if plan.cpu_binding:
@@ -168,7 +173,7 @@ def cmd_show(argv: list[str]) -> int:
     # the same check as the real launch (ray_start_npu.sh step 3): full preflight, or the env contract only
     findings = run_preflight(plan.train_script, plan.env_script or None, plan.nnodes, plan.npus_per_node, plan.role,
                              extra_args=plan.train_args, env=train_env(plan, now), npu_env=plan.npu_env,
-                             env_only=not plan.preflight)
+                             env_only=not plan.preflight, node_checks=plan.device != "cpu")
     pre = [f.line() for f in findings] or ["no problems found"]
     cpu_map = None
     if plan.cpu_binding:

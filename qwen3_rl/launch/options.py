@@ -46,6 +46,7 @@ ENV_FALLBACKS: dict[str, tuple[str, str | None]] = {
     "watch_misses": ("RAY_WATCH_MISSES", "3"),
     "cann_home": ("CANN_HOME", "/usr/local/Ascend"),
     "npu_env": ("NPU_ENV_SCRIPT", str(DEFAULT_NPU_ENV)),
+    "device": ("LAUNCH_DEVICE", "npu"),
 }
 BOOL_FALLBACKS = {"dashboard": "RAY_DASHBOARD", "cpu_binding": "CPU_BINDING", "no_preflight": "SKIP_PREFLIGHT"}
 
@@ -60,6 +61,7 @@ class LaunchPlan:
 
     mode: str  # run | dry-run | stop
     role: str  # head | worker
+    device: str  # npu | cpu (CPU profile: no NPU on the node; see cpu_profile_error)
     train_script: str
     env_script: str
     train_args: list[str]
@@ -149,6 +151,9 @@ def _parser() -> argparse.ArgumentParser:
     opt("--watch-misses", "watch_misses", "worker: failed checks in a row before leaving")
     opt("--cann-home", "cann_home", "CANN install root (holds ascend-toolkit/ or cann/)")
     opt("--npu-env", "npu_env", "the CANN/HCCL/vLLM environment file sourced on every node")
+    opt("--device", "device", "npu | cpu. cpu = CPU profile for a node without NPUs (the tiny CPU run): Ray "
+                              "advertises --npus-per-node worker slots under verl's NPU resource name, CANN is not "
+                              "sourced, preflight skips its npu-smi/CANN/patch checks; refused on a node with NPUs")
     ap.add_argument("--ray-arg", action="append", default=None, metavar="ARG",
                     help="extra 'ray start' argument, repeatable (e.g. --ray-arg=--num-cpus=64) [RAY_START_ARGS]")
     ap.add_argument("--no-preflight", action="store_true", default=None,
@@ -158,6 +163,26 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--stop", action="store_true", help="stop the Ray (and training) this launcher started here")
     ap.add_argument("-h", "--help", action="store_true", help="show this help")
     return ap
+
+
+def cpu_profile_error(dev_dir: str = "/dev") -> str:
+    """Why the CPU profile must not run on this node ('' = no NPU visible): NPU device files, or an
+    ``npu-smi`` on PATH that lists dies."""
+    import glob
+
+    devs = sorted(glob.glob(os.path.join(dev_dir, "davinci[0-9]*")))
+    if devs:
+        return f"this node has NPU devices ({', '.join(devs[:3])}{' ...' if len(devs) > 3 else ''})"
+    if shutil.which("npu-smi"):
+        from qwen3_rl.launch.npu_smi import NpuSmiError, parse_chip_map, run_npu_smi
+
+        try:
+            chips = parse_chip_map(run_npu_smi("info", "-m", timeout_s=10.0))
+        except NpuSmiError:
+            return ""
+        if chips:
+            return f"npu-smi lists {len(chips)} NPU die(s) on this node"
+    return ""
 
 
 def usage() -> str:
@@ -249,6 +274,13 @@ def parse_options(argv: list[str], env: dict[str, str] | None = None) -> LaunchP
     dashboard = _bool(ns, "dashboard", env)
     cpu_binding = _bool(ns, "cpu_binding", env)
     preflight = not _bool(ns, "no_preflight", env)
+    device, device_src = _value(ns, "device", env)
+    if device not in ("npu", "cpu"):
+        raise LaunchError(f"{device_src}={device!r} must be npu or cpu")
+    if device == "cpu":
+        reason = cpu_profile_error()
+        if reason:
+            raise LaunchError(f"{device_src}=cpu is for nodes without NPUs, but {reason}: launch without it")
     role_raw, role_src = _value(ns, "role", env)
     if role_raw not in ("auto", "head", "worker"):
         raise LaunchError(f"{role_src}={role_raw!r} must be auto, head or worker")
@@ -316,6 +348,11 @@ def parse_options(argv: list[str], env: dict[str, str] | None = None) -> LaunchP
         extra.append(item)
     temp_dir, _ = _value(ns, "temp_dir", env)
     resources = json.dumps({"NPU": npus})
+    if device == "cpu" and not any(a.startswith("--num-cpus") for a in extra):
+        # verl asks for one CPU per worker bundle besides its driver actor: enough logical CPUs for both
+        # (Ray's logical CPUs only gate scheduling; the processes share the cores)
+        extra.insert(0, f"--num-cpus={max(os.cpu_count() or 1, 2 * npus + 4)}")
+        notes.append(f"CPU profile: {npus} worker slot(s) advertised as Ray resource NPU (no NPU on this node)")
     if role == "head":
         ray_start = [ray_bin, "start", "--head", f"--port={port}", f"--node-ip-address={node_ip}",
                      f"--resources={resources}", "--disable-usage-stats"]
@@ -344,7 +381,7 @@ def parse_options(argv: list[str], env: dict[str, str] | None = None) -> LaunchP
     stem = f"{train.stem}_{role}_{node_ip}"
     cann_home, _ = _value(ns, "cann_home", env)
     return LaunchPlan(
-        mode=mode, role=role, train_script=str(train.resolve()), env_script=env_script, train_args=train_args,
+        mode=mode, role=role, device=str(device), train_script=str(train.resolve()), env_script=env_script, train_args=train_args,
         nnodes=nnodes, npus_per_node=npus, master_addr=str(master), master_ip=master_ip, port=port,
         ray_address=f"{master_ip}:{port}", ifname=ifname, node_ip=node_ip, timeout=timeout,
         log_dir=str(log_dir), log_file=str(log_dir / f"{stem}.log"), ray_log=str(log_dir / f"ray_{stem}.log"),

