@@ -28,11 +28,13 @@ from qwen3_rl.rollout.rebalance import (
     RankState,
     RebalanceConfig,
     RunningRequest,
+    TransferCost,
     WaitingRequest,
     apply_plan,
     blocks_needed,
     bucket_for,
     plan_rebalance,
+    should_recompute,
     validate_plan,
 )
 from qwen3_rl.rollout.simulate import (
@@ -177,8 +179,12 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32)
 def load_states(draw: st.DrawFn) -> tuple[list[RankState], RebalanceConfig]:
     dp = draw(st.integers(1, 6))
     block = draw(st.sampled_from([4, 16]))
+    # per-rank byte cap (as blocks) and a move-vs-recompute cost model that makes some moves recompute
+    transfer = draw(st.one_of(st.none(), st.builds(TransferCost, st.integers(0, 4096), st.floats(0, 1e5),
+                                                   st.floats(0, 100.0), st.floats(0, 0.01))))
     cfg = RebalanceConfig(buckets=BUCKETS, block_size=block, max_moves=draw(st.integers(0, 40)),
-                          max_kv_blocks=draw(st.integers(0, 400)), watermark_blocks=draw(st.integers(0, 3)))
+                          max_kv_blocks=draw(st.integers(0, 400)), watermark_blocks=draw(st.integers(0, 3)),
+                          max_kv_blocks_per_rank=draw(st.one_of(st.none(), st.integers(0, 200))), transfer=transfer)
     states = []
     rid = 0
     for r in range(dp):
@@ -215,7 +221,9 @@ def test_planner_invariants_on_random_states(arg: tuple[list[RankState], Rebalan
             assert m.kv_blocks == 0 and any(w.req_id == m.req_id for w in src.waiting)
         else:
             req = next(r for r in src.running if r.req_id == m.req_id)
-            assert m.kv_blocks == req.kv_blocks > 0
+            # a running request moves its KV, or travels without it where recomputing costs less
+            assert m.recompute == should_recompute(req.num_tokens, req.kv_blocks, cfg.transfer)
+            assert m.kv_blocks == (0 if m.recompute else req.kv_blocks)
     if any(m.phase == 2 for m in plan.moves):
         assert plan.bucket_after < plan.bucket_before
 

@@ -34,13 +34,24 @@ import datetime
 import json
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from qwen3_rl.rollout.rebalance import MigrationPlan, Move, RankState, RebalanceConfig, plan_rebalance
+from qwen3_rl.rollout.rebalance import (
+    DEFAULT_KV_LINK_GB_S,
+    DEFAULT_MAX_KV_BYTES,
+    DEFAULT_PREFILL_TOKENS_PER_S,
+    MigrationPlan,
+    Move,
+    RankState,
+    RebalanceConfig,
+    TransferCost,
+    kv_block_budget,
+    plan_rebalance,
+)
 
 _MAGIC = b"QRRS"
 _VERSION = 1
@@ -353,11 +364,20 @@ class EngineHooks(Protocol):
 
 @dataclass(frozen=True)
 class RebalanceSettings:
-    """Run-time switches (``actor_rollout_ref.rollout.rollout_rebalance*``)."""
+    """Run-time switches (``actor_rollout_ref.rollout.rollout_rebalance*``).
+
+    ``max_kv_bytes``: KV bytes one DP rank may send plus receive in one round (0 = no byte cap); moves
+    beyond it wait for a later round. ``kv_link_gb_s``: bandwidth (GB/s = 1e9 B/s) of the KV path, and
+    ``prefill_tokens_per_s``: prefill throughput (tokens/s, 0 = never recompute), the two figures of the
+    per-request move-vs-recompute decision (:func:`qwen3_rl.rollout.rebalance.should_recompute`).
+    """
 
     enable: bool = False
     interval_steps: int = 32
     timeout_s: float = 60.0
+    max_kv_bytes: int = DEFAULT_MAX_KV_BYTES
+    kv_link_gb_s: float = DEFAULT_KV_LINK_GB_S
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable, bool):
@@ -365,6 +385,13 @@ class RebalanceSettings:
         if self.interval_steps < 1 or self.timeout_s <= 0:
             raise ValueError(f"interval_steps ({self.interval_steps}) must be >= 1 and timeout_s "
                              f"({self.timeout_s}) > 0")
+        if self.max_kv_bytes < 0 or not self.kv_link_gb_s > 0 or self.prefill_tokens_per_s < 0:
+            raise ValueError(f"max_kv_bytes ({self.max_kv_bytes}) and prefill_tokens_per_s "
+                             f"({self.prefill_tokens_per_s}) must be >= 0, kv_link_gb_s ({self.kv_link_gb_s}) > 0")
+
+    def transfer_cost(self, kv_bytes_per_block: int) -> TransferCost:
+        """The planner's move-vs-recompute cost model for KV blocks of ``kv_bytes_per_block`` bytes."""
+        return TransferCost(int(kv_bytes_per_block), self.kv_link_gb_s * 1e9, self.prefill_tokens_per_s)
 
 
 @dataclass(frozen=True)
@@ -378,6 +405,7 @@ class RoundReport:
     delivered: tuple[str, ...]
     kv_bytes_sent: int
     kv_bytes_received: int
+    recomputed: tuple[str, ...] = ()
 
 
 class RebalanceCoordinator:
@@ -416,8 +444,9 @@ class RebalanceCoordinator:
         if state.rank != me:
             raise MigrationError(f"load_state returned rank {state.rank} on DP rank {me}")
         returns = [(f.origin_rank, f) for f in self.hooks.pop_finished_remote()]
-        gathered = self.comm.all_gather_object({"state": state, "returns": returns, "away": len(self.away)},
-                                               "load exchange (all_gather)")
+        bpb = int(self.hooks.kv_cache_spec().bytes_per_block)
+        gathered = self.comm.all_gather_object({"state": state, "returns": returns, "away": len(self.away),
+                                                "kv_bytes_per_block": bpb}, "load exchange (all_gather)")
         delivered = []
         for g in gathered:
             for origin, res in g["returns"]:
@@ -427,11 +456,25 @@ class RebalanceCoordinator:
                     self.away.discard(res.req_id)
                     self.hooks.deliver(res)
                     delivered.append(res.req_id)
-        plan = plan_rebalance([g["state"] for g in gathered], self.cfg)
+        # every rank plans with the same figures: the largest block size of the group (equal in practice)
+        cfg = self.round_config(max(int(g["kv_bytes_per_block"]) for g in gathered))
+        plan = plan_rebalance([g["state"] for g in gathered], cfg)
         sent, received, kv_out, kv_in = self._transfer(plan)
-        rep = RoundReport(self.rounds, plan, tuple(sent), tuple(received), tuple(delivered), kv_out, kv_in)
+        rep = RoundReport(self.rounds, plan, tuple(sent), tuple(received), tuple(delivered), kv_out, kv_in,
+                          tuple(m.req_id for m in plan.moves if m.recompute and me in (m.src, m.dst)))
         self.reports.append(rep)
         return rep
+
+    def round_config(self, kv_bytes_per_block: int) -> RebalanceConfig:
+        """Planner config of one round: the per-rank KV block budget from ``settings.max_kv_bytes`` (bytes a
+        rank may send + receive) and the move-vs-recompute cost model (unless the configured planner
+        config carries its own)."""
+        st = self.settings
+        cap = kv_block_budget(st.max_kv_bytes, kv_bytes_per_block)
+        if self.cfg.max_kv_blocks_per_rank is not None:
+            cap = self.cfg.max_kv_blocks_per_rank if cap is None else min(cap, self.cfg.max_kv_blocks_per_rank)
+        return replace(self.cfg, max_kv_blocks_per_rank=cap,
+                       transfer=self.cfg.transfer or st.transfer_cost(kv_bytes_per_block))
 
     def _transfer(self, plan: MigrationPlan) -> tuple[list[str], list[str], int, int]:
         me = self.rank
@@ -443,6 +486,10 @@ class RebalanceCoordinator:
         packed, kv_bufs, origins = [], [], []
         for m in outgoing:
             st, blocks = self.hooks.export_request(m.req_id)
+            if m.recompute:  # travels without KV: the target queues it to recompute its prefix (as a preemption)
+                status = "preempted" if st.output_token_ids else "waiting"
+                st, blocks = replace(st, num_computed_tokens=0, num_kv_blocks=0,
+                                     extra={**st.extra, "status": status}), []
             origins.append(st.origin_rank)
             if st.req_id != m.req_id or len(blocks) != m.kv_blocks:
                 raise MigrationError(f"DP rank {me}: export of {m.req_id} gave {st.req_id} with {len(blocks)} "
@@ -504,17 +551,27 @@ def settings_from_rollout_config(rollout_cfg: Any) -> tuple[RebalanceSettings, i
     """``(RebalanceSettings, max_moves)`` from ``actor_rollout_ref.rollout`` (dataclass, DictConfig or dict).
 
     Keys: ``rollout_rebalance`` (bool, default False), ``rollout_rebalance_interval_steps`` (32),
-    ``rollout_rebalance_max_moves`` (128, requests per round), ``rollout_rebalance_timeout_s`` (60).
+    ``rollout_rebalance_max_moves`` (128, requests per round), ``rollout_rebalance_timeout_s`` (60),
+    ``rollout_rebalance_max_kv_bytes`` (KV bytes a rank sends + receives per round, 0 = no cap),
+    ``rollout_rebalance_kv_link_gb_s`` (0.5) and ``rollout_rebalance_prefill_tokens_per_s`` (10000, 0 = never
+    recompute): the move-vs-recompute cost model.
     """
     enable = _cfg_get(rollout_cfg, "rollout_rebalance", False)
     interval = _cfg_get(rollout_cfg, "rollout_rebalance_interval_steps", 32)
     max_moves = _cfg_get(rollout_cfg, "rollout_rebalance_max_moves", 128)
     timeout = _cfg_get(rollout_cfg, "rollout_rebalance_timeout_s", 60.0)
+    max_kv_bytes = _cfg_get(rollout_cfg, "rollout_rebalance_max_kv_bytes", DEFAULT_MAX_KV_BYTES)
+    link = _cfg_get(rollout_cfg, "rollout_rebalance_kv_link_gb_s", DEFAULT_KV_LINK_GB_S)
+    prefill = _cfg_get(rollout_cfg, "rollout_rebalance_prefill_tokens_per_s", DEFAULT_PREFILL_TOKENS_PER_S)
     if not isinstance(enable, bool):
         raise ValueError(f"actor_rollout_ref.rollout.rollout_rebalance must be a bool, got {enable!r}")
     if isinstance(max_moves, bool) or int(max_moves) < 1:
         raise ValueError(f"actor_rollout_ref.rollout.rollout_rebalance_max_moves must be >= 1, got {max_moves!r}")
-    return RebalanceSettings(enable, int(interval), float(timeout)), int(max_moves)
+    if isinstance(max_kv_bytes, bool) or int(max_kv_bytes) != max_kv_bytes or int(max_kv_bytes) < 0:
+        raise ValueError("actor_rollout_ref.rollout.rollout_rebalance_max_kv_bytes must be an integer >= 0 "
+                         f"(bytes per rank and round, 0 = no cap), got {max_kv_bytes!r}")
+    return (RebalanceSettings(enable, int(interval), float(timeout), int(max_kv_bytes), float(link), float(prefill)),
+            int(max_moves))
 
 
 def configure_rollout_rebalance(rollout_cfg: Any, llm: Any) -> RebalanceSettings:

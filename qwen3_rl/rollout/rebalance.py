@@ -23,7 +23,15 @@ partial moves would not lower the bucket and would only cost transfers.
 Invariants (checked by :func:`validate_plan`, tested on random states): every request is in exactly
 one place after the plan (none lost or duplicated, one move per request at most); no rank exceeds
 ``max_num_seqs`` or its KV blocks; an already balanced state gets an empty plan; a round moves at
-most ``max_moves`` requests and ``max_kv_blocks`` KV blocks.
+most ``max_moves`` requests and ``max_kv_blocks`` KV blocks, and no rank sends plus receives more than
+``max_kv_blocks_per_rank``.
+
+Move or recompute (phase 2): a running request can travel with its KV blocks or without them, in which
+case the target recomputes its prefix like after a local preemption (the fallback verl's async mode
+uses). :func:`should_recompute` decides per request from :class:`TransferCost`: KV bytes / link
+bandwidth against prefix tokens / prefill throughput. A recomputed move carries no KV bytes, so it
+does not count against the KV budgets (``max_kv_blocks_per_rank`` is the per-round byte cap converted
+to blocks by :func:`kv_block_budget`).
 """
 
 from __future__ import annotations
@@ -74,6 +82,75 @@ class RankState:
         return sum(r.kv_blocks for r in self.running)
 
 
+#: default KV bytes one round may move (all DP ranks together); see docs/rollout_balancing.md
+DEFAULT_MAX_KV_BYTES = 4_000_000_000
+#: default KV path bandwidth the move-vs-recompute model assumes, GB/s (gloo path measured by
+#: ``python -m qwen3_rl.bench.kv_transfer``, rounded)
+DEFAULT_KV_LINK_GB_S = 0.5
+#: default prefill throughput of one rollout engine, tokens/s (the simulator's 100 ms per 1000 tokens)
+DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
+
+
+@dataclass(frozen=True)
+class TransferCost:
+    """Cost model of moving a running request's KV vs recomputing its prefix on the target.
+
+    ``kv_bytes_per_block``: bytes one KV block occupies on one rank (all layers, K and V; 0 = unknown:
+    always move). ``link_bytes_per_s``: KV transfer bandwidth per rank in bytes/s (gather to host, gloo
+    send, scatter; 0 = unknown: always move). ``prefill_tokens_per_s``: prefill throughput of the target
+    engine in tokens/s (0 = recompute never considered). ``per_move_s``: fixed cost of one KV transfer
+    (message latency), seconds.
+    """
+
+    kv_bytes_per_block: int = 0
+    link_bytes_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    per_move_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.kv_bytes_per_block, self.link_bytes_per_s, self.prefill_tokens_per_s, self.per_move_s) < 0:
+            raise ValueError(f"TransferCost fields must be >= 0, got {self}")
+
+
+def kv_move_seconds(kv_blocks: int, cost: TransferCost) -> float:
+    """Seconds to move ``kv_blocks`` blocks: ``per_move_s + blocks * bytes_per_block / link`` (inf if the link is 0)."""
+    if kv_blocks <= 0:
+        return 0.0
+    if cost.link_bytes_per_s <= 0:
+        return float("inf")
+    return cost.per_move_s + kv_blocks * cost.kv_bytes_per_block / cost.link_bytes_per_s
+
+
+def recompute_seconds(num_tokens: int, cost: TransferCost) -> float:
+    """Seconds to recompute a ``num_tokens`` prefix on the target: ``tokens / prefill throughput`` (inf if 0)."""
+    if num_tokens <= 0:
+        return 0.0
+    if cost.prefill_tokens_per_s <= 0:
+        return float("inf")
+    return num_tokens / cost.prefill_tokens_per_s
+
+
+def should_recompute(num_tokens: int, kv_blocks: int, cost: TransferCost | None) -> bool:
+    """True when recomputing the ``num_tokens`` prefix costs less than moving its ``kv_blocks`` KV blocks.
+
+    Unknown figures (``cost`` None, zero bytes per block, zero link with zero prefill throughput) mean
+    "move", the behaviour without a cost model.
+    """
+    if cost is None or kv_blocks <= 0 or cost.kv_bytes_per_block <= 0 or cost.prefill_tokens_per_s <= 0:
+        return False
+    return recompute_seconds(num_tokens, cost) < kv_move_seconds(kv_blocks, cost)
+
+
+def kv_block_budget(max_kv_bytes: int, kv_bytes_per_block: int) -> int | None:
+    """KV blocks a byte cap allows (whole blocks, rounded down); None = no cap (``max_kv_bytes`` 0, or the
+    block size unknown)."""
+    if max_kv_bytes < 0 or kv_bytes_per_block < 0:
+        raise ValueError("max_kv_bytes and kv_bytes_per_block must be >= 0")
+    if max_kv_bytes == 0 or kv_bytes_per_block == 0:
+        return None
+    return max_kv_bytes // kv_bytes_per_block
+
+
 @dataclass(frozen=True)
 class RebalanceConfig:
     """Planner settings.
@@ -82,6 +159,10 @@ class RebalanceConfig:
     ``block_size``: tokens per KV block. ``max_moves``: requests migrated per round (both phases).
     ``max_kv_blocks``: KV blocks transferred per round (phase 2). ``watermark_blocks``: blocks each
     rank keeps free (not offered to migrations or admissions). ``phase1``/``phase2``: enable phases.
+    ``max_kv_blocks_per_rank``: KV blocks one rank may send plus receive per round (phase 2; None = no
+    per-rank cap): the transfer time of a round is set by its busiest rank, and in lockstep every rank
+    waits for it. ``transfer``: move-vs-recompute cost model for phase 2 (None: running requests always
+    move their KV).
     """
 
     buckets: tuple[int, ...]
@@ -91,23 +172,32 @@ class RebalanceConfig:
     watermark_blocks: int = 0
     phase1: bool = True
     phase2: bool = True
+    max_kv_blocks_per_rank: int | None = None
+    transfer: TransferCost | None = None
 
     def __post_init__(self) -> None:
         if not self.buckets or any(b < 1 for b in self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
             raise ValueError(f"buckets must be strictly ascending positive ints, got {self.buckets}")
+        if self.max_kv_blocks_per_rank is not None and self.max_kv_blocks_per_rank < 0:
+            raise ValueError("max_kv_blocks_per_rank must be >= 0 (or None)")
         if self.block_size < 1 or self.max_moves < 0 or self.max_kv_blocks < 0 or self.watermark_blocks < 0:
             raise ValueError("block_size must be >= 1 and the budgets/watermark >= 0")
 
 
 @dataclass(frozen=True, slots=True)
 class Move:
-    """Migrate ``req_id`` from rank ``src`` to ``dst``; ``phase`` 1 (waiting) or 2 (running, ``kv_blocks`` moved)."""
+    """Migrate ``req_id`` from rank ``src`` to ``dst``; ``phase`` 1 (waiting) or 2 (running, ``kv_blocks`` moved).
+
+    ``recompute``: a running request that travels without its KV (``kv_blocks`` 0); the target recomputes
+    its prefix as after a preemption.
+    """
 
     req_id: str
     src: int
     dst: int
     phase: int
     kv_blocks: int
+    recompute: bool = False
 
 
 @dataclass(frozen=True)
@@ -210,10 +300,11 @@ def _phase1(works: list[_Work], cfg: RebalanceConfig, budget: int) -> list[Move]
     return moves
 
 
-def _phase2(
-    works: list[_Work], cfg: RebalanceConfig, move_budget: int
-) -> tuple[list[tuple[str, int, int, int, bool]], int, int]:
-    """Returns (moves as (req_id, src, dst, kv_blocks, was_waiting), bucket_before, bucket_after)."""
+_P2Move = tuple[str, int, int, int, bool, bool]  # req_id, src, dst, kv_blocks moved, was_waiting, recompute
+
+
+def _phase2(works: list[_Work], cfg: RebalanceConfig, move_budget: int) -> tuple[list[_P2Move], int, int]:
+    """Returns (moves as (req_id, src, dst, kv_blocks, was_waiting, recompute), bucket_before, bucket_after)."""
     counts = [w.count for w in works]
     total = sum(counts)
     before = bucket_for(max(counts, default=0), cfg.buckets)
@@ -230,9 +321,7 @@ def _phase2(
     return [], before, before
 
 
-def _try_bucket(
-    works: list[_Work], cfg: RebalanceConfig, b: int, move_budget: int
-) -> list[tuple[str, int, int, int, bool]] | None:
+def _try_bucket(works: list[_Work], cfg: RebalanceConfig, b: int, move_budget: int) -> list[_P2Move] | None:
     need_moves = sum(max(0, w.count - min(b, w.cap_seqs)) for w in works)
     if need_moves > move_budget:
         return None
@@ -240,25 +329,33 @@ def _try_bucket(
     # A rank that still has its own queue blocked (KV-bound) admits that queue first; it receives nothing.
     receivers = {w.rank for w in works if not w.stuck}
     free_blocks = {w.rank: w.free_blocks for w in works}
-    out: list[tuple[str, int, int, int, bool]] = []
+    out: list[_P2Move] = []
     kv_total = 0
+    per_rank = cfg.max_kv_blocks_per_rank
+    kv_io = {w.rank: 0 for w in works}  # blocks sent + received per rank this round
     for w in sorted(works, key=lambda w: w.rank):
         excess = -head[w.rank]
         if excess <= 0:
             continue
         # Cheapest first: requests admitted this round (no KV yet), then running by KV blocks held.
-        cands: list[tuple[str, int, int, bool]] = [
-            (r.req_id, blocks_needed(r.num_tokens, cfg.block_size), 0, True) for r in reversed(w.admitted)
+        cands: list[tuple[str, int, int, bool, bool]] = [
+            (r.req_id, blocks_needed(r.num_tokens, cfg.block_size), 0, True, False) for r in reversed(w.admitted)
         ]
-        cands += [(r.req_id, r.kv_blocks, r.kv_blocks, False)
-                  for r in sorted(w.running, key=lambda r: (r.kv_blocks, r.req_id))]
+        for r in sorted(w.running, key=lambda r: (r.kv_blocks, r.req_id)):
+            if should_recompute(r.num_tokens, r.kv_blocks, cfg.transfer):  # no KV travels; the target prefills
+                cands.append((r.req_id, max(r.kv_blocks, blocks_needed(r.num_tokens, cfg.block_size)), 0, False, True))
+            else:
+                cands.append((r.req_id, r.kv_blocks, r.kv_blocks, False, False))
         taken = 0
-        for req_id, blocks_at_dst, kv_moved, was_waiting in cands:
+        for req_id, blocks_at_dst, kv_moved, was_waiting, recompute in cands:
             if taken == excess:
                 break
             if kv_total + kv_moved > cfg.max_kv_blocks:
                 continue
-            dsts = [r for r in receivers if r != w.rank and head[r] > 0 and free_blocks[r] >= blocks_at_dst]
+            if per_rank is not None and kv_moved and kv_io[w.rank] + kv_moved > per_rank:
+                continue
+            dsts = [r for r in receivers if r != w.rank and head[r] > 0 and free_blocks[r] >= blocks_at_dst
+                    and (per_rank is None or not kv_moved or kv_io[r] + kv_moved <= per_rank)]
             if not dsts:
                 continue
             dst = max(dsts, key=lambda r: (head[r], free_blocks[r], -r))
@@ -266,7 +363,9 @@ def _try_bucket(
             free_blocks[dst] -= blocks_at_dst
             head[w.rank] += 1
             kv_total += kv_moved
-            out.append((req_id, w.rank, dst, kv_moved, was_waiting))
+            kv_io[w.rank] += kv_moved
+            kv_io[dst] += kv_moved
+            out.append((req_id, w.rank, dst, kv_moved, was_waiting, recompute))
             taken += 1
         if taken < excess:
             return None
@@ -293,7 +392,7 @@ def plan_rebalance(states: Sequence[RankState], cfg: RebalanceConfig) -> Migrati
     works = [_local_admission(s, cfg) for s in states]
     p1 = _phase1(works, cfg, cfg.max_moves) if cfg.phase1 else []
     before = after = bucket_for(max((w.count for w in works), default=0), cfg.buckets)
-    p2: list[tuple[str, int, int, int, bool]] = []
+    p2: list[_P2Move] = []
     if cfg.phase2 and not any(w.stuck for w in works):
         # Only once every queue is admitted: while requests still wait for slots, a slot freed by a
         # migration is refilled from the local queue (or phase 1) and the bucket would not drop.
@@ -302,12 +401,12 @@ def plan_rebalance(states: Sequence[RankState], cfg: RebalanceConfig) -> Migrati
     # straight from its original rank to its final one.
     origin = {m.req_id: m.src for m in p1}
     final: dict[str, Move] = {m.req_id: m for m in p1}
-    for req_id, src, dst, kv, was_waiting in p2:
+    for req_id, src, dst, kv, was_waiting, recompute in p2:
         src0 = origin.get(req_id, src)
         if src0 == dst:
             final.pop(req_id, None)
         else:
-            final[req_id] = Move(req_id, src0, dst, 1 if was_waiting else 2, kv)
+            final[req_id] = Move(req_id, src0, dst, 1 if was_waiting else 2, kv, recompute)
     moves = tuple(sorted(final.values(), key=lambda m: (m.phase, m.src, m.dst, m.req_id)))
     return MigrationPlan(moves=moves, bucket_before=before, bucket_after=after)
 
@@ -346,6 +445,14 @@ def validate_plan(states: Sequence[RankState], plan: MigrationPlan, cfg: Rebalan
     assert len(ids) == len(set(ids)), "a request moves twice"
     assert len(plan.moves) <= cfg.max_moves, f"{len(plan.moves)} moves > max_moves {cfg.max_moves}"
     assert plan.kv_blocks_moved <= cfg.max_kv_blocks, "KV blocks moved exceed the budget"
+    if cfg.max_kv_blocks_per_rank is not None:
+        io = {s.rank: 0 for s in states}
+        for m in plan.moves:
+            io[m.src] += m.kv_blocks
+            io[m.dst] += m.kv_blocks
+        assert max(io.values(), default=0) <= cfg.max_kv_blocks_per_rank, f"per-rank KV blocks {io} exceed the cap"
+    for m in plan.moves:
+        assert not m.recompute or (m.phase == 2 and m.kv_blocks == 0), f"recomputed move {m} carries KV"
     new = apply_plan(states, plan)
     before = sorted(r.req_id for s in states for r in (*s.waiting, *s.running))
     after = sorted(r.req_id for s in new for r in (*s.waiting, *s.running))

@@ -79,11 +79,14 @@ from qwen3_rl.rollout.lengths import (
     write_lengths,
 )
 from qwen3_rl.rollout.rebalance import (
+    DEFAULT_MAX_KV_BYTES,
     RankState,
     RebalanceConfig,
     RunningRequest,
+    TransferCost,
     WaitingRequest,
     bucket_for,
+    kv_block_budget,
     plan_rebalance,
 )
 
@@ -137,6 +140,8 @@ class SimConfig:
     max_kv_blocks: int = 1 << 20
     block_size: int = 128
     kv_blocks_per_rank: int | None = None
+    max_kv_bytes: int = DEFAULT_MAX_KV_BYTES
+    recompute: bool = True
 
     def __post_init__(self) -> None:
         if self.dp < 1:
@@ -151,6 +156,18 @@ class SimConfig:
             raise SimError("--rebalance-interval must be >= 1")
         if self.buckets and list(self.buckets) != sorted(set(self.buckets)):
             raise SimError("--buckets must be strictly ascending")
+
+    def rebalance_config(self) -> RebalanceConfig:
+        """The planner's config: budgets (the byte cap as blocks of ``kv_bytes_per_token * block_size``
+        bytes) and, with ``recompute``, the move-vs-recompute model on ``link_gb_s`` and the prefill cost."""
+        sm = self.step
+        bpb = int(round(sm.kv_bytes_per_token * self.block_size))
+        cost = None
+        if self.recompute and sm.per_prefill_ktok_ms > 0:
+            cost = TransferCost(bpb, sm.link_gb_s * 1e9, 1e6 / sm.per_prefill_ktok_ms)
+        return RebalanceConfig(buckets=self.graph_buckets, block_size=self.block_size, max_moves=self.max_moves,
+                               max_kv_blocks=self.max_kv_blocks,
+                               max_kv_blocks_per_rank=kv_block_budget(self.max_kv_bytes, bpb), transfer=cost)
 
     @property
     def graph_buckets(self) -> tuple[int, ...]:
@@ -182,6 +199,9 @@ class SimResult:
     rounds: int = 0
     migrations: int = 0
     kv_gb_moved: float = 0.0
+    recomputed: int = 0
+    transfer_s: float = 0.0
+    link_gb_s: float = 0.0
     generated_tokens: int = 0
     lower_bound_s: float | None = None
     timeline: list[list[tuple[float, float, int]]] | None = field(default=None, repr=False)
@@ -311,8 +331,10 @@ class _Engine:
                 return True
         return False
 
-    def migrate(self, plan_states: list[RankState], rcfg: RebalanceConfig) -> tuple[int, np.ndarray]:
-        """Plan and apply one round. Returns (#moves, bytes sent+received per rank)."""
+    def migrate(self, plan_states: list[RankState], rcfg: RebalanceConfig) -> tuple[int, np.ndarray, int]:
+        """Plan and apply one round. Returns (#moves, bytes sent+received per rank, #moves recomputed).
+
+        A recomputed move carries no KV: its context is prefilled on the target in the next step."""
         plan = plan_rebalance(plan_states, rcfg)
         io = np.zeros(self.ndp, dtype=np.float64)
         for m in plan.moves:
@@ -332,10 +354,13 @@ class _Engine:
             heapq.heappush(self.heaps[m.dst], (int(self.S[m.dst] + self.rlen[i] - g), i, int(self.epoch[i])))
             self.R[m.dst] += 1
             self.C[m.dst] += ctx
+            if m.recompute:
+                self.P[m.dst] += ctx
+                continue
             nbytes = ctx * self.cfg.step.kv_bytes_per_token
             io[m.src] += nbytes
             io[m.dst] += nbytes
-        return len(plan.moves), io
+        return len(plan.moves), io, sum(1 for m in plan.moves if m.recompute)
 
 
 def _assignment(lengths: Lengths, dp: int, data_rebalance: bool) -> list[np.ndarray]:
@@ -371,6 +396,8 @@ class _Stats:
     busy_ms: float = 0.0
     rounds: int = 0
     migrations: int = 0
+    recomputed: int = 0
+    transfer_s: float = 0.0
     bytes_moved: float = 0.0
     peak_step_ms: float = 0.0
     step_ms_sum: float = 0.0
@@ -382,8 +409,7 @@ def _run_lockstep(eng: _Engine, cfg: SimConfig, share: int = 1) -> _Stats:
     sm = cfg.step
     buckets = cfg.graph_buckets
     st = _Stats()
-    rcfg = RebalanceConfig(buckets=buckets, block_size=cfg.block_size, max_moves=cfg.max_moves,
-                           max_kv_blocks=cfg.max_kv_blocks)
+    rcfg = cfg.rebalance_config()
     next_round = cfg.rebalance_interval
     rebalancing = cfg.rollout_rebalance and share == 1 and eng.ndp > 1  # one rank: nothing to balance
     t = 0.0
@@ -423,9 +449,11 @@ def _run_lockstep(eng: _Engine, cfg: SimConfig, share: int = 1) -> _Stats:
             # admissions above are counted as prefill of the next step (P kept)
             extra_ms = sm.round_overhead_ms
             if eng.any_work() and eng.maybe_plan_needed(buckets):
-                nmov, io = eng.migrate(eng.states(), rcfg)
+                nmov, io, nrec = eng.migrate(eng.states(), rcfg)
                 st.migrations += nmov
+                st.recomputed += nrec
                 st.bytes_moved += float(io.sum()) / 2
+                st.transfer_s += float(io.max()) / (sm.link_gb_s * 1e9)
                 extra_ms += float(io.max()) / (sm.link_gb_s * 1e9) * 1000.0
             t += extra_ms / 1000.0
     eng.t[:] = t
@@ -488,8 +516,7 @@ def _run_independent(eng: _Engine, cfg: SimConfig) -> _Stats:
         return st
     sm = cfg.step
     buckets = cfg.graph_buckets
-    rcfg = RebalanceConfig(buckets=buckets, block_size=cfg.block_size, max_moves=cfg.max_moves,
-                           max_kv_blocks=cfg.max_kv_blocks)
+    rcfg = cfg.rebalance_config()
     period = cfg.rebalance_interval * sm.step_ms(buckets[-1], 0.0) / 1000.0
     tau = 0.0
     while eng.any_work():
@@ -502,9 +529,11 @@ def _run_independent(eng: _Engine, cfg: SimConfig) -> _Stats:
         for r in range(eng.ndp):
             eng.admit(r)
         if eng.maybe_plan_needed(buckets):
-            nmov, io = eng.migrate(eng.states(), rcfg)
+            nmov, io, nrec = eng.migrate(eng.states(), rcfg)
             st.migrations += nmov
+            st.recomputed += nrec
             st.bytes_moved += float(io.sum()) / 2
+            st.transfer_s += float(io.max()) / (sm.link_gb_s * 1e9)
             for r in range(eng.ndp):
                 if io[r] > 0:  # both ends pay the transfer; an idle receiver starts no earlier than the round
                     eng.t[r] = max(float(eng.t[r]), tau) + io[r] / (sm.link_gb_s * 1e9) + sm.round_overhead_ms / 1000.0
@@ -526,7 +555,8 @@ def simulate(lengths: Lengths, cfg: SimConfig, *, record_timeline: bool = False)
         policy=cfg.policy, coupling=cfg.coupling, makespan_s=makespan, rank_finish_s=finish,
         first_idle_share=idle, steps=nsteps,
         mean_step_ms=(st.step_ms_sum / st.steps) if st.steps else 0.0,
-        rounds=st.rounds, migrations=st.migrations, kv_gb_moved=st.bytes_moved / 1e9,
+        rounds=st.rounds, migrations=st.migrations, kv_gb_moved=st.bytes_moved / 1e9, recomputed=st.recomputed,
+        transfer_s=st.transfer_s, link_gb_s=cfg.step.link_gb_s if cfg.rollout_rebalance else 0.0,
         generated_tokens=st.tokens, timeline=eng.timeline,
     )
 
@@ -675,20 +705,30 @@ def _step_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-kctx-ms", type=float, default=d.per_kctx_ms, help="cost per 1000 context tokens (ms)")
     p.add_argument("--per-prefill-ktok-ms", type=float, default=d.per_prefill_ktok_ms,
                    help="cost per 1000 prefilled prompt tokens (ms)")
-    p.add_argument("--link-gb-s", type=float, default=d.link_gb_s, help="KV transfer bandwidth per rank (GB/s)")
+    p.add_argument("--link-gb-s", default=str(d.link_gb_s),
+                   help="KV transfer bandwidth per rank (GB/s); a comma list runs the rebalancing policies at each")
     p.add_argument("--kv-bytes-per-token", type=float, default=d.kv_bytes_per_token)
     p.add_argument("--round-overhead-ms", type=float, default=d.round_overhead_ms)
 
 
+def _links(text: str) -> list[float]:
+    """``--link-gb-s``: one bandwidth or a comma list (GB/s, each finite and > 0)."""
+    try:
+        vals = [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise SimError(f"--link-gb-s: expected numbers (GB/s), got {text!r}") from None
+    if not vals or any(not (v > 0) or not math.isfinite(v) for v in vals):
+        raise SimError("--link-gb-s must be > 0")
+    return vals
+
+
 def _step_from(ns: argparse.Namespace) -> StepModel:
     vals = dict(t0_ms=ns.t0_ms, per_seq_ms=ns.per_seq_ms, per_kctx_ms=ns.per_kctx_ms,
-                per_prefill_ktok_ms=ns.per_prefill_ktok_ms, link_gb_s=ns.link_gb_s,
+                per_prefill_ktok_ms=ns.per_prefill_ktok_ms, link_gb_s=_links(ns.link_gb_s)[0],
                 kv_bytes_per_token=ns.kv_bytes_per_token, round_overhead_ms=ns.round_overhead_ms)
     for k, v in vals.items():
         if not (v >= 0) or not math.isfinite(v):
             raise SimError(f"--{k.replace('_', '-')} must be a finite number >= 0")
-    if ns.link_gb_s <= 0:
-        raise SimError("--link-gb-s must be > 0")
     return StepModel(**vals)
 
 
@@ -711,6 +751,10 @@ def _rollout_main(argv: list[str]) -> int:
     p.add_argument("--max-kv-blocks", type=int, default=1 << 20, help="KV blocks migrated per round at most")
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--kv-blocks-per-rank", type=int, default=None)
+    p.add_argument("--max-kv-bytes", type=int, default=DEFAULT_MAX_KV_BYTES,
+                   help="KV bytes one rank may send + receive per round (0 = no cap; rollout_rebalance_max_kv_bytes)")
+    p.add_argument("--no-recompute", action="store_true",
+                   help="always move KV (no per-request move-vs-recompute decision)")
     p.add_argument("--plot", default=None, help="write a per-rank busy/idle PNG")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _step_args(p)
@@ -719,28 +763,32 @@ def _rollout_main(argv: list[str]) -> int:
     for pol in policies:
         if pol not in POLICIES:
             raise SimError(f"unknown policy {pol!r} (choose from {', '.join(POLICIES)} or 'all')")
-    if ns.max_moves < 0 or ns.max_kv_blocks < 0 or ns.block_size < 1:
-        raise SimError("--max-moves/--max-kv-blocks must be >= 0 and --block-size >= 1")
+    if ns.max_moves < 0 or ns.max_kv_blocks < 0 or ns.max_kv_bytes < 0 or ns.block_size < 1:
+        raise SimError("--max-moves/--max-kv-blocks/--max-kv-bytes must be >= 0 and --block-size >= 1")
+    links = _links(ns.link_gb_s)
     lengths = load_lengths(ns.lengths)
     step = _step_from(ns)
     base = SimConfig(dp=ns.dp, max_num_seqs=ns.max_num_seqs, coupling=ns.coupling,
                      buckets=_parse_buckets(ns.buckets, ns.max_num_seqs), step=step,
                      rebalance_interval=ns.rebalance_interval, max_moves=ns.max_moves,
                      max_kv_blocks=ns.max_kv_blocks, block_size=ns.block_size,
-                     kv_blocks_per_rank=ns.kv_blocks_per_rank)
+                     kv_blocks_per_rank=ns.kv_blocks_per_rank, max_kv_bytes=ns.max_kv_bytes,
+                     recompute=not ns.no_recompute)
     lb = lower_bound(lengths, base)
     results = []
     for pol in policies:
-        res = simulate(lengths, replace(base, policy=pol), record_timeline=bool(ns.plot))
-        res.lower_bound_s = lb
-        results.append(res)
-    if ns.plot and not plot_timelines(results, ns.plot, ns.max_num_seqs):
+        for link in links if pol in ("rollout-rebalance", "both") else links[:1]:
+            cfg = replace(base, policy=pol, step=replace(step, link_gb_s=link))
+            res = simulate(lengths, cfg, record_timeline=bool(ns.plot) and link == links[0])
+            res.lower_bound_s = lb
+            results.append(res)
+    if ns.plot and not plot_timelines([r for r in results if r.timeline is not None], ns.plot, ns.max_num_seqs):
         print("warning: matplotlib not installed, no plot written", file=sys.stderr)
     if ns.json:
         if len(results) == 1:
             out = results[0].to_json()
         else:
-            out = {"coupling": ns.coupling, "lower_bound_s": lb, "results": {r.policy: r.to_json() for r in results}}
+            out = {"coupling": ns.coupling, "lower_bound_s": lb, "results": {_label(r, links): r.to_json() for r in results}}
         out["config"] = {"dp": ns.dp, "max_num_seqs": ns.max_num_seqs, "samples": lengths.size, "n": lengths.n,
                          "buckets": list(base.graph_buckets), "step_model": asdict(step),
                          "rebalance_interval": ns.rebalance_interval}
@@ -748,12 +796,25 @@ def _rollout_main(argv: list[str]) -> int:
         return 0
     print(f"{lengths.size} samples ({lengths.num_prompts} prompts x {lengths.n}), dp {ns.dp}, "
           f"max-num-seqs {ns.max_num_seqs}, coupling {ns.coupling}; lower bound {lb:.1f} s")
-    print(f"{'policy':<18} {'makespan_s':>10} {'/LB':>6} {'first_idle':>10} {'first_fin_s':>11} "
-          f"{'mean_step_ms':>12} {'migrated':>8} {'kv_GB':>7}")
+    base_ms = {r.policy: r.makespan_s for r in results}
+    ref = base_ms.get("default")
+    print(f"{'policy':<28} {'makespan_s':>10} {'/LB':>6} {'gain':>6} {'first_idle':>10} {'first_fin_s':>11} "
+          f"{'mean_step_ms':>12} {'migrated':>8} {'recomp':>6} {'kv_GB':>7} {'xfer_s':>7}")
     for r in results:
-        print(f"{r.policy:<18} {r.makespan_s:>10.1f} {r.makespan_s / lb:>6.3f} {100 * r.first_idle_share:>9.2f}% "
-              f"{min(r.rank_finish_s):>11.1f} {r.mean_step_ms:>12.2f} {r.migrations:>8d} {r.kv_gb_moved:>7.2f}")
+        gain = f"{ref / r.makespan_s:>6.3f}" if ref else f"{'-':>6}"
+        print(f"{_label(r, links):<28} {r.makespan_s:>10.1f} {r.makespan_s / lb:>6.3f} {gain} "
+              f"{100 * r.first_idle_share:>9.2f}% {min(r.rank_finish_s):>11.1f} {r.mean_step_ms:>12.2f} "
+              f"{r.migrations:>8d} {r.recomputed:>6d} {r.kv_gb_moved:>7.2f} {r.transfer_s:>7.1f}")
+    if ref:
+        print("gain = default makespan / policy makespan; xfer_s = KV transfer time on the busiest rank, summed")
     return 0
+
+
+def _label(res: SimResult, links: Sequence[float]) -> str:
+    """Policy name, with ``@<link> GB/s`` for rebalancing policies when several links are simulated."""
+    if len(links) > 1 and res.policy in ("rollout-rebalance", "both"):
+        return f"{res.policy}@{res.link_gb_s:g}GB/s"
+    return res.policy
 
 
 def _gen_main(argv: list[str]) -> int:
