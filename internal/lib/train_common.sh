@@ -43,6 +43,8 @@ DATA_REBALANCE=${DATA_REBALANCE:-False}
 ROLLOUT_REBALANCE=${ROLLOUT_REBALANCE:-False}
 ROLLOUT_REBALANCE_INTERVAL_STEPS=${ROLLOUT_REBALANCE_INTERVAL_STEPS:-32}
 ROLLOUT_REBALANCE_MAX_MOVES=${ROLLOUT_REBALANCE_MAX_MOVES:-128}
+# KV bytes one vLLM DP rank may send + receive per rebalance round; more waits for the next round (0 = no cap)
+ROLLOUT_REBALANCE_MAX_KV_BYTES=${ROLLOUT_REBALANCE_MAX_KV_BYTES:-4000000000}
 TOTAL_EPOCHS=${TOTAL_EPOCHS:-10}
 OFFLOAD=${OFFLOAD:-True}
 NCCL_TIMEOUT=${NCCL_TIMEOUT:-3600}
@@ -241,6 +243,10 @@ _train_add_rollout_overrides() {
         echo "ROLLOUT_REBALANCE=True needs vLLM data parallelism > 1 (this setup runs vLLM DP ${vllm_dp}: nothing to move requests between)" >&2
         exit 2
     fi
+    [[ "${ROLLOUT_REBALANCE_MAX_KV_BYTES}" =~ ^[0-9]{1,15}$ ]] || {
+        echo "ROLLOUT_REBALANCE_MAX_KV_BYTES must be a non-negative integer (bytes per rank and round, 0 = no cap), got '${ROLLOUT_REBALANCE_MAX_KV_BYTES}'" >&2
+        exit 2
+    }
     overrides+=(
         actor_rollout_ref.rollout.name=vllm
         actor_rollout_ref.rollout.mode=sync
@@ -298,6 +304,7 @@ _train_add_rollout_overrides() {
         "actor_rollout_ref.rollout.rollout_rebalance=${ROLLOUT_REBALANCE}"
         "actor_rollout_ref.rollout.rollout_rebalance_interval_steps=${ROLLOUT_REBALANCE_INTERVAL_STEPS}"
         "actor_rollout_ref.rollout.rollout_rebalance_max_moves=${ROLLOUT_REBALANCE_MAX_MOVES}"
+        "actor_rollout_ref.rollout.rollout_rebalance_max_kv_bytes=${ROLLOUT_REBALANCE_MAX_KV_BYTES}"
         actor_rollout_ref.rollout.enable_chunked_prefill=True
         actor_rollout_ref.rollout.enable_prefix_caching=True
         actor_rollout_ref.rollout.free_cache_engine=True
