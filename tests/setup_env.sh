@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Create (or refresh) the CPU test environment: a venv with the test requirements, our package
-# installed editable. Upstream frameworks are NOT installed: tests unpack the pinned wheels and
-# put the (patched) trees on sys.path.
+# Create (or refresh) the CPU test environment: a venv on the runtime's torch (pins.toml
+# runtime.torch, the version the NPU image runs), the test requirements, our package installed
+# editable. Upstream frameworks are NOT installed: tests unpack the pinned wheels and put the
+# (patched) trees on sys.path.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,29 +12,62 @@ PYTHON="${PYTHON:-python3.11}"
 usage() {
   cat <<'USAGE'
 usage: bash tests/setup_env.sh
-Creates $QWEN3_RL_VENV (default ~/.cache/qwen3_rl/venv) with .ci/requirements-test.txt under
-.ci/constraints-test.txt and installs qwen3_rl editable. A rerun with unchanged requirement files
-does nothing.
+Creates $QWEN3_RL_VENV (default ~/.cache/qwen3_rl/venv) with torch==<pins.toml runtime.torch>
+(PyPI's build: the CUDA build, which runs on CPU; ~8 GB with its nvidia-* wheels, ~2 min uncached),
+.ci/requirements-test.txt under .ci/constraints-test.txt, and qwen3_rl editable. A rerun with
+unchanged pin and requirement files does nothing; a venv holding another torch is made anew.
 USAGE
+}
+
+# The runtime torch version from pins.toml (stdlib only: runs before the venv exists).
+runtime_torch() {
+  PYTHONPATH="${HERE}" "${PYTHON}" -m qwen3_rl pins --pins "${HERE}/pins.toml" --get runtime.torch
 }
 
 main() {
   case "${1:-}" in -h|--help) usage; return 0 ;; esac
-  local stamp want
+  local stamp want torch_spec have
+  torch_spec="torch==$(runtime_torch)"
+  if [[ "${torch_spec}" == "torch==" ]]; then
+    echo "error: no runtime.torch in ${HERE}/pins.toml" >&2
+    return 1
+  fi
+  stamp="${VENV}/.qwen3_rl-stamp"
+  want="$(printf '%s\n' "${torch_spec}" | cat - "${HERE}/.ci/requirements-test.txt" \
+    "${HERE}/.ci/constraints-test.txt" "${HERE}/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+  if [[ -f "${stamp}" && "$(cat "${stamp}")" == "${want}" ]]; then
+    echo "setup: ${VENV} up to date (${torch_spec})"
+    return 0
+  fi
+  if [[ -x "${VENV}/bin/python" ]]; then
+    have="$("${VENV}/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || true)"
+    if [[ -n "${have}" && "torch==${have%%+*}" != "${torch_spec}" ]]; then
+      # Another torch build leaves its own nvidia-* wheels behind: start from an empty venv.
+      if [[ ! -f "${stamp}" ]]; then
+        echo "error: ${VENV} holds torch ${have}, not ${torch_spec}, and was not made by this script; remove it or set QWEN3_RL_VENV" >&2
+        return 1
+      fi
+      echo "setup: ${VENV} holds torch ${have}; recreating it for ${torch_spec}"
+      rm -rf "${VENV}"
+    fi
+  fi
   if [[ ! -x "${VENV}/bin/python" ]]; then
     echo "setup: creating ${VENV}"
     "${PYTHON}" -m venv "${VENV}"
   fi
-  stamp="${VENV}/.qwen3_rl-stamp"
-  want="$(cat "${HERE}/.ci/requirements-test.txt" "${HERE}/.ci/constraints-test.txt" "${HERE}/pyproject.toml" | sha256sum | cut -d' ' -f1)"
-  if [[ -f "${stamp}" && "$(cat "${stamp}")" == "${want}" ]]; then
-    echo "setup: ${VENV} up to date"
-    return 0
-  fi
-  echo "setup: installing test requirements into ${VENV} (first time: several minutes)"
+  echo "setup: installing ${torch_spec} and the test requirements into ${VENV} (first time: several minutes)"
   "${VENV}/bin/python" -m pip install -q --upgrade pip
-  "${VENV}/bin/python" -m pip install -q -c "${HERE}/.ci/constraints-test.txt" -r "${HERE}/.ci/requirements-test.txt"
+  "${VENV}/bin/python" -m pip install -q -c "${HERE}/.ci/constraints-test.txt" "${torch_spec}" \
+    -r "${HERE}/.ci/requirements-test.txt"
   "${VENV}/bin/python" -m pip install -q --no-deps -e "${HERE}"
+  "${VENV}/bin/python" - "${torch_spec#torch==}" <<'PY'
+import sys
+
+import torch
+
+print(f"setup: torch {torch.__version__}")
+assert torch.__version__.split("+")[0] == sys.argv[1], (torch.__version__, sys.argv[1])
+PY
   echo "${want}" > "${stamp}"
   echo "setup: done"
 }
