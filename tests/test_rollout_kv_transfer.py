@@ -350,3 +350,21 @@ def test_benchmark_fit_line() -> None:
     a, b = kv_transfer.fit_line(rows)
     assert a == pytest.approx(0.002) and b == pytest.approx(5e8)
     assert kv_transfer.fit_line(rows[:1]) == (0.0, pytest.approx(1e6 / rows[0]["round_s"]))
+
+
+def test_train_script_maps_the_byte_cap() -> None:
+    from pathlib import Path
+
+    from qwen3_rl.launch.train_script import TrainScriptError, parse_train_script
+
+    script = Path(__file__).resolve().parents[1] / "internal" / "train_grpo_qwen3_235b_128die_true_weight.sh"
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
+    key = "actor_rollout_ref.rollout.rollout_rebalance_max_kv_bytes="
+
+    def cap(extra: dict[str, str]) -> list[str]:
+        return [o for o in parse_train_script(script, env={**env, **extra}).overrides if o.startswith(key)]
+
+    assert cap({}) == [key + "4000000000"]
+    assert cap({"ROLLOUT_REBALANCE_MAX_KV_BYTES": "0"}) == [key + "0"]
+    with pytest.raises(TrainScriptError, match="ROLLOUT_REBALANCE_MAX_KV_BYTES must be a non-negative integer"):
+        cap({"ROLLOUT_REBALANCE_MAX_KV_BYTES": "4e9"})
