@@ -307,7 +307,8 @@ def test_benchmark_smoke(tmp_path, pristine_workspace):
     """Two prompts of the corpus, tiny cost run: JSON keys and sane numbers (arctic may be null); vLLM's n-gram
     drafter from the workspace's vLLM tree (the pinned wheel's sources)."""
     cmd = [sys.executable, "-m", "qwen3_rl.bench.drafters", "--corpus", str(CORPUS), "--k", "3", "--group",
-           "--limit-prompts", "2", "--batch", "4", "--context-len", "512", "--cost-steps", "3", "--cost-repeats", "3", "--json"]
+           "--limit-prompts", "2", "--batch", "4", "--context-len", "512", "--cost-steps", "3", "--cost-repeats", "3",
+           "--spread", "8", "--json"]
     env = {**os.environ, "QWEN3_RL_WORKSPACE": str(pristine_workspace)}
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=True, env=env)
     res = json.loads(out.stdout)
@@ -331,6 +332,10 @@ def test_benchmark_smoke(tmp_path, pristine_workspace):
     # group mode sees the siblings: it must draft better than own-only on the same responses
     assert methods["sam_group"]["mean_accepted"] > methods["sam"]["mean_accepted"]
     assert res["response_tokens"] > 0 and res["prompts"] == 2
+    ex = methods["sam_group_exchange"]  # spread over 8 ranks, exchange every step
+    assert ex["ranks"] == 8 and ex["mean_accepted"] >= 0.99 * ex["siblings_together_batched"]
+    assert ex["us_per_step"] > 0 and ex["cost_shadow_strings"] == 3 and ex["merged_tokens_per_step"] > 0
+    assert 0 < ex["bytes_per_step_rank_full"] <= 16384 and ex["tokens_dropped"] == 0
 
 
 @pytest.mark.parametrize("group_mode", [False, True])

@@ -20,7 +20,9 @@ cache filled from the corpus first. ``bytes_per_token`` = our structures' bytes 
 
 Methods: ``sam`` (ours, per request), ``sam_group`` (ours, group-aware, siblings on one engine),
 ``sam_group_spread`` (ours, group-aware, samples spread over ``--ranks`` engines: own text and the
-engine's finished-response cache only), ``vllm_ngram`` (vLLM 0.13 ``NgramProposer``, defaults
+engine's finished-response cache only), ``sam_group_exchange`` (``--spread N --exchange-every S
+[--exchange-delay-steps D]``: spread over N ranks with the sibling exchange, batched lockstep replay
+``replay_exchange``; cost = one rank's step with the merge, ``measure_cost_exchange``), ``vllm_ngram`` (vLLM 0.13 ``NgramProposer``, defaults
 min = max = 5, imported from ``--vllm-tree``, default the workspace's vLLM tree, made from the pinned wheel when
 missing), ``arctic_suffix`` (arctic-inference 0.1.1
 ``SuffixDecodingCache`` used as vLLM 0.13's ``SuffixDecodingProposer`` does). A baseline that cannot
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -46,6 +49,12 @@ import numpy as np
 
 from qwen3_rl.bench.upstream_trees import UpstreamTreeError, upstream_tree
 from qwen3_rl.spec_decode.sam import SamConfig, SamProposer, group_key
+from qwen3_rl.spec_decode.sibling_exchange import (
+    DEFAULT_MAX_BYTES,
+    SiblingExchange,
+    group_key64,
+    pack_message,
+)
 
 KEYS = ("mean_accepted", "acceptance_rate", "us_per_step", "bytes_per_token")
 ROUND_SHIFT = 1 << 18  # > Qwen vocabulary (151,936): filler round c uses token ids t + c * ROUND_SHIFT
@@ -288,6 +297,112 @@ def replay(groups: list[list[Sample]], make: Callable[[], Drafter], k: int, rank
             "bytes_per_token_replay_end": peak_bpt or None}
 
 
+def replay_exchange(groups: list[list[Sample]], cfg: SamConfig, k: int, ranks: int, every: int = 1, delay: int = 0,
+                    max_bytes: int = DEFAULT_MAX_BYTES,
+                    on_step: Callable[[int, dict[str, np.ndarray]], None] | None = None) -> dict[str, Any]:
+    """Batched acceptance replay with sample j of every prompt on rank j % ``ranks`` and the sibling exchange.
+
+    Lockstep steps as in a real engine: every rank verifies the drafts of all its running requests,
+    appends the accepted tokens (+ bonus), finishes the completed ones; every ``every`` steps each rank
+    packs its message (``SiblingExchange.pack``, cap ``max_bytes``) and all messages are merged on every
+    rank ``delay`` steps later (``delay`` = 0: before this step's proposals); then every rank proposes.
+    ``ranks`` = 1 is the batched siblings-together reference (no exchange). The rest of a prompt's
+    messages are delivered when its last sample finishes (the exchange goes on during the next prompt).
+
+    Returns the replay figures plus ``bytes_per_step_rank`` (message bytes per rank per step),
+    ``bytes_per_step_rank_max`` and ``tokens_dropped`` (by the cap). ``on_step(step, drafts)`` sees every
+    proposal (tests).
+    """
+    if every < 1 or delay < 0:
+        raise ValueError(f"--exchange-every >= 1 and --exchange-delay-steps >= 0 required, got {every}, {delay}")
+    props = [SamProposer(cfg) for _ in range(ranks)]
+    exs = [SiblingExchange(p, r, max_bytes) for r, p in enumerate(props)]
+    steps = drafted = accepted = tokens = 0
+    total_steps = 0
+    queue: list[tuple[int, list[np.ndarray]]] = []
+    peak_bpt = 0.0
+
+    def deliver(upto: int) -> None:
+        while queue and queue[0][0] <= upto:
+            msgs = queue.pop(0)[1]
+            for e in exs:
+                e.merge(msgs)
+
+    def exchange() -> None:
+        queue.append((total_steps + delay, [e.pack() for e in exs]))
+
+    for g in groups:
+        key = group_key(g[0].prompt)
+        live: list[list[Any]] = []
+        for s in g:
+            rid = f"{s.prompt_id}-{s.sample_id}"
+            r = s.sample_id % ranks
+            props[r].add_request(rid, s.prompt, key)
+            exs[r].track(rid, key, int(s.prompt.shape[0]))
+            live.append([rid, r, s.response, 0])
+        drafts: dict[str, np.ndarray] = {}
+        for r in range(ranks):
+            mine = [it[0] for it in live if it[1] == r]
+            if mine:
+                out, cnt = props[r].propose_arrays(props[r].slots_of(mine), k)
+                drafts.update((rid, out[i, : cnt[i]].copy()) for i, rid in enumerate(mine))
+        while live:
+            acc: list[list[tuple[str, np.ndarray]]] = [[] for _ in range(ranks)]
+            done: list[list[Any]] = []
+            for item in live:
+                rid, r, resp, pos = item
+                d = drafts[rid][:k]
+                a = 0
+                while a < len(d) and pos + a < resp.shape[0] and d[a] == resp[pos + a]:
+                    a += 1
+                adv = min(a + 1, resp.shape[0] - pos)
+                steps += 1
+                drafted += len(d)
+                accepted += a
+                acc[r].append((rid, resp[pos: pos + adv]))
+                item[3] = pos + adv
+                if item[3] >= resp.shape[0]:
+                    done.append(item)
+            for r in range(ranks):
+                if acc[r]:
+                    props[r].extend_batch([x[0] for x in acc[r]], [x[1] for x in acc[r]])
+            for item in done:
+                exs[item[1]].before_finish(item[0])
+                props[item[1]].finish(item[0])
+                live.remove(item)
+            total_steps += 1
+            if ranks > 1:
+                if total_steps % every == 0:
+                    exchange()
+                deliver(total_steps)
+            drafts = {}
+            for r in range(ranks):
+                mine = [it[0] for it in live if it[1] == r]
+                if mine:
+                    out, cnt = props[r].propose_arrays(props[r].slots_of(mine), k)
+                    drafts.update((rid, out[i, : cnt[i]].copy()) for i, rid in enumerate(mine))
+            if on_step is not None:
+                on_step(total_steps, drafts)
+        if ranks > 1:  # the prompt's last tokens and FINs still travel (during the next prompt's steps)
+            exchange()
+            deliver(1 << 62)
+        tokens += sum(int(s.response.shape[0]) for s in g)
+        nb = sum(p.nbytes() for p in props)
+        nt = sum(p.num_tokens() for p in props)
+        if nt:
+            peak_bpt = max(peak_bpt, nb / nt)
+    hist = [b for e in exs for b in e.stats.history]
+    sent = sum(e.stats.bytes_sent for e in exs)
+    return {"mean_accepted": tokens / max(steps, 1), "acceptance_rate": accepted / max(drafted, 1),
+            "steps": steps, "drafted": drafted, "accepted": accepted, "response_tokens": tokens,
+            "ranks": ranks, "exchange_every": every, "exchange_delay_steps": delay, "max_bytes": max_bytes,
+            "lockstep_steps": total_steps,
+            "bytes_per_step_rank": sent / max(total_steps * ranks, 1) if ranks > 1 else 0.0,
+            "bytes_per_exchange_rank_max": max(hist) if hist else 0,
+            "tokens_dropped": sum(e.stats.tokens_dropped for e in exs),
+            "bytes_per_token_replay_end": peak_bpt or None}
+
+
 def build_contexts(groups: list[list[Sample]], batch: int, context_len: int, extra: int,
                    siblings: int) -> tuple[list[np.ndarray], list[np.ndarray], list[str]]:
     """Cost contexts: one ``context_len``-token text per request, made of corpus samples, plus its continuation.
@@ -447,6 +562,143 @@ def measure_cost_repeated(make: Callable[[], Drafter], groups: list[list[Sample]
     return out
 
 
+def measure_cost_exchange(cfg: SamConfig, groups: list[list[Sample]], k: int, batch: int, context_len: int,
+                          steps: int, ranks: int, every: int, adv_mean: float, max_bytes: int = DEFAULT_MAX_BYTES,
+                          warmup: int = 3) -> dict[str, Any]:
+    """Cost of one rank's drafter step with the sibling exchange, and the message bytes of a full rank.
+
+    Rank 0's view of the cost batch (``build_contexts``: ``batch`` requests = groups of 8 siblings, every
+    text ``context_len`` tokens) spread over ``ranks`` ranks: rank 0 runs sibling j = 0 of every group
+    locally and holds the other ``batch - batch/ranks`` siblings as shadow strings (opened with their whole
+    contexts; the finished-response cache filled from the corpus, as for ``sam_group``). A timed step =
+    ``step_arrays`` of the local requests (append + propose) + ``pack`` of rank 0's message + ``merge`` of
+    the other ranks' messages (every ``every`` steps). Remote requests advance 1..k+1 tokens per step in a
+    fixed cycle with mean ~``adv_mean`` (the replay's tokens/step); their messages are packed untimed (the
+    other ranks' work). Network time is not included (``GlooAllGather``: tests/test_sibling_exchange.py).
+
+    Second figure (``bytes_per_step_rank_full``): a rank running all ``batch`` requests locally (batch
+    ``batch``) packs its message every step with the same advance cycle: bytes per rank per step.
+    """
+    extra = (steps + warmup + 1) * (k + 1) + 8
+    sib = 8
+    ctxs, conts, keys = build_contexts(groups, batch, context_len, extra, sib)
+    cyc = _advance_cycle(adv_mean, k)
+    p = SamProposer(cfg)
+    for g in groups:  # the finished-response cache, filled as for sam_group
+        for s in g:
+            rid = f"f{s.prompt_id}-{s.sample_id}"
+            p.add_request(rid, s.prompt, f"fill{s.prompt_id}")
+            p.extend(rid, np.ascontiguousarray(s.response[::-1]))
+            p.finish(rid)
+    local = [r for r in range(batch) if (r % sib) % ranks == 0]
+    remote = [r for r in range(batch) if (r % sib) % ranks != 0]
+    ex = SiblingExchange(p, 0, max_bytes)
+    t0 = time.perf_counter()
+    for r in local:
+        p.add_request(f"c{r}", ctxs[r], keys[r])
+        ex.track(f"c{r}", keys[r], context_len)
+    for r in remote:
+        p.open_shadow((((r % sib) % ranks) << 32) | r, keys[r], ctxs[r], 0)
+    build_s = time.perf_counter() - t0
+    slots = p.slots_of([f"c{r}" for r in local])
+    pos = dict.fromkeys(range(batch), 0)
+    out, cnt = p.propose_arrays(slots, k)
+    drafts = [out[i, : cnt[i]].copy() for i in range(len(local))]
+    times, merged, bts = [], [], []
+    rpos = {r: 0 for r in remote}
+    for it in range(steps + warmup):
+        acc = []
+        for i, r in enumerate(local):
+            c, d = conts[r], drafts[i]
+            a = 0
+            while a < len(d) and d[a] == c[pos[r] + a]:
+                a += 1
+            acc.append(c[pos[r]: pos[r] + a + 1])
+            pos[r] += a + 1
+        offs = np.zeros(len(local) + 1, np.int64)
+        offs[1:] = np.cumsum([x.shape[0] for x in acc])
+        toks = np.concatenate(acc).astype(np.int32)
+        msgs: list[np.ndarray | None] = [None] * ranks
+        if (it + 1) % every == 0:  # the other ranks' messages (untimed): their requests' new tokens
+            per: dict[int, list[int]] = {}
+            for r in remote:
+                per.setdefault((r % sib) % ranks, []).append(r)
+            for rk, rs in per.items():
+                adv = [cyc[(it * 7 + r) % len(cyc)] * every for r in rs]
+                msgs[rk] = pack_message(np.array([group_key64(keys[r]) for r in rs], np.int64),
+                                        np.array(rs, np.int32), np.array([rpos[r] for r in rs], np.int64),
+                                        np.array(adv, np.int64), np.zeros(len(rs), bool),
+                                        [conts[r][rpos[r]: rpos[r] + a] for r, a in zip(rs, adv, strict=True)])
+                for r, a in zip(rs, adv, strict=True):
+                    rpos[r] += a
+        t1 = time.process_time()
+        out, cnt = p.step_arrays(slots, toks, offs, k)
+        n_m = 0
+        if (it + 1) % every == 0:
+            msgs[0] = ex.pack()
+            n_m = ex.merge(msgs)
+        dt = time.process_time() - t1
+        drafts = [out[i, : cnt[i]].copy() for i in range(len(local))]
+        if it >= warmup:
+            times.append(dt)
+            merged.append(n_m)
+            bts.append(4 * msgs[0].shape[0] if msgs[0] is not None else 0)
+    nb, nt = p.nbytes(), p.num_tokens()
+    t_us = 1e6 * np.asarray(times)
+    res = {"us_per_step": float(np.median(t_us)), "us_per_step_p75": float(np.percentile(t_us, 75)),
+           "us_per_step_p90": float(np.percentile(t_us, 90)), "cost_steps": len(times),
+           "cost_local_requests": len(local), "cost_shadow_strings": len(remote),
+           "merged_tokens_per_step": float(np.mean(merged)), "bytes_per_token": nb / nt if nt else None,
+           "build_s": build_s, "rank0_bytes_per_step": float(np.mean(bts)) / every}
+    del p, ex
+    # a rank with the whole batch local: the bytes it sends per step
+    q = SamProposer(cfg)
+    exq = SiblingExchange(q, 0, max_bytes)
+    for r in range(batch):
+        q.add_request(f"c{r}", ctxs[r][-4096:], keys[r])
+        exq.track(f"c{r}", keys[r], 4096)
+    qs = q.slots_of([f"c{r}" for r in range(batch)])
+    sizes, packs = [], []
+    qpos = [0] * batch
+    for it in range(steps):
+        adv = [cyc[(it * 7 + r) % len(cyc)] for r in range(batch)]
+        offs = np.zeros(batch + 1, np.int64)
+        offs[1:] = np.cumsum(adv)
+        toks = np.concatenate([conts[r][qpos[r]: qpos[r] + a] for r, a in enumerate(adv)]).astype(np.int32)
+        qpos = [qp + a for qp, a in zip(qpos, adv, strict=True)]
+        q.extend_arrays(qs, toks, offs)
+        if (it + 1) % every == 0:
+            t1 = time.process_time()
+            m = exq.pack()
+            packs.append(time.process_time() - t1)
+            sizes.append(4 * m.shape[0])
+    res["bytes_per_step_rank_full"] = float(np.mean(sizes)) / every
+    res["bytes_per_exchange_rank_full_max"] = int(max(sizes))
+    res["us_pack_full"] = 1e6 * float(np.median(packs))
+    res["tokens_per_request_step_model"] = float(np.mean(cyc))
+    return res
+
+
+def _advance_cycle(mean: float, k: int) -> list[int]:
+    """A fixed cycle of per-step advances in 1..k+1 whose mean is ``mean`` to 0.01 (deterministic model)."""
+    best: list[int] = [1]
+    for n in range(4, 101):
+        total = round(mean * n)
+        base = [1] * n
+        extra = total - n
+        i = 0
+        while extra > 0 and i < n:
+            add = min(k, extra)
+            base[i] += add
+            extra -= add
+            i += 1
+        if abs(sum(base) / n - mean) < abs(sum(best) / len(best) - mean):
+            best = base
+    n = len(best)
+    step = 37 if math.gcd(37, n) == 1 else 1
+    return [best[(i * step) % n] for i in range(n)]
+
+
 def _null(reason: str) -> dict[str, Any]:
     return {**dict.fromkeys(KEYS), "unavailable": reason}
 
@@ -517,7 +769,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as e:
             methods[name] = _null(f"{type(e).__name__}: {e}")
             methods[name]["traceback"] = traceback.format_exc(limit=3)
-    for name in ("sam", "sam_group", "sam_group_spread", "vllm_ngram", "arctic_suffix"):
+    if not args.group or not args.spread:
+        methods["sam_group_exchange"] = _null("needs --group and --spread N")
+    elif args.methods and "sam_group_exchange" not in args.methods:
+        methods["sam_group_exchange"] = _null("not selected (--methods)")
+    else:
+        try:
+            res = replay_exchange(groups, grp_cfg, k, args.spread, args.exchange_every, args.exchange_delay_steps,
+                                  args.exchange_max_bytes)
+            ref = replay_exchange(groups, grp_cfg, k, 1)
+            res["siblings_together_batched"] = ref["mean_accepted"]
+            res["vs_siblings_together_batched"] = res["mean_accepted"] / ref["mean_accepted"]
+            res.setdefault("us_per_step", None)
+            res.setdefault("bytes_per_token", None)
+            if not args.skip_cost:
+                res.update(measure_cost_exchange(grp_cfg, groups, k, args.batch, args.context_len, args.cost_steps,
+                                                 args.spread, args.exchange_every, res["mean_accepted"],
+                                                 args.exchange_max_bytes))
+                res["cost_batch"] = args.batch
+                res["cost_context_len"] = args.context_len
+            methods["sam_group_exchange"] = res
+        except Exception as e:
+            methods["sam_group_exchange"] = _null(f"{type(e).__name__}: {e}")
+            methods["sam_group_exchange"]["traceback"] = traceback.format_exc(limit=3)
+    for name in ("sam", "sam_group", "sam_group_spread", "sam_group_exchange", "vllm_ngram", "arctic_suffix"):
         methods.setdefault(name, _null("not run"))
     ratios = {}
 
@@ -525,7 +800,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return methods[n].get("mean_accepted")
 
     for a, b in (("sam", "vllm_ngram"), ("sam_group", "sam"), ("sam_group", "arctic_suffix"),
-                 ("sam_group_spread", "sam")):
+                 ("sam_group_spread", "sam"), ("sam_group_exchange", "sam_group"),
+                 ("sam_group_exchange", "sam_group_spread")):
         if ma(a) and ma(b):
             ratios[f"{a}/{b}"] = ma(a) / ma(b)  # type: ignore[operator]
     return {"corpus": str(args.corpus), "k": k, "prompts": len(groups),
@@ -548,6 +824,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-cost", action="store_true", help="acceptance replay only")
     p.add_argument("--arctic-cost-batch", type=int, default=0, help="batch for arctic's cost (0 = --batch)")
     p.add_argument("--ranks", type=int, default=8, help="engines for sam_group_spread")
+    p.add_argument("--spread", type=int, default=0,
+                   help="sam_group_exchange: sample j of a prompt on rank j %% N, siblings' tokens exchanged (0 = off)")
+    p.add_argument("--exchange-every", type=int, default=1, help="sam_group_exchange: steps between exchanges (S)")
+    p.add_argument("--exchange-delay-steps", type=int, default=0,
+                   help="sam_group_exchange: extra steps before a message is merged (D; the vLLM hook runs D = 1)")
+    p.add_argument("--exchange-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                   help="sam_group_exchange: cap of one rank's message (bytes)")
     p.add_argument("--rule", default="recent", choices=["recent", "earliest"])
     p.add_argument("--budget", type=int, default=SamConfig.recent_budget, help="recent-rule update walk")
     p.add_argument("--min-match", type=int, default=1)

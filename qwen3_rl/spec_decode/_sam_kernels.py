@@ -1008,3 +1008,55 @@ def brute_force_propose(text, k, rule):
         return 0, -1, np.empty(0, np.int32)
     n = min(k, t - best_e - 1)
     return best, best_e, text[best_e + 1:best_e + 1 + n].copy()
+
+
+@njit(cache=True)
+def gather_tails(SM, slots, starts, ends, out):
+    """Copy ``T[s][starts[i]:ends[i]]`` of string ``slots[i]`` for every i into ``out`` (back to back);
+    returns the tokens written (sibling exchange: a rank's pending tokens, read from its own strings)."""
+    o = 0
+    for i in range(slots.shape[0]):
+        n = ends[i] - starts[i]
+        if n <= 0:
+            continue
+        T = _view(SM[slots[i], M_T], SM[slots[i], M_TCAP])
+        out[o: o + n] = T[starts[i]: ends[i]]
+        o += n
+    return o
+
+
+@njit(cache=True)
+def parse_messages(flat, starts, ranks, skip, keys, k64, pos, counts, fin, tok_at):
+    """Parse sibling-exchange messages laid back to back in ``flat`` (message m at ``starts[m]``, sent by
+    rank ``ranks[m]``; messages of rank ``skip`` are ignored) into per-entry arrays (capacity >= entries):
+    key = rank << 32 | serial, 64-bit group key, pos, count, FIN flag, and where the entry's tokens start
+    in ``flat``. Returns the number of entries, or -1 if a message is malformed (counts do not add up)."""
+    e = 0
+    for m in range(starts.shape[0] - 1):
+        if ranks[m] == skip:
+            continue
+        b = starts[m]
+        end = starts[m + 1]
+        if end <= b:
+            continue
+        ne = flat[b]
+        h = b + 1
+        t = h + 5 * ne
+        if ne < 0 or t > end:
+            return -1
+        for i in range(ne):
+            r = h + 5 * i
+            lo = np.int64(flat[r]) & 0xFFFFFFFF
+            hi = np.int64(flat[r + 1])
+            k64[e] = (hi << 32) | lo
+            keys[e] = (np.int64(ranks[m]) << 32) | (np.int64(flat[r + 2]) & 0xFFFFFFFF)
+            pos[e] = flat[r + 3]
+            c = np.int64(flat[r + 4]) & 0x3FFFFFFF
+            counts[e] = c
+            fin[e] = (flat[r + 4] & 0x40000000) != 0
+            tok_at[e] = t
+            t += c
+            e += 1
+        if t != end:
+            return -1
+    return e

@@ -19,7 +19,7 @@ through an address table (see ``_sam_kernels``); a decode step for a whole batch
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -99,6 +99,14 @@ class _Auto:
     strings: list[int] = field(default_factory=list)
     live: int = 0  # running requests in it
     tokens: int = 0  # tokens of cached responses (cache automata)
+    prompt_len: int = 0  # group automata: tokens of the group's prompt (every string starts with it)
+    group: str = ""  # group automata: the group id
+    shadows: list[int] = field(default_factory=list)  # rows of its open shadow strings (shadow table)
+    shadow_tokens: int = 0  # tokens of its closed (finished) shadow strings
+
+
+#: Gap marker inside shadow strings (never a vocabulary id); drafts are cut before it.
+SEP = (1 << 31) - 1
 
 
 _EMPTY = np.zeros(0, np.int32)
@@ -158,6 +166,16 @@ class SamProposer:
         self._rows = np.zeros(16, np.int64)
         self._out = np.zeros((16, cfg.num_speculative_tokens), np.int32)
         self._out_n = np.zeros(16, np.int32)
+        # shadow table (sibling exchange): one row per open shadow string; key -> row in ``_key2sh``
+        self._sh = np.zeros((0, 5), np.int64)  # rows: key, slot, next response offset, tokens, automaton
+        self._sh_free: list[int] = []
+        self._key2sh: dict[int, int] = {}
+        self._sh_keys = np.zeros(0, np.int64)  # sorted keys of the open shadows ...
+        self._sh_rows = np.zeros(0, np.int64)  # ... and their rows (rebuilt when ``_sh_dirty``)
+        self._sh_dirty = False
+        self._shadow_tokens = 0
+        self.max_shadow_tokens = 1 << 24  # bound of tokens held in shadow strings (sibling exchange)
+        self._has_sep = False  # a SEP was appended somewhere: drafts are cut at SEP
 
     # ------------------------------------------------------------------ slot tables (metadata)
     def _grow_autos(self, n: int) -> None:
@@ -226,6 +244,10 @@ class SamProposer:
 
     def _free_auto(self, a: int) -> None:
         auto = self._autos.pop(a)
+        for row in auto.shadows:
+            self._drop_shadow_row(row)
+            self._shadow_tokens -= int(self._sh[row, 3])
+        self._shadow_tokens -= auto.shadow_tokens
         for lst, col in ((self._arrS, K.A_S), (self._arrE, K.A_E), (self._arrR, K.A_R), (self._arrH, K.A_H)):
             self._set_array(lst, a, _EMPTY, (self._AM, a, col))
         self._AM[a] = 0
@@ -326,6 +348,16 @@ class SamProposer:
                 self._grow_hashed(K.G_HUB, a, 2 * int(want[a]))
                 want[a] = 0
 
+    def _drafts(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first ``n`` rows of the draft buffers; drafts cut before a gap marker (``SEP``) if any exists."""
+        out, cnt = self._out[:n], self._out_n[:n]
+        if self._has_sep and n:
+            hit = out == SEP
+            if hit.any():
+                first = np.where(hit.any(axis=1), hit.argmax(axis=1), out.shape[1]).astype(np.int32)
+                np.minimum(cnt, first, out=cnt)
+        return out, cnt
+
     def _out_buffers(self, n: int, k: int) -> None:
         if self._out.shape[0] < n or self._out.shape[1] != k:
             self._out = np.zeros((max(n, 16), k), np.int32)
@@ -377,6 +409,8 @@ class SamProposer:
             if a < 0 or len(self._autos[a].strings) >= K.MAX_STRINGS:
                 a = self._new_auto()
                 self._groups[g] = a
+                self._autos[a].prompt_len = int(prompt.shape[0])
+                self._autos[a].group = g
         else:
             g = ""
             a = self._new_auto()
@@ -425,7 +459,7 @@ class SamProposer:
         self._out_buffers(n, k)
         K.propose_batch(slots, k, self.config.min_match, self._AM, self._SM, self._auto_str, self._cache_for_kernel(),
                         self._cache_stamp, self._out, self._out_n)
-        return self._out[:n], self._out_n[:n]
+        return self._drafts(n)
 
     def step_arrays(self, slots: np.ndarray, toks: np.ndarray, offs: np.ndarray, k: int | None = None
                     ) -> tuple[np.ndarray, np.ndarray]:
@@ -435,7 +469,7 @@ class SamProposer:
         n = slots.shape[0]
         self._out_buffers(n, k)
         self._run(slots, buf, rows, starts, ends, k=k)
-        return self._out[:n], self._out_n[:n]
+        return self._drafts(n)
 
     def step_from_buffer(self, slots: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
                          rows: np.ndarray | None = None, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -461,7 +495,7 @@ class SamProposer:
         starts = self._SM[slots, K.M_LEN]
         self._out_buffers(n, k)
         self._run(slots, buf, rows, starts, ends, k=k)
-        return self._out[:n], self._out_n[:n]
+        return self._drafts(n)
 
     def propose(self, req_ids: Sequence[str], k: int | None = None) -> list[list[int]]:
         """Up to ``k`` draft tokens per request (empty list = no draft)."""
@@ -473,6 +507,200 @@ class SamProposer:
         """One decode step: ``extend_batch`` then ``propose`` (one kernel call)."""
         out, cnt = self.step_arrays(*self._lists_to_arrays(req_ids, accepted), k)
         return drafts_to_lists(out, cnt)
+
+    # ------------------------------------------------------------------ shadow strings (sibling exchange)
+    def has_group(self, group_id: str) -> bool:
+        """Group mode: a running request of ``group_id`` is held (its automaton exists)."""
+        return group_id in self._groups
+
+    def num_groups(self) -> int:
+        return len(self._groups)
+
+    def num_shadow_tokens(self) -> int:
+        """Tokens held in shadow strings (remote siblings' texts, prompt copies included)."""
+        return self._shadow_tokens
+
+    def num_shadows(self) -> int:
+        """Open shadow strings."""
+        return len(self._key2sh)
+
+    def shadow_keys(self) -> list[int]:
+        return sorted(self._key2sh)
+
+    def _drop_shadow_row(self, row: int) -> None:
+        del self._key2sh[int(self._sh[row, 0])]
+        self._sh_free.append(row)
+        self._sh_dirty = True
+
+    def _open_shadow(self, key: int, a: int) -> int:
+        """A new shadow string in automaton ``a``: its row in the shadow table."""
+        s = self._new_string(a)
+        if not self._sh_free:
+            old = self._sh.shape[0]
+            sh = np.zeros((max(64, 2 * old), 5), np.int64)
+            sh[:old] = self._sh
+            self._sh = sh
+            self._sh_free.extend(range(sh.shape[0] - 1, old - 1, -1))
+        row = self._sh_free.pop()
+        self._sh[row] = (key, s, 0, 0, a)
+        self._key2sh[int(key)] = row
+        self._autos[a].shadows.append(row)
+        self._sh_dirty = True
+        return row
+
+    def open_shadow(self, key: int, group_id: str, text: np.ndarray, next_pos: int) -> None:
+        """Open a shadow string holding ``text`` (int32[n], a remote sibling's whole text so far) whose next
+        response token will have offset ``next_pos`` (benchmarks: a steady state without replaying history)."""
+        a = self._groups[group_id]
+        row = self._open_shadow(key, a)
+        text = np.ascontiguousarray(text, np.int32)
+        self._run(np.array([self._sh[row, 1]], np.int64), text.reshape(1, -1), self._zero_rows(1),
+                  np.zeros(1, np.int64), np.array([text.shape[0]], np.int64), cache=-1)
+        self._sh[row, 2] = int(next_pos)
+        self._sh[row, 3] = int(text.shape[0])
+        self._shadow_tokens += int(text.shape[0])
+
+    def _shadow_rows(self, keys: np.ndarray) -> np.ndarray:
+        """Row of every key's open shadow, -1 where there is none (vectorized lookup)."""
+        if self._sh_dirty:
+            rows = np.fromiter(self._key2sh.values(), np.int64, len(self._key2sh))
+            order = np.argsort(self._sh[rows, 0], kind="stable")
+            self._sh_rows = rows[order]
+            self._sh_keys = self._sh[self._sh_rows, 0]
+            self._sh_dirty = False
+        if not self._sh_keys.shape[0] or not keys.shape[0]:
+            return np.full(keys.shape[0], -1, np.int64)
+        j = np.minimum(np.searchsorted(self._sh_keys, keys), self._sh_keys.shape[0] - 1)
+        return np.where(self._sh_keys[j] == keys, self._sh_rows[j], -1)
+
+    def shadow_extend(self, keys: np.ndarray, group_of: Callable[[int], str | None], pos: np.ndarray,
+                      counts: np.ndarray, buf: np.ndarray, starts: np.ndarray, finished: np.ndarray) -> int:
+        """Append remote siblings' tokens to shadow strings of the local group automata (one kernel call).
+
+        Entry i names a remote request ``keys[i]`` whose response tokens ``[pos[i], pos[i] + counts[i])``
+        are ``buf[starts[i]: starts[i] + counts[i]]``. A shadow is a string of the group automaton (prompt
+        copy + response), made at the first entry of its key (group ``group_of(i)``); it keeps the group
+        automaton alive until it finishes. A token range that does not continue the shadow (tokens
+        dropped by a sender's cap, or an entry skipped here) is appended after one ``SEP`` (drafts never
+        cross it). Skipped: a new key whose group has no automaton here (``group_of(i)`` None or unknown:
+        nothing to draft for), tokens that would take the shadow tokens past ``max_shadow_tokens``, a new
+        shadow in a full automaton. A shadow whose ``finished[i]`` is set enters the finished-response
+        cache like a local ``finish`` and is closed (its string stays until the automaton is freed).
+        Tokens are appended entry after entry, in order.
+
+        Args:
+            keys: int64[n] key per entry (the exchange uses sender rank << 32 | sender serial).
+            group_of: entry index -> group id (called only for keys without an open shadow).
+            pos, counts: int[n] response offset of the first token and token count per entry.
+            buf: int32[m] tokens; starts: int[n] where entry i's tokens begin in ``buf``.
+            finished: bool[n] the remote request finished after these tokens.
+        Returns:
+            tokens appended (gap markers and prompt copies included).
+        """
+        if not self.config.group_mode:
+            raise RuntimeError("shadow strings need group_mode=True")
+        keys = np.asarray(keys, np.int64)
+        pos = np.asarray(pos, np.int64)
+        counts = np.asarray(counts, np.int64)
+        starts = np.asarray(starts, np.int64)
+        finished = np.asarray(finished, bool)
+        n = keys.shape[0]
+        rows = self._shadow_rows(keys)
+        sh = self._sh
+        fast = rows >= 0
+        fast[fast] = sh[rows[fast], 2] == pos[fast]
+        room = self.max_shadow_tokens - self._shadow_tokens
+        if int(counts[fast].sum()) > room:  # near the bound: entry by entry
+            fast[:] = False
+        fr = rows[fast]
+        fc = counts[fast]
+        sh[fr, 2] += fc
+        sh[fr, 3] += fc
+        room -= int(fc.sum())
+        e_on = fast & (counts > 0)
+        e_slot = np.zeros(n, np.int64)
+        e_row = np.zeros(n, np.int64)
+        e_start = starts.copy()
+        e_end = starts + counts
+        e_slot[fast] = sh[fr, 1]
+        closing = finished & fast
+        extra: list[np.ndarray] = []
+        x_len = 0
+        sep = np.array([SEP], np.int32)
+        for i in np.flatnonzero(~fast & (counts > 0)).tolist():
+            c, p0 = int(counts[i]), int(pos[i])
+            seg = buf[starts[i]: starts[i] + c]
+            row = int(rows[i])
+            if row < 0:
+                row = self._key2sh.get(int(keys[i]), -1)  # opened earlier in this call
+            if row < 0:
+                g = group_of(i)
+                a = self._groups.get(g, -1) if g is not None else -1
+                if a < 0:
+                    continue
+                auto = self._autos[a]
+                plen = auto.prompt_len
+                need = plen + c + (1 if p0 else 0)
+                if need > room or len(auto.strings) >= K.MAX_STRINGS:
+                    continue
+                first = auto.strings[0]  # a local request's string: it starts with the group's prompt
+                row = self._open_shadow(int(keys[i]), a)
+                sh = self._sh
+                pieces = [self._arrT[first][:plen]] + ([sep] if p0 else []) + [seg]
+            else:
+                gap = int(sh[row, 2]) != p0
+                need = c + (1 if gap else 0)
+                if need > room:
+                    continue
+                pieces = [sep, seg] if gap else [seg]
+            self._has_sep = self._has_sep or bool(p0)
+            room -= need
+            sh[row, 2] = p0 + c
+            sh[row, 3] += need
+            e_on[i] = True
+            e_slot[i] = sh[row, 1]
+            e_row[i] = 1
+            e_start[i] = x_len
+            x_len += need
+            e_end[i] = x_len
+            extra.extend(pieces)
+            closing[i] = finished[i]
+        total = self.max_shadow_tokens - self._shadow_tokens - room
+        self._shadow_tokens += total
+        if e_on.any():
+            b = np.asarray(buf, np.int32)
+            if extra:
+                kb = np.zeros((2, max(b.shape[0], x_len)), np.int32)
+                kb[0, : b.shape[0]] = b
+                kb[1, :x_len] = np.concatenate(extra)
+            else:
+                kb = b.reshape(1, -1)
+            self._run(e_slot[e_on], kb, e_row[e_on], e_start[e_on], e_end[e_on], cache=-1)
+        # FIN of an open shadow without new tokens (all sent before)
+        for i in np.flatnonzero(finished & ~closing & (counts == 0)).tolist():
+            if int(keys[i]) in self._key2sh:
+                closing[i] = True
+        for i in np.flatnonzero(closing).tolist():
+            self._close_shadow(self._key2sh[int(keys[i])], cache=True)
+        return total
+
+    def _close_shadow(self, row: int, cache: bool) -> None:
+        a = int(self._sh[row, 4])
+        auto = self._autos[a]
+        auto.shadows.remove(row)
+        auto.shadow_tokens += int(self._sh[row, 3])  # closed shadows: counted here until the automaton is freed
+        self._drop_shadow_row(row)
+        slot = int(self._sh[row, 1])
+        if cache and self.config.cache_max_responses > 0:
+            resp = self._arrT[slot][auto.prompt_len: self._SM[slot, K.M_LEN]]
+            if resp.shape[0]:
+                self._cache_insert(resp.copy())
+        self._maybe_free_group(a, auto.group)
+
+    def close_shadows(self) -> None:
+        """Close every open shadow string (no cache insertion); automata no running request needs are freed."""
+        for row in list(self._key2sh.values()):
+            self._close_shadow(row, cache=False)
 
     def tokens(self, req_id: str) -> np.ndarray:
         """Copy of the request's text (prompt + accepted tokens), shape [len]."""
@@ -524,10 +752,15 @@ class SamProposer:
         req = self._reqs.pop(req_id)
         auto = self._autos[req.auto]
         auto.live -= 1
-        if auto.live == 0:
-            if self._groups.get(req.group, -1) == req.auto:
-                del self._groups[req.group]
-            self._free_auto(req.auto)
+        self._maybe_free_group(req.auto, req.group)
+
+    def _maybe_free_group(self, a: int, group: str) -> None:
+        """Free automaton ``a`` once no running request and no open shadow string needs it."""
+        auto = self._autos[a]
+        if auto.live == 0 and not auto.shadows:
+            if self._groups.get(group, -1) == a:
+                del self._groups[group]
+            self._free_auto(a)
 
     def _cache_insert(self, resp: np.ndarray) -> None:
         """Add a finished response to the cache: ONE generalized automaton (one matching pointer per request).
