@@ -23,6 +23,7 @@ EXP_NAME=${EXP_NAME:-grpo_qwen3_235b_128die_true_weight}
 MODEL_PATH=${MODEL_PATH:-${QWEN3_RL_HOME}/Qwen3-235B-A22B-hf}
 DIST_CKPT_PATH=${DIST_CKPT_PATH:-${QWEN3_RL_HOME}/Qwen3-235B-A22B-mcore}
 TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-512}
+MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-2048}
 MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-32768}
 
 # ---- model layout shared by the 235B setups (actor / rollout parallelism) ---------------------
@@ -33,6 +34,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/qwen3_235b_layout.sh"
 # shellcheck source=SCRIPTDIR/lib/train_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/train_common.sh"
 TRAIN_FILE=${TRAIN_FILE:-${DATA_DIR}/deepscaler/train.parquet}
+VAL_FILE=${VAL_FILE:-${DATA_DIR}/aime2024/test.parquet}
 ROLLOUT_DP=${ROLLOUT_DP:-$((NNODES * NPUS_PER_NODE / ROLLOUT_TP))}
 # shellcheck source=SCRIPTDIR/lib/train_eplb.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/train_eplb.sh"

@@ -23,6 +23,7 @@ MODEL_PATH=${MODEL_PATH:-${QWEN3_RL_HOME}/Qwen3-32B}
 USE_DIST_CKPT=${USE_DIST_CKPT:-False}
 DIST_CKPT_PATH=${DIST_CKPT_PATH:-${QWEN3_RL_HOME}/Qwen3-32B-mcore}
 TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}
+MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-2048}
 MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-34816}
 
 # ---- model layout shared by the 32B setups (actor / rollout parallelism) ---------------------
@@ -33,6 +34,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/qwen3_32b_layout.sh"
 # shellcheck source=SCRIPTDIR/lib/train_common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/train_common.sh"
 TRAIN_FILE=${TRAIN_FILE:-${DATA_DIR}/deepscaler/train.parquet}
+VAL_FILE=${VAL_FILE:-${DATA_DIR}/aime2024/test.parquet}
 
 train_add_base_overrides dense hf_or_dist_ckpt
 overrides+=(reward_model.reward_manager=naive)

@@ -56,7 +56,7 @@ def _switches() -> str:
     out = ["| env var | default | Hydra key it sets | scripts |", "|---|---|---|---|"]
     for var, (defaults, keys, names) in sorted(rows.items()):
         key = ", ".join(k if k.startswith("(") else f"`{k}`" for k in sorted(keys)) or "key(s) added only when True (see the script)"
-        where = "all five" if len(names) == len(scripts) else ", ".join(names)
+        where = "all" if len(names) == len(scripts) else ", ".join(names)
         out.append(f"| `{var}` | `{'/'.join(sorted(defaults))}` | {key} | {where} |")
     return "\n".join(out)
 

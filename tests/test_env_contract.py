@@ -52,8 +52,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def model_config(script: str) -> dict:
-    return json.loads((DATA / ("qwen3_235b_a22b_config.json" if "235b" in script else "qwen3_32b_config.json"))
-                      .read_text())
+    name = ("qwen3_235b_a22b_config.json" if "235b" in script else
+            "qwen3_30b_a3b_config.json" if "30b_a3b" in script else "qwen3_32b_config.json")
+    return json.loads((DATA / name).read_text())
 
 
 def env_file(script: str) -> Path | None:

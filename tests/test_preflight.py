@@ -165,12 +165,14 @@ def test_batch_and_length_rules():
 
 
 def test_shipped_scripts_pass_config_checks_with_real_configs(tmp_path: Path):
-    """The five train scripts, with the real Qwen3 configs as model path: no layout/batch/length error."""
+    """The train scripts, with the real Qwen3 configs as model path: no layout/batch/length error."""
     model32 = make_model(tmp_path / "m32")
     model235 = make_model(tmp_path / "m235", config="qwen3_235b_a22b_config.json")
+    model30 = make_model(tmp_path / "m30", config="qwen3_30b_a3b_config.json")
     for script in sorted((REPO / "internal").glob("train_*.sh")):
         env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NPUS_PER_NODE")}
-        env["MODEL_PATH"] = str(model235 if "235b" in script.name else model32)
+        env["MODEL_PATH"] = str(model235 if "235b" in script.name else model30 if "30b_a3b" in script.name
+                                else model32)
         env["PYTHONPATH"] = str(REPO)
         args = ["--env-script", str(REPO / "internal" / "qwen3_235b_env.sh")] if "235b" in script.name else []
         p = subprocess.run([PY, "-m", "qwen3_rl", "preflight", str(script), "--no-node-checks", *args], env=env,

@@ -660,8 +660,9 @@ def test_switches_declared_and_mapped_from_scripts(patched_imports: Path) -> Non
 
     env_base = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
     scripts = sorted((REPO / "internal").glob("train_*.sh"))
-    assert len(scripts) == 5
-    from test_train_configs import script_env_defaults
+    from test_train_configs import SETUPS, script_env_defaults
+
+    assert [p.name for p in scripts] == sorted(SETUPS)
 
     for script in scripts:
         defaults = script_env_defaults(script)

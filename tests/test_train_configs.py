@@ -52,7 +52,16 @@ SETUPS = {
                                                   16, 34816, (8, 2, 2, 1), 8, None),
     "train_dapo_qwen3_32b_32die_true_weight.sh": ("qwen3_rl.trainer.dapo", "dapo_megatron_trainer", 32, 128,
                                                   16, 34816, (8, 2, 2, 1), 8, None),
+    "train_grpo_qwen3_30b_a3b_32die.sh": ("verl.trainer.main_ppo", "ppo_megatron_trainer", 32, 128,
+                                          16, 2048, (2, 2, 1, 8), 2, 16),
 }
+# prompt length where it is not 2048 (seed 001: Qwen3-30B-A3B, gsm8k, 1024 / 2048)
+PROMPT_LENGTH = {"train_grpo_qwen3_30b_a3b_32die.sh": 1024}
+
+
+def model_layers(name: str) -> int:
+    """Decoder layers of the setup's model (HF num_hidden_layers: 235B-A22B 94, 30B-A3B 48, 32B 64)."""
+    return 94 if "235b" in name else 48 if "30b_a3b" in name else 64
 
 
 def test_scripts_present_and_shellcheck_clean() -> None:
@@ -76,7 +85,8 @@ def test_parse_script_facts(name: str) -> None:
     get = cmd.get
     assert int(get("trainer.nnodes")) * int(get("trainer.n_gpus_per_node")) == world
     assert (int(get("data.train_batch_size")), int(get("actor_rollout_ref.rollout.n"))) == (gbs, n)
-    assert (int(get("data.max_prompt_length")), int(get("data.max_response_length"))) == (2048, resp)
+    assert (int(get("data.max_prompt_length")), int(get("data.max_response_length"))) == (
+        PROMPT_LENGTH.get(name, 2048), resp)
     assert int(get("actor_rollout_ref.rollout.tensor_model_parallel_size")) == rtp
     assert get("+actor_rollout_ref.rollout.engine_kwargs.vllm.data_parallel_size") is None  # key w/o '+'
     assert get("actor_rollout_ref.rollout.engine_kwargs.vllm.data_parallel_size") == (
@@ -174,8 +184,9 @@ def test_compose_every_setup_with_patched_verl(patched_imports: Path) -> None:
                         * meg.context_parallel_size) == 0
         assert cfg.trainer.n_gpus_per_node * cfg.trainer.nnodes == world
         assert (cfg.data.train_batch_size, rollout_cfg.n, rollout_cfg.response_length) == (gbs, n, resp)
-        assert rollout_cfg.max_model_len is None and rollout_cfg.prompt_length == 2048
-        assert rollout_cfg.max_num_batched_tokens >= 2048 + resp  # verl: chunked prefill needs >= model len
+        prompt = PROMPT_LENGTH.get(name, 2048)
+        assert rollout_cfg.max_model_len is None and rollout_cfg.prompt_length == prompt
+        assert rollout_cfg.max_num_batched_tokens >= prompt + resp  # verl: chunked prefill needs >= model len
         assert rollout_cfg.cudagraph_capture_sizes and rollout_cfg.enforce_eager is False
         # sync mode: verl's own rollout DP stays 1, vLLM gets DP x EP through engine_kwargs
         assert rollout_cfg.mode == "sync" and rollout_cfg.data_parallel_size == 1
@@ -190,7 +201,7 @@ def test_compose_every_setup_with_patched_verl(patched_imports: Path) -> None:
         assert rollout_cfg.use_tqdm is False and rollout_cfg.disable_gc_in_engine_step is False  # off by default
         if meg.pipeline_model_parallel_size > 1:  # megatron-core asserts an even split unless stages are given
             otc = cfg.actor_rollout_ref.actor.megatron.override_transformer_config
-            layers = 94 if "235b" in name else 64
+            layers = model_layers(name)
             first, last = otc.get("num_layers_in_first_pipeline_stage"), otc.get("num_layers_in_last_pipeline_stage")
             pp = meg.pipeline_model_parallel_size
             if first is None:
@@ -312,13 +323,18 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     "upstream_fixes_off": ({"NPU_EXPANDABLE_SEGMENTS": "False", "ROLLOUT_REAL_TORCH_COMPILE": "False",
                             "ROLLOUT_PLAIN_LIST_CAPTURE_SIZES": "False"}, []),
     "bad_fix_switch_lowercase": ({"ROLLOUT_REAL_TORCH_COMPILE": "false"}, []),
+    # seed 001's options (30B-A3B: mbridge; every setup: MindSpeed fused RoPE)
+    "mbridge_fused_rope": ({"USE_MBRIDGE": "True", "FUSED_ROPE": "True"}, []),
+    "bad_mbridge_with_alltoallv": ({"USE_MBRIDGE": "True", "MOE_ALLTOALLV": "True"}, []),
+    "bad_fused_rope": ({"FUSED_ROPE": "on"}, []),
 }
 # variables the scripts check for True/False: given True in the every_var case
 _CHECKED_BOOLS = ("SAM_ENABLE", "SAM_GROUP", "NPUGRAPH_EX", "ROLLOUT_EPLB", "MOE_ALLTOALL_OVERLAP",
-                  "NPU_EXPANDABLE_SEGMENTS", "ROLLOUT_REAL_TORCH_COMPILE", "ROLLOUT_PLAIN_LIST_CAPTURE_SIZES")
+                  "NPU_EXPANDABLE_SEGMENTS", "ROLLOUT_REAL_TORCH_COMPILE", "ROLLOUT_PLAIN_LIST_CAPTURE_SIZES",
+                  "FUSED_ROPE")
 # variables with a fixed set of values: given this value in the every_var case (MOE_ALLTOALLV=True conflicts
-# with ROLLOUT_EPLB=True; it has its own case)
-_CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1", "MOE_ALLTOALLV": "False"}
+# with ROLLOUT_EPLB=True, USE_MBRIDGE=True with MOE_ALLTOALL_OVERLAP=True: each has its own case)
+_CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1", "MOE_ALLTOALLV": "False", "USE_MBRIDGE": "False"}
 _RUNTIME_ENV = ("PWD", "OLDPWD", "SHLVL", "_")
 
 
@@ -454,3 +470,42 @@ def test_upstream_fix_switches(patched_imports: Path) -> None:
     for var in env_vars:
         with pytest.raises(Exception, match=f"{var} must be True or False"):
             parse_train_script(script, env={**BASE_ENV, var: "yes"})
+
+
+def test_mbridge_and_fused_rope_switches(patched_imports: Path) -> None:
+    """Seed 001's options, both off by default. USE_MBRIDGE=True (30B-A3B): verl's use_mbridge on for the actor
+    and, through verl's own interpolation, the ref, the dist checkpoint off for both (verl loads it before mbridge);
+    refused with the weight converters that only handle verl's own export. FUSED_ROPE=True: MindSpeed's
+    position_embedding_type=rope + use_fused_rotary_pos_emb in the actor's (and so the ref's) transformer config."""
+    from omegaconf import OmegaConf
+
+    verl_config_dir = patched_imports / "verl" / "verl" / "trainer" / "config"
+    script = INTERNAL / "train_grpo_qwen3_30b_a3b_32die.sh"
+    off = parse_train_script(script, env=BASE_ENV)
+    cfg = _compose(off.overrides, off.config_name, verl_config_dir)
+    for role in ("actor", "ref"):
+        meg = cfg.actor_rollout_ref[role].megatron
+        assert meg.use_mbridge is False and meg.use_dist_checkpointing is True
+        assert meg.dist_checkpointing_path == str(REPO / "Qwen3-30B-A3B-mcore")
+        assert "position_embedding_type" not in meg.override_transformer_config
+    on = parse_train_script(script, env={**BASE_ENV, "USE_MBRIDGE": "True", "FUSED_ROPE": "True"})
+    cfg = _compose(on.overrides, on.config_name, verl_config_dir)
+    OmegaConf.resolve(cfg)
+    for role in ("actor", "ref"):
+        meg = cfg.actor_rollout_ref[role].megatron
+        assert meg.use_mbridge is True and meg.use_dist_checkpointing is False, role
+        otc = meg.override_transformer_config
+        assert (otc.position_embedding_type, otc.use_fused_rotary_pos_emb) == ("rope", True), role
+    for extra in ({"MOE_ALLTOALLV": "True"}, {"MOE_ALLTOALL_OVERLAP": "True"}):
+        with pytest.raises(TrainScriptError) as err:
+            parse_train_script(script, env={**BASE_ENV, "USE_MBRIDGE": "True", **extra})
+        assert "USE_MBRIDGE=True cannot be combined with MOE_ALLTOALLV=True or MOE_ALLTOALL_OVERLAP=True" in str(err.value)
+    with pytest.raises(TrainScriptError, match="USE_MBRIDGE must be True or False, got 'true'"):
+        parse_train_script(script, env={**BASE_ENV, "USE_MBRIDGE": "true"})
+    # fused RoPE is a switch of every setup; the 235B one composes too
+    moe = parse_train_script(INTERNAL / "train_grpo_qwen3_235b_128die_true_weight.sh",
+                             env={**BASE_ENV, "FUSED_ROPE": "True"})
+    otc = _compose(moe.overrides, moe.config_name, verl_config_dir).actor_rollout_ref.actor.megatron
+    assert otc.override_transformer_config.use_fused_rotary_pos_emb is True
+    with pytest.raises(TrainScriptError, match="FUSED_ROPE must be True or False, got 'yes'"):
+        parse_train_script(script, env={**BASE_ENV, "FUSED_ROPE": "yes"})

@@ -2,13 +2,14 @@
 # What the five train scripts (internal/train_*.sh) share: the defaults that are the same for every
 # setup, and functions appending the common Hydra override groups to the array `overrides`, then
 # printing or running the command. Sourced by a train script AFTER its own defaults (some defaults here
-# use the script's EXP_NAME, TRAIN_BATCH_SIZE, MAX_RESPONSE_LENGTH) and BEFORE the defaults that use
-# the ones here (TRAIN_FILE uses DATA_DIR, ROLLOUT_DP uses NPUS_PER_NODE).
+# use the script's EXP_NAME, TRAIN_BATCH_SIZE, MAX_PROMPT_LENGTH, MAX_RESPONSE_LENGTH) and BEFORE the defaults that
+# use the ones here (TRAIN_FILE and VAL_FILE use DATA_DIR, ROLLOUT_DP uses NPUS_PER_NODE).
 #
-# A script provides: QWEN3_RL_HOME, NNODES, EXP_NAME, MODEL_PATH, TRAIN_BATCH_SIZE, MAX_RESPONSE_LENGTH,
-# TRAIN_FILE, ACTOR_TP/PP/CP, ROLLOUT_TP, ROLLOUT_GPU_MEMORY_UTILIZATION; the "moe" layout also ACTOR_EP/ETP,
+# A script provides: QWEN3_RL_HOME, NNODES, EXP_NAME, MODEL_PATH, TRAIN_BATCH_SIZE, MAX_PROMPT_LENGTH,
+# MAX_RESPONSE_LENGTH, TRAIN_FILE, VAL_FILE, ACTOR_TP/PP/CP, ROLLOUT_TP, ROLLOUT_GPU_MEMORY_UTILIZATION; the "moe" layout also ACTOR_EP/ETP,
 # ACTOR_PP_FIRST/LAST_STAGE_LAYERS, ROLLOUT_DP, ROLLOUT_ENABLE_EP, MOE_ALLTOALLV; the weight sources "dist_ckpt" and
-# "hf_or_dist_ckpt" DIST_CKPT_PATH, and "hf_or_dist_ckpt" USE_DIST_CKPT (set -u stops on a missing one).
+# "hf_or_dist_ckpt" DIST_CKPT_PATH, "hf_or_dist_ckpt" USE_DIST_CKPT, "dist_ckpt_or_mbridge" DIST_CKPT_PATH and
+# USE_MBRIDGE (set -u stops on a missing one).
 # Every variable below is an environment variable with a default (docs/setups.md lists them all).
 [[ "${BASH_SOURCE[0]}" != "$0" ]] || { echo "${BASH_SOURCE[0]}: source it from a train script" >&2; exit 2; }
 
@@ -18,14 +19,12 @@ NPUS_PER_NODE=${NPUS_PER_NODE:-16}
 # ---- paths ------------------------------------------------------------------------------------
 PROJECT_NAME=${PROJECT_NAME:-qwen3_rl}
 DATA_DIR=${DATA_DIR:-${QWEN3_RL_HOME}/data}
-VAL_FILE=${VAL_FILE:-${DATA_DIR}/aime2024/test.parquet}
 CKPT_DIR=${CKPT_DIR:-${QWEN3_RL_HOME}/ckpt/${EXP_NAME}}
 REWARD_FN_PATH=${REWARD_FN_PATH:-${QWEN3_RL_HOME}/qwen3_rl/data/reward.py}
 
 # ---- batch and lengths ------------------------------------------------------------------------
 PPO_MINI_BATCH_SIZE=${PPO_MINI_BATCH_SIZE:-${TRAIN_BATCH_SIZE}}
 N_SAMPLES=${N_SAMPLES:-16}
-MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-2048}
 MAX_TOKEN_LEN_PER_GPU=${MAX_TOKEN_LEN_PER_GPU:-$((MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH))}
 LR=${LR:-1e-6}
 USE_KL_LOSS=${USE_KL_LOSS:-False}
@@ -38,6 +37,9 @@ MOE_ALLTOALL_OVERLAP=${MOE_ALLTOALL_OVERLAP:-False}
 # and for level1 the number of layers per pipeline stage it applies to (empty = MindSpeed's default).
 MOE_ZERO_MEMORY=${MOE_ZERO_MEMORY:-disable}
 MOE_ZERO_MEMORY_NUM_LAYERS=${MOE_ZERO_MEMORY_NUM_LAYERS:-}
+# MindSpeed's fused rotary embedding in the actor (seed 001: position_embedding_type=rope +
+# use_fused_rotary_pos_emb=True through override_transformer_config): True | False
+FUSED_ROPE=${FUSED_ROPE:-False}
 # rollout load balancing (docs/rollout_balancing.md)
 DATA_REBALANCE=${DATA_REBALANCE:-False}
 ROLLOUT_REBALANCE=${ROLLOUT_REBALANCE:-False}
@@ -92,6 +94,8 @@ overrides=()
 #   WEIGHTS dist_ckpt: Megatron dist checkpoint at DIST_CKPT_PATH
 #           hf_or_dist_ckpt: HF weights at MODEL_PATH unless USE_DIST_CKPT=True (docs/weights.md)
 #           random: Megatron's random init, no checkpoint read (actor/ref load_weight=False)
+#           dist_ckpt_or_mbridge: Megatron dist checkpoint at DIST_CKPT_PATH unless USE_MBRIDGE=True, which reads
+#                                 the HF weights at MODEL_PATH online through mbridge (docs/weights.md)
 train_add_base_overrides() {
     local layout=$1 weights=$2
     case "${layout}" in
@@ -99,7 +103,7 @@ train_add_base_overrides() {
         *) echo "train_add_base_overrides: bad layout '${layout}'" >&2; exit 2 ;;
     esac
     case "${weights}" in
-        dist_ckpt | hf_or_dist_ckpt | random) ;;
+        dist_ckpt | hf_or_dist_ckpt | random | dist_ckpt_or_mbridge) ;;
         *) echo "train_add_base_overrides: bad weights '${weights}'" >&2; exit 2 ;;
     esac
     _train_add_data_and_actor_overrides
@@ -154,6 +158,18 @@ _train_add_weight_overrides() {
             fi
             overrides+=("actor_rollout_ref.${role}.megatron.dist_checkpointing_path=${DIST_CKPT_PATH}")
             ;;
+        dist_ckpt_or_mbridge)
+            # use_dist_checkpointing wins over mbridge in verl 0.6.1's worker (megatron_workers.py:334-341): mbridge
+            # loads the HF weights only with it off, as seed 001 sets it
+            if [[ "${USE_MBRIDGE}" == True ]]; then
+                overrides+=("actor_rollout_ref.${role}.megatron.use_dist_checkpointing=False")
+            else
+                overrides+=(
+                    "actor_rollout_ref.${role}.megatron.use_dist_checkpointing=True"
+                    "actor_rollout_ref.${role}.megatron.dist_checkpointing_path=${DIST_CKPT_PATH}"
+                )
+            fi
+            ;;
         random)
             # verl 0.6.1's Megatron worker keeps Megatron's init unless <role>.load_weight (docs/weights.md)
             overrides+=(
@@ -166,6 +182,19 @@ _train_add_weight_overrides() {
 
 _train_add_megatron_overrides() {
     local layout=$1 weights=$2
+    if [[ "${weights}" == dist_ckpt_or_mbridge ]]; then
+        case "${USE_MBRIDGE}" in
+            True | False) ;;
+            *) echo "USE_MBRIDGE must be True or False, got '${USE_MBRIDGE}'" >&2; exit 2 ;;
+        esac
+        # mbridge exports the weights itself: verl 0012 / 0013 convert only verl's own export (their patch headers)
+        if [[ "${USE_MBRIDGE}" == True && ( "${MOE_ALLTOALLV}" == True || "${MOE_ALLTOALL_OVERLAP,,}" =~ ^(true|1)$ ) ]]; then
+            echo "USE_MBRIDGE=True cannot be combined with MOE_ALLTOALLV=True or MOE_ALLTOALL_OVERLAP=True (verl 0012/0013 convert only verl's own weight export, not mbridge's)" >&2
+            exit 2
+        fi
+        # ref reads use_mbridge from the actor (verl trainer/config/ref/megatron_ref.yaml:17)
+        overrides+=("actor_rollout_ref.actor.megatron.use_mbridge=${USE_MBRIDGE}")
+    fi
     overrides+=(
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=${ACTOR_TP}"
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=${ACTOR_PP}"
@@ -217,6 +246,19 @@ _train_add_megatron_overrides() {
         actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full
         actor_rollout_ref.actor.megatron.override_transformer_config.recompute_method=uniform
         actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers=1
+    )
+    case "${FUSED_ROPE}" in
+        True)
+            # MindSpeed reads both through repatch(override_transformer_config) (verl megatron_workers.py:190-192)
+            overrides+=(
+                +actor_rollout_ref.actor.megatron.override_transformer_config.position_embedding_type=rope
+                +actor_rollout_ref.actor.megatron.override_transformer_config.use_fused_rotary_pos_emb=True
+            )
+            ;;
+        False) ;;
+        *) echo "FUSED_ROPE must be True or False, got '${FUSED_ROPE}'" >&2; exit 2 ;;
+    esac
+    overrides+=(
         "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=${ACTOR_TP}"
         "actor_rollout_ref.ref.megatron.pipeline_model_parallel_size=${ACTOR_PP}"
         "actor_rollout_ref.ref.megatron.context_parallel_size=${ACTOR_CP}"
