@@ -14,8 +14,7 @@ set -euo pipefail
 
 QWEN3_RL_HOME=${QWEN3_RL_HOME:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 EXP_NAME=${EXP_NAME:-dapo_tiny_cpu}
-USE_DIST_CKPT=${USE_DIST_CKPT:-False}
-DIST_CKPT_PATH=${DIST_CKPT_PATH:-}
+# actor: PP 2 over the 2 processes, one layer per stage
 ACTOR_TP=${ACTOR_TP:-1}
 ACTOR_PP=${ACTOR_PP:-2}
 ACTOR_EP=${ACTOR_EP:-1}
@@ -25,7 +24,6 @@ GEN_BATCH_SIZE=${GEN_BATCH_SIZE:-16}
 FILTER_METRIC=${FILTER_METRIC:-score}
 MAX_NUM_GEN_BATCHES=${MAX_NUM_GEN_BATCHES:-4}
 OVERLONG_BUFFER_LEN=${OVERLONG_BUFFER_LEN:-16}
-TOTAL_EPOCHS=${TOTAL_EPOCHS:-4}
 
 # shellcheck source=SCRIPTDIR/lib/tiny_cpu_layout.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/tiny_cpu_layout.sh"
@@ -35,7 +33,9 @@ TRAIN_FILE=${TRAIN_FILE:-${DATA_DIR}/gsm8k/train.parquet}
 # shellcheck source=SCRIPTDIR/lib/train_dapo.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/train_dapo.sh"
 
-train_add_base_overrides moe hf_or_dist_ckpt
+# Megatron's random init (verl 0.6.1 loads HF weights into a dense Megatron MLP only:
+# verl/models/mcore/loader.py:441-446; MoE models need a dist checkpoint or mbridge)
+train_add_base_overrides moe random
 train_add_dapo_overrides
 train_add_trainer_overrides
 train_add_sam_npugraph_ex_overrides

@@ -15,8 +15,12 @@ set -euo pipefail
 
 QWEN3_RL_HOME=${QWEN3_RL_HOME:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 EXP_NAME=${EXP_NAME:-grpo_tiny_cpu}
-USE_DIST_CKPT=${USE_DIST_CKPT:-False}
-DIST_CKPT_PATH=${DIST_CKPT_PATH:-}
+# actor: TP 2 and EP 2 over the 2 processes (empty stage sizes = Megatron's even split, required with PP 1)
+ACTOR_TP=${ACTOR_TP:-2}
+ACTOR_PP=${ACTOR_PP:-1}
+ACTOR_EP=${ACTOR_EP:-2}
+ACTOR_PP_FIRST_STAGE_LAYERS=${ACTOR_PP_FIRST_STAGE_LAYERS:-}
+ACTOR_PP_LAST_STAGE_LAYERS=${ACTOR_PP_LAST_STAGE_LAYERS:-}
 
 # shellcheck source=SCRIPTDIR/lib/tiny_cpu_layout.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/tiny_cpu_layout.sh"
@@ -24,7 +28,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/tiny_cpu_layout.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/lib/train_common.sh"
 TRAIN_FILE=${TRAIN_FILE:-${DATA_DIR}/gsm8k/train.parquet}
 
-train_add_base_overrides moe hf_or_dist_ckpt
+# Megatron's random init (verl 0.6.1 loads HF weights into a dense Megatron MLP only:
+# verl/models/mcore/loader.py:441-446; MoE models need a dist checkpoint or mbridge)
+train_add_base_overrides moe random
 overrides+=(reward_model.reward_manager=naive)
 train_add_trainer_overrides
 train_add_sam_npugraph_ex_overrides

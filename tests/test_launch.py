@@ -244,7 +244,8 @@ def json_of(path: Path) -> dict:
 # =================================================================================================
 # tests
 # =================================================================================================
-TRAIN_SCRIPTS = sorted(p.name for p in (REPO / "internal").glob("train_*.sh"))
+# the cluster setups (the tiny CPU setups run with --device cpu: test_cpu_profile_*)
+TRAIN_SCRIPTS = sorted(p.name for p in (REPO / "internal").glob("train_*.sh") if "tiny_cpu" not in p.name)
 ENV_235B = str(REPO / "internal" / "qwen3_235b_env.sh")
 HEAD_ADDRS = "eth0=10.20.0.1,lo=127.0.0.1"
 WORKER_ADDRS = "eth0=10.20.0.5,lo=127.0.0.1"
@@ -636,3 +637,50 @@ def test_real_ray_head_in_loopback_namespace(tmp_path: Path):
                 pass
         shutil.rmtree(root, ignore_errors=True)
 
+
+
+# ---- CPU profile (--device cpu): the tiny CPU training run on a node without NPUs ----------------------------
+
+TINY = "internal/train_grpo_tiny_cpu.sh"
+
+
+def test_cpu_profile_refused_on_a_node_with_npus(stubs):
+    root, bin_dir = stubs  # the stub npu-smi lists an A3's 16 dies
+    p = run_launcher([TINY, "--device", "cpu", "--npus-per-node", "2", "--dry-run"], stub_env(root, bin_dir))
+    assert p.returncode != 0
+    assert _errors(p.stderr) == ["error: --device=cpu is for nodes without NPUs, but npu-smi lists 16 NPU die(s) "
+                                 "on this node: launch without it"], p.stderr
+    p = run_launcher([TINY, "--npus-per-node", "2", "--dry-run"], stub_env(root, bin_dir, LAUNCH_DEVICE="gpu"))
+    assert _errors(p.stderr) == ["error: LAUNCH_DEVICE='gpu' must be npu or cpu"], p.stderr
+
+
+def test_cpu_profile_npu_device_files_refused(tmp_path, monkeypatch):
+    from qwen3_rl.launch.options import cpu_profile_error
+
+    monkeypatch.setenv("PATH", str(make_stubs(tmp_path, ray=False, npu_smi=False, ip=False)))
+    assert cpu_profile_error(str(tmp_path)) == ""
+    (tmp_path / "davinci0").touch()
+    assert cpu_profile_error(str(tmp_path)) == f"this node has NPU devices ({tmp_path}/davinci0)"
+
+
+def test_cpu_profile_dry_run_without_cann(tmp_path):
+    """No npu-smi, no CANN: the plan skips CANN, preflight runs without node checks, Ray gets worker slots."""
+    bin_dir = make_stubs(tmp_path, npu_smi=False)
+    env = stub_env(tmp_path, bin_dir, CANN_HOME=str(tmp_path / "no_cann"), MODEL_PATH=str(make_model(tmp_path)))
+    p = run_launcher([TINY, "--device", "cpu", "--npus-per-node", "2", "--dry-run"], env)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "1 node(s) x 2 worker slots = 2 worker slots; head 127.0.0.1:6379 (CPU profile: no NPU)" in out
+    assert "--check=skip  (CPU profile: CANN not sourced" in out
+    assert "--npus-per-node 2 --role head --no-node-checks" in out
+    ray_line = next(ln for ln in out.splitlines() if " ray start --head" in ln or "ray start --head" in ln)
+    assert '--resources={"NPU": 2}' in ray_line and "--num-cpus=" in ray_line
+    assert "CANN toolkit not found" not in p.stderr
+
+
+def test_npu_env_check_skip_exports_without_cann(tmp_path):
+    script = (f'set -euo pipefail; CANN_HOME={tmp_path}/none; source {REPO}/internal/npu_env.sh --check=skip; '
+              'echo "NZ=${VLLM_ASCEND_ENABLE_NZ} HCCL=${HCCL_CONNECT_TIMEOUT}"')
+    p = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0 and p.stderr == "", p.stderr
+    assert p.stdout.strip() == "NZ=0 HCCL=1200"

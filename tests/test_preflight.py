@@ -169,10 +169,13 @@ def test_shipped_scripts_pass_config_checks_with_real_configs(tmp_path: Path):
     model32 = make_model(tmp_path / "m32")
     model235 = make_model(tmp_path / "m235", config="qwen3_235b_a22b_config.json")
     model30 = make_model(tmp_path / "m30", config="qwen3_30b_a3b_config.json")
+    from qwen3_rl.tools.tiny_model import TinySpec, make_tiny_model
+
+    tiny = make_tiny_model(tmp_path / "tiny", TinySpec(moe=True))
     for script in sorted((REPO / "internal").glob("train_*.sh")):
         env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NPUS_PER_NODE")}
         env["MODEL_PATH"] = str(model235 if "235b" in script.name else model30 if "30b_a3b" in script.name
-                                else model32)
+                                else tiny if "tiny_cpu" in script.name else model32)
         env["PYTHONPATH"] = str(REPO)
         args = ["--env-script", str(REPO / "internal" / "qwen3_235b_env.sh")] if "235b" in script.name else []
         p = subprocess.run([PY, "-m", "qwen3_rl", "preflight", str(script), "--no-node-checks", *args], env=env,

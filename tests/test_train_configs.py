@@ -21,6 +21,8 @@ DAPO_CONFIG_DIR = REPO / "qwen3_rl" / "trainer" / "config"
 BASE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
 GOLDEN_DIR = REPO / "tests" / "data" / "train_commands"
 
+# the libraries every setup shares (a setup's own files may give their variables other defaults)
+SHARED_LIBS = {"train_common.sh", "train_dapo.sh", "train_eplb.sh"}
 # `VAR=${VAR:-default}` at the start of a line: an environment variable with its default
 DEFAULT_RE = re.compile(r"^([A-Z_0-9]+)=\$\{\1:-(.*)\}$", re.M)
 # `source "$(dirname "${BASH_SOURCE[0]}")/lib/x.sh"`: a library sourced relative to the script
@@ -35,7 +37,12 @@ def script_env_defaults(script: Path) -> dict[str, tuple[str, Path]]:
     files = [script, *(script.parent / rel for rel in SOURCE_RE.findall(script.read_text()))]
     for path in files:
         for var, default in DEFAULT_RE.findall(path.read_text()):
-            assert var not in out, f"{var} defined in {out[var][1].name} and {path.name}"
+            if var in out:
+                # a setup's own file (script or layout, sourced first) may set its default for a variable of the
+                # shared libraries; the first definition is the one bash keeps
+                assert path.name in SHARED_LIBS and out[var][1].name not in SHARED_LIBS, \
+                    f"{var} defined in {out[var][1].name} and {path.name}"
+                continue
             out[var] = (default, path)
     return out
 
@@ -54,14 +61,21 @@ SETUPS = {
                                                   16, 34816, (8, 2, 2, 1), 8, None),
     "train_grpo_qwen3_30b_a3b_32die.sh": ("verl.trainer.main_ppo", "ppo_megatron_trainer", 32, 128,
                                           16, 2048, (2, 2, 1, 8), 2, 16),
+    # the tiny CPU setups (tests/engine/test_e2e_training.py runs them): one vLLM engine per process
+    "train_grpo_tiny_cpu.sh": ("verl.trainer.main_ppo", "ppo_megatron_trainer", 2, 8, 4, 64, (2, 1, 1, 2), 1, 1),
+    "train_dapo_tiny_cpu.sh": ("qwen3_rl.trainer.dapo", "dapo_megatron_trainer", 2, 8, 4, 64, (1, 2, 1, 1), 1, 1),
 }
 # prompt length where it is not 2048 (seed 001: Qwen3-30B-A3B, gsm8k, 1024 / 2048)
-PROMPT_LENGTH = {"train_grpo_qwen3_30b_a3b_32die.sh": 1024}
+PROMPT_LENGTH = {"train_grpo_qwen3_30b_a3b_32die.sh": 1024, "train_grpo_tiny_cpu.sh": 128,
+                 "train_dapo_tiny_cpu.sh": 128}
+
+
+TINY_CPU = {n for n in SETUPS if "tiny_cpu" in n}
 
 
 def model_layers(name: str) -> int:
     """Decoder layers of the setup's model (HF num_hidden_layers: 235B-A22B 94, 30B-A3B 48, 32B 64)."""
-    return 94 if "235b" in name else 48 if "30b_a3b" in name else 64
+    return 94 if "235b" in name else 48 if "30b_a3b" in name else 2 if "tiny" in name else 64
 
 
 def test_scripts_present_and_shellcheck_clean() -> None:
@@ -187,12 +201,18 @@ def test_compose_every_setup_with_patched_verl(patched_imports: Path) -> None:
         prompt = PROMPT_LENGTH.get(name, 2048)
         assert rollout_cfg.max_model_len is None and rollout_cfg.prompt_length == prompt
         assert rollout_cfg.max_num_batched_tokens >= prompt + resp  # verl: chunked prefill needs >= model len
-        assert rollout_cfg.cudagraph_capture_sizes and rollout_cfg.enforce_eager is False
+        tiny = name in TINY_CPU
+        assert rollout_cfg.cudagraph_capture_sizes and rollout_cfg.enforce_eager is tiny
+        assert rollout_cfg.free_cache_engine is not tiny  # sleep mode needs the device allocator: off on CPU
         # sync mode: verl's own rollout DP stays 1, vLLM gets DP x EP through engine_kwargs
         assert rollout_cfg.mode == "sync" and rollout_cfg.data_parallel_size == 1
         vllm_kwargs = rollout_cfg.engine_kwargs["vllm"]
         if vdp is None:
             assert vllm_kwargs == {}
+        elif tiny:  # independent engines (vLLM DP 1), vLLM's native PyTorch ops in float32 on CPU
+            assert vllm_kwargs == {"data_parallel_size": 1, "enable_expert_parallel": False,
+                                   "compilation_config": {"custom_ops": ["none"]}}
+            assert rollout_cfg.dtype == "float32"
         else:
             assert vllm_kwargs == {"data_parallel_size": vdp, "enable_expert_parallel": True}
             assert vdp * rollout_cfg.tensor_model_parallel_size == world
@@ -207,7 +227,8 @@ def test_compose_every_setup_with_patched_verl(patched_imports: Path) -> None:
             if first is None:
                 assert layers % pp == 0, name
             else:
-                assert pp > 2 and (layers - first - last) % (pp - 2) == 0, name
+                middle, rest = pp - 2, layers - first - last
+                assert rest == 0 if middle == 0 else rest % middle == 0, name
             assert cfg.actor_rollout_ref.ref.megatron.override_transformer_config.get(
                 "num_layers_in_first_pipeline_stage") == first
         assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH.split(":")[0] == str(REPO)
@@ -215,7 +236,9 @@ def test_compose_every_setup_with_patched_verl(patched_imports: Path) -> None:
             from qwen3_rl.trainer.dapo import DapoSettings
 
             s = DapoSettings.from_config(cfg)
-            assert (s.filter_metric, s.max_num_gen_batches, s.train_batch_size) == ("acc", 2, gbs)
+            # the tiny run filters on "score": a random model's accuracy is 0 in every group
+            assert (s.filter_metric, s.max_num_gen_batches, s.train_batch_size) == (
+                ("score", 4, gbs) if tiny else ("acc", 2, gbs))
             assert algo_cfg.filter_groups.enable is True
             assert (actor_cfg.clip_ratio_low, actor_cfg.clip_ratio_high) == (0.2, 0.28)
             assert actor_cfg.loss_agg_mode == "token-mean"
@@ -260,10 +283,11 @@ def test_setups_doc_lists_every_env_var() -> None:
     doc = (REPO / "docs" / "setups.md").read_text()
     for script in INTERNAL.glob("train_*.sh"):
         for var, (default, where) in script_env_defaults(script).items():
-            row = next((line for line in doc.splitlines() if line.startswith(f"| `{var}` |")), None)
-            assert row is not None, f"{var} ({where.name}, read by {script.name}) missing from docs/setups.md"
+            rows = [line for line in doc.splitlines() if line.startswith(f"| `{var}` |")]
+            assert rows, f"{var} ({where.name}, read by {script.name}) missing from docs/setups.md"
             shown = default.replace("${QWEN3_RL_HOME}", "<repo>")
-            assert f"`{shown}`" in row, f"{var}: default {shown!r} not in docs row {row!r}"
+            cells = (f"`{shown}`",) if shown else ("``", "(empty)")
+            assert any(c in row for c in cells for row in rows), f"{var}: default {cells} not in docs rows {rows!r}"
 
 
 def test_dapo_entry_point_composes_script_command(patched_imports: Path) -> None:
@@ -331,7 +355,7 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
 # variables the scripts check for True/False: given True in the every_var case
 _CHECKED_BOOLS = ("SAM_ENABLE", "SAM_GROUP", "NPUGRAPH_EX", "ROLLOUT_EPLB", "MOE_ALLTOALL_OVERLAP",
                   "NPU_EXPANDABLE_SEGMENTS", "ROLLOUT_REAL_TORCH_COMPILE", "ROLLOUT_PLAIN_LIST_CAPTURE_SIZES",
-                  "FUSED_ROPE")
+                  "FUSED_ROPE", "ROLLOUT_FREE_CACHE_ENGINE")
 # variables with a fixed set of values: given this value in the every_var case (MOE_ALLTOALLV=True conflicts
 # with ROLLOUT_EPLB=True, USE_MBRIDGE=True with MOE_ALLTOALL_OVERLAP=True: each has its own case)
 _CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1", "MOE_ALLTOALLV": "False", "USE_MBRIDGE": "False"}
@@ -439,7 +463,7 @@ def test_rollout_rebalance_needs_vllm_dp() -> None:
              "requests between)"
     for script in sorted(INTERNAL.glob("train_*.sh")):
         on = {**BASE_ENV, "ROLLOUT_REBALANCE": "True"}
-        if "_32b_" in script.name:
+        if "_32b_" in script.name or "_tiny_cpu" in script.name:  # vLLM DP 1 by default
             with pytest.raises(TrainScriptError) as err:
                 parse_train_script(script, env=on)
             assert str(err.value).endswith(reason)

@@ -19,19 +19,14 @@ N_SAMPLES=${N_SAMPLES:-4}
 MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-128}
 MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-64}
 LR=${LR:-1e-3}
-TOTAL_EPOCHS=${TOTAL_EPOCHS:-1}
+TOTAL_EPOCHS=${TOTAL_EPOCHS:-4}
 TOTAL_TRAINING_STEPS=${TOTAL_TRAINING_STEPS:-2}
 SAVE_FREQ=${SAVE_FREQ:-1}
 OFFLOAD=${OFFLOAD:-False}
 
-# ---- actor (Megatron) parallelism over the 2 processes: TP 2 with EP 2 by default ---------------------
-ACTOR_TP=${ACTOR_TP:-2}
-ACTOR_PP=${ACTOR_PP:-1}
+# ---- actor (Megatron) over the 2 processes: TP / PP / EP and the stage sizes are each script's own ----------
 ACTOR_CP=${ACTOR_CP:-1}
-ACTOR_EP=${ACTOR_EP:-2}
 ACTOR_ETP=${ACTOR_ETP:-1}
-ACTOR_PP_FIRST_STAGE_LAYERS=${ACTOR_PP_FIRST_STAGE_LAYERS:-}
-ACTOR_PP_LAST_STAGE_LAYERS=${ACTOR_PP_LAST_STAGE_LAYERS:-}
 
 # ---- rollout: one vLLM engine per process (TP 1, vLLM DP 1, no EP) -----------------------------
 ROLLOUT_TP=${ROLLOUT_TP:-1}

@@ -48,6 +48,8 @@ ROLLOUT_REBALANCE_MAX_MOVES=${ROLLOUT_REBALANCE_MAX_MOVES:-128}
 # KV bytes one vLLM DP rank may send + receive per rebalance round; more waits for the next round (0 = no cap)
 ROLLOUT_REBALANCE_MAX_KV_BYTES=${ROLLOUT_REBALANCE_MAX_KV_BYTES:-4000000000}
 TOTAL_EPOCHS=${TOTAL_EPOCHS:-10}
+# stop after this many steps (null = TOTAL_EPOCHS decide)
+TOTAL_TRAINING_STEPS=${TOTAL_TRAINING_STEPS:-null}
 OFFLOAD=${OFFLOAD:-True}
 NCCL_TIMEOUT=${NCCL_TIMEOUT:-3600}
 
@@ -55,6 +57,10 @@ NCCL_TIMEOUT=${NCCL_TIMEOUT:-3600}
 ROLLOUT_MAX_NUM_SEQS=${ROLLOUT_MAX_NUM_SEQS:-256}
 ROLLOUT_MAX_NUM_BATCHED_TOKENS=${ROLLOUT_MAX_NUM_BATCHED_TOKENS:-$((MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH))}
 ROLLOUT_ENFORCE_EAGER=${ROLLOUT_ENFORCE_EAGER:-False}
+# vLLM sleep mode between rollouts (frees weights + KV for training; needs the device allocator, so False on CPU)
+ROLLOUT_FREE_CACHE_ENGINE=${ROLLOUT_FREE_CACHE_ENGINE:-True}
+# verl dumps each step's prompts, responses and scores as DIR/<step>.jsonl (null = off)
+ROLLOUT_DATA_DIR=${ROLLOUT_DATA_DIR:-null}
 # graph capture buckets: from the published recipe's scripts
 GRAPH_CAPTURE_SIZES=${GRAPH_CAPTURE_SIZES:-[8,16,32,64,96,128,160,192,224,256]}
 # qwen3_rl switches (README "Switches"): tqdm progress in the rollout, gc off during each engine step
@@ -199,11 +205,13 @@ _train_add_megatron_overrides() {
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=${ACTOR_TP}"
         "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=${ACTOR_PP}"
     )
-    if [[ "${layout}" == moe ]]; then
-        overrides+=(
-            "+actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=${ACTOR_PP_FIRST_STAGE_LAYERS}"
-            "+actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_last_pipeline_stage=${ACTOR_PP_LAST_STAGE_LAYERS}"
-        )
+    # uneven first/last pipeline stages (MoE layouts); empty = Megatron's even split (needed with PP 1, where
+    # Megatron refuses them: megatron/core/transformer/transformer_config.py:780-810)
+    if [[ "${layout}" == moe && -n "${ACTOR_PP_FIRST_STAGE_LAYERS}" ]]; then
+        overrides+=("+actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=${ACTOR_PP_FIRST_STAGE_LAYERS}")
+    fi
+    if [[ "${layout}" == moe && -n "${ACTOR_PP_LAST_STAGE_LAYERS}" ]]; then
+        overrides+=("+actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_last_pipeline_stage=${ACTOR_PP_LAST_STAGE_LAYERS}")
     fi
     overrides+=("actor_rollout_ref.actor.megatron.context_parallel_size=${ACTOR_CP}")
     if [[ "${layout}" == moe ]]; then
@@ -326,7 +334,7 @@ _train_add_rollout_overrides() {
         overrides+=("actor_rollout_ref.actor.moe_alltoallv=${MOE_ALLTOALLV}")
     fi
     local _flag
-    for _flag in NPU_EXPANDABLE_SEGMENTS ROLLOUT_REAL_TORCH_COMPILE ROLLOUT_PLAIN_LIST_CAPTURE_SIZES; do
+    for _flag in NPU_EXPANDABLE_SEGMENTS ROLLOUT_REAL_TORCH_COMPILE ROLLOUT_PLAIN_LIST_CAPTURE_SIZES ROLLOUT_FREE_CACHE_ENGINE; do
         case "${!_flag}" in
             True | False) ;;
             *) echo "${_flag} must be True or False, got '${!_flag}'" >&2; exit 2 ;;
@@ -349,7 +357,7 @@ _train_add_rollout_overrides() {
         "actor_rollout_ref.rollout.rollout_rebalance_max_kv_bytes=${ROLLOUT_REBALANCE_MAX_KV_BYTES}"
         actor_rollout_ref.rollout.enable_chunked_prefill=True
         actor_rollout_ref.rollout.enable_prefix_caching=True
-        actor_rollout_ref.rollout.free_cache_engine=True
+        "actor_rollout_ref.rollout.free_cache_engine=${ROLLOUT_FREE_CACHE_ENGINE}"
         actor_rollout_ref.rollout.load_format=dummy
         actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1
     )
@@ -379,6 +387,8 @@ train_add_trainer_overrides() {
         "trainer.nnodes=${NNODES}"
         "trainer.n_gpus_per_node=${NPUS_PER_NODE}"
         "trainer.total_epochs=${TOTAL_EPOCHS}"
+        "trainer.total_training_steps=${TOTAL_TRAINING_STEPS}"
+        "trainer.rollout_data_dir=${ROLLOUT_DATA_DIR}"
         "trainer.save_freq=${SAVE_FREQ}"
         "trainer.resume_mode=${RESUME_MODE}"
         "trainer.default_local_dir=${CKPT_DIR}"

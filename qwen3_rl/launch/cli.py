@@ -100,10 +100,11 @@ def format_plan(plan: LaunchPlan, env_now: dict[str, str], env_before: dict[str,
     """The dry-run printout: every step with its command, the environment, preflight findings."""
     lines = ["== ray_start_npu.sh plan (dry run: nothing is started) =="]
     where = "this node holds the master address" if plan.role == "head" else "joins the head"
-    slots = "NPUs" if plan.device == "npu" else "worker slots (CPU profile: no NPU)"
+    slots = "NPUs" if plan.device == "npu" else "worker slots"
     lines += [f"role:        {plan.role} ({where})",
               f"cluster:     {plan.nnodes} node(s) x {plan.npus_per_node} {slots} = "
-              f"{plan.nnodes * plan.npus_per_node}; head {plan.ray_address}",
+              f"{plan.nnodes * plan.npus_per_node} {slots}; head {plan.ray_address}"
+              + ("" if plan.device == "npu" else " (CPU profile: no NPU)"),
               f"this node:   {plan.node_ip} on interface {plan.ifname}",
               f"logs:        {plan.log_file} (training), {plan.ray_log} (ray)",
               f"dashboard:   {f'{plan.dashboard_host}:{plan.dashboard_port}' if plan.dashboard else 'off'}",

@@ -139,7 +139,7 @@ def check_layout(vals: Mapping[str, str], cfg: Mapping[str, Any] | None) -> list
     rdp = _get_int(vals, R + "engine_kwargs.vllm.data_parallel_size")
     if world % rtp:
         out.append(_err("layout", f"rollout TP{rtp} does not divide the world size {world}"))
-    elif rdp is not None and rtp * rdp != world:
+    elif rdp is not None and rdp > 1 and rtp * rdp != world:  # vLLM DP 1: independent TP engines (verl's DP)
         out.append(_err("layout", f"rollout TP{rtp} x DP{rdp} = {rtp * rdp} != world size {world} "
                                   "(sync rollout puts one rank on every die)"))
     if cfg is None:
@@ -252,6 +252,28 @@ def check_rollout_rebalance(vals: Mapping[str, str]) -> list[Finding]:
     return [_err("feature", f"rollout_rebalance=True needs vLLM data parallelism > 1 (engine_kwargs.vllm."
                             f"data_parallel_size is {dp}: nothing to move requests between; the engine refuses it "
                             "at start-up)")]
+
+
+def check_sam_group_exchange(vals: Mapping[str, str]) -> list[Finding]:
+    """``sam_config.group_exchange`` shares sibling tokens between vLLM DP ranks: it needs SAM, group mode and
+    vLLM DP > 1 (qwen3_rl/spec_decode/sibling_exchange.py; the 32B setups run independent TP8 engines)."""
+    sc = R + "engine_kwargs.vllm.speculative_config."
+    if not _get_bool(vals, sc + "sam_config.group_exchange", False):
+        return []
+    out = []
+    method = vals.get(sc + "method")
+    if method != "sam":
+        out.append(_err("feature", f"sam_config.group_exchange=True (SAM_GROUP_EXCHANGE) needs speculative_config."
+                                   f"method=sam (SAM_ENABLE=True), got {method!r}"))
+    if not _get_bool(vals, sc + "sam_config.group_mode", False):
+        out.append(_err("feature", "sam_config.group_exchange=True (SAM_GROUP_EXCHANGE) needs sam_config.group_mode="
+                                   "True (SAM_GROUP=True): the exchanged tokens feed the group automata"))
+    dp = _get_int(vals, R + "engine_kwargs.vllm.data_parallel_size", 1) or 1
+    if dp <= 1:
+        out.append(_err("feature", f"sam_config.group_exchange=True (SAM_GROUP_EXCHANGE) needs vLLM data parallelism "
+                                   f"> 1 (engine_kwargs.vllm.data_parallel_size is {dp}: every engine already holds "
+                                   "all the siblings it serves)"))
+    return out
 
 
 def check_spec_decode_requests(vals: Mapping[str, str]) -> list[Finding]:
@@ -476,6 +498,7 @@ def run_preflight(train_script: str, env_script: str | None = None, nnodes: int 
         findings += check_moe_zero_memory(vals)
         findings += check_rollout_rebalance(vals)
         findings += check_spec_decode_requests(vals)
+        findings += check_sam_group_exchange(vals)
     except ValueError as exc:
         findings.append(_err("script", f"non-integer size in the train command: {str(exc).splitlines()[0]}"))
     findings += check_kv_concurrency(vals, cfg)

@@ -1,0 +1,148 @@
+"""Observation probes for the tiny CPU training runs (tests/engine/test_e2e_training.py). They change no value.
+
+Installed in every Ray worker by ``sitecustomize.py`` when ``QWEN3_RL_E2E_PROBE_DIR`` is set; they wrap verl's
+sync SPMD rollout (``verl/workers/rollout/vllm_rollout/vllm_rollout_spmd.py`` ``vLLMRollout``) once it is imported:
+
+* ``update_weights`` (the weight sync, called by the worker's ``rollout_mode`` before each generation): the
+  (name, tensor) stream the actor exports is passed through unchanged and kept; after vLLM has loaded it, every
+  parameter of the engine's model is compared exactly (``torch.equal``) with the tensor the stream implies for it
+  (:func:`expected_vllm_params`: vLLM's fused q/k/v, gate/up and per-expert w13/w2 layouts). One JSON record per
+  sync; rank 0 also saves the stream as ``sync-<n>.safetensors`` so the test can compare syncs with each other and
+  with the checkpoint on disk.
+* ``generate_sequences``: a start and an end record per call (the fault test kills a worker between them).
+
+Records: ``<probe dir>/events-<pid>.jsonl``, one JSON object per line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import post_import
+
+_FUSED = (  # HF suffixes concatenated (dim 0, in this order) into one vLLM parameter
+    (re.compile(r"^(.*)\.self_attn\.[qkv]_proj\.weight$"), "{}.self_attn.qkv_proj.weight",
+     ("q_proj", "k_proj", "v_proj")),
+    (re.compile(r"^(.*)\.mlp\.(?:gate|up)_proj\.weight$"), "{}.mlp.gate_up_proj.weight", ("gate_proj", "up_proj")),
+)
+_EXPERT = re.compile(r"^(.*)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def expected_vllm_params(hf: dict) -> dict:
+    """vLLM 0.13 Qwen3 / Qwen3-MoE parameter name -> tensor, from HF-named full tensors.
+
+    ``q/k/v_proj`` -> ``qkv_proj`` (concatenated, dim 0); ``gate/up_proj`` -> ``gate_up_proj``; expert ``e``'s
+    ``gate/up_proj`` -> ``experts.w13_weight[e]`` (gate rows then up rows) and ``down_proj`` -> ``w2_weight[e]``
+    (``vllm/model_executor/layers/fused_moe/layer.py`` weight_loader); every other name is kept.
+    """
+    import torch
+
+    out: dict = {}
+    experts: dict[str, dict[int, dict[str, object]]] = {}
+    done: set[str] = set()
+    for name, t in hf.items():
+        m = _EXPERT.match(name)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = t
+            continue
+        for pat, fmt, parts in _FUSED:
+            m = pat.match(name)
+            if m:
+                prefix = m.group(1)
+                key = fmt.format(prefix)
+                if key not in done:
+                    sub = "self_attn" if "qkv" in key else "mlp"
+                    out[key] = torch.cat([hf[f"{prefix}.{sub}.{p}.weight"] for p in parts], dim=0)
+                    done.add(key)
+                break
+        else:
+            out[name] = t
+    for prefix, by_e in experts.items():
+        n = max(by_e) + 1
+        out[f"{prefix}.mlp.experts.w13_weight"] = torch.stack(
+            [torch.cat([by_e[e]["gate"], by_e[e]["up"]], dim=0) for e in range(n)])
+        out[f"{prefix}.mlp.experts.w2_weight"] = torch.stack([by_e[e]["down"] for e in range(n)])
+    return out
+
+
+def compare(received: dict, engine_params: dict) -> dict:
+    """Exact comparison of the engine's parameters with what ``received`` implies; a JSON-able summary."""
+    import torch
+
+    want = expected_vllm_params(received)
+    unequal, missing = [], []
+    max_diff = 0.0
+    for name, p in engine_params.items():
+        if name not in want:
+            missing.append(name)
+            continue
+        w = want[name].to(p.dtype)
+        if w.shape != p.shape or not torch.equal(p.detach().cpu(), w):
+            unequal.append(name)
+            if w.shape == p.shape:
+                max_diff = max(max_diff, float((p.detach().cpu().double() - w.double()).abs().max()))
+    return {"engine_params": len(engine_params), "compared": len(engine_params) - len(missing),
+            "unequal": unequal, "missing": missing, "unused": sorted(set(want) - set(engine_params)),
+            "max_abs_diff": max_diff,
+            "all_equal": not unequal and not missing and len(engine_params) > 0}
+
+
+class _Recorder:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.syncs = 0
+        self.generations = 0
+
+    def write(self, event: str, **fields: object) -> None:
+        rec = {"event": event, "pid": os.getpid(), "rank": int(os.environ.get("RANK", "-1")),
+               "time": time.time(), **fields}
+        with open(self.root / f"events-{os.getpid()}.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def _wrap_rollout(mod, rec: _Recorder) -> None:
+    cls = mod.vLLMRollout
+    orig_update, orig_generate = cls.update_weights, cls.generate_sequences
+
+    async def update_weights(self, weights, **kwargs):
+        received: dict = {}
+
+        def tee():
+            for name, t in weights:
+                received[name] = t.detach().to("cpu", copy=True)
+                yield name, t
+
+        t0 = time.perf_counter()
+        await orig_update(self, tee(), **kwargs)
+        seconds = time.perf_counter() - t0
+        rec.syncs += 1
+        model = self.inference_engine.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        summary = compare(received, dict(model.named_parameters()))
+        if rec.root and int(os.environ.get("RANK", "0")) == 0:
+            from safetensors.torch import save_file
+
+            save_file({k: v.contiguous() for k, v in received.items()}, str(rec.root / f"sync-{rec.syncs}.safetensors"))
+        rec.write("weight_sync", n=rec.syncs, seconds=seconds, tensors=len(received), **summary)
+
+    def generate_sequences(self, prompts, **kwargs):
+        rec.generations += 1
+        n = rec.generations
+        rec.write("generate_start", n=n, batch=len(prompts))
+        t0 = time.perf_counter()
+        out = orig_generate(self, prompts, **kwargs)
+        rec.write("generate_end", n=n, seconds=time.perf_counter() - t0)
+        return out
+
+    cls.update_weights = update_weights
+    cls.generate_sequences = generate_sequences
+
+
+def install(probe_dir: str) -> None:
+    """Wrap verl's SPMD rollout once it is imported in this process; records go to ``probe_dir``."""
+    rec = _Recorder(Path(probe_dir))
+    post_import.after_import("verl.workers.rollout.vllm_rollout.vllm_rollout_spmd", lambda m: _wrap_rollout(m, rec))

@@ -1,0 +1,46 @@
+"""Loaded by every Python process of the tiny CPU training runs (this folder is first on ``PYTHONPATH``, which
+the train scripts hand to Ray's workers): applies the device-layer shims and the test probes in each process.
+
+Acts only when the test sets ``QWEN3_RL_CPU_SHIMS=1`` (any other process that happens to inherit the path is
+untouched):
+
+* ``megatron_shims.install()`` once ``torch`` is imported: the device calls and fused kernels megatron-core / verl's workers need on a CPU
+  (each shim and its reason in ``megatron_shims.py``);
+* ``gloo_shims.install()``: collective shapes gloo refuses (0-d all_gather);
+* the rejection-sampling kernels of ``tests/engine/shims.py`` (vLLM-Ascend's PyTorch implementations in place of
+  vLLM's Triton kernels), installed when ``vllm.v1.sample.rejection_sampler`` is first imported, from the engine
+  workspace ``QWEN3_RL_ENGINE_WS``;
+* the observation probes of ``probe.py`` when ``QWEN3_RL_E2E_PROBE_DIR`` is set.
+"""
+
+import os
+
+if os.environ.get("QWEN3_RL_CPU_SHIMS") == "1":
+    import sys
+    from pathlib import Path
+
+    _here = Path(__file__).resolve().parent
+    for _p in (_here, _here.parent):  # this folder and tests/engine (shims.py)
+        if str(_p) not in sys.path:
+            sys.path.insert(0, str(_p))
+    import post_import
+
+    def _device_shims(_torch):  # noqa: ANN001 (only processes that import torch pay for the shims; Ray's own don't)
+        import gloo_shims
+        import megatron_shims
+
+        megatron_shims.install()
+        gloo_shims.install()
+
+    post_import.after_import("torch", _device_shims)
+
+    def _rejection_sampler(_module):  # noqa: ANN001
+        import shims
+
+        shims.install_ascend_pytorch_rejection_sampler(Path(os.environ["QWEN3_RL_ENGINE_WS"]) / "vllm-ascend")
+
+    post_import.after_import("vllm.v1.sample.rejection_sampler", _rejection_sampler)
+    if os.environ.get("QWEN3_RL_E2E_PROBE_DIR"):
+        import probe
+
+        probe.install(os.environ["QWEN3_RL_E2E_PROBE_DIR"])
