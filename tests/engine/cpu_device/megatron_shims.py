@@ -1,0 +1,398 @@
+"""Device-layer shims for verl 0.6.1's Megatron worker (megatron-core 0.12.1) on a CPU-only host.
+
+:func:`install` applies them in the current process (idempotent). Everything above them — verl's
+``ActorRolloutRefWorker``, ``MegatronPPOActor``, the weight converter and ``per_tensor_generator``,
+megatron-core's parallel state, GPTModel, MoE layer and token dispatcher, DDP, optimizer and pipeline
+schedules — is the real (patched) code. Each shim stands in for a device call or a fused kernel only:
+
+1. ``DIST_BACKEND``: verl asks ``init_process_group(backend=get_nccl_backend())`` = ``"nccl"``
+   (``verl/utils/device.py:76-85``, used at ``verl/workers/megatron_workers.py:216-217``); megatron-core
+   asks NCCL for its groups (``megatron/core/parallel_state.py`` ``new_group`` calls). A device backend
+   (nccl/hccl) becomes ``gloo``, the CPU collective backend.
+2. ``GLOO_COLLECTIVES``: gloo has no ``reduce_scatter_tensor`` (sequence parallelism and the MoE
+   dispatcher use it: ``megatron/core/tensor_parallel/mappings.py`` ``_reduce_scatter_along_first_dim``);
+   on gloo it is done as ``all_reduce`` + the rank's slice (same values up to summation order).
+3. ``TORCH_CPU_DEVICE``: verl drives the device through ``get_torch_device()`` = ``torch.cpu`` on a host
+   without accelerator (``verl/utils/device.py:60-65``), which lacks ``get_rng_state``, ``set_rng_state``,
+   ``manual_seed``, ``empty_cache``, ``max_memory_allocated``/``reserved`` (called at
+   ``verl/workers/megatron_workers.py:441-445,580,617-618,639-640,663-664``): they are added, the RNG ones
+   acting on the CPU generator, the memory ones reporting 0. ``torch.cpu.current_device()`` (``"cpu"``) is
+   the device ``"cpu"`` that formats as ``0``: verl builds ``f"{get_device_name()}:{get_device_id()}"``
+   (``verl/utils/megatron_utils.py:135``), an accelerator index, and elsewhere uses it as the device.
+4. ``CUDA_CALLS``: megatron-core allocates on ``torch.cuda.current_device()`` and calls CUDA streams,
+   events and synchronisation (e.g. ``megatron/core/distributed/param_and_grad_buffer.py``,
+   ``megatron/core/tensor_parallel/layers.py``, ``megatron/core/transformer/moe/moe_utils.py``): those
+   ``torch.cuda`` functions act on the CPU (device ``"cpu"``, no-op synchronisation/streams);
+   ``Tensor.cuda()`` returns the tensor on the CPU. ``torch.cuda.is_available()`` stays False. Device names
+   ``"cuda"`` given to torch's tensor factories and ``.to()`` become ``"cpu"`` (megatron-core writes
+   ``device='cuda'``, e.g. ``megatron/core/optimizer/optimizer.py:369``): on an A3 the same renaming to
+   ``"npu"`` is ``torch_npu.contrib.transfer_to_npu``, imported by MindSpeed (``mindspeed/megatron_adaptor.py:11``).
+   ``Tensor.type()`` (no argument) names a CPU tensor as the device's (``torch.cuda.FloatTensor``): megatron's
+   optimizers accept only those names (``megatron/core/optimizer/distrib_optimizer.py:335,387``,
+   ``optimizer.py:548,567``, ``clip_grads.py:167``).
+5. ``RNG_TRACKER``: megatron's ``CudaRNGStatesTracker`` and ``_set_cuda_rng_state``
+   (``megatron/core/tensor_parallel/random.py:70-230``) save/restore the CUDA generator; here they use the
+   CPU generator (the tracker's named streams and forks keep their semantics).
+6. ``TE_MODULES``: verl builds the model with ``use_transformer_engine=True``
+   (``verl/models/mcore/model_initializer.py``: ``get_gpt_decoder_block_spec(..., use_transformer_engine=True)``),
+   i.e. megatron's Transformer Engine wrappers (``megatron/core/extensions/transformer_engine.py``), which
+   are CUDA kernels. On an A3, MindSpeed replaces exactly these classes (``mindspeed/features_manager/
+   megatron_basic/transformer_engine_basic.py:14-30``, ``megatron_basic.py:47``). Here the module
+   ``megatron.core.extensions.transformer_engine`` is a CPU module with the same class names and parameter
+   names (so verl's weight converter sees TE's names): ``TENorm`` (RMSNorm), ``TELayerNormColumnParallelLinear``
+   (RMSNorm + megatron's ``ColumnParallelLinear``), ``TEColumnParallelLinear``/``TERowParallelLinear``
+   (megatron's ``ColumnParallelLinear``/``RowParallelLinear``, as MindSpeed maps them),
+   ``TEColumnParallelGroupedLinear``/``TERowParallelGroupedLinear`` (one matmul per local expert,
+   weights ``weight0..N``), ``TEDotProductAttention`` (causal GQA softmax attention per packed sequence,
+   ``thd`` and ``sbhd``), and the fused RoPE functions (megatron's own unfused RoPE).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
+_INSTALLED = False
+DEVICE_BACKENDS = ("nccl", "hccl", "cuda:nccl", "npu:hccl")
+
+
+def install() -> None:
+    """Apply every shim in this process (idempotent). Call before megatron is imported; the shims of
+    megatron's own modules are applied when those modules are first imported (``post_import.py``)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    _te_modules()
+    _dist_backend()
+    _gloo_collectives()
+    _torch_cpu_device()
+    _cuda_calls()
+    _rng_tracker()
+    _INSTALLED = True
+
+
+# ---- 1. DIST_BACKEND -------------------------------------------------------------------------------------
+def _to_gloo(backend):
+    if backend is None:
+        return backend
+    if isinstance(backend, str) and any(b in backend for b in DEVICE_BACKENDS):
+        return "gloo"
+    return backend
+
+
+def _dist_backend() -> None:
+    import torch.distributed as dist
+
+    init, new_group = dist.init_process_group, dist.new_group
+
+    def init_process_group(*args, **kwargs):
+        if args:
+            args = (_to_gloo(args[0]), *args[1:])
+        if "backend" in kwargs:
+            kwargs["backend"] = _to_gloo(kwargs["backend"])
+        kwargs.setdefault("backend", "gloo") if not args else None
+        return init(*args, **kwargs)
+
+    def new_group_gloo(*args, **kwargs):
+        if "backend" in kwargs:
+            kwargs["backend"] = _to_gloo(kwargs["backend"])
+        kwargs.pop("pg_options", None)
+        return new_group(*args, **kwargs)
+
+    dist.init_process_group = init_process_group
+    dist.new_group = new_group_gloo
+
+
+# ---- 2. GLOO_COLLECTIVES ---------------------------------------------------------------------------------
+def _gloo_collectives() -> None:
+    import torch
+    import torch.distributed as dist
+
+    rs_tensor = dist.reduce_scatter_tensor
+
+    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if dist.get_backend(group) != "gloo":
+            return rs_tensor(output, input, op=op, group=group, async_op=async_op)
+        full = input.clone()
+        work = dist.all_reduce(full, op=op, group=group)
+        n = dist.get_world_size(group)
+        r = dist.get_rank(group)
+        output.copy_(full.view(n, *output.shape)[r] if full.numel() == n * output.numel()
+                     else torch.chunk(full, n)[r])
+        return _DoneWork() if async_op else work
+
+    dist.reduce_scatter_tensor = reduce_scatter_tensor
+    dist._reduce_scatter_base = reduce_scatter_tensor
+
+
+class _DoneWork:
+    """A finished collective handle (the gloo emulation above is synchronous)."""
+
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+# ---- 3. TORCH_CPU_DEVICE ---------------------------------------------------------------------------------
+def _torch_cpu_device() -> None:
+    import torch
+
+    cpu = torch.cpu
+    fills = {
+        "get_rng_state": lambda device=None: torch.get_rng_state(),
+        "set_rng_state": lambda state, device=None: torch.set_rng_state(state),
+        "manual_seed": lambda seed: torch.manual_seed(seed),
+        "manual_seed_all": lambda seed: torch.manual_seed(seed),
+        "empty_cache": lambda: None,
+        "max_memory_allocated": lambda device=None: 0,
+        "max_memory_reserved": lambda device=None: 0,
+        "memory_allocated": lambda device=None: 0,
+        "memory_reserved": lambda device=None: 0,
+        "reset_peak_memory_stats": lambda device=None: None,
+        "mem_get_info": lambda device=None: (0, 0),
+    }
+    for name, fn in fills.items():
+        if not hasattr(cpu, name):
+            setattr(cpu, name, fn)
+    cpu.current_device = lambda: CPU_DEVICE_ID
+
+
+class _CpuDeviceId(str):
+    """``torch.cpu.current_device()``: the device ``"cpu"`` that formats as index 0, since verl formats
+    ``f"{get_device_name()}:{get_device_id()}"`` for an accelerator index (``verl/utils/megatron_utils.py:135``)
+    and elsewhere passes ``get_device_id()`` as the device itself (e.g. ``verl/utils/megatron_utils.py:706``)."""
+
+    def __format__(self, spec: str) -> str:
+        return "0"
+
+
+CPU_DEVICE_ID = _CpuDeviceId("cpu")
+
+
+# ---- 4. CUDA_CALLS ---------------------------------------------------------------------------------------
+class _NoStream:
+    """``torch.cuda.Stream``/``Event`` on the CPU: work is synchronous, so waiting is a no-op."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_event(self, *args, **kwargs) -> None:
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NoStream()
+
+    def record(self, *args, **kwargs) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
+def _cuda_calls() -> None:
+    import contextlib
+
+    import torch
+
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    cuda.set_device = lambda device: None
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.Stream = _NoStream
+    cuda.Event = _NoStream
+    cuda.current_stream = lambda device=None: _NoStream()
+    cuda.default_stream = lambda device=None: _NoStream()
+    cuda.stream = lambda s=None: contextlib.nullcontext()
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    # the "device" generator is the CPU one (torch.manual_seed itself calls cuda.manual_seed_all)
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = cuda.manual_seed
+    for name in ("max_memory_allocated", "max_memory_reserved", "memory_allocated", "memory_reserved"):
+        setattr(cuda, name, lambda device=None: 0)
+    cuda.reset_peak_memory_stats = lambda device=None: None
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    _transfer_to_cpu()
+
+
+#: torch functions taking ``device=`` that megatron-core calls with ``"cuda"`` (e.g.
+#: megatron/core/optimizer/optimizer.py:369, clip_grads.py, grad_scaler.py, tensor_parallel/random.py)
+DEVICE_FACTORIES = ("tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "rand", "randn", "randint",
+                    "zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like", "eye",
+                    "linspace", "empty_strided", "randperm")
+
+
+def _cpu_device(device):
+    """``"cuda"``, ``"cuda:N"`` or ``torch.device("cuda", N)`` -> ``"cpu"``; anything else unchanged."""
+    import torch
+
+    if isinstance(device, str) and device.split(":")[0] == "cuda":
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return "cpu"
+    return device
+
+
+def _transfer_to_cpu() -> None:
+    """What ``torch_npu.contrib.transfer_to_npu`` does on an A3 (imported by MindSpeed,
+    ``mindspeed/megatron_adaptor.py:11``: CUDA device names become NPU), with the CPU as the device."""
+    import functools
+
+    import torch
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_device(kwargs["device"])
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name in DEVICE_FACTORIES:
+        setattr(torch, name, wrap(getattr(torch, name)))
+
+    def wrap_to(fn):
+        @functools.wraps(fn)
+        def to(self, *args, **kwargs):
+            if args:
+                args = (_cpu_device(args[0]), *args[1:])
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_device(kwargs["device"])
+            return fn(self, *args, **kwargs)
+
+        return to
+
+    torch.Tensor.to = wrap_to(torch.Tensor.to)
+    torch.nn.Module.to = wrap_to(torch.nn.Module.to)
+
+    tensor_type = torch.Tensor.type
+
+    @functools.wraps(tensor_type)
+    def type_name(self, *args, **kwargs):
+        name = tensor_type(self, *args, **kwargs)
+        if not args and not kwargs and isinstance(name, str) and name.startswith("torch.") and self.device.type == "cpu":
+            return "torch.cuda." + name[len("torch."):]
+        return name
+
+    torch.Tensor.type = type_name
+
+
+# ---- 5. RNG_TRACKER --------------------------------------------------------------------------------------
+def _rng_tracker() -> None:
+    from post_import import after_import
+
+    after_import("megatron.core.tensor_parallel.random", _patch_rng_module)
+
+
+def _patch_rng_module(mrandom) -> None:
+    import torch
+
+    def _set_cpu_rng_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    mrandom._set_cuda_rng_state = _set_cpu_rng_state
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+
+
+# ---- 6. TE_MODULES ---------------------------------------------------------------------------------------
+TE_MODULE = "megatron.core.extensions.transformer_engine"
+#: the TE version the stand-in reports: its API level (TENorm q/k norm >= 1.9, grouped linear >= 1.11)
+TE_VERSION = "1.13.0"
+#: classes of the stand-in, built on first use from megatron_te_cpu.py (they subclass megatron's layers)
+TE_CLASSES = ("TENorm", "TELayerNormColumnParallelLinear", "TELayerNormColumnParallelLinearGathered",
+              "TEColumnParallelLinear", "TERowParallelLinear", "TEGroupedLinear", "TEColumnParallelGroupedLinear",
+              "TERowParallelGroupedLinear", "TEDotProductAttention")
+#: TE-only features the model never reaches on CPU (FP8, fused permutation, fused cross entropy): None, the
+#: value megatron's own "is it there" checks test for (e.g. megatron/core/transformer/moe/moe_utils.py:258)
+TE_ABSENT = ("Fp8Padding", "Fp8Unpadding", "TEDelayedScaling", "TECudaRNGStatesTracker", "SplitAlongDim",
+             "fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+             "fused_sort_chunks_by_index_with_probs", "fused_unpermute", "te_parallel_cross_entropy")
+
+
+class _CpuTransformerEngine(types.ModuleType):
+    """``megatron.core.extensions.transformer_engine`` on CPU. Registered before megatron is imported (its
+    modules bind TE names at import); the classes load lazily, once megatron's layers exist."""
+
+    QWEN3_RL_CPU_TE = True
+
+    def __getattr__(self, name: str):
+        if name not in TE_CLASSES:
+            raise AttributeError(name)
+        spec = importlib.util.spec_from_file_location("qwen3_rl_megatron_te_cpu",
+                                                      Path(__file__).with_name("megatron_te_cpu.py"))
+        assert spec is not None and spec.loader is not None
+        impl = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(impl)
+        for n in TE_CLASSES:
+            setattr(self, n, getattr(impl, n))
+        return getattr(impl, name)
+
+
+def fused_apply_rotary_pos_emb(t, freqs, transpose_output_memory=False, interleaved=False):
+    """TE's fused RoPE, bshd (t [s, b, h, d]) -> megatron's unfused implementation."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=interleaved)
+
+
+def fused_apply_rotary_pos_emb_thd(t, cu_seqlens, freqs, cp_size=1, cp_rank=0):
+    """TE's fused RoPE, thd (t [t, h, d]) -> megatron's unfused implementation (CP read from parallel_state)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    return rope_utils._apply_rotary_pos_emb_thd(t, cu_seqlens, freqs)
+
+
+def get_cpu_offload_context(*args, **kwargs):
+    """TE's activation offloading to host memory: activations already live there."""
+    return contextlib.nullcontext(), None
+
+
+def te_checkpoint(*args, **kwargs):
+    raise NotImplementedError("CPU TE stand-in: te_checkpoint (FP8 recompute) is not available")
+
+
+def _te_modules() -> None:
+    mod = sys.modules.get(TE_MODULE)
+    if mod is not None and getattr(mod, "QWEN3_RL_CPU_TE", False):
+        return
+    if "megatron" in sys.modules:
+        raise RuntimeError("megatron_shims.install() must run before megatron is imported")
+    mod = _CpuTransformerEngine(TE_MODULE, __doc__)
+    for f in (fused_apply_rotary_pos_emb, fused_apply_rotary_pos_emb_thd, get_cpu_offload_context, te_checkpoint):
+        setattr(mod, f.__name__, f)
+    for n in TE_ABSENT:
+        setattr(mod, n, None)
+    sys.modules[TE_MODULE] = mod
+    from post_import import after_import
+
+    after_import("megatron.core.utils", _set_te_version)
+
+
+def _set_te_version(mutils) -> None:
+    """megatron asks TE's version for its spec choices (megatron/core/utils.py:245-265, e.g. the q/k norm at
+    megatron/core/models/gpt/gpt_layer_specs.py:146 is TENorm from TE 1.9): the stand-in answers TE_VERSION."""
+    from packaging.version import Version
+
+    mutils._te_version = Version(TE_VERSION)
