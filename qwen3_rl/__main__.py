@@ -20,6 +20,7 @@ def _usage() -> str:
         "  report     table, plots and published-figure comparison of a verl training log\n"
         "  preflight  check a train script, the node and the files before launching (preflight TRAIN_SCRIPT)\n"
         "  launch     steps of ray_start_npu.sh (resolve, show, wait-cluster, cpu-bind, ...)\n"
+        "  eval       after training: merge a checkpoint to HF, score AIME/gsm8k accuracy, compare before/after\n"
         "  tiny-model tiny random-weight Qwen3 / Qwen3-MoE with a local tokenizer (tiny-model --out DIR [--moe])\n"
         "  tiny-data  generated gsm8k-style problems as verl parquet for the tiny CPU run (tiny-data --out DIR)\n"
     )
@@ -75,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         from qwen3_rl.launch.cli import main as launch_main
 
         return launch_main(rest)
+    if cmd == "eval":
+        from qwen3_rl.eval.cli import main as eval_main
+
+        return eval_main(rest)
     if cmd == "tiny-model":
         from qwen3_rl.tools.tiny_model import main as tiny_main
 
