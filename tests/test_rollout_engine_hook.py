@@ -207,6 +207,7 @@ def _engine(max_num_seqs: int = 4, num_blocks: int = 64, dp_group=None):
     from vllm.v1.engine.output_processor import OutputProcessor
 
     from qwen3_rl.rollout.vllm_engine_hook import VllmRebalanceHook
+    from qwen3_rl.spec_decode.exchange_hook import SiblingExchangeHook
 
     vc = _vllm_config(max_num_seqs, num_blocks)
     eng = object.__new__(LLMEngine)
@@ -218,6 +219,7 @@ def _engine(max_num_seqs: int = 4, num_blocks: int = 64, dp_group=None):
     eng.output_processor = OutputProcessor(None, log_stats=False)
     eng.engine_core = _Client(_Core(vc, num_blocks))
     eng.qwen3_rl_rebalance_hook = VllmRebalanceHook(eng)  # what the patched LLMEngine.__init__ does
+    eng.qwen3_rl_sibling_exchange = SiblingExchangeHook(eng)  # vllm 0006 (inert: no SAM drafter here)
     return eng
 
 

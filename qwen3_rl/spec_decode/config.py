@@ -50,6 +50,12 @@ class SamOptions:
         pad_drafts: pad every draft to exactly k tokens (repeating its last token) so that each
             pure-decode step has query length 1 + k, the only shape a FULL_DECODE_ONLY graph
             (needed by npugraph_ex) replays; padded tokens are verified like any draft token.
+        group_exchange: share the siblings' accepted tokens among the vLLM DP ranks (group mode
+            across ranks when data rebalance spreads a prompt's samples; needs group_mode and vLLM DP > 1;
+            qwen3_rl/spec_decode/sibling_exchange.py).
+        exchange_every: engine steps between two exchanges (>= 1).
+        exchange_max_bytes: cap of one rank's message per exchange (bytes, >= 24; the oldest tokens of the
+            longest pending ranges are dropped first).
     """
 
     group_mode: bool = False
@@ -60,6 +66,9 @@ class SamOptions:
     cache_max_tokens: int = 131072
     resync: int = 32
     pad_drafts: bool = False
+    group_exchange: bool = False
+    exchange_every: int = 1
+    exchange_max_bytes: int = 16384
 
     def sam_config(self, k: int) -> SamConfig:
         """The drafter's config for ``k`` speculative tokens."""
@@ -70,7 +79,7 @@ class SamOptions:
 
 
 SAM_OPTIONS = tuple(f.name for f in fields(SamOptions))
-_BOOL_OPTIONS = frozenset({"group_mode", "pad_drafts"})
+_BOOL_OPTIONS = frozenset({"group_mode", "pad_drafts", "group_exchange"})
 
 
 def _unknown(keys: Iterable[str], known: Iterable[str]) -> list[str]:
@@ -144,6 +153,14 @@ def parse_sam_options(raw: Mapping[str, Any] | None) -> SamOptions:
             raise ValueError(f"speculative_config.sam_config.{key} must be {want.__name__}, got {val!r}")
     opts = SamOptions(**dict(raw))
     opts.sam_config(1)  # SamConfig's own range checks (rule, budgets, cache sizes)
+    if opts.group_exchange and not opts.group_mode:
+        raise ValueError("speculative_config.sam_config.group_exchange=True needs group_mode=True (the exchange "
+                         "feeds the siblings' tokens into the group automata)")
+    if opts.exchange_every < 1:
+        raise ValueError(f"speculative_config.sam_config.exchange_every must be >= 1, got {opts.exchange_every}")
+    if opts.exchange_max_bytes < 24:
+        raise ValueError(f"speculative_config.sam_config.exchange_max_bytes must be >= 24, got "
+                         f"{opts.exchange_max_bytes}")
     return opts
 
 

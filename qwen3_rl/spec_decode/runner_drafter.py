@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from qwen3_rl.spec_decode.config import SamOptions
-from qwen3_rl.spec_decode.sam import SamProposer
+from qwen3_rl.spec_decode.sam import SamProposer, group_key
+from qwen3_rl.spec_decode.sibling_exchange import SiblingExchange
 
 
 class SamRunnerDrafter:
@@ -51,6 +52,9 @@ class SamRunnerDrafter:
         self.drafter = SamProposer(options.sam_config(self.k))
         self._fed: dict[str, int] = {}  # req_id -> tokens held by the automaton
         self._paused: set[str] = set()
+        # sibling exchange (sam_config.group_exchange): its rank is set by the engine hook (exchange_hook.py)
+        self.exchange: SiblingExchange | None = (
+            SiblingExchange(self.drafter, -1, options.exchange_max_bytes) if options.group_exchange else None)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -65,6 +69,8 @@ class SamRunnerDrafter:
         return req_id in self._paused
 
     def _finish(self, req_id: str) -> None:
+        if self.exchange is not None:
+            self.exchange.before_finish(req_id)
         self.drafter.finish(req_id)
         del self._fed[req_id]
         self._paused.discard(req_id)
@@ -73,6 +79,16 @@ class SamRunnerDrafter:
         """Finish every held request (engine reset / sleep)."""
         for r in list(self._fed):
             self._finish(r)
+        if self.exchange is not None:
+            self.drafter.close_shadows()
+
+    def exchange_round(self, all_gather: Any) -> int:
+        """One sibling exchange (every DP rank at the same engine step): send this rank's new tokens,
+        append the other ranks' to the shadow strings. ``all_gather``: message -> every rank's message.
+        Returns the tokens merged here."""
+        if self.exchange is None:
+            raise RuntimeError("sam_config.group_exchange is off")
+        return self.exchange.merge(all_gather(self.exchange.pack()))
 
     def _lifecycle(self, input_batch: Any, live: Mapping[str, Any] | None, scheduler_output: Any) -> None:
         finished: Iterable[str] = getattr(scheduler_output, "finished_req_ids", None) or ()
@@ -111,7 +127,11 @@ class SamRunnerDrafter:
             have = self._fed.get(r)
             if have is None:
                 plen = int(input_batch.num_prompt_tokens[i])
-                d.add_request(r, tok[i, :plen])
+                prompt = tok[i, :plen]
+                gid = group_key(prompt)
+                d.add_request(r, prompt, group_id=gid)
+                if self.exchange is not None:
+                    self.exchange.track(r, gid, plen)
                 have = plen
             elif r in self._paused:
                 d.resume(r)
@@ -119,6 +139,8 @@ class SamRunnerDrafter:
             if num[i] < have:  # runner dropped tokens: rebuild from its buffer
                 d.resume(r, tok[i, : num[i]])
                 have = int(num[i])
+                if self.exchange is not None:
+                    self.exchange.resync(r)
             fed[i] = have
         slots = np.fromiter((d.slot_of(r) for r in req_ids), np.int32, n)
         delta = num - fed

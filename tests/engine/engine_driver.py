@@ -50,6 +50,14 @@ def drafter_state(llm) -> dict:
     if d is None:
         return {}
     st = {"class": type(d).__name__}
+    hook = getattr(llm.llm_engine, "qwen3_rl_sibling_exchange", None)  # vllm 0006
+    sam = getattr(d, "sam", None)
+    if hook is not None and getattr(sam, "exchange", None) is not None:
+        st["exchange"] = {"enabled": hook.enabled, "hook_steps": hook.steps, "exchanges": hook.exchanges,
+                          "rank": sam.exchange.rank, "world": hook._comm.world if hook._comm else None,
+                          "bytes_sent": sam.exchange.stats.bytes_sent,
+                          "tokens_sent": sam.exchange.stats.tokens_sent,
+                          "tokens_merged": sam.exchange.stats.tokens_merged}
     gate = getattr(d, "gate", None)
     if gate is not None:
         st["gate"] = {"threshold": gate.threshold, "steps_on": gate.steps_on, "steps_off": gate.steps_off,

@@ -45,6 +45,8 @@ def sam_runs(request, engine_ws: Path, tiny_models: dict[str, Path], tmp_path_fa
         {"name": "sam", "llm": sam()},
         {"name": "sam_own_waves", "llm": sam(), "prompts": GROUP, "phases": WAVES},
         {"name": "sam_group", "llm": sam(group_mode=True), "prompts": GROUP, "phases": WAVES},
+        {"name": "sam_group_exchange", "llm": sam(group_mode=True, group_exchange=True), "prompts": GROUP,
+         "phases": WAVES},
         {"name": "sam_pad", "llm": sam(pad_drafts=True)},
         {"name": "ngram", "llm": {"speculative_config": {"method": "ngram", "num_speculative_tokens": K,
                                                           "prompt_lookup_max": 3, "prompt_lookup_min": 1}}},
@@ -91,6 +93,21 @@ def test_group_mode_drafts_from_siblings(sam_runs: dict[str, dict]) -> None:
     print(f"two waves of 4: group mode {group}, per request {own} (draft tokens, accepted)")
     assert sam_runs["sam_own_waves"]["outputs"] == sam_runs["base_group"]["outputs"]
     assert group[1] > own[1]
+
+
+def test_group_exchange_in_the_real_engine(sam_runs: dict[str, dict]) -> None:
+    # vllm 0006: with sam_config.group_exchange the hook runs after every LLMEngine.step and all-gathers over
+    # vLLM's own gloo DP group, here of one rank (vLLM-CPU cannot run DP > 1 under the external launcher:
+    # vllm/platforms/cpu.py:213-225). Nothing comes from other ranks, so drafting and output are exactly
+    # group mode's: the exchange runs in the real engine loop without changing a token or a draft.
+    r = sam_runs["sam_group_exchange"]
+    ex = r["drafter"]["exchange"]
+    print(f"exchange: {ex}, drafted/accepted {drafted(r)}")
+    assert ex["enabled"] and ex["world"] == 1 and ex["rank"] == 0
+    assert ex["exchanges"] == ex["hook_steps"] > 64 and ex["tokens_sent"] > 0 and ex["tokens_merged"] == 0
+    assert r["outputs"] == sam_runs["base_group"]["outputs"] == sam_runs["sam_group"]["outputs"]
+    assert drafted(r) == drafted(sam_runs["sam_group"]) and drafted(r)[1] > 0
+    assert "exchange" not in sam_runs["sam_group"]["drafter"]
 
 
 def test_batch_size_threshold_switches_in_the_step_loop(engine_ws: Path, tiny_models: dict[str, Path],
