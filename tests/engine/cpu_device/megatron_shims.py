@@ -33,7 +33,17 @@ schedules — is the real (patched) code. Each shim stands in for a device call 
 5. ``RNG_TRACKER``: megatron's ``CudaRNGStatesTracker`` and ``_set_cuda_rng_state``
    (``megatron/core/tensor_parallel/random.py:70-230``) save/restore the CUDA generator; here they use the
    CPU generator (the tracker's named streams and forks keep their semantics).
-6. ``TE_MODULES``: verl builds the model with ``use_transformer_engine=True``
+6. ``MOE_HOST_COPY``: megatron's all-to-all token dispatcher copies its split sizes to the host as numpy
+   (``megatron/core/transformer/moe/moe_utils.py:746-761`` ``maybe_move_tensor_to_cpu``, only for
+   ``tensor.is_cuda``; used at ``megatron/core/transformer/moe/token_dispatcher.py:686-693``); on a CPU the
+   tensors already live on the host, so the copy is done for them too (``all_to_all_single`` takes the
+   split sizes as a list, not a tensor).
+7. ``FP8_CAST``: after every step the distributed optimizer casts its FP8 parameters with TE's kernels
+   (``megatron/core/optimizer/distrib_optimizer.py:2040`` ``quantize_param_shard``); without TE,
+   megatron-core 0.12.1 raises there even when there are none (``megatron/core/fp8_utils.py:296-302``).
+   With no FP8 parameter the cast is empty (MindSpeed replaces the same function on an A3:
+   ``mindspeed/features_manager/megatron_basic/megatron_basic.py:64-66``); any FP8 parameter still raises.
+8. ``TE_MODULES``: verl builds the model with ``use_transformer_engine=True``
    (``verl/models/mcore/model_initializer.py``: ``get_gpt_decoder_block_spec(..., use_transformer_engine=True)``),
    i.e. megatron's Transformer Engine wrappers (``megatron/core/extensions/transformer_engine.py``), which
    are CUDA kernels. On an A3, MindSpeed replaces exactly these classes (``mindspeed/features_manager/
@@ -71,6 +81,8 @@ def install() -> None:
     _torch_cpu_device()
     _cuda_calls()
     _rng_tracker()
+    _moe_host_copy()
+    _fp8_cast()
     _INSTALLED = True
 
 
@@ -304,6 +316,43 @@ def _rng_tracker() -> None:
     from post_import import after_import
 
     after_import("megatron.core.tensor_parallel.random", _patch_rng_module)
+
+
+def _moe_host_copy() -> None:
+    from post_import import after_import
+
+    after_import("megatron.core.transformer.moe.moe_utils", _patch_moe_utils)
+
+
+def _patch_moe_utils(moe_utils) -> None:
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        """The device-to-host copy of the dispatcher's split sizes: the "device" tensors already live on the
+        host, the copy is the conversion (numpy for the all-to-all split lists)."""
+        if torch.is_tensor(tensor):
+            tensor = tensor.detach().clone()
+            if as_numpy:
+                tensor = tensor.numpy()
+        return tensor
+
+    import torch
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _fp8_cast() -> None:
+    from post_import import after_import
+
+    after_import("megatron.core.fp8_utils", _patch_fp8_utils)
+
+
+def _patch_fp8_utils(fp8_utils) -> None:
+    def quantize_param_shard_no_fp8(model_params, main_params, start_offsets, data_parallel_group,
+                                    fsdp_shard_model_params=None):
+        """Without TE there are no FP8 parameters: nothing to cast."""
+        if len(model_params):
+            raise RuntimeError("CPU shim: FP8 parameters need Transformer Engine's cast kernels")
+
+    fp8_utils._quantize_param_shard_impl = quantize_param_shard_no_fp8
 
 
 def _patch_rng_module(mrandom) -> None:
