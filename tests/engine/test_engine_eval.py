@@ -133,3 +133,63 @@ def test_merge_score_rejudge_compare(engine_ws: Path, tiny_models: dict[str, Pat
     row = json.loads(proc.stdout)["comparison"][0]
     assert row["dataset"] == "gsm8k" and row["published"] is None and row["num_problems"] == 4
     assert row["measured"] == docs["after"]["accuracy_mean"] - docs["before"]["accuracy_mean"]
+
+
+def test_score_through_a_real_vllm_server(engine_ws: Path, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """``eval score --server``: vLLM 0.13.0's own OpenAI server (``vllm.entrypoints.openai.api_server``, CPU)
+    takes the chat requests with seed 004's vLLM-only fields (top_k, repetition_penalty); one request per
+    (problem, round); the same --seed gives the same answers again through the server."""
+    import socket
+    import time
+    import urllib.request
+
+    from qwen3_rl.data.prepare import convert, find_dataset, write_parquet
+
+    rows = [{"question": f"What is {a} times 2?", "answer": f"#### {2 * a}"} for a in (3, 5, 9)]
+    data = write_parquet(convert(find_dataset("gsm8k"), rows, "test"), tmp_path / "gsm8k", "test")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = _env(engine_ws, shims=False)
+    log = (tmp_path / "serve.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                               str(tiny_models["dense"]), "--served-model-name", "tiny-served", "--dtype", "float32",
+                               "--enforce-eager", "--max-model-len", "512", "--compilation-config",
+                               json.dumps({"custom_ops": ["none"]}), "--host", "127.0.0.1", "--port", str(port)],
+                              stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.perf_counter()
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(url + "/v1/models", timeout=2)
+                break
+            except OSError:
+                assert time.perf_counter() - t0 < 600, "vLLM server did not come up in 600 s"
+                time.sleep(1)
+        print(f"vllm server up in {time.perf_counter() - t0:.1f} s")
+        texts = []
+        for run in ("a", "b"):
+            out = tmp_path / f"srv-{run}"
+            _eval(["score", "--server", url, "--data", str(data), "--rounds", "2", "--max-tokens", "16", "--seed", "7",
+                   "--concurrency", "3", "--out", str(out), "--no-progress"], env)
+            doc = json.loads((out / "score.json").read_text())
+            assert (doc["model"], doc["num_problems"], doc["rounds"]) == ("tiny-served", 3, 2)
+            assert doc["sampling"]["top_k"] == 10 and doc["sampling"]["repetition_penalty"] == 1.03
+            gens = [json.loads(x) for x in (out / "generations.jsonl").read_text().splitlines()]
+            assert sorted((g["problem"], g["round"]) for g in gens) == [(p, r) for p in range(3) for r in range(2)]
+            assert all(0 < g["completion_tokens"] <= 16 and g["finish_reason"] in ("length", "stop") for g in gens)
+            print(f"server score {run}: generation {doc['generation_seconds']:.2f} s for "
+                  f"{doc['response_tokens_total']} tokens")
+            texts.append([g["text"] for g in gens])
+        assert texts[0] == texts[1]  # per-request seeds reach the server
+        assert len(set(texts[0])) > 1
+        assert (tmp_path / "serve.log").read_text().count("POST /v1/chat/completions") == 12
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
