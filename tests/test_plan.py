@@ -323,3 +323,21 @@ def test_hdp_needs_context_parallel(capsys):
             "--actor-ep", "32", "--actor-etp", "1", "--actor-hdp"]  # fmt: skip
     assert plan_main(args) == 1
     assert "HDP needs context parallel size >= 2" in capsys.readouterr().err
+
+
+def test_30b_a3b_setup_plan(capsys):
+    """Qwen3-30B-A3B (HF config: 48 layers, hidden 2048, 32/4 heads of 128, 128 experts top-8 of width 768):
+    30.5 B parameters, ~3.3 B active; its train script's layout (docs/setups.md) fits with the figures shown there."""
+    cfg = DATA / "qwen3_30b_a3b_config.json"
+    spec = load_model_config(cfg)
+    assert 30.4e9 < spec.total_params() < 30.6e9 and spec.num_sparse_layers == 48
+    active = spec.total_params() - 48 * (128 - 8) * spec.expert_params()
+    assert 3.2e9 < active < 3.4e9
+    plan = _run_json(capsys, ["--model-config", str(cfg), "--train-script",
+                              str(REPO / "internal" / "train_grpo_qwen3_30b_a3b_32die.sh")])
+    r, t = plan["rollout"], plan["training"]
+    assert (r["layout"]["tp"], r["layout"]["dp"], r["layout"]["ep"], r["layout"]["max_model_len"]) == (2, 16, 32, 3072)
+    assert round(r["weights_gib_per_die"], 3) == 3.135 and r["max_concurrent_seqs"] == 331
+    assert r["max_concurrent_seqs"] >= 128 * 16 // 16  # one engine's share of the batch fits at full length
+    assert (t["layout"]["tp"], t["layout"]["pp"], t["layout"]["ep"], t["stage_layers"]) == (2, 2, 8, [24, 24])
+    assert round(t["static_gib"], 2) == 22.96
