@@ -326,6 +326,10 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     "balance_and_old_log_prob": ({"DATA_REBALANCE": "True", "USE_CURRENT_LOG_PROB_AS_OLD": "True"}, []),
     "rollout_rebalance": ({"ROLLOUT_REBALANCE": "True"}, []),  # 235B: on; 32B (vLLM DP 1): refused
     "bad_rollout_rebalance_vllm_dp1": ({"ROLLOUT_REBALANCE": "True", "ROLLOUT_DP": "1"}, []),
+    # SAM across DP ranks: 235B / 30B: on; vLLM DP 1 setups: refused
+    "sam_group_exchange": ({"SAM_ENABLE": "True", "SAM_GROUP": "True", "SAM_GROUP_EXCHANGE": "True",
+                            "DATA_REBALANCE": "True"}, []),
+    "bad_sam_group_exchange_without_group": ({"SAM_ENABLE": "True", "SAM_GROUP_EXCHANGE": "True"}, []),
     "dist_ckpt": ({"USE_DIST_CKPT": "True", "DIST_CKPT_PATH": "/ckpt/mcore"}, []),
     "derived_defaults": ({"QWEN3_RL_HOME": "/home/q", "DATA_DIR": "/data", "EXP_NAME": "exp",
                           "TRAIN_BATCH_SIZE": "64", "MAX_PROMPT_LENGTH": "1024", "MAX_RESPONSE_LENGTH": "3000",
@@ -358,7 +362,8 @@ _CHECKED_BOOLS = ("SAM_ENABLE", "SAM_GROUP", "NPUGRAPH_EX", "ROLLOUT_EPLB", "MOE
                   "FUSED_ROPE", "ROLLOUT_FREE_CACHE_ENGINE")
 # variables with a fixed set of values: given this value in the every_var case (MOE_ALLTOALLV=True conflicts
 # with ROLLOUT_EPLB=True, USE_MBRIDGE=True with MOE_ALLTOALL_OVERLAP=True: each has its own case)
-_CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1", "MOE_ALLTOALLV": "False", "USE_MBRIDGE": "False"}
+_CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1", "MOE_ALLTOALLV": "False", "USE_MBRIDGE": "False",
+                    "SAM_GROUP_EXCHANGE": "False"}
 _RUNTIME_ENV = ("PWD", "OLDPWD", "SHLVL", "_")
 
 
@@ -475,6 +480,27 @@ def test_rollout_rebalance_needs_vllm_dp() -> None:
         # off, any vLLM DP is fine
         off = parse_train_script(script, env={**BASE_ENV, "ROLLOUT_DP": "1"})
         assert off.get("actor_rollout_ref.rollout.rollout_rebalance") == "False"
+
+
+def test_sam_group_exchange_needs_group_mode_and_vllm_dp() -> None:
+    """SAM_GROUP_EXCHANGE=True writes sam_config.group_exchange=True where vLLM runs DP > 1 with SAM group mode;
+    without SAM_ENABLE / SAM_GROUP, or with vLLM DP 1 (32B, tiny CPU, ROLLOUT_DP=1), the script stops."""
+    key = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.sam_config.group_exchange"
+    on = {**BASE_ENV, "SAM_ENABLE": "True", "SAM_GROUP": "True", "SAM_GROUP_EXCHANGE": "True"}
+    dp1 = "SAM_GROUP_EXCHANGE=True needs vLLM data parallelism > 1"
+    for script in sorted(INTERNAL.glob("train_*.sh")):
+        assert parse_train_script(script, env={**BASE_ENV, "SAM_ENABLE": "True"}).get(key) is None  # off: no key
+        with pytest.raises(TrainScriptError, match="needs SAM_ENABLE=True and SAM_GROUP=True"):
+            parse_train_script(script, env={**on, "SAM_GROUP": "False"})
+        with pytest.raises(TrainScriptError, match="SAM_GROUP_EXCHANGE must be True or False"):
+            parse_train_script(script, env={**on, "SAM_GROUP_EXCHANGE": "1"})
+        if "_32b_" in script.name or "_tiny_cpu" in script.name:  # vLLM DP 1
+            with pytest.raises(TrainScriptError, match=dp1):
+                parse_train_script(script, env=on)
+            continue
+        assert parse_train_script(script, env=on).get(key) == "True"
+        with pytest.raises(TrainScriptError, match=dp1):
+            parse_train_script(script, env={**on, "ROLLOUT_DP": "1"})
 
 
 def test_upstream_fix_switches(patched_imports: Path) -> None:

@@ -78,6 +78,8 @@ ROLLOUT_PLAIN_LIST_CAPTURE_SIZES=${ROLLOUT_PLAIN_LIST_CAPTURE_SIZES:-True}
 SAM_ENABLE=${SAM_ENABLE:-False}
 SAM_K=${SAM_K:-3}
 SAM_GROUP=${SAM_GROUP:-False}
+# SAM_GROUP_EXCHANGE: siblings' accepted tokens shared among the vLLM DP ranks (needs SAM_GROUP=True, vLLM DP > 1)
+SAM_GROUP_EXCHANGE=${SAM_GROUP_EXCHANGE:-False}
 SAM_BS_THRESHOLD=${SAM_BS_THRESHOLD:-0}
 NPUGRAPH_EX=${NPUGRAPH_EX:-False}
 
@@ -399,12 +401,28 @@ train_add_trainer_overrides() {
 }
 
 # train_add_sam_npugraph_ex_overrides: SAM speculative decoding and npugraph_ex engine keys, only when
-# on; any value other than True/False for SAM_ENABLE, SAM_GROUP, NPUGRAPH_EX stops the script.
+# on; any value other than True/False for SAM_ENABLE, SAM_GROUP, SAM_GROUP_EXCHANGE, NPUGRAPH_EX stops the script;
+# SAM_GROUP_EXCHANGE=True without SAM_ENABLE=True SAM_GROUP=True or with vLLM DP 1 stops it too.
 train_add_sam_npugraph_ex_overrides() {
     local _flag _vllm_kw=actor_rollout_ref.rollout.engine_kwargs.vllm
-    for _flag in SAM_ENABLE SAM_GROUP NPUGRAPH_EX; do
+    for _flag in SAM_ENABLE SAM_GROUP SAM_GROUP_EXCHANGE NPUGRAPH_EX; do
         [[ "${!_flag}" == True || "${!_flag}" == False ]] || { echo "${_flag} must be True or False" >&2; exit 2; }
     done
+    if [[ "${SAM_GROUP_EXCHANGE}" == True ]]; then
+        # the exchange feeds the group automata of the SAM drafter across vLLM DP ranks (docs/sam_decoding.md)
+        local _o _vllm_dp=1
+        for _o in "${overrides[@]}"; do
+            [[ "${_o}" == "+${_vllm_kw}.data_parallel_size="* ]] && _vllm_dp=${_o#*=}
+        done
+        if [[ "${SAM_ENABLE}" != True || "${SAM_GROUP}" != True ]]; then
+            echo "SAM_GROUP_EXCHANGE=True needs SAM_ENABLE=True and SAM_GROUP=True (got SAM_ENABLE=${SAM_ENABLE}, SAM_GROUP=${SAM_GROUP})" >&2
+            exit 2
+        fi
+        if ! { [[ "${_vllm_dp}" =~ ^[0-9]{1,9}$ ]] && ((10#${_vllm_dp} > 1)); }; then
+            echo "SAM_GROUP_EXCHANGE=True needs vLLM data parallelism > 1 (this setup runs vLLM DP ${_vllm_dp}: every engine already holds all the siblings it serves)" >&2
+            exit 2
+        fi
+    fi
     if [[ "${SAM_ENABLE}" == True ]]; then
         overrides+=(
             "+${_vllm_kw}.speculative_config.method=sam"
@@ -416,6 +434,9 @@ train_add_sam_npugraph_ex_overrides() {
         )
         if [[ "${SAM_BS_THRESHOLD}" != 0 ]]; then
             overrides+=("+${_vllm_kw}.speculative_config.disable_by_batch_size=${SAM_BS_THRESHOLD}")
+        fi
+        if [[ "${SAM_GROUP_EXCHANGE}" == True ]]; then
+            overrides+=("+${_vllm_kw}.speculative_config.sam_config.group_exchange=True")
         fi
     fi
     if [[ "${NPUGRAPH_EX}" == True ]]; then
