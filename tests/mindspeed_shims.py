@@ -21,9 +21,10 @@ pinned MindSpeed tree unless a package is named):
   ``megatron/core``. The stand-in returns MindSpeed's own argument namespace (``mindspeed.args_utils``).
 * ``mindspeed.ops.npu_ring_attention_update``: the fused merge of two ring steps' outputs, a CANN op loaded
   through the op builder, used with ``--use-fused-ring-attention-update`` (``core/context_parallel/utils.py:245``).
-  The unfused default cannot run TND with more than one head: ``unflatten_softmax`` views a transposed tensor
-  (``core/context_parallel/utils.py:71-72``; ``RuntimeError: view size is not compatible``, PyTorch semantics, not
-  device-specific), so the test runs the fused switch with this PyTorch stand-in.
+  The test runs both merges: MindSpeed's default unfused one in PyTorch as shipped (TND needs the bug-fix patch
+  ``patches/mindspeed/0003-*``: upstream ``unflatten_softmax`` views a transposed tensor,
+  ``core/context_parallel/utils.py:71-72``, ``RuntimeError: view size is not compatible``) and the fused switch with
+  this PyTorch stand-in.
 
 npu_fusion_attention contract implemented (layout ``TND`` only, ``keep_prob == 1``, no ``pse``):
 q ``[T, N, D]``, k/v ``[T_kv, N_kv, D]`` (``N % N_kv == 0``; q head ``h`` reads kv head ``h // (N / N_kv)``),

@@ -20,6 +20,7 @@ from qwen3_rl.parallel.hdp_wiring import (
     HDPProcessGroups,
     aligned_blocks,
     assemble_owned_rows,
+    filler_length,
     hdp_attention,
     hdp_loss_scale,
     pack_sequences,
@@ -78,8 +79,8 @@ def test_plan_pack_unpack_roundtrip_single_process() -> None:
             keys = [s.order_key for s in mb.segments]
             assert keys == sorted(keys)
             if mb.seq_indices == [FILLER]:
-                assert r == 2 and mb.micro_batch == 1 and mb.num_tokens == 1  # rank 2 idle in mb 1
-                chunks[(r, mb.micro_batch)] = torch.zeros(1, dtype=ids.dtype)
+                assert r == 2 and mb.micro_batch == 1 and mb.num_tokens == 2  # rank 2 idle in mb 1
+                chunks[(r, mb.micro_batch)] = torch.zeros(2, dtype=ids.dtype)
                 continue
             packed = pack_sequences(ids[mb.seq_indices], [lens[i] for i in mb.seq_indices], mb)
             assert packed.shape == (mb.num_tokens,)
@@ -103,6 +104,36 @@ def test_plan_pack_unpack_roundtrip_single_process() -> None:
             for j, i in enumerate(mb.seq_indices):
                 assert torch.equal(res[j, :lens[i]], ids[i, :lens[i]])
                 assert not res[j, lens[i]:].any()
+
+
+@pytest.mark.parametrize("align, tokens", [(1, 2), (2, 2), (4, 4), (8, 8)])
+def test_filler_is_at_least_two_tokens_and_a_multiple_of_align(align: int, tokens: int) -> None:
+    """A filler is one ring group of one sequence on its own rank. MindSpeed's causal-EoD backward fails for a ring
+    group whose local sequences all have 1 token (core/context_parallel/utils.py:43-55 gives a float
+    torch.tensor([]) index, ring_context_parallel.py:1086 IndexError), so the filler is never 1 token: with align
+    (TP size) 1 it is 2 tokens, otherwise align tokens. HDPRuntime.split attends exactly those tokens, no loss."""
+    from tensordict import TensorDict
+
+    assert filler_length(align) == tokens
+    a = two_mb_assignment()
+    (mb,) = [m for m in plan_micro_batches(a, 2, align=align) if m.is_filler]  # rank 2 is idle in micro-batch 1
+    (seg,) = mb.segments
+    assert (seg.seq, seg.block_start, seg.block_size, seg.ring_index, seg.offset) == (FILLER, 2, 1, 0, 0)
+    assert (seg.length, seg.padded, seg.local_length, mb.num_tokens, mb.max_padded) == (tokens,) * 5
+    assert mb.local_cu_seqlens() == [0, tokens] and mb.position_ids().tolist() == list(range(tokens))
+    assert mb.groups()[0].cu_seqlens_padded == [0, tokens]
+
+    rt = HDPRuntime(HDPConfig(enable=True), 1, 2, align, 64, sync_num_micro_batches=lambda n: 2)
+    am = torch.zeros(1, 12, dtype=torch.bool)
+    am[0, :9] = True
+    batch = TensorDict({"attention_mask": am, "response_mask": am[:, 4:].long()}, batch_size=[1])
+    step = rt.plan(am, batch["response_mask"])  # 1 micro-batch padded to the synced 2: the second is filler
+    (_, (rows, filler)) = rt.split(batch, step)
+    assert filler.is_filler and filler.micro_batch == 1 and filler.segments[0].length == tokens
+    assert rows["attention_mask"][0].tolist() == [True] * tokens + [False] * (12 - tokens)
+    assert not rows["response_mask"].any()
+    with pytest.raises(ValueError, match="align must be >= 1"):
+        filler_length(0)
 
 
 def test_loss_scale_reproduces_group_token_mean_gradient() -> None:

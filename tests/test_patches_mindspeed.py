@@ -12,7 +12,9 @@ embedded commit id (``git get-tar-commit-id``) against ``pins.toml``, unpacked i
   not available on a CPU machine);
 * MindSpeed's own ring attention (``MindSpeedCPDotProductAttention`` with the HDP patch, on Megatron's CP group
   and HDP sub-groups) and both patched RoPE entry points run forward and backward on 2 gloo processes with the
-  device shims of ``tests/mindspeed_shims.py``, against a single-process float64 reference.
+  device shims of ``tests/mindspeed_shims.py``, against a single-process float64 reference: with MindSpeed's
+  default unfused ring merge (TP 2 and TP 1 alignment, the latter with 2-token fillers) and with the fused one;
+  the unfused merge fails without the TND softmax-merge bug-fix patch (0003).
 
 Without the archive every test here fails with the reason below (no skip).
 """
@@ -157,7 +159,7 @@ def _apply(ws: Path) -> Path:
 def test_patched_python_files_byte_compile(mindspeed_ws: Path, tmp_path: Path) -> None:
     tree = _apply(mindspeed_ws)
     py = [f for f in _patched_files() if f.endswith(".py")]
-    assert len(py) == 3, py
+    assert len(py) == 4, py
     for rel in py:
         proc = subprocess.run([sys.executable, "-m", "py_compile", str(tree / rel)], capture_output=True, text=True,
                               timeout=120, env={**os.environ, "PYTHONPYCACHEPREFIX": str(tmp_path)})
@@ -223,8 +225,12 @@ def _reference(inp: dict[str, torch.Tensor]) -> tuple[dict[int, torch.Tensor], d
     return outs, {k: t.grad for k, t in w.items()}
 
 
-def _ring_worker(rank: int, port: int, roots: list[str], inp: dict[str, torch.Tensor], q) -> None:
-    """One of 2 gloo ranks: HDP micro-batches through MindSpeed's patched attention and RoPE, forward + backward."""
+def _ring_worker(rank: int, port: int, roots: list[str], inp: dict[str, torch.Tensor], q, fused: bool,
+                 align: int) -> None:
+    """One of 2 gloo ranks: HDP micro-batches through MindSpeed's patched attention and RoPE, forward + backward.
+
+    fused: MindSpeed's --use-fused-ring-attention-update (off by default; on, its CANN op is a stand-in).
+    align: the HDP alignment (TP size with sequence parallelism)."""
     sys.path[:0] = roots
     import mindspeed_shims
 
@@ -241,8 +247,21 @@ def _ring_worker(rank: int, port: int, roots: list[str], inp: dict[str, torch.Te
 
         args = ms_args.get_mindspeed_args(get_defaults=True)  # MindSpeed's own defaults (megatron_cp_algo, causal)
         args.use_flash_attn, args.attention_mask_on_cpu = True, True
-        args.use_fused_ring_attention_update = True  # the unfused TND merge fails upstream (utils.py:71-72)
+        args.use_fused_ring_attention_update = fused  # MindSpeed's default: False
         ms_args._MINDSPEED_ARGS = args
+        from mindspeed.core.context_parallel import utils as cp_utils
+
+        # count which ring merge runs (forward_update reads both names from its module at call time)
+        merges = {"fused": 0, "unfused": 0}
+
+        def counted(kind, fn):
+            def wrapper(*a, **kw):
+                merges[kind] += 1
+                return fn(*a, **kw)
+            return wrapper
+
+        cp_utils.npu_ring_attention_update = counted("fused", cp_utils.npu_ring_attention_update)
+        cp_utils.forward_update_without_fused = counted("unfused", cp_utils.forward_update_without_fused)
         from megatron.core.packed_seq_params import PackedSeqParams
         from megatron.core.transformer.enums import AttnMaskType
         from megatron.core.transformer.transformer_config import TransformerConfig
@@ -270,9 +289,9 @@ def _ring_worker(rank: int, port: int, roots: list[str], inp: dict[str, torch.Te
         w = {k: inp[k].clone().requires_grad_() for k in ("emb", "wq", "wk", "wv")}
         outs: dict[int, dict[int, list[float]]] = {}
         rope_same = True
-        # align 2 (sequence parallelism with TP 2): with align 1 a filler is 1 token, and MindSpeed's causal-EoD
-        # backward indexes with torch.tensor([]) (float) for it (utils.py:43-55 -> ring_context_parallel.py:1086)
-        for mb in plan_micro_batches(_assignment(), rank, align=2, process_groups=pgs):
+        # align 1: the filler is 2 tokens (qwen3_rl.parallel.hdp_wiring.filler_length); a 1-token ring group
+        # cannot back-propagate in MindSpeed's causal EoD (utils.py:43-55 -> ring_context_parallel.py:1086)
+        for mb in plan_micro_batches(_assignment(), rank, align=align, process_groups=pgs):
             filler = mb.seq_indices == [FILLER]
             sel = torch.tensor([0] if filler else mb.seq_indices)
             am = torch.zeros(len(sel), inp["ids"].shape[1], dtype=torch.bool)
@@ -304,47 +323,78 @@ def _ring_worker(rank: int, port: int, roots: list[str], inp: dict[str, torch.Te
         for k, t in w.items():
             g = t.grad.clone()
             dist.all_reduce(g)
-            grads[k] = g
-        q.put((rank, outs, grads, rope_same))
+            grads[k] = g.numpy()  # by value: a queued tensor is shared through a socket of this process
+        q.put((rank, outs, grads, rope_same, merges))
     except BaseException as e:  # report to the parent instead of hanging it
         import traceback
 
-        q.put((rank, traceback.format_exc(), None, None))
+        q.put((rank, traceback.format_exc(), None, None, None))
         raise e
     finally:
         dist.destroy_process_group()
 
 
-def test_mindspeed_ring_attention_and_rope_under_hdp_on_gloo(mindspeed_ws: Path, patched_workspace: Path) -> None:
-    """MindSpeed's CP attention with the HDP patch: per block ring attention on the block's sub-group (ring of 2
-    and rings of one) and the patched RoPE, forward and backward; outputs and the summed weight gradients equal
-    single-process causal attention on each whole sequence."""
+def _run_ring(tree: Path, megatron: Path, fused: bool, align: int) -> list[tuple]:
+    """Both gloo ranks' reports (rank, outputs or traceback, gradients, rope_same, merge counts)."""
     import torch.multiprocessing as mp
 
-    tree = _apply(mindspeed_ws)
-    megatron = patched_workspace / PINS.frameworks["megatron"].dir
     assert (megatron / "megatron" / "core").is_dir()
     roots = [str(tree), str(megatron), str(REPO), str(Path(__file__).resolve().parent)]
-    inp = _inputs()
-    ref_out, ref_grad = _reference(inp)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_ring_worker, args=(r, port, roots, inp, q)) for r in range(2)]
+    procs = [ctx.Process(target=_ring_worker, args=(r, port, roots, _inputs(), q, fused, align)) for r in range(2)]
     for p in procs:
         p.start()
-    got = [q.get(timeout=600) for _ in range(2)]
-    for p in procs:
-        p.join(timeout=60)
+    try:
+        return [q.get(timeout=600) for _ in range(2)]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.mark.parametrize("fused, align", [(False, 2), (False, 1), (True, 2)],
+                         ids=["unfused-merge-align2", "unfused-merge-align1", "fused-merge-align2"])
+def test_mindspeed_ring_attention_and_rope_under_hdp_on_gloo(mindspeed_ws: Path, patched_workspace: Path,
+                                                             fused: bool, align: int) -> None:
+    """MindSpeed's CP attention with the HDP patch: per block ring attention on the block's sub-group (ring of 2
+    and rings of one) and the patched RoPE, forward and backward; outputs and the summed weight gradients equal
+    single-process causal attention on each whole sequence. Unfused: MindSpeed's default ring merge (with patch
+    0003); align 1: the idle rank's filler is 2 tokens."""
+    tree = _apply(mindspeed_ws)
+    ref_out, ref_grad = _reference(_inputs())
+    got = _run_ring(tree, patched_workspace / PINS.frameworks["megatron"].dir, fused, align)
     seen: dict[int, set[int]] = {}
-    for rank, outs, grads, rope_same in got:
+    for rank, outs, grads, rope_same, merges in got:
         assert isinstance(outs, dict), f"rank {rank} failed:\n{outs}"
         assert rope_same, "MindSpeed's two patched apply_rotary_pos_emb disagree"
+        used, unused = ("fused", "unfused") if fused else ("unfused", "fused")
+        assert merges[used] > 0 and merges[unused] == 0, merges  # the ring of 2 merged its steps that way
         for seq, rows in outs.items():
             for pos, row in rows.items():
                 torch.testing.assert_close(torch.tensor(row, dtype=torch.float64), ref_out[seq][pos],
                                            rtol=1e-10, atol=1e-10, msg=f"rank {rank} seq {seq} pos {pos}")
                 seen.setdefault(seq, set()).add(pos)
         for k, g in grads.items():
-            torch.testing.assert_close(g, ref_grad[k], rtol=1e-9, atol=1e-10, msg=f"rank {rank} grad {k}")
+            torch.testing.assert_close(torch.from_numpy(g), ref_grad[k], rtol=1e-9, atol=1e-10, msg=f"rank {rank} grad {k}")
     assert seen == {p[0]: set(range(p[1])) for p in PLACEMENTS}  # every token of every sequence, once per owner
+
+
+def test_unfused_ring_merge_fails_without_the_tnd_softmax_merge_patch(mindspeed_ws: Path, patched_workspace: Path,
+                                                                      tmp_path: Path) -> None:
+    """The same HDP step with MindSpeed's default (unfused) ring merge on a copy of the patched tree with patch
+    0003 reversed: upstream's unflatten_softmax views a transposed tensor (utils.py:71-72) and both ranks fail."""
+    tree = _apply(mindspeed_ws)
+    bugfix = REPO / "patches" / "mindspeed" / "0003-mindspeed-bugfix-tnd_softmax_merge.patch"
+    copy = tmp_path / FW.dir
+    shutil.copytree(tree, copy)  # with its .git: git apply works relative to the copy
+    proc = subprocess.run(["git", "apply", "-R", str(bugfix)], cwd=copy, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    utils = (copy / "mindspeed/core/context_parallel/utils.py").read_text()
+    assert ".transpose(0, 1) \\\n              .view(-1, orig_shape[-1])" in utils  # upstream's line is back
+    got = _run_ring(copy, patched_workspace / PINS.frameworks["megatron"].dir, False, 2)
+    for rank, outs, *_ in got:
+        assert isinstance(outs, str), f"rank {rank} ran through without patch 0003"
+        assert "view size is not compatible" in outs and "in unflatten_softmax" in outs, outs

@@ -159,14 +159,15 @@ class HDPRuntime:
               mask_keys: Sequence[str] = ("response_mask",)) -> list[tuple[Any, HDPMicroBatch]]:
         """verl TensorDict mini-batch -> [(rows of micro-batch m in segment order, its HDPMicroBatch)].
 
-        A filler segment takes a copy of row 0 with ``align`` attended tokens and ``mask_keys`` zeroed (no loss).
+        A filler segment takes a copy of row 0 with its segment's length (``filler_length(align)``) of attended
+        tokens and ``mask_keys`` zeroed (no loss).
         """
         out = []
         for mb in step.micro_batches:
             if mb.seq_indices == [FILLER]:
                 rows = batch[torch.tensor([0], dtype=torch.long)].clone()
                 am = torch.zeros_like(rows["attention_mask"], dtype=torch.bool)
-                am[:, : self.align] = True
+                am[:, : mb.segments[0].length] = True
                 rows["attention_mask"] = am
                 for key in mask_keys:
                     if key in rows.keys():

@@ -45,6 +45,7 @@ __all__ = [
     "HDPSegment",
     "aligned_blocks",
     "assemble_owned_rows",
+    "filler_length",
     "hdp_attention",
     "hdp_loss_scale",
     "pack_sequences",
@@ -58,6 +59,19 @@ __all__ = [
 
 
 FILLER = -1  # sequence index of a filler segment
+
+
+def filler_length(align: int = 1) -> int:
+    """Tokens of a filler segment: the smallest multiple of ``align`` that is >= 2.
+
+    Not 1: MindSpeed's causal-EoD ring attention (pinned v2.2.0_core_r0.12.1) cannot back-propagate a ring group
+    whose local sequences all have 1 token (``get_selection_indices_for_tnd_softmax_update``,
+    ``core/context_parallel/utils.py:43-55``, returns ``torch.tensor([])``, a float tensor, and
+    ``ring_context_parallel.py:1086`` indexes with it: ``IndexError``), which a filler of ``align`` = 1 token is.
+    """
+    if align < 1:
+        raise ValueError(f"align must be >= 1, got {align}")
+    return -(-2 // align) * align
 
 
 def padded_length(s: int, k: int, align: int = 1) -> int:
@@ -216,8 +230,9 @@ def plan_micro_batches(assignment: HDPAssignment, rank: int, align: int | None =
                        num_micro_batches: int | None = None) -> list[HDPMicroBatch]:
     """Per micro-batch, the ``HDPMicroBatch`` of CP-group rank ``rank`` (every rank gets the same count).
 
-    A rank with nothing to run in a micro-batch gets one filler segment (``seq == FILLER``, ``align`` tokens
-    on its own rank) so that every rank runs the micro-batch; fillers carry no loss and no output.
+    A rank with nothing to run in a micro-batch gets one filler segment (``seq == FILLER``,
+    ``filler_length(align)`` tokens on its own rank) so that every rank runs the micro-batch; fillers carry no loss
+    and no output.
 
     num_micro_batches: how many micro-batches to return (default: the assignment's); the ones past the
     assignment's are filler-only on every rank. This is how all data-parallel groups run the same count (the
@@ -242,8 +257,9 @@ def plan_micro_batches(assignment: HDPAssignment, rank: int, align: int | None =
                              padded_length(p.length, p.block_size, al), off)
             segs.append(seg)
             off += seg.local_length
-        if not segs:  # Megatron cannot run 0 tokens: a filler of `al` tokens (seq -1, no loss, no output)
-            segs.append(HDPSegment(FILLER, rank, 1, 0, al, al, 0))
+        if not segs:  # Megatron cannot run 0 tokens: a filler (seq -1, no loss, no output), >= 2 tokens
+            n = filler_length(al)
+            segs.append(HDPSegment(FILLER, rank, 1, 0, n, n, 0))
         out.append(HDPMicroBatch(rank, assignment.cp_size, m, total, al, tuple(segs), process_groups=process_groups))
     return out
 
