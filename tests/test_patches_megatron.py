@@ -285,3 +285,55 @@ def test_pristine_megatron_crashes_on_none_state(pristine_workspace: Path) -> No
     assert proc.returncode != 0
     assert "AttributeError: 'NoneType' object has no attribute 'dtype'" in proc.stderr, proc.stderr[-2000:]
     assert "distrib_optimizer.py" in proc.stderr
+
+
+# ---- 0003: torch's serialization_format for the async checkpoint writer -----------------------------------------
+_WRITE_BUCKET = """
+import io, multiprocessing as mp, sys, tempfile
+sys.path.insert(0, TREE)
+import torch
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+item = WriteItem(index=MetadataIndex("w"), type=WriteItemType.TENSOR,
+                 tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=t.shape),
+                                             properties=TensorProperties.create_from_tensor(t), size=t.shape))
+path = tempfile.mktemp()
+results, count = mp.SimpleQueue(), mp.JoinableQueue()
+count.put(0)
+writer = FileSystemWriterAsync(tempfile.mkdtemp())
+transforms = [writer.transforms] if hasattr(writer, "transforms") else []  # as the writer builds it (:174)
+FileSystemWriterAsync.write_preloaded_data(transforms, 0, (path, "k", ([], [(item, t)])), results, count, False)
+idx, out = results.get()
+if isinstance(out, Exception):
+    raise out
+(res,) = out
+data = open(path, "rb").read()[res.storage_data.offset: res.storage_data.offset + res.storage_data.length]
+assert torch.equal(torch.load(io.BytesIO(data)), t)
+print("WROTE", res.storage_data.length)
+"""
+
+
+def _write_bucket(tree: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", f"TREE = {str(tree)!r}\n" + _WRITE_BUCKET], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_async_writer_passes_serialization_format(patched_workspace: Path) -> None:
+    """0003: the patched writer writes a tensor bucket with this torch; the bytes load back equal."""
+    proc = _write_bucket(patched_workspace / "Megatron-LM")
+    assert proc.returncode == 0 and "WROTE" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_pristine_async_writer_fails_on_this_torch(pristine_workspace: Path) -> None:
+    """The pinned megatron-core 0.12.1 calls _write_item without the format torch now requires."""
+    import inspect
+
+    from torch.distributed.checkpoint.filesystem import _write_item
+
+    assert "serialization_format" in inspect.signature(_write_item).parameters  # this venv's torch requires it
+    proc = _write_bucket(pristine_workspace / "Megatron-LM")
+    assert proc.returncode != 0
+    assert "serialization_format" in proc.stderr, proc.stderr[-2000:]

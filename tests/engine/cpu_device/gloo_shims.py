@@ -5,6 +5,7 @@ size at index 0 (expected (), got (1))"); verl all-gathers 0-d timing scalars af
 (``verl/utils/profiler/performance.py:232-234``, ``topk_reduce_ratio_min_max``, called at
 ``verl/workers/megatron_workers.py`` ``generate_sequences``). :func:`install` lets ``torch.distributed.all_gather``
 carry a 0-d tensor as a 1-element one on gloo groups and write the values back: same values, same semantics.
+
 """
 
 from __future__ import annotations
@@ -33,3 +34,4 @@ def install() -> None:
     dist.all_gather = all_gather
     dist.distributed_c10d.all_gather = all_gather
     _INSTALLED = True
+
