@@ -33,28 +33,6 @@ sys.path.insert(0, str(HERE / "cpu_device"))
 import workspace  # noqa: E402
 
 
-def _dcp_write_item_compat() -> None:
-    """megatron-core 0.12.1's async filesystem writer calls torch DCP's private ``_write_item`` without the
-    ``serialization_format`` argument that torch 2.9.1 (this venv) requires
-    (``megatron/core/dist_checkpointing/strategies/filesystem_async.py:320,326``,
-    ``torch/distributed/checkpoint/filesystem.py`` ``_write_item``): pass torch's default format, TORCH_SAVE."""
-    import inspect
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-    from torch.distributed.checkpoint import filesystem
-
-    orig = filesystem_async._write_item
-    if "serialization_format" not in inspect.signature(orig).parameters:
-        return
-
-    def _write_item(*args, **kwargs):
-        if len(args) < len(inspect.signature(orig).parameters) and "serialization_format" not in kwargs:
-            kwargs["serialization_format"] = filesystem.SerializationFormat.TORCH_SAVE
-        return orig(*args, **kwargs)
-
-    filesystem_async._write_item = _write_item
-
-
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     t0 = time.perf_counter()
@@ -62,7 +40,6 @@ def main() -> int:
     import megatron_shims
 
     megatron_shims.install()
-    _dcp_write_item_compat()
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
