@@ -373,3 +373,36 @@ def test_gloo_exchange_between_processes(world: int, tmp_path: Path) -> None:
         assert got[r]["drafts"] == want[r]["drafts"], r
         assert got[r]["bytes"] == want[r]["bytes"] and got[r]["merged"] == want[r]["merged"] > 0
         assert got[r]["groups"] == 0 and got[r]["shadows"] == 0
+
+
+# ------------------------------------------------------------------------------------ simulator
+def test_simulate_rollout_with_drafting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``simulate rollout --drafting``: requests advance tokens-per-step per step by layout; data rebalance
+    with the exchange beats data rebalance alone, group drafting alone and spread drafting without it."""
+    from qwen3_rl.rollout.lengths import Lengths
+    from qwen3_rl.rollout.simulate import Drafting, StepModel, main, with_drafting
+
+    lens = Lengths(num_prompts=2, n=2, prompt_len=np.array([100, 100, 40, 40]),
+                   response_len=np.array([1000, 999, 10, 1]))
+    st = StepModel()
+    same, st1 = with_drafting(lens, st, 1.0, 0.4)
+    assert same is lens and st1 is st
+    d, sd = with_drafting(lens, st, 2.0, 0.4)
+    assert d.response_len.tolist() == [500, 500, 5, 1] and d.prompt_len.tolist() == [50, 50, 20, 20]
+    assert sd.per_kctx_ms == 2 * st.per_kctx_ms and sd.t0_ms == st.t0_ms + 0.4
+    dr = Drafting()
+    assert dr.tokens_per_step("none", "data-rebalance") == 1.0
+    assert dr.tokens_per_step("sam_group", "default") == dr.tokens_per_step("sam_group_exchange", "default")
+    assert dr.tokens_per_step("sam_group", "data-rebalance") < dr.tokens_per_step("sam_group_exchange", "both")
+    out = tmp_path / "len.jsonl"
+    assert main(["gen-lengths", "--out", str(out), "--num-prompts", "64", "--n", "8", "--seed", "1"]) == 0
+    capsys.readouterr()
+    assert main(["rollout", "--lengths", str(out), "--dp", "8", "--max-num-seqs", "64", "--policy",
+                 "default,data-rebalance", "--drafting", "all", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)["results"]
+    assert set(res) == {"default", "data-rebalance", "default+sam_group", "data-rebalance+sam_group",
+                        "data-rebalance+sam_group_exchange"}
+    ms = {k: v["makespan_s"] for k, v in res.items()}
+    assert res["data-rebalance+sam_group_exchange"]["tokens_per_step"] == dr.exchange
+    assert ms["data-rebalance+sam_group_exchange"] < min(ms["data-rebalance+sam_group"], ms["default+sam_group"],
+                                                        ms["data-rebalance"]) < ms["default"]

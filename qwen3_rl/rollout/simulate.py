@@ -737,6 +737,57 @@ class _Parser(argparse.ArgumentParser):
         raise SimError(f"{self.prog}: {message}")
 
 
+#: Drafters for ``simulate rollout --drafting`` and their tokens per verification step (bonus included) by
+#: sibling layout, measured by ``python -m qwen3_rl.bench.drafters --group --spread 8 --exchange-every 1
+#: --exchange-delay-steps 1`` on ``../shared/bench/rollouts_dev.jsonl`` (k = 3, batched lockstep replay):
+#: siblings on one rank 1.856, spread over 8 ranks 1.666 (finished-response cache only), spread with the
+#: sibling exchange 1.846 (one step late, as the vLLM hook runs it).
+DRAFTING = ("none", "sam_group", "sam_group_exchange")
+SPREAD_POLICIES = ("data-rebalance", "both")  # a prompt's samples on different ranks
+
+
+@dataclass(frozen=True)
+class Drafting:
+    """Tokens per verification step of a drafter, by layout, and its host cost per step (ms)."""
+
+    together: float = 1.856
+    spread: float = 1.666
+    exchange: float = 1.846
+    drafter_ms: float = 0.4
+
+    def tokens_per_step(self, drafting: str, policy: str) -> float:
+        """Tokens a request advances per step: 1 without a drafter; spread layouts (data rebalance) lose the
+        siblings unless the exchange brings them back."""
+        if drafting == "none":
+            return 1.0
+        if drafting not in DRAFTING:
+            raise SimError(f"unknown drafting {drafting!r} (choose from {', '.join(DRAFTING)} or 'all')")
+        if policy not in SPREAD_POLICIES:
+            return self.together
+        return self.exchange if drafting == "sam_group_exchange" else self.spread
+
+
+def with_drafting(lengths: Lengths, step: StepModel, tps: float, drafter_ms: float) -> tuple[Lengths, StepModel]:
+    """The rollout in verification steps: a request of ``L`` tokens needs ``ceil(L / tps)`` steps.
+
+    Lengths are counted in units of ``tps`` tokens (prompts too, so that the context term stays exact:
+    ``per_kctx`` and ``per_prefill_ktok`` and the KV bytes per unit scale by ``tps``); the drafter's host
+    cost is added to ``t0``. A verification step of ``1 + k`` query tokens per sequence is charged as a
+    decode step (the step model has no per-query-token term). ``tps = 1``: unchanged.
+    """
+    if tps == 1.0:
+        return lengths, step
+    if not tps >= 1.0 or not math.isfinite(tps):
+        raise SimError(f"tokens per step must be >= 1, got {tps}")
+    rl = np.maximum(1, np.ceil(lengths.response_len / tps)).astype(np.int64)
+    pl = np.maximum(1, np.round(lengths.prompt_len / tps)).astype(np.int64)
+    scaled = replace(lengths, prompt_len=pl, response_len=rl)
+    st = replace(step, t0_ms=step.t0_ms + drafter_ms, per_kctx_ms=step.per_kctx_ms * tps,
+                 per_prefill_ktok_ms=step.per_prefill_ktok_ms * tps,
+                 kv_bytes_per_token=step.kv_bytes_per_token * tps)
+    return scaled, st
+
+
 def _rollout_main(argv: list[str]) -> int:
     p = _Parser(prog="python -m qwen3_rl simulate rollout", description="Simulate one rollout batch.")
     p.add_argument("--lengths", required=True, help="JSON-lines lengths file")
@@ -757,8 +808,24 @@ def _rollout_main(argv: list[str]) -> int:
                    help="always move KV (no per-request move-vs-recompute decision)")
     p.add_argument("--plot", default=None, help="write a per-rank busy/idle PNG")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--drafting", default="none",
+                   help="none|sam_group|sam_group_exchange, a comma list, or 'all': SAM drafting, each request "
+                        "advancing tokens-per-step per step by its layout (siblings together / spread)")
+    d = Drafting()
+    p.add_argument("--tps-together", type=float, default=d.together,
+                   help="tokens per step with siblings on one rank (default, rollout-rebalance)")
+    p.add_argument("--tps-spread", type=float, default=d.spread,
+                   help="tokens per step with siblings spread (data-rebalance, both) without the exchange")
+    p.add_argument("--tps-exchange", type=float, default=d.exchange,
+                   help="tokens per step with siblings spread and the sibling exchange")
+    p.add_argument("--drafter-ms", type=float, default=d.drafter_ms, help="drafter host cost per step (ms)")
     _step_args(p)
     ns = p.parse_args(argv)
+    drafts = list(DRAFTING) if ns.drafting == "all" else [x.strip() for x in ns.drafting.split(",") if x.strip()]
+    for dr in drafts:
+        if dr not in DRAFTING:
+            raise SimError(f"unknown drafting {dr!r} (choose from {', '.join(DRAFTING)} or 'all')")
+    drafting = Drafting(ns.tps_together, ns.tps_spread, ns.tps_exchange, ns.drafter_ms)
     policies = list(POLICIES) if ns.policy == "all" else [x.strip() for x in ns.policy.split(",") if x.strip()]
     for pol in policies:
         if pol not in POLICIES:
@@ -776,12 +843,21 @@ def _rollout_main(argv: list[str]) -> int:
                      recompute=not ns.no_recompute)
     lb = lower_bound(lengths, base)
     results = []
-    for pol in policies:
-        for link in links if pol in ("rollout-rebalance", "both") else links[:1]:
-            cfg = replace(base, policy=pol, step=replace(step, link_gb_s=link))
-            res = simulate(lengths, cfg, record_timeline=bool(ns.plot) and link == links[0])
-            res.lower_bound_s = lb
-            results.append(res)
+    tps_of: dict[int, float] = {}
+    for dr in drafts:
+        for pol in policies:
+            if dr == "sam_group_exchange" and pol not in SPREAD_POLICIES:
+                continue  # the exchange acts only where data rebalance spreads the siblings
+            tps = drafting.tokens_per_step(dr, pol)
+            lens_d, step_d = with_drafting(lengths, step, tps, drafting.drafter_ms)
+            for link in links if pol in ("rollout-rebalance", "both") else links[:1]:
+                cfg = replace(base, policy=pol, step=replace(step_d, link_gb_s=link))
+                res = simulate(lens_d, cfg, record_timeline=bool(ns.plot) and link == links[0] and dr == drafts[0])
+                res.lower_bound_s = lb
+                if dr != "none":
+                    res.policy = f"{pol}+{dr}"
+                tps_of[id(res)] = tps
+                results.append(res)
     if ns.plot and not plot_timelines([r for r in results if r.timeline is not None], ns.plot, ns.max_num_seqs):
         print("warning: matplotlib not installed, no plot written", file=sys.stderr)
     if ns.json:
@@ -789,6 +865,11 @@ def _rollout_main(argv: list[str]) -> int:
             out = results[0].to_json()
         else:
             out = {"coupling": ns.coupling, "lower_bound_s": lb, "results": {_label(r, links): r.to_json() for r in results}}
+        if len(results) > 1:
+            for r in results:
+                out["results"][_label(r, links)]["tokens_per_step"] = tps_of[id(r)]
+        else:
+            out["tokens_per_step"] = tps_of[id(results[0])]
         out["config"] = {"dp": ns.dp, "max_num_seqs": ns.max_num_seqs, "samples": lengths.size, "n": lengths.n,
                          "buckets": list(base.graph_buckets), "step_model": asdict(step),
                          "rebalance_interval": ns.rebalance_interval}
@@ -798,15 +879,21 @@ def _rollout_main(argv: list[str]) -> int:
           f"max-num-seqs {ns.max_num_seqs}, coupling {ns.coupling}; lower bound {lb:.1f} s")
     base_ms = {r.policy: r.makespan_s for r in results}
     ref = base_ms.get("default")
-    print(f"{'policy':<28} {'makespan_s':>10} {'/LB':>6} {'gain':>6} {'first_idle':>10} {'first_fin_s':>11} "
+    tps_col = any(v != 1.0 for v in tps_of.values())
+    print(f"{'policy':<40} {'makespan_s':>10} {'/LB':>6} {'gain':>6} " + (f"{'tok/step':>8} " if tps_col else "")
+          + f"{'first_idle':>10} {'first_fin_s':>11} "
           f"{'mean_step_ms':>12} {'migrated':>8} {'recomp':>6} {'kv_GB':>7} {'xfer_s':>7}")
     for r in results:
         gain = f"{ref / r.makespan_s:>6.3f}" if ref else f"{'-':>6}"
-        print(f"{_label(r, links):<28} {r.makespan_s:>10.1f} {r.makespan_s / lb:>6.3f} {gain} "
+        tcol = f"{tps_of[id(r)]:>8.3f} " if tps_col else ""
+        print(f"{_label(r, links):<40} {r.makespan_s:>10.1f} {r.makespan_s / lb:>6.3f} {gain} {tcol}"
               f"{100 * r.first_idle_share:>9.2f}% {min(r.rank_finish_s):>11.1f} {r.mean_step_ms:>12.2f} "
               f"{r.migrations:>8d} {r.recomputed:>6d} {r.kv_gb_moved:>7.2f} {r.transfer_s:>7.1f}")
     if ref:
         print("gain = default makespan / policy makespan; xfer_s = KV transfer time on the busiest rank, summed")
+    if tps_col:
+        print("with drafting: steps are verification steps (ceil(tokens / tok/step)), charged as decode steps "
+              "plus --drafter-ms; /LB against the lower bound without drafting")
     return 0
 
 
