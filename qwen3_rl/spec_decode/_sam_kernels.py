@@ -1060,3 +1060,82 @@ def parse_messages(flat, starts, ranks, skip, keys, k64, pos, counts, fin, tok_a
         if t != end:
             return -1
     return e
+
+
+@njit(cache=True)
+def pack_pending(SM, slot, k64, ser, sent, plen, used, n_rows, max_ints, out):
+    """Sibling-exchange message of every used row's pending tokens (``T[slot][sent:len]``) into ``out``
+    (int32, room >= ``max_ints``): ``[E, E x (key lo, key hi, serial, pos, count), tokens]``; marks them sent.
+    Returns the message length in int32, or -1 (nothing written, nothing marked) if it would exceed
+    ``max_ints`` (the caller then applies the cap)."""
+    e = 0
+    t = 0
+    for i in range(n_rows):
+        if used[i]:
+            c = SM[slot[i], M_LEN] - sent[i]
+            if c > 0:
+                e += 1
+                t += c
+    total = 1 + 5 * e + t
+    if total > max_ints:
+        return -1
+    out[0] = e
+    h = 1
+    o = 1 + 5 * e
+    for i in range(n_rows):
+        if not used[i]:
+            continue
+        s = slot[i]
+        ln = SM[s, M_LEN]
+        c = ln - sent[i]
+        if c <= 0:
+            continue
+        out[h] = np.int32(k64[i] & 0xFFFFFFFF)
+        out[h + 1] = np.int32(k64[i] >> 32)
+        out[h + 2] = np.int32(ser[i])
+        out[h + 3] = np.int32(sent[i] - plen[i])
+        out[h + 4] = np.int32(c)
+        h += 5
+        T = _view(SM[s, M_T], SM[s, M_TCAP])
+        out[o: o + c] = T[sent[i]: ln]
+        o += c
+        sent[i] = ln
+    return total
+
+
+@njit(cache=True)
+def shadow_fast(keys, pos, counts, tok_at, sh_keys, sh_rows, sh, room, e_slot, e_start, e_end, fast):
+    """Entries that continue an open shadow string: look their shadow up (``sh_keys`` sorted, ``sh_rows``
+    the rows of table ``sh`` = [key, slot, next pos, tokens, automaton]), advance it and fill the append
+    ranges; ``fast[i]`` = handled here. Stops taking tokens once ``room`` is used up (those entries are
+    left to the caller). Returns the tokens taken."""
+    n = keys.shape[0]
+    m = sh_keys.shape[0]
+    taken = 0
+    for i in range(n):
+        fast[i] = False
+        if m == 0:
+            continue
+        lo = 0
+        hi = m
+        k = keys[i]
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if sh_keys[mid] < k:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo == m or sh_keys[lo] != k:
+            continue
+        r = sh_rows[lo]
+        if sh[r, 2] != pos[i] or taken + counts[i] > room:
+            continue
+        c = counts[i]
+        sh[r, 2] += c
+        sh[r, 3] += c
+        taken += c
+        e_slot[i] = sh[r, 1]
+        e_start[i] = tok_at[i]
+        e_end[i] = tok_at[i] + c
+        fast[i] = True
+    return taken

@@ -605,24 +605,17 @@ class SamProposer:
         starts = np.asarray(starts, np.int64)
         finished = np.asarray(finished, bool)
         n = keys.shape[0]
-        rows = self._shadow_rows(keys)
-        sh = self._sh
-        fast = rows >= 0
-        fast[fast] = sh[rows[fast], 2] == pos[fast]
+        self._shadow_rows(keys[:0])  # sorted shadow index up to date
         room = self.max_shadow_tokens - self._shadow_tokens
-        if int(counts[fast].sum()) > room:  # near the bound: entry by entry
-            fast[:] = False
-        fr = rows[fast]
-        fc = counts[fast]
-        sh[fr, 2] += fc
-        sh[fr, 3] += fc
-        room -= int(fc.sum())
-        e_on = fast & (counts > 0)
         e_slot = np.zeros(n, np.int64)
         e_row = np.zeros(n, np.int64)
-        e_start = starts.copy()
-        e_end = starts + counts
-        e_slot[fast] = sh[fr, 1]
+        e_start = np.zeros(n, np.int64)
+        e_end = np.zeros(n, np.int64)
+        fast = np.zeros(n, np.bool_)
+        room -= K.shadow_fast(keys, pos, counts, starts, self._sh_keys, self._sh_rows, self._sh, room, e_slot,
+                              e_start, e_end, fast)
+        sh = self._sh
+        e_on = fast & (counts > 0)
         closing = finished & fast
         extra: list[np.ndarray] = []
         x_len = 0
@@ -630,9 +623,7 @@ class SamProposer:
         for i in np.flatnonzero(~fast & (counts > 0)).tolist():
             c, p0 = int(counts[i]), int(pos[i])
             seg = buf[starts[i]: starts[i] + c]
-            row = int(rows[i])
-            if row < 0:
-                row = self._key2sh.get(int(keys[i]), -1)  # opened earlier in this call
+            row = self._key2sh.get(int(keys[i]), -1)
             if row < 0:
                 g = group_of(i)
                 a = self._groups.get(g, -1) if g is not None else -1

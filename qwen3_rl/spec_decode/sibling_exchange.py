@@ -239,6 +239,30 @@ class SiblingExchange:
     # ------------------------------------------------------------------ exchange
     def pack(self) -> np.ndarray:
         """This rank's message with every pending range (cap applied); marks them sent (or dropped)."""
+        if not self._finished:  # the common case, one kernel call: no FIN to send and everything fits
+            cap = self.max_bytes // 4
+            if self._buf.shape[0] < cap:
+                self._buf = np.empty(cap, np.int32)
+            m = K.pack_pending(self.p._SM, self._slot, self._k64, self._ser, self._sent, self._plen, self._used,
+                               self._n, cap, self._buf)
+            if m >= 0:
+                msg = self._buf[:m].copy()
+                e = int(msg[0])
+                self._count(msg, e, m - 1 - ENTRY_INTS * e, 0)
+                return msg
+        return self._pack_capped()
+
+    def _count(self, msg: np.ndarray, entries: int, sent: int, dropped: int) -> None:
+        st = self.stats
+        st.exchanges += 1
+        st.bytes_sent += 4 * msg.shape[0]
+        st.entries_sent += entries
+        st.tokens_sent += sent
+        st.tokens_dropped += dropped
+        if len(st.history) < 4096:
+            st.history.append(4 * msg.shape[0])
+
+    def _pack_capped(self) -> np.ndarray:
         rows = np.flatnonzero(self._used[: self._n])
         slots = self._slot[rows]
         lens = self.p._SM[slots, K.M_LEN]
@@ -292,14 +316,7 @@ class SiblingExchange:
             if kj:
                 msg[hdr_end + o: hdr_end + o + kj] = tail[tail.shape[0] - kj:]
                 o += kj
-        st = self.stats
-        st.exchanges += 1
-        st.bytes_sent += 4 * msg.shape[0]
-        st.entries_sent += e
-        st.tokens_sent += ntok
-        st.tokens_dropped += int(counts.sum()) - ntok
-        if len(st.history) < 4096:
-            st.history.append(4 * msg.shape[0])
+        self._count(msg, e, ntok, int(counts.sum()) - ntok)
         return msg
 
     def merge(self, messages: Sequence[np.ndarray | None]) -> int:
