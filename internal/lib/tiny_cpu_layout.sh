@@ -19,6 +19,9 @@ N_SAMPLES=${N_SAMPLES:-4}
 MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-128}
 MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-64}
 LR=${LR:-1e-3}
+# a random model never answers right: every GRPO group scores 0 and its advantages are 0; the entropy bonus keeps
+# the update (and so the weight sync the run checks) non-trivial
+ENTROPY_COEFF=${ENTROPY_COEFF:-0.01}
 TOTAL_EPOCHS=${TOTAL_EPOCHS:-4}
 TOTAL_TRAINING_STEPS=${TOTAL_TRAINING_STEPS:-2}
 SAVE_FREQ=${SAVE_FREQ:-1}

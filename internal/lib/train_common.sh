@@ -28,6 +28,8 @@ N_SAMPLES=${N_SAMPLES:-16}
 MAX_TOKEN_LEN_PER_GPU=${MAX_TOKEN_LEN_PER_GPU:-$((MAX_PROMPT_LENGTH + MAX_RESPONSE_LENGTH))}
 LR=${LR:-1e-6}
 USE_KL_LOSS=${USE_KL_LOSS:-False}
+# entropy bonus in the actor loss (0 = off, as in the reference recipes)
+ENTROPY_COEFF=${ENTROPY_COEFF:-0}
 # on-policy update without the old-log-prob pass (docs/old_log_prob.md); needs PPO_MINI_BATCH_SIZE == TRAIN_BATCH_SIZE
 USE_CURRENT_LOG_PROB_AS_OLD=${USE_CURRENT_LOG_PROB_AS_OLD:-False}
 # MoE actor only: MindSpeed all-to-all overlap with GroupedMLP (weight1/weight2) experts; verl patch 0012
@@ -143,7 +145,7 @@ _train_add_data_and_actor_overrides() {
         "actor_rollout_ref.actor.use_current_log_prob_as_old=${USE_CURRENT_LOG_PROB_AS_OLD}"
         actor_rollout_ref.actor.kl_loss_coef=0.001
         actor_rollout_ref.actor.kl_loss_type=low_var_kl
-        actor_rollout_ref.actor.entropy_coeff=0
+        "actor_rollout_ref.actor.entropy_coeff=${ENTROPY_COEFF}"
     )
 }
 
