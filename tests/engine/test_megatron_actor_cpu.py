@@ -1,5 +1,6 @@
 """verl 0.6.1's Megatron actor (``ActorRolloutRefWorker``, role ``actor_rollout``) on CPU: megatron-core
-0.12.1 on gloo, 2 processes, the tiny random-weight Qwen3-MoE, rollout = vLLM 0.13.0's real CPU engine.
+0.12.1 on gloo, 2 processes, the tiny random-weight Qwen3-MoE, actor TP2 + EP2 and PP2, rollout = vLLM
+0.13.0's real CPU engine (rollout TP 1 per process).
 
 The worker's config is composed by Hydra from ``internal/train_grpo_tiny_cpu.sh`` (its CPU settings: vLLM
 float32 with native ops, ``free_cache_engine=False`` since sleep mode needs a device allocator, no offload),
@@ -83,42 +84,51 @@ def actor_spec(ws: Path, model: Path, out: Path, tp: int, ep: int, pp: int) -> d
             "overrides": OVERRIDES, "prompts": PROMPTS, "out": str(out)}
 
 
-@pytest.fixture(scope="module")
-def tp2_ep2(engine_ws: Path, tiny_models: dict[str, Path], tmp_path_factory) -> list[dict]:
-    tmp = tmp_path_factory.mktemp("megatron-tp2-ep2")
-    return run_ranks(actor_spec(engine_ws, tiny_models["moe"], tmp / "weights", tp=2, ep=2, pp=1), tmp)
+#: (actor TP, EP, PP) over the 2 processes; ETP 1, CP 1
+LAYOUTS = {"tp2_ep2": (2, 2, 1), "pp2": (1, 1, 2)}
 
 
-def test_layout_reaches_megatron(tp2_ep2: list[dict]) -> None:
-    for r in tp2_ep2:
-        assert r["parallel"] == {"tp": 2, "pp": 1, "ep": 2, "etp": 1, "dp": 1}
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def ranks(request, engine_ws: Path, tiny_models: dict[str, Path], tmp_path_factory) -> tuple[tuple, list[dict]]:
+    """((tp, ep, pp), the two ranks' results) for each layout."""
+    tp, ep, pp = LAYOUTS[request.param]
+    tmp = tmp_path_factory.mktemp(f"megatron-{request.param}")
+    return (tp, ep, pp), run_ranks(actor_spec(engine_ws, tiny_models["moe"], tmp / "weights", tp, ep, pp), tmp)
 
 
-def test_generate_and_log_probs(tp2_ep2: list[dict]) -> None:
-    r0, r1 = tp2_ep2
+def test_layout_reaches_megatron(ranks) -> None:
+    (tp, ep, pp), results = ranks
+    for r in results:
+        assert r["parallel"] == {"tp": tp, "pp": pp, "ep": ep, "etp": 1, "dp": 1}
+
+
+def test_generate_and_log_probs(ranks) -> None:
+    _, (r0, r1) = ranks
     assert r0["responses"] == r1["responses"]  # the whole batch, collected from both rollout ranks
     assert len(r0["responses"]) == len(PROMPTS) and all(len(x) == RESPONSE_LENGTH for x in r0["responses"])
-    for r in tp2_ep2:
+    for r in (r0, r1):
         assert r["old_log_probs_finite"]
-        print(f"rank {r['rank']}: timings {r['timings_s']}")
+        print(f"rank {r['rank']} {r['parallel']}: timings {r['timings_s']}")
         print(f"rank {r['rank']}: actor vs vLLM log-probs, max |diff| {r['rollout_log_probs_max_abs_diff']:.2e}")
         # same weights (synced), same tokens: the Megatron actor (bfloat16, verl's only Megatron dtypes) and
         # vLLM (float32 with the actor's bfloat16 weights) agree on every token's log-prob to bfloat16 precision
         assert r["rollout_log_probs_max_abs_diff"] < 2e-2
 
 
-def test_update_actor_changes_the_parameters(tp2_ep2: list[dict]) -> None:
-    for r in tp2_ep2:
+def test_update_actor_changes_the_parameters(ranks) -> None:
+    _, results = ranks
+    for r in results:
         changed = r["params_changed"]
         assert all(v > 0 for v in changed.values()), {k: v for k, v in changed.items() if v == 0}
         assert any(".experts." in k for k in changed) and any("linear_qkv.layer_norm_weight" in k for k in changed)
         assert not r["initial_equals_after"]
 
 
-def test_weight_sync_is_exact(tp2_ep2: list[dict]) -> None:
+def test_weight_sync_is_exact(ranks) -> None:
     # every vLLM parameter equals the actor's gathered HF-named weight (fused qkv / expert tensors rebuilt from
     # their HF parts): at start-up (vLLM began from dummy weights) and after the update
-    for r in tp2_ep2:
+    _, results = ranks
+    for r in results:
         for key in ("sync_initial", "sync"):
             s = r[key]
             assert s["checked"] == 21 and not s["missing"] and not s["mismatched"] and not s["unchecked"], s

@@ -17,7 +17,11 @@ from collections.abc import Callable
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    set_tensor_model_parallel_attributes,
+)
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, get_expert_parallel_rng_tracker_name
 from megatron.core.utils import divide
 
@@ -123,11 +127,15 @@ class _GroupedLinear(torch.nn.Module):
         self.parallel_mode = parallel_mode
         tp = (parallel_state.get_expert_tensor_parallel_world_size() if is_expert
               else parallel_state.get_tensor_model_parallel_world_size())
-        if parallel_mode == "column":
-            output_size = divide(output_size, tp)
-        elif parallel_mode == "row":
-            input_size = divide(input_size, tp)
         self.expert_parallel = config.expert_model_parallel_size > 1
+        if is_expert and (tp > 1 or self.expert_parallel):  # TE's explicit_expert_comm: TE sees no TP
+            if parallel_mode == "column":
+                output_size = divide(output_size, tp)
+            elif parallel_mode == "row":
+                input_size = divide(input_size, tp)
+            parallel_mode = None
+        elif tp > 1:
+            raise NotImplementedError("CPU TE stand-in: grouped linear with TE-side tensor parallelism")
         tracker = get_cuda_rng_tracker()
         for i in range(num_gemms):
             w = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
@@ -135,6 +143,10 @@ class _GroupedLinear(torch.nn.Module):
                 with (tracker.fork(get_expert_parallel_rng_tracker_name())
                       if is_expert and tracker.is_initialized() else contextlib.nullcontext()):
                     init_method(w.data)
+            # as TE's GroupedLinear.reset_parameters: every weight is marked tensor-parallel, split on dim 1 for
+            # "row" and 0 otherwise (verl's per_tensor_generator and megatron's grad norm read these marks)
+            set_tensor_model_parallel_attributes(w, is_parallel=True, dim=1 if parallel_mode == "row" else 0,
+                                                 stride=1)
             # expert weights are not all-reduced over the (non-expert) data-parallel group
             w.allreduce = not (is_expert and self.expert_parallel)
             self.register_parameter(f"weight{i}", w)
