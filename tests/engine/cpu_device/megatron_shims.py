@@ -8,18 +8,16 @@ schedules — is the real (patched) code. Each shim stands in for a device call 
 1. ``DIST_BACKEND``: verl asks ``init_process_group(backend=get_nccl_backend())`` = ``"nccl"``
    (``verl/utils/device.py:76-85``, used at ``verl/workers/megatron_workers.py:216-217``); megatron-core
    asks NCCL for its groups (``megatron/core/parallel_state.py`` ``new_group`` calls). A device backend
-   (nccl/hccl) becomes ``gloo``, the CPU collective backend.
-2. ``GLOO_COLLECTIVES``: gloo has no ``reduce_scatter_tensor`` (sequence parallelism and the MoE
-   dispatcher use it: ``megatron/core/tensor_parallel/mappings.py`` ``_reduce_scatter_along_first_dim``);
-   on gloo it is done as ``all_reduce`` + the rank's slice (same values up to summation order).
-3. ``TORCH_CPU_DEVICE``: verl drives the device through ``get_torch_device()`` = ``torch.cpu`` on a host
+   (nccl/hccl) becomes ``gloo``, the CPU collective backend (torch 2.9's gloo has every collective megatron
+   uses here, ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` included).
+2. ``TORCH_CPU_DEVICE``: verl drives the device through ``get_torch_device()`` = ``torch.cpu`` on a host
    without accelerator (``verl/utils/device.py:60-65``), which lacks ``get_rng_state``, ``set_rng_state``,
    ``manual_seed``, ``empty_cache``, ``max_memory_allocated``/``reserved`` (called at
    ``verl/workers/megatron_workers.py:441-445,580,617-618,639-640,663-664``): they are added, the RNG ones
    acting on the CPU generator, the memory ones reporting 0. ``torch.cpu.current_device()`` (``"cpu"``) is
    the device ``"cpu"`` that formats as ``0``: verl builds ``f"{get_device_name()}:{get_device_id()}"``
    (``verl/utils/megatron_utils.py:135``), an accelerator index, and elsewhere uses it as the device.
-4. ``CUDA_CALLS``: megatron-core allocates on ``torch.cuda.current_device()`` and calls CUDA streams,
+3. ``CUDA_CALLS``: megatron-core allocates on ``torch.cuda.current_device()`` and calls CUDA streams,
    events and synchronisation (e.g. ``megatron/core/distributed/param_and_grad_buffer.py``,
    ``megatron/core/tensor_parallel/layers.py``, ``megatron/core/transformer/moe/moe_utils.py``): those
    ``torch.cuda`` functions act on the CPU (device ``"cpu"``, no-op synchronisation/streams);
@@ -30,20 +28,22 @@ schedules — is the real (patched) code. Each shim stands in for a device call 
    ``Tensor.type()`` (no argument) names a CPU tensor as the device's (``torch.cuda.FloatTensor``): megatron's
    optimizers accept only those names (``megatron/core/optimizer/distrib_optimizer.py:335,387``,
    ``optimizer.py:548,567``, ``clip_grads.py:167``).
-5. ``RNG_TRACKER``: megatron's ``CudaRNGStatesTracker`` and ``_set_cuda_rng_state``
-   (``megatron/core/tensor_parallel/random.py:70-230``) save/restore the CUDA generator; here they use the
-   CPU generator (the tracker's named streams and forks keep their semantics).
-6. ``MOE_HOST_COPY``: megatron's all-to-all token dispatcher copies its split sizes to the host as numpy
+4. ``RNG_TRACKER``: megatron's ``_get_cuda_rng_state``/``_set_cuda_rng_state``
+   (``megatron/core/tensor_parallel/random.py:39-110``) read and write ``torch.cuda.default_generators``;
+   here they act on the CPU generator, as the tracker's own ``torch.cuda.get_rng_state``/``manual_seed``
+   calls (``random.py:176-230``) do through ``CUDA_CALLS``: the named streams (model-parallel, expert,
+   data-parallel seeds) and forks keep their semantics, and CPU-initialised weights draw from them.
+5. ``MOE_HOST_COPY``: megatron's all-to-all token dispatcher copies its split sizes to the host as numpy
    (``megatron/core/transformer/moe/moe_utils.py:746-761`` ``maybe_move_tensor_to_cpu``, only for
    ``tensor.is_cuda``; used at ``megatron/core/transformer/moe/token_dispatcher.py:686-693``); on a CPU the
    tensors already live on the host, so the copy is done for them too (``all_to_all_single`` takes the
    split sizes as a list, not a tensor).
-7. ``FP8_CAST``: after every step the distributed optimizer casts its FP8 parameters with TE's kernels
+6. ``FP8_CAST``: after every step the distributed optimizer casts its FP8 parameters with TE's kernels
    (``megatron/core/optimizer/distrib_optimizer.py:2040`` ``quantize_param_shard``); without TE,
    megatron-core 0.12.1 raises there even when there are none (``megatron/core/fp8_utils.py:296-302``).
    With no FP8 parameter the cast is empty (MindSpeed replaces the same function on an A3:
    ``mindspeed/features_manager/megatron_basic/megatron_basic.py:64-66``); any FP8 parameter still raises.
-8. ``TE_MODULES``: verl builds the model with ``use_transformer_engine=True``
+7. ``TE_MODULES``: verl builds the model with ``use_transformer_engine=True``
    (``verl/models/mcore/model_initializer.py``: ``get_gpt_decoder_block_spec(..., use_transformer_engine=True)``),
    i.e. megatron's Transformer Engine wrappers (``megatron/core/extensions/transformer_engine.py``), which
    are CUDA kernels. On an A3, MindSpeed replaces exactly these classes (``mindspeed/features_manager/
@@ -77,7 +77,6 @@ def install() -> None:
         return
     _te_modules()
     _dist_backend()
-    _gloo_collectives()
     _torch_cpu_device()
     _cuda_calls()
     _rng_tracker()
@@ -105,52 +104,21 @@ def _dist_backend() -> None:
             args = (_to_gloo(args[0]), *args[1:])
         if "backend" in kwargs:
             kwargs["backend"] = _to_gloo(kwargs["backend"])
-        kwargs.setdefault("backend", "gloo") if not args else None
+        if not args and kwargs.get("backend") is None:
+            kwargs["backend"] = "gloo"
         return init(*args, **kwargs)
 
     def new_group_gloo(*args, **kwargs):
         if "backend" in kwargs:
             kwargs["backend"] = _to_gloo(kwargs["backend"])
-        kwargs.pop("pg_options", None)
+        kwargs.pop("pg_options", None)  # NCCL communicator options (megatron's nccl_comm_cfgs): not gloo's
         return new_group(*args, **kwargs)
 
     dist.init_process_group = init_process_group
     dist.new_group = new_group_gloo
 
 
-# ---- 2. GLOO_COLLECTIVES ---------------------------------------------------------------------------------
-def _gloo_collectives() -> None:
-    import torch
-    import torch.distributed as dist
-
-    rs_tensor = dist.reduce_scatter_tensor
-
-    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        if dist.get_backend(group) != "gloo":
-            return rs_tensor(output, input, op=op, group=group, async_op=async_op)
-        full = input.clone()
-        work = dist.all_reduce(full, op=op, group=group)
-        n = dist.get_world_size(group)
-        r = dist.get_rank(group)
-        output.copy_(full.view(n, *output.shape)[r] if full.numel() == n * output.numel()
-                     else torch.chunk(full, n)[r])
-        return _DoneWork() if async_op else work
-
-    dist.reduce_scatter_tensor = reduce_scatter_tensor
-    dist._reduce_scatter_base = reduce_scatter_tensor
-
-
-class _DoneWork:
-    """A finished collective handle (the gloo emulation above is synchronous)."""
-
-    def wait(self, *args, **kwargs) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-# ---- 3. TORCH_CPU_DEVICE ---------------------------------------------------------------------------------
+# ---- 2. TORCH_CPU_DEVICE ---------------------------------------------------------------------------------
 def _torch_cpu_device() -> None:
     import torch
 
@@ -186,7 +154,7 @@ class _CpuDeviceId(str):
 CPU_DEVICE_ID = _CpuDeviceId("cpu")
 
 
-# ---- 4. CUDA_CALLS ---------------------------------------------------------------------------------------
+# ---- 3. CUDA_CALLS ---------------------------------------------------------------------------------------
 class _NoStream:
     """``torch.cuda.Stream``/``Event`` on the CPU: work is synchronous, so waiting is a no-op."""
 
@@ -311,7 +279,7 @@ def _transfer_to_cpu() -> None:
     torch.Tensor.type = type_name
 
 
-# ---- 5. RNG_TRACKER --------------------------------------------------------------------------------------
+# ---- 4-6. RNG_TRACKER, MOE_HOST_COPY, FP8_CAST -----------------------------------------------------------
 def _rng_tracker() -> None:
     from post_import import after_import
 
@@ -365,7 +333,7 @@ def _patch_rng_module(mrandom) -> None:
     mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
 
 
-# ---- 6. TE_MODULES ---------------------------------------------------------------------------------------
+# ---- 7. TE_MODULES ---------------------------------------------------------------------------------------
 TE_MODULE = "megatron.core.extensions.transformer_engine"
 #: the TE version the stand-in reports: its API level (TENorm q/k norm >= 1.9, grouped linear >= 1.11)
 TE_VERSION = "1.13.0"
