@@ -348,6 +348,13 @@ TE_ABSENT = ("Fp8Padding", "Fp8Unpadding", "TEDelayedScaling", "TECudaRNGStatesT
              "fused_sort_chunks_by_index_with_probs", "fused_unpermute", "te_parallel_cross_entropy")
 
 
+#: megatron modules that import TE names at their own import (e.g. megatron/core/models/gpt/gpt_layer_specs.py:38-49)
+TE_IMPORTERS = ("megatron.core.models.common.embeddings.rope_utils", "megatron.core.models.gpt.gpt_layer_specs",
+                "megatron.core.models.gpt.moe_module_specs", "megatron.core.transformer.transformer_block",
+                "megatron.core.transformer.moe.experts", "megatron.core.transformer.moe.moe_utils",
+                "megatron.core.transformer.attention", "megatron.core.fp8_utils")
+
+
 class _CpuTransformerEngine(types.ModuleType):
     """``megatron.core.extensions.transformer_engine`` on CPU. Registered before megatron is imported (its
     modules bind TE names at import); the classes load lazily, once megatron's layers exist."""
@@ -394,8 +401,9 @@ def _te_modules() -> None:
     mod = sys.modules.get(TE_MODULE)
     if mod is not None and getattr(mod, "QWEN3_RL_CPU_TE", False):
         return
-    if "megatron" in sys.modules:
-        raise RuntimeError("megatron_shims.install() must run before megatron is imported")
+    early = [m for m in (TE_MODULE, *TE_IMPORTERS) if m in sys.modules]
+    if early:  # they bind TE names at import: the stand-in must be in place first
+        raise RuntimeError(f"megatron_shims.install() must run before {early} are imported")
     mod = _CpuTransformerEngine(TE_MODULE, __doc__)
     for f in (fused_apply_rotary_pos_emb, fused_apply_rotary_pos_emb_thd, get_cpu_offload_context, te_checkpoint):
         setattr(mod, f.__name__, f)
