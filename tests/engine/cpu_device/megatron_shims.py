@@ -44,7 +44,7 @@ schedules — is the real (patched) code. Each shim stands in for a device call 
    With no FP8 parameter the cast is empty (MindSpeed replaces the same function on an A3:
    ``mindspeed/features_manager/megatron_basic/megatron_basic.py:64-66``); any FP8 parameter still raises.
 7. ``TE_MODULES``: verl builds the model with ``use_transformer_engine=True``
-   (``verl/models/mcore/model_initializer.py``: ``get_gpt_decoder_block_spec(..., use_transformer_engine=True)``),
+   (``verl/models/mcore/model_initializer.py:156``: ``get_gpt_decoder_block_spec(..., use_transformer_engine=True)``),
    i.e. megatron's Transformer Engine wrappers (``megatron/core/extensions/transformer_engine.py``), which
    are CUDA kernels. On an A3, MindSpeed replaces exactly these classes (``mindspeed/features_manager/
    megatron_basic/transformer_engine_basic.py:14-30``, ``megatron_basic.py:47``). Here the module
