@@ -6,9 +6,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import PINS, PYPI_KEYS, run_script
 
 from qwen3_rl.upstream import patches as ps
+
+from conftest import PINS, PYPI_KEYS, run_script
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import run_script
-
 from qwen3_rl.pins import load_pins
+
+from conftest import run_script
 
 REPO = Path(__file__).resolve().parent.parent
 DOCKERFILE = REPO / "Dockerfile.vllm_ascend.mindspeed.qwen3"

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from conftest import PINS, run_script
 
 REPO = Path(__file__).resolve().parent.parent

@@ -13,7 +13,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import PINS
 from test_launch import PY, make_cann, make_standin, make_stubs, run_launcher, stub_env
 from test_launch import calls as stub_calls
 
@@ -27,6 +26,8 @@ from qwen3_rl.launch.env_contract import (
     resolve_launch_env,
     rule,
 )
+
+from conftest import PINS
 
 REPO = Path(__file__).resolve().parent.parent
 INTERNAL = REPO / "internal"

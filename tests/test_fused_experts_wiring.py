@@ -15,7 +15,6 @@ from types import ModuleType
 
 import pytest
 import torch
-from conftest import load_module
 from torch import nn
 
 from qwen3_rl.moe.fused_experts import grouped_to_hf, hf_layer_experts_to_grouped
@@ -24,6 +23,8 @@ from qwen3_rl.moe.fused_experts_verl import (
     grouped_mlp_weights_enabled,
     is_grouped_mlp_param,
 )
+
+from conftest import load_module
 
 LAYER_NAME_MAPPING = {"qkv_layer_name": "self_attention.linear_qkv.", "gate_proj_layer_name": "linear_fc1."}
 SCRIPT = "scripts/converter_hf_to_mcore.py"

@@ -26,9 +26,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import free_port
 
 from qwen3_rl.parallel.hdp import assign_hdp
+
+from conftest import free_port
 
 WORLD, CP = 4, 2
 CP_GROUPS = [[0, 1], [2, 3]]

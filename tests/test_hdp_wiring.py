@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import free_port
 
 from qwen3_rl.parallel.hdp import HDPAssignment, Placement, assign_hdp
 from qwen3_rl.parallel.hdp_runtime import HDPConfig, HDPRuntime, check_supported
@@ -31,6 +30,8 @@ from qwen3_rl.parallel.hdp_wiring import (
     sub_packed_seq_params,
     unpack_outputs,
 )
+
+from conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_port
 
 from qwen3_rl.launch.netinfo import NetError, parse_addr_show, parse_route_get
 from qwen3_rl.launch.ray_status import ClusterError, ClusterStatus, parse_ray_status, wait_for_cluster
+
+from conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "data"

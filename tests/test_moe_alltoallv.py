@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, load_module
 from omegaconf import OmegaConf
 
 from qwen3_rl.moe.reshard import RolloutLayout, rollout_expert_range
@@ -32,6 +31,8 @@ from qwen3_rl.moe.reshard_verl import (
     rollout_layout_from_config,
     sync_receive_counts,
 )
+
+from conftest import free_port, load_module
 
 REPO = Path(__file__).resolve().parent.parent
 INTERNAL = REPO / "internal"

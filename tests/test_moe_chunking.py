@@ -24,9 +24,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # worker mode (python tests/test_moe_chunking.py --worker ...)

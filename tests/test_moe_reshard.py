@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,6 +28,8 @@ from qwen3_rl.moe.reshard import (
     train_rank,
     train_stage_layers,
 )
+
+from conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 QWEN3_235B = MoEShape(num_layers=94, num_experts=128, hidden_size=4096, moe_intermediate_size=1536)

@@ -32,9 +32,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PINS, REPO, free_port, run_script
 
 from qwen3_rl.upstream.common import GIT_ENV
+
+from conftest import PINS, REPO, free_port, run_script
 
 FW = PINS.frameworks["mindspeed"]
 UPSTREAM = REPO.parent / "shared" / "upstream"

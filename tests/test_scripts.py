@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import run_script
 
 REPO = Path(__file__).resolve().parent.parent

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from conftest import PINS, REPO, _in_engine_env
 
 STUB = r"""#!/usr/bin/env bash

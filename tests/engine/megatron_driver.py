@@ -90,8 +90,9 @@ def main() -> int:
 
     import torch
     import torch.distributed as dist
-    from engine_driver import runner_of
     from rollout_driver import compose_config
+
+    from engine_driver import runner_of
 
     cfg = compose_config(spec)
     from megatron.core import parallel_state as mpu

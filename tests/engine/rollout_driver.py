@@ -54,9 +54,10 @@ def main() -> int:
     shims.install_ascend_pytorch_rejection_sampler(ws / "vllm-ascend")
     import torch
     import torch.distributed as dist
-    from engine_driver import counters, runner_of
     from omegaconf import OmegaConf
     from torch.distributed.device_mesh import init_device_mesh
+
+    from engine_driver import counters, runner_of
 
     cfg = compose_config(spec)
     from verl import DataProto

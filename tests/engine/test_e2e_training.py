@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import gloo_port
 
 import workspace
+from conftest import gloo_port
 
 pytestmark = pytest.mark.e2e
 

@@ -16,9 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import gloo_port, run_engine
-
 import workspace
+from conftest import gloo_port, run_engine
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

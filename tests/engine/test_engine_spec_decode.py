@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from conftest import run_engine, tree_without
 
 K = 3

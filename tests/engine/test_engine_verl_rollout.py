@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from conftest import gloo_port, run_engine, tree_without
 
 SCRIPT = "internal/train_grpo_qwen3_235b_128die_true_weight.sh"

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import gloo_port
 
 HERE = Path(__file__).resolve().parent
