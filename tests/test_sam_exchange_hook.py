@@ -91,6 +91,12 @@ def test_switch_and_config_checks() -> None:
         SiblingExchangeHook(_engine(None, {"group_mode": True, "group_exchange": True})).after_step()
     sam = SamRunnerDrafter(K, opts, 512)
     assert find_sam_drafter(_engine(sam, {})) is sam and sam.exchange is not None
+    assert sam.drafter.max_shadows_per_group == 7 and sam.drafter.max_shadow_tokens == 1 << 25
+    sam = SamRunnerDrafter(K, parse_sam_options({"group_mode": True, "group_exchange": True,
+                                                 "exchange_max_siblings": 0, "exchange_max_shadow_tokens": 99}), 512)
+    assert sam.drafter.max_shadows_per_group == 0 and sam.drafter.max_shadow_tokens == 99
+    with pytest.raises(ValueError, match="exchange_max_siblings"):
+        parse_sam_options({"group_mode": True, "group_exchange": True, "exchange_max_siblings": -1})
 
 
 def test_preflight_refuses_group_exchange_without_group_mode_or_dp() -> None:

@@ -406,3 +406,46 @@ def test_simulate_rollout_with_drafting(tmp_path: Path, capsys: pytest.CaptureFi
     assert res["data-rebalance+sam_group_exchange"]["tokens_per_step"] == dr.exchange
     assert ms["data-rebalance+sam_group_exchange"] < min(ms["data-rebalance+sam_group"], ms["default+sam_group"],
                                                         ms["data-rebalance"]) < ms["default"]
+
+
+def test_unheld_groups_filtered_and_siblings_per_group_capped() -> None:
+    """Entries of groups a rank does not hold are dropped while parsing; beyond ``max_shadows_per_group``
+    remote siblings are ignored (no string, skipped in the fast path); all freed with the group."""
+    recv = SamProposer(CFG)
+    recv.max_shadows_per_group = 2
+    ex = SiblingExchange(recv, 0)
+    send = SamProposer(CFG)
+    es = SiblingExchange(send, 1)
+    pa, pb = np.arange(10, dtype=np.int32), np.arange(50, 60, dtype=np.int32)
+    for j in range(4):
+        send.add_request(f"a{j}", pa, "A")
+        es.track(f"a{j}", "A", 10)
+        send.add_request(f"b{j}", pb, "B")
+        es.track(f"b{j}", "B", 10)
+        send.extend(f"a{j}", np.arange(100, 110) + j)
+        send.extend(f"b{j}", np.arange(200, 210) + j)
+    msg = es.pack()
+    assert ex.merge([None, msg]) == 0  # no group held here yet
+    assert recv.num_shadows() == 0
+    recv.add_request("mine", pa, "A")  # now group A is held (the filter is rebuilt), B still is not
+    ex.track("mine", "A", 10)
+    for j in range(4):
+        send.extend(f"a{j}", [7, 8])
+        send.extend(f"b{j}", [7, 8])
+    merged = ex.merge([None, es.pack()])
+    assert recv.num_shadows() == 4  # 2 shadow strings + 2 ignored siblings of group A, none of B
+    assert merged == 2 * (10 + 1 + 2)  # prompt copy + gap marker (their first 10 tokens were missed) + 2
+    assert recv.num_shadow_tokens() == merged
+    for j in range(4):
+        send.extend(f"a{j}", [9])
+    assert ex.merge([None, es.pack()]) == 2
+    recv.check_invariants()
+    for j in range(4):
+        es.before_finish(f"a{j}")
+        send.finish(f"a{j}")
+    ex.merge([None, es.pack()])
+    ex.before_finish("mine")
+    recv.finish("mine")
+    assert recv.num_groups() == 0 and recv.num_shadows() == 0 and recv.num_shadow_tokens() == 0
+    recv.clear_cache()
+    assert recv.nbytes() == 0

@@ -1026,11 +1026,13 @@ def gather_tails(SM, slots, starts, ends, out):
 
 
 @njit(cache=True)
-def parse_messages(flat, starts, ranks, skip, keys, k64, pos, counts, fin, tok_at):
+def parse_messages(flat, starts, ranks, skip, keys, k64, pos, counts, fin, tok_at, known):
     """Parse sibling-exchange messages laid back to back in ``flat`` (message m at ``starts[m]``, sent by
     rank ``ranks[m]``; messages of rank ``skip`` are ignored) into per-entry arrays (capacity >= entries):
     key = rank << 32 | serial, 64-bit group key, pos, count, FIN flag, and where the entry's tokens start
-    in ``flat``. Returns the number of entries, or -1 if a message is malformed (counts do not add up)."""
+    in ``flat``. Entries whose group key is not in ``known`` (sorted int64: the groups held here) are
+    dropped. Returns the number of entries kept, or -1 if a message is malformed (counts do not add up)."""
+    nk = known.shape[0]
     e = 0
     for m in range(starts.shape[0] - 1):
         if ranks[m] == skip:
@@ -1048,15 +1050,25 @@ def parse_messages(flat, starts, ranks, skip, keys, k64, pos, counts, fin, tok_a
             r = h + 5 * i
             lo = np.int64(flat[r]) & 0xFFFFFFFF
             hi = np.int64(flat[r + 1])
-            k64[e] = (hi << 32) | lo
-            keys[e] = (np.int64(ranks[m]) << 32) | (np.int64(flat[r + 2]) & 0xFFFFFFFF)
-            pos[e] = flat[r + 3]
+            g = (hi << 32) | lo
             c = np.int64(flat[r + 4]) & 0x3FFFFFFF
-            counts[e] = c
-            fin[e] = (flat[r + 4] & 0x40000000) != 0
-            tok_at[e] = t
+            a = 0
+            b = nk
+            while a < b:
+                mid = (a + b) >> 1
+                if known[mid] < g:
+                    a = mid + 1
+                else:
+                    b = mid
+            if a < nk and known[a] == g:
+                k64[e] = g
+                keys[e] = (np.int64(ranks[m]) << 32) | (np.int64(flat[r + 2]) & 0xFFFFFFFF)
+                pos[e] = flat[r + 3]
+                counts[e] = c
+                fin[e] = (flat[r + 4] & 0x40000000) != 0
+                tok_at[e] = t
+                e += 1
             t += c
-            e += 1
         if t != end:
             return -1
     return e
@@ -1128,6 +1140,11 @@ def shadow_fast(keys, pos, counts, tok_at, sh_keys, sh_rows, sh, room, e_slot, e
         if lo == m or sh_keys[lo] != k:
             continue
         r = sh_rows[lo]
+        if sh[r, 1] < 0:  # an ignored remote sibling: nothing to append
+            fast[i] = True
+            e_start[i] = 0
+            e_end[i] = 0
+            continue
         if sh[r, 2] != pos[i] or taken + counts[i] > room:
             continue
         c = counts[i]

@@ -56,6 +56,11 @@ class SamOptions:
         exchange_every: engine steps between two exchanges (>= 1).
         exchange_max_bytes: cap of one rank's message per exchange (bytes, >= 24; the oldest tokens of the
             longest pending ranges are dropped first).
+        exchange_max_siblings: remote siblings a rank keeps per group (shadow strings; 0 = all). Each kept
+            sibling costs its whole text in host memory and its new tokens in every merge; 7 = the measured
+            configuration (8 samples per prompt, docs/sam_decoding.md).
+        exchange_max_shadow_tokens: bound of the tokens a rank holds in shadow strings (beyond it, remote
+            tokens are skipped).
     """
 
     group_mode: bool = False
@@ -69,6 +74,8 @@ class SamOptions:
     group_exchange: bool = False
     exchange_every: int = 1
     exchange_max_bytes: int = 16384
+    exchange_max_siblings: int = 7
+    exchange_max_shadow_tokens: int = 1 << 25
 
     def sam_config(self, k: int) -> SamConfig:
         """The drafter's config for ``k`` speculative tokens."""
@@ -158,6 +165,9 @@ def parse_sam_options(raw: Mapping[str, Any] | None) -> SamOptions:
                          "feeds the siblings' tokens into the group automata)")
     if opts.exchange_every < 1:
         raise ValueError(f"speculative_config.sam_config.exchange_every must be >= 1, got {opts.exchange_every}")
+    if opts.exchange_max_siblings < 0 or opts.exchange_max_shadow_tokens < 0:
+        raise ValueError("speculative_config.sam_config.exchange_max_siblings and exchange_max_shadow_tokens must "
+                         "be >= 0")
     if opts.exchange_max_bytes < 24:
         raise ValueError(f"speculative_config.sam_config.exchange_max_bytes must be >= 24, got "
                          f"{opts.exchange_max_bytes}")

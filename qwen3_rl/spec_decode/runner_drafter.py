@@ -55,6 +55,8 @@ class SamRunnerDrafter:
         # sibling exchange (sam_config.group_exchange): its rank is set by the engine hook (exchange_hook.py)
         self.exchange: SiblingExchange | None = (
             SiblingExchange(self.drafter, -1, options.exchange_max_bytes) if options.group_exchange else None)
+        self.drafter.max_shadows_per_group = options.exchange_max_siblings
+        self.drafter.max_shadow_tokens = options.exchange_max_shadow_tokens
 
     # ------------------------------------------------------------------ lifecycle
     @property

@@ -103,6 +103,7 @@ class _Auto:
     group: str = ""  # group automata: the group id
     shadows: list[int] = field(default_factory=list)  # rows of its open shadow strings (shadow table)
     shadow_tokens: int = 0  # tokens of its closed (finished) shadow strings
+    n_shadows: int = 0  # shadow strings ever opened in it
 
 
 #: Gap marker inside shadow strings (never a vocabulary id); drafts are cut before it.
@@ -176,6 +177,8 @@ class SamProposer:
         self._shadow_tokens = 0
         self.max_shadow_tokens = 1 << 24  # bound of tokens held in shadow strings (sibling exchange)
         self._has_sep = False  # a SEP was appended somewhere: drafts are cut at SEP
+        self.max_shadows_per_group = 0  # remote siblings kept per group automaton (0 = all); others ignored
+        self.groups_version = 0  # changes whenever a group automaton is opened or freed
 
     # ------------------------------------------------------------------ slot tables (metadata)
     def _grow_autos(self, n: int) -> None:
@@ -409,6 +412,7 @@ class SamProposer:
             if a < 0 or len(self._autos[a].strings) >= K.MAX_STRINGS:
                 a = self._new_auto()
                 self._groups[g] = a
+                self.groups_version += 1
                 self._autos[a].prompt_len = int(prompt.shape[0])
                 self._autos[a].group = g
         else:
@@ -509,6 +513,10 @@ class SamProposer:
         return drafts_to_lists(out, cnt)
 
     # ------------------------------------------------------------------ shadow strings (sibling exchange)
+    def group_ids(self) -> list[str]:
+        """Ids of the group automata held (group mode)."""
+        return list(self._groups)
+
     def has_group(self, group_id: str) -> bool:
         """Group mode: a running request of ``group_id`` is held (its automaton exists)."""
         return group_id in self._groups
@@ -521,7 +529,7 @@ class SamProposer:
         return self._shadow_tokens
 
     def num_shadows(self) -> int:
-        """Open shadow strings."""
+        """Open shadow rows (strings, and ignored remote siblings beyond ``max_shadows_per_group``)."""
         return len(self._key2sh)
 
     def shadow_keys(self) -> list[int]:
@@ -532,9 +540,12 @@ class SamProposer:
         self._sh_free.append(row)
         self._sh_dirty = True
 
-    def _open_shadow(self, key: int, a: int) -> int:
-        """A new shadow string in automaton ``a``: its row in the shadow table."""
-        s = self._new_string(a)
+    def _open_shadow(self, key: int, a: int, ignored: bool = False) -> int:
+        """A new shadow string in automaton ``a``: its row in the shadow table (``ignored``: a row without a
+        string, slot -1, whose entries are skipped: a remote sibling beyond ``max_shadows_per_group``)."""
+        s = -1 if ignored else self._new_string(a)
+        if not ignored:
+            self._autos[a].n_shadows += 1
         if not self._sh_free:
             old = self._sh.shape[0]
             sh = np.zeros((max(64, 2 * old), 5), np.int64)
@@ -630,6 +641,9 @@ class SamProposer:
                 if a < 0:
                     continue
                 auto = self._autos[a]
+                if self.max_shadows_per_group and auto.n_shadows >= self.max_shadows_per_group:
+                    self._open_shadow(int(keys[i]), a, ignored=True)  # later entries skip it in the fast path
+                    continue
                 plen = auto.prompt_len
                 need = plen + c + (1 if p0 else 0)
                 if need > room or len(auto.strings) >= K.MAX_STRINGS:
@@ -682,7 +696,7 @@ class SamProposer:
         auto.shadow_tokens += int(self._sh[row, 3])  # closed shadows: counted here until the automaton is freed
         self._drop_shadow_row(row)
         slot = int(self._sh[row, 1])
-        if cache and self.config.cache_max_responses > 0:
+        if cache and slot >= 0 and self.config.cache_max_responses > 0:
             resp = self._arrT[slot][auto.prompt_len: self._SM[slot, K.M_LEN]]
             if resp.shape[0]:
                 self._cache_insert(resp.copy())
@@ -751,6 +765,7 @@ class SamProposer:
         if auto.live == 0 and not auto.shadows:
             if self._groups.get(group, -1) == a:
                 del self._groups[group]
+                self.groups_version += 1
             self._free_auto(a)
 
     def _cache_insert(self, resp: np.ndarray) -> None:

@@ -180,7 +180,10 @@ class SiblingExchange:
         self._n = 0  # rows ever used (high-water mark)
         self._finished: list[tuple[int, int, int, np.ndarray]] = []  # key64, serial, pos, tail since last pack
         self._serial = 0
-        self._key_group: dict[int, str] = {}
+        self._key_group: dict[int, str] = {}  # 64-bit wire key -> group id, for the groups held here
+        self._k64_of: dict[str, int] = {}
+        self._known = np.zeros(0, np.int64)  # sorted wire keys of the groups held here
+        self._known_version = -1
         self._buf = np.zeros(1024, np.int32)
         self.stats = ExchangeStats()
 
@@ -211,6 +214,7 @@ class SiblingExchange:
         self._sent[i] = self._plen[i] = int(prompt_len)
         self._used[i] = True
         self._key_group[k64] = group_id
+        self._k64_of[group_id] = k64
 
     def is_tracked(self, req_id: str) -> bool:
         return req_id in self._row
@@ -325,9 +329,17 @@ class SiblingExchange:
         Entries of groups without an automaton here are skipped. Returns tokens appended.
         """
         kg = self._key_group
-        if len(kg) > 2 * self.p.num_groups() + 64:  # forget keys of groups freed since
+        if self._known_version != self.p.groups_version:  # the groups held here changed: rebuild the filter
+            self._known_version = self.p.groups_version
             for k in [k for k, g in kg.items() if not self.p.has_group(g)]:
                 del kg[k]
+            for g in self.p.group_ids():
+                if g not in self._k64_of:
+                    self._k64_of[g] = group_key64(g)
+                kg[self._k64_of[g]] = g
+            if len(self._k64_of) > 4 * len(kg) + 1024:
+                self._k64_of = {g: k for k, g in kg.items()}
+            self._known = np.sort(np.fromiter(kg.keys(), np.int64, len(kg)))
         parts = [np.asarray(m, np.int32) if m is not None else _NOMSG for m in messages]
         lens = np.fromiter((x.shape[0] for x in parts), np.int64, len(parts))
         starts = np.zeros(len(parts) + 1, np.int64)
@@ -337,7 +349,7 @@ class SiblingExchange:
         keys, k64, pos, counts, tok_at = (np.empty(cap, np.int64) for _ in range(5))
         fin = np.empty(cap, np.bool_)
         ranks = np.arange(len(parts), dtype=np.int64)
-        e = K.parse_messages(flat, starts, ranks, self.rank, keys, k64, pos, counts, fin, tok_at)
+        e = K.parse_messages(flat, starts, ranks, self.rank, keys, k64, pos, counts, fin, tok_at, self._known)
         if e < 0:
             raise ValueError("malformed sibling-exchange message (entry counts do not match the tokens)")
         if e == 0:
