@@ -7,8 +7,9 @@
 #   python -m qwen3_rl tiny-data --out workspace/tiny/data
 #   bash ray_start_npu.sh internal/train_dapo_tiny_cpu.sh --device cpu --npus-per-node 2
 #
-# A random model never answers right, so "acc" is 0 in every group and dynamic sampling would keep none: the tiny
-# run filters on "score" (accuracy plus the overlong penalty, which varies with the response length).
+# A random model never answers right, so "acc" and "score" are the same in every group and dynamic sampling would
+# keep none: the tiny run filters on "seq_reward" (the score plus the overlong penalty, which varies with the
+# response length).
 # QWEN3_RL_PRINT_COMMAND=1 prints the final command (NUL-separated) instead of running it.
 set -euo pipefail
 
@@ -22,7 +23,7 @@ ACTOR_EP=${ACTOR_EP:-1}
 ACTOR_PP_FIRST_STAGE_LAYERS=${ACTOR_PP_FIRST_STAGE_LAYERS:-}
 ACTOR_PP_LAST_STAGE_LAYERS=${ACTOR_PP_LAST_STAGE_LAYERS:-}
 GEN_BATCH_SIZE=${GEN_BATCH_SIZE:-16}
-FILTER_METRIC=${FILTER_METRIC:-score}
+FILTER_METRIC=${FILTER_METRIC:-seq_reward}
 MAX_NUM_GEN_BATCHES=${MAX_NUM_GEN_BATCHES:-4}
 OVERLONG_BUFFER_LEN=${OVERLONG_BUFFER_LEN:-16}
 

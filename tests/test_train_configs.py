@@ -236,9 +236,9 @@ def test_compose_every_setup_with_patched_verl(patched_imports: Path) -> None:
             from qwen3_rl.trainer.dapo import DapoSettings
 
             s = DapoSettings.from_config(cfg)
-            # the tiny run filters on "score": a random model's accuracy is 0 in every group
+            # the tiny run filters on "seq_reward": a random model's accuracy and score are 0 in every group
             assert (s.filter_metric, s.max_num_gen_batches, s.train_batch_size) == (
-                ("score", 4, gbs) if tiny else ("acc", 2, gbs))
+                ("seq_reward", 4, gbs) if tiny else ("acc", 2, gbs))
             assert algo_cfg.filter_groups.enable is True
             assert (actor_cfg.clip_ratio_low, actor_cfg.clip_ratio_high) == (0.2, 0.28)
             assert actor_cfg.loss_agg_mode == "token-mean"
