@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GRPO on a tiny random-weight Qwen3-MoE on CPU: 1 node, 2 worker processes (Megatron actor TP 2 + EP 2, one
 # vLLM CPU engine per process), 8 prompts x 4 samples x 64 response tokens, 2 steps, a checkpoint per step.
-# The whole loop of the cluster setups (launcher, Ray, rollout, reward, update, weight sync, checkpoint, resume)
+# The whole loop of the cluster setups (launcher, Ray, rollout, reward, update, weight sync, checkpoint)
 # at a size two CPU cores run in about a minute; composed from the same internal/lib/ groups.
 #
 #   python -m qwen3_rl tiny-model --out workspace/tiny/qwen3_moe_tiny --moe
