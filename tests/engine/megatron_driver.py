@@ -35,45 +35,14 @@ sys.path.insert(0, str(HERE / "cpu_device"))
 import workspace  # noqa: E402
 
 
-def vllm_view(hf: dict, vllm_params: dict):
-    """Map HF-named tensors onto the vLLM Qwen3-MoE parameter layout (rollout TP 1, no EP): yields
-    ``(vllm name, expected tensor)``. Fused vLLM parameters are rebuilt from their HF parts."""
-    import torch
-
-    layers = sorted({int(k.split(".")[2]) for k in hf if k.startswith("model.layers.")})
-    fused = ("q_proj", "k_proj", "v_proj", ".experts.", "gate_proj", "up_proj")
-    for k in hf:
-        if not any(s in k for s in fused):
-            yield k, hf[k]
-    for i in layers:
-        p = f"model.layers.{i}"
-        yield f"{p}.self_attn.qkv_proj.weight", torch.cat([hf[f"{p}.self_attn.{n}_proj.weight"] for n in "qkv"])
-        experts = sorted({int(k.split(".")[5]) for k in hf if k.startswith(f"{p}.mlp.experts.")})
-        yield f"{p}.mlp.experts.w13_weight", torch.stack(
-            [torch.cat([hf[f"{p}.mlp.experts.{e}.gate_proj.weight"], hf[f"{p}.mlp.experts.{e}.up_proj.weight"]])
-             for e in experts])
-        yield f"{p}.mlp.experts.w2_weight", torch.stack([hf[f"{p}.mlp.experts.{e}.down_proj.weight"]
-                                                         for e in experts])
-
-
 def compare_sync(hf: dict, vllm_params: dict) -> dict:
-    """Exact comparison of the actor's HF-named weights with the engine's parameters."""
-    import torch
+    """Exact comparison of the actor's HF-named weights with the engine's parameters (``probe.compare``, the
+    check the training runs make after every sync), in this driver's result keys."""
+    import probe
 
-    checked, mismatched, missing = 0, [], []
-    seen = set()
-    for name, want in vllm_view(hf, vllm_params):
-        if name not in vllm_params:
-            missing.append(name)
-            continue
-        seen.add(name)
-        got = vllm_params[name]
-        checked += 1
-        if got.shape != want.shape or not torch.equal(got.float(), want.float()):
-            diff = (got.float() - want.float()).abs().max().item() if got.shape == want.shape else None
-            mismatched.append({"name": name, "shape": list(got.shape), "want": list(want.shape), "max_diff": diff})
-    unchecked = sorted(set(vllm_params) - seen)
-    return {"checked": checked, "mismatched": mismatched, "missing": missing, "unchecked": unchecked}
+    s = probe.compare(hf, vllm_params)
+    return {"checked": s["compared"], "mismatched": s["unequal"], "missing": s["unused"], "unchecked": s["missing"],
+            "max_abs_diff": s["max_abs_diff"]}
 
 
 def main() -> int:
