@@ -40,7 +40,7 @@ _q3_source() {
 
 CANN_HOME=${CANN_HOME:-/usr/local/Ascend}
 if [[ "${_q3_mode}" != skip ]]; then
-  # CANN 8.x layouts: <home>/ascend-toolkit (bare metal, seed README) or <home>/cann/ascend-toolkit (images)
+  # CANN 8.x layouts: <home>/ascend-toolkit (bare metal, [ref 000]) or <home>/cann/ascend-toolkit (images)
   _q3_toolkit=""
   for _q3_c in "${ASCEND_TOOLKIT_SET_ENV:-}" "${CANN_HOME}/ascend-toolkit/set_env.sh" \
                "${CANN_HOME}/cann/ascend-toolkit/set_env.sh"; do

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # DAPO, Qwen3-235B-A22B, real weights, 8 nodes x 16 dies (Atlas A3, 128 dies), dapo-math-17k
-# (validation: AIME 2024). Seed: GBS 128, n=16, prompt 2048, response 34816, max 2 generation batches.
+# (validation: AIME 2024). [ref 000]: GBS 128, n=16, prompt 2048, response 34816, max 2 generation batches.
 # DAPO = decoupled clip (clip_ratio_low/high), token-mean loss, dynamic sampling (filter_groups),
 # overlong reward shaping; run by our entry qwen3_rl.trainer.dapo on verl's core RayPPOTrainer.
 #
-# Seed facts (recipe README launch table, slides section 1.3 / 2.1): 128 dies, rollout TP4 / DP32 /
+# Reference facts ([ref 000 launch table], [ref 002 §1.3 / §2.1]): 128 dies, rollout TP4 / DP32 /
 # EP128 (experts spread over all DP ranks).
-# NOT in the seeds, taken from the published recipe's scripts: actor TP4 PP4 CP4 EP32
+# NOT in the references, taken from the published recipe's scripts: actor TP4 PP4 CP4 EP32
 # (the slides' "128die TP4PP4 CP4EP32" agrees) and the multi-bucket graph capture sizes.
 #
 # Rollout mode: sync SPMD (see docs/rollout_mode.md). verl's own rollout.data_parallel_size stays 1

@@ -3,8 +3,8 @@
 # DAPO = decoupled clip (clip_ratio_low/high), token-mean loss, dynamic sampling (filter_groups),
 # overlong reward shaping; run by our entry qwen3_rl.trainer.dapo on verl's core RayPPOTrainer.
 #
-# Seed facts (recipe README): 2 nodes, GBS 128, n=16, prompt 2048, response 34816, rollout TP8.
-# NOT in the seeds, taken from the published recipe's scripts: actor TP8 PP2 CP2 and the
+# Reference facts ([ref 000]): 2 nodes, GBS 128, n=16, prompt 2048, response 34816, rollout TP8.
+# NOT in the references, taken from the published recipe's scripts: actor TP8 PP2 CP2 and the
 # multi-bucket graph capture sizes.
 #
 # Rollout mode: sync SPMD (see docs/rollout_mode.md): 4 independent TP8 vLLM engines (dense model,
@@ -20,7 +20,7 @@ QWEN3_RL_HOME=${QWEN3_RL_HOME:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}
 NNODES=${NNODES:-2}
 EXP_NAME=${EXP_NAME:-dapo_qwen3_32b_32die_true_weight}
 MODEL_PATH=${MODEL_PATH:-${QWEN3_RL_HOME}/Qwen3-32B}
-# The seed loads the HF weights directly (only the source rank reads them); USE_DIST_CKPT=True
+# [ref 000] loads the HF weights directly (only the source rank reads them); USE_DIST_CKPT=True
 # loads a converted Megatron checkpoint instead (docs/weights.md).
 USE_DIST_CKPT=${USE_DIST_CKPT:-False}
 DIST_CKPT_PATH=${DIST_CKPT_PATH:-${QWEN3_RL_HOME}/Qwen3-32B-mcore}

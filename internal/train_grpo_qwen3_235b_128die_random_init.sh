@@ -6,9 +6,9 @@
 # own random initialisation (megatron_workers.py: `if self.config.actor.load_weight:`), and the
 # rollout starts from load_format=dummy and receives the actor's weights at the first sync.
 #
-# Seed facts (recipe README launch table, slides section 1.3 / 2.1): 128 dies, GBS 512, n=16,
+# Reference facts ([ref 000 launch table], [ref 002 §1.3 / §2.1]): 128 dies, GBS 512, n=16,
 # prompt 2048, response 32768, rollout TP4 / DP32 / EP128 (experts spread over all DP ranks).
-# NOT in the seeds, taken from the published recipe's scripts: actor TP4 PP4 CP4 EP32
+# NOT in the references, taken from the published recipe's scripts: actor TP4 PP4 CP4 EP32
 # (the slides' "128die TP4PP4 CP4EP32" agrees) and the multi-bucket graph capture sizes.
 #
 # Rollout mode: sync SPMD (see docs/rollout_mode.md). verl's own rollout.data_parallel_size stays 1

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # GRPO, Qwen3-30B-A3B (MoE: 48 layers, 128 experts top-8), real weights, 2 nodes x 16 dies (Atlas A3, 32 dies), gsm8k.
 #
-# Seed facts (seed 001, the 30B-A3B verl example): 2 x A3 = 32 dies (A2 may run out of memory), gsm8k train and
+# Reference facts ([ref 001], the 30B-A3B verl example): 2 x A3 = 32 dies (A2 may run out of memory), gsm8k train and
 # val files, prompt 1024 / response 2048, weights converted HF -> Megatron dist checkpoint
 # (verl's scripts/converter_hf_to_mcore.py), or read online through mbridge (USE_MBRIDGE=True), MindSpeed's fused
-# RoPE as an option (FUSED_ROPE=True). NOT in the seed: batch, n and the parallelism. Batch 128 x n 16 as the
+# RoPE as an option (FUSED_ROPE=True). NOT in [ref 001]: batch, n and the parallelism. Batch 128 x n 16 as the
 # 32B setups; actor TP2 PP2 EP8 and rollout TP2 / vLLM DP16 / EP32 from `python -m qwen3_rl plan`
 # (internal/lib/qwen3_30b_a3b_layout.sh, docs/setups.md).
 #
@@ -22,7 +22,7 @@ NNODES=${NNODES:-2}
 EXP_NAME=${EXP_NAME:-grpo_qwen3_30b_a3b_32die}
 MODEL_PATH=${MODEL_PATH:-${QWEN3_RL_HOME}/Qwen3-30B-A3B}
 DIST_CKPT_PATH=${DIST_CKPT_PATH:-${QWEN3_RL_HOME}/Qwen3-30B-A3B-mcore}
-# HF weights read online through mbridge instead of the converted dist checkpoint (seed 001; needs the mbridge
+# HF weights read online through mbridge instead of the converted dist checkpoint ([ref 001]; needs the mbridge
 # package, pinned in pins.toml [runtime]): True | False
 USE_MBRIDGE=${USE_MBRIDGE:-False}
 TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}

@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # Qwen3-235B-A22B on 8 nodes x 16 dies: the layout every 235B setup shares (sourced by its train scripts before
-# lib/train_common.sh). Actor parallelism and the multi-bucket graph sizes are NOT in the seeds: they
+# lib/train_common.sh). Actor parallelism and the multi-bucket graph sizes are NOT in the references: they
 # come from the published recipe's scripts (the slides' "128die TP4PP4 CP4EP32" agrees). Every value is an env var with a default (docs/setups.md).
 [[ "${BASH_SOURCE[0]}" != "$0" ]] || { echo "${BASH_SOURCE[0]}: source it from a train script" >&2; exit 2; }
 
@@ -23,6 +23,6 @@ ROLLOUT_ENABLE_EP=${ROLLOUT_ENABLE_EP:-True}
 # ROLLOUT_EPLB=False (the run stops at the first weight sync otherwise).
 MOE_ALLTOALLV=${MOE_ALLTOALLV:-False}
 ROLLOUT_GPU_MEMORY_UTILIZATION=${ROLLOUT_GPU_MEMORY_UTILIZATION:-0.87}
-# chunked MoE in prefill (seed 002 section 2.1; vllm_ascend patch 0005, docs/moe_memory.md): tokens per chunk of
+# chunked MoE in prefill ([ref 002 §2.1]; vllm_ascend patch 0005, docs/moe_memory.md): tokens per chunk of
 # the MoE layers' routed path in prefill steps, 0 = off (no key emitted). 4096 cuts the modelled peak ~1.6 -> 0.2 GiB.
 MOE_PREFILL_CHUNK_SIZE=${MOE_PREFILL_CHUNK_SIZE:-0}

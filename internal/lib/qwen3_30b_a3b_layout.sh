@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # Qwen3-30B-A3B on 2 nodes x 16 dies: the layout of its setup (sourced by its train script before
-# lib/train_common.sh). Seed 001 gives the hardware (2 x A3, 32 dies) and the lengths (prompt 1024, response
+# lib/train_common.sh). [ref 001] gives the hardware (2 x A3, 32 dies) and the lengths (prompt 1024, response
 # 2048), not the parallelism: the values below come from `python -m qwen3_rl plan` for this model at those
 # lengths (docs/setups.md shows the plan output). Every value is an env var with a default (docs/setups.md).
 [[ "${BASH_SOURCE[0]}" != "$0" ]] || { echo "${BASH_SOURCE[0]}: source it from a train script" >&2; exit 2; }
