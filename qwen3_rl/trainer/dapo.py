@@ -137,7 +137,7 @@ def make_dapo_trainer_class():
 
         # ---- the PPO update on a full batch (verl's steps, reward already attached) -------
         def _compute_old_log_prob(self, batch: DataProto, metrics: dict, timing_raw: dict) -> DataProto:
-            from qwen3_rl.training.old_log_prob import check_on_policy, prepare_batch_without_old_log_prob
+            from qwen3_rl.trainer.old_log_prob import check_on_policy, prepare_batch_without_old_log_prob
 
             if check_on_policy(self.config):  # the actor uses its current log-prob; actor/entropy from update
                 prepare_batch_without_old_log_prob(batch.meta_info, self.config)

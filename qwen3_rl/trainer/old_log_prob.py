@@ -8,7 +8,7 @@ that single step, so the training forward already computes it: ``old_log_prob = 
 gives ratio = 1 in value while the gradient still flows through ``log_prob``; the clip never triggers
 (ratio 1 is inside ``[1 - eps_low, 1 + eps_high]``) and the loss gradient equals the recomputed one up to
 the numerical difference between the two forward passes. It saves one forward over the whole batch per
-step (seed 000: ``recompute_old_log_prob`` patch).
+step ([ref 000 patch table]: ``recompute_old_log_prob`` patch).
 
 This differs from verl's ``algorithm.rollout_correction.bypass_mode=True``, which uses the *rollout
 engine's* log-probs (vLLM sampling kernels) as pi_old: on NPU those differ from the training engine's
