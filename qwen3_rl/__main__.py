@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return pins_main(rest)
     if cmd == "simulate":
-        from qwen3_rl.rollout.simulate import main as simulate_main
+        from qwen3_rl.sim.simulate import main as simulate_main
 
         return simulate_main(rest)
     if cmd == "data":

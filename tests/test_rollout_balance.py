@@ -21,7 +21,6 @@ from qwen3_rl.rollout.data_rebalance import (
     rank_sizes,
     rebalance_permutation,
 )
-from qwen3_rl.rollout.lengths import Lengths, generate_lengths, load_lengths, write_lengths
 from qwen3_rl.rollout.rebalance import (
     MigrationPlan,
     Move,
@@ -37,7 +36,8 @@ from qwen3_rl.rollout.rebalance import (
     should_recompute,
     validate_plan,
 )
-from qwen3_rl.rollout.simulate import (
+from qwen3_rl.sim.lengths import Lengths, generate_lengths, load_lengths, write_lengths
+from qwen3_rl.sim.simulate import (
     SimConfig,
     StepModel,
     lower_bound,

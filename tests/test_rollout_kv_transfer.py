@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from qwen3_rl.bench import kv_transfer
-from qwen3_rl.rollout.lengths import generate_lengths
 from qwen3_rl.rollout.migration import (
     FinishedRemote,
     KVCacheSpec,
@@ -33,8 +32,9 @@ from qwen3_rl.rollout.rebalance import (
     should_recompute,
     validate_plan,
 )
-from qwen3_rl.rollout.simulate import SimConfig, StepModel, simulate
-from qwen3_rl.rollout.simulate import main as sim_main
+from qwen3_rl.sim.lengths import generate_lengths
+from qwen3_rl.sim.simulate import SimConfig, StepModel, simulate
+from qwen3_rl.sim.simulate import main as sim_main
 
 # one TP4 shard of Qwen3-235B-A22B: 94 layers x K,V x 1 KV head x 128 dims x bf16 = 47 KiB per token
 BYTES_PER_TOKEN = 94 * 2 * 1 * 128 * 2
@@ -321,7 +321,7 @@ def _phase1_moves(res: Any) -> int:
 
 
 def test_simulator_cli_link_list(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    from qwen3_rl.rollout.lengths import write_lengths
+    from qwen3_rl.sim.lengths import write_lengths
 
     f = tmp_path / "l.jsonl"
     write_lengths(generate_lengths(32, 4, mean_response=300, max_response=2048, seed=1), f)

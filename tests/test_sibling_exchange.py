@@ -379,8 +379,8 @@ def test_gloo_exchange_between_processes(world: int, tmp_path: Path) -> None:
 def test_simulate_rollout_with_drafting(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """``simulate rollout --drafting``: requests advance tokens-per-step per step by layout; data rebalance
     with the exchange beats data rebalance alone, group drafting alone and spread drafting without it."""
-    from qwen3_rl.rollout.lengths import Lengths
-    from qwen3_rl.rollout.simulate import Drafting, StepModel, main, with_drafting
+    from qwen3_rl.sim.lengths import Lengths
+    from qwen3_rl.sim.simulate import Drafting, StepModel, main, with_drafting
 
     lens = Lengths(num_prompts=2, n=2, prompt_len=np.array([100, 100, 40, 40]),
                    response_len=np.array([1000, 999, 10, 1]))

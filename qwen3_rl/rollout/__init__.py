@@ -1,1 +1,1 @@
-"""Rollout-side features: load balancing across DP ranks, and the rollout simulator."""
+"""Rollout-side runtime features: load balancing across DP ranks (the simulator is in :mod:`qwen3_rl.sim`)."""

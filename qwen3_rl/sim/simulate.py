@@ -64,7 +64,18 @@ from pathlib import Path
 import numpy as np
 
 from qwen3_rl.rollout.data_rebalance import contiguous_rank_of_rows, rank_sizes, rebalance_permutation
-from qwen3_rl.rollout.lengths import (
+from qwen3_rl.rollout.rebalance import (
+    DEFAULT_MAX_KV_BYTES,
+    RankState,
+    RebalanceConfig,
+    RunningRequest,
+    TransferCost,
+    WaitingRequest,
+    bucket_for,
+    kv_block_budget,
+    plan_rebalance,
+)
+from qwen3_rl.sim.lengths import (
     SEED_DP,
     SEED_MAX_RESPONSE,
     SEED_MEAN_PROMPT,
@@ -77,17 +88,6 @@ from qwen3_rl.rollout.lengths import (
     generate_lengths,
     load_lengths,
     write_lengths,
-)
-from qwen3_rl.rollout.rebalance import (
-    DEFAULT_MAX_KV_BYTES,
-    RankState,
-    RebalanceConfig,
-    RunningRequest,
-    TransferCost,
-    WaitingRequest,
-    bucket_for,
-    kv_block_budget,
-    plan_rebalance,
 )
 
 POLICIES = ("default", "data-rebalance", "rollout-rebalance", "both")
