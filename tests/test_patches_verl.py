@@ -493,3 +493,42 @@ def test_pristine_pin_has_the_bugs(pristine_workspace: Path) -> None:
     assert (root / "verl/utils/vllm/utils.py").read_text().splitlines()[17] == "from vllm.lora.models import LoRAModel"
     spmd = (root / "verl/workers/rollout/vllm_rollout/vllm_rollout_spmd.py").read_text().splitlines()
     assert spmd[386].strip() == "use_tqdm=False,"
+
+
+# ----------------------------------------------------------------------------------------------
+# 0017 resuming a Megatron checkpoint without Transformer Engine
+# ----------------------------------------------------------------------------------------------
+
+_LOAD_WITHOUT_TE = textwrap.dedent("""
+    import sys
+    sys.modules["transformer_engine"] = None  # unimportable, as on Ascend (and on this CPU)
+    from verl.utils.checkpoint import megatron_checkpoint_manager as m
+
+    class Reached(Exception):
+        pass
+
+    def get_dist_checkpoint_path(path):  # the first call after the optimizer allow-list
+        raise Reached
+    m.get_dist_checkpoint_path = get_dist_checkpoint_path
+    try:
+        object.__new__(m.MegatronCheckpointManager).load_checkpoint(sys.argv[1])
+    except Reached:
+        print("reached the checkpoint path")
+    except ImportError as e:
+        print(f"{type(e).__name__}: {e}")
+""")
+
+
+@pytest.mark.parametrize("tree", ["patched", "pristine"])
+def test_0017_checkpoint_load_without_te(tree: str, patched_workspace: Path, pristine_workspace: Path,
+                                        tmp_path: Path) -> None:
+    """Patched: load_checkpoint goes past the optimizer allow-list to the checkpoint path with transformer_engine
+    unimportable. Pristine verl 0.6.1: ModuleNotFoundError before the checkpoint is read."""
+    ws = patched_workspace if tree == "patched" else pristine_workspace
+    path = os.pathsep.join(str(ws / PINS.frameworks[k].dir) for k in ("verl", "megatron"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": path}
+    proc = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_TE, str(tmp_path)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want = "reached the checkpoint path" if tree == "patched" else "ModuleNotFoundError: import of transformer_engine"
+    assert proc.stdout.strip().splitlines()[-1].startswith(want), proc.stdout[-2000:]

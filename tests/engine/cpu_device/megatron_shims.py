@@ -55,6 +55,16 @@ schedules — is the real (patched) code. Each shim stands in for a device call 
    ``TEColumnParallelGroupedLinear``/``TERowParallelGroupedLinear`` (one matmul per local expert,
    weights ``weight0..N``), ``TEDotProductAttention`` (causal GQA softmax attention per packed sequence,
    ``thd`` and ``sbhd``), and the fused RoPE functions (megatron's own unfused RoPE).
+8. ``FUSED_ADAM``: megatron-core takes its Adam from Transformer Engine, else Apex, else ``torch.optim.AdamW``
+   (``megatron/core/optimizer/__init__.py:10-25``, ``distrib_optimizer.py:13-22``). On an A3 MindSpeed registers
+   its fused AdamW as ``apex.optimizers.FusedAdam`` (``mindspeed/features_manager/megatron_basic/
+   requirements_basic.py:61-67``; class ``mindspeed/core/optimizer/adamw.py`` ``AdamW``, which imports torch_npu),
+   so megatron runs its Apex/TE branch (``HAVE_APEX_OR_TE``): the step count lives in each param group, the state
+   holds ``exp_avg``/``exp_avg_sq`` only. Here ``apex.optimizers.FusedAdam`` is a CPU optimizer with that layout and
+   the same update (``torch._fused_adamw_``, which has a CPU kernel), and ``FusedSGD`` is ``torch.optim.SGD`` as
+   MindSpeed registers it. Without it megatron's torch-AdamW branch cannot resume: a fresh distributed optimizer
+   has no per-parameter ``step`` to read (``distrib_optimizer.py:604-606``, ``assert len(steps) == 1``), a path an
+   A3 never takes.
 """
 
 from __future__ import annotations
@@ -64,6 +74,8 @@ import importlib.util
 import sys
 import types
 from pathlib import Path
+
+import torch
 
 _INSTALLED = False
 DEVICE_BACKENDS = ("nccl", "hccl", "cuda:nccl", "npu:hccl")
@@ -82,6 +94,7 @@ def install() -> None:
     _rng_tracker()
     _moe_host_copy()
     _fp8_cast()
+    _fused_adam()
     _INSTALLED = True
 
 
@@ -421,3 +434,51 @@ def _set_te_version(mutils) -> None:
     from packaging.version import Version
 
     mutils._te_version = Version(TE_VERSION)
+
+
+# ---- 8. FUSED_ADAM ---------------------------------------------------------------------------------------
+class CpuFusedAdam(torch.optim.Optimizer):
+    """AdamW with the state layout of MindSpeed's ``apex.optimizers.FusedAdam``: ``group["step"]`` is a 0-d float
+    tensor counting the group's steps, ``state[p]`` holds ``exp_avg`` and ``exp_avg_sq`` (shape of ``p``)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False) -> None:
+        if amsgrad:
+            raise ValueError("CpuFusedAdam: amsgrad is not used by megatron-core")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            step = group.get("step")
+            group["step"] = torch.ones((), dtype=torch.float32) if step is None else \
+                torch.as_tensor(step, dtype=torch.float32) + 1
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["exp_avg_sq"] = torch.zeros_like(p)
+            beta1, beta2 = group["betas"]
+            torch._fused_adamw_(params, [p.grad for p in params], [self.state[p]["exp_avg"] for p in params],
+                                [self.state[p]["exp_avg_sq"] for p in params], [],
+                                [group["step"].clone() for _ in params], amsgrad=False, lr=group["lr"],
+                                beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
+                                maximize=group["maximize"])
+        return loss
+
+
+def _fused_adam() -> None:
+    if "apex" in sys.modules:
+        return
+    apex, optimizers = types.ModuleType("apex"), types.ModuleType("apex.optimizers")
+    apex.__path__ = []  # a package without submodules: apex.normalization etc. still raise ImportError
+    optimizers.FusedAdam, optimizers.FusedSGD = CpuFusedAdam, torch.optim.SGD
+    apex.optimizers = optimizers
+    sys.modules["apex"], sys.modules["apex.optimizers"] = apex, optimizers
