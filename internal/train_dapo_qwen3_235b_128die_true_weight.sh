@@ -39,14 +39,11 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/train_common.sh"
 TRAIN_FILE=${TRAIN_FILE:-${DATA_DIR}/dapo_math/train.parquet}
 VAL_FILE=${VAL_FILE:-${DATA_DIR}/aime2024/test.parquet}
 ROLLOUT_DP=${ROLLOUT_DP:-$((NNODES * NPUS_PER_NODE / ROLLOUT_TP))}
-# shellcheck source=SCRIPTDIR/lib/train_eplb.sh
-source "$(dirname "${BASH_SOURCE[0]}")/lib/train_eplb.sh"
 # shellcheck source=SCRIPTDIR/lib/train_dapo.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/train_dapo.sh"
 
 train_add_base_overrides moe dist_ckpt
 train_add_dapo_overrides
 train_add_trainer_overrides
-train_add_eplb_overrides
-train_add_sam_npugraph_ex_overrides
+train_add_feature_overrides
 train_run qwen3_rl.trainer.dapo dapo_megatron_trainer "$@"

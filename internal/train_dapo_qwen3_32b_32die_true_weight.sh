@@ -21,8 +21,7 @@ NNODES=${NNODES:-2}
 EXP_NAME=${EXP_NAME:-dapo_qwen3_32b_32die_true_weight}
 MODEL_PATH=${MODEL_PATH:-${QWEN3_RL_HOME}/Qwen3-32B}
 # [ref 000] loads the HF weights directly (only the source rank reads them); USE_DIST_CKPT=True
-# loads a converted Megatron checkpoint instead (docs/weights.md).
-USE_DIST_CKPT=${USE_DIST_CKPT:-False}
+# loads a converted Megatron checkpoint instead (docs/weights.md; the switch is in features.toml).
 DIST_CKPT_PATH=${DIST_CKPT_PATH:-${QWEN3_RL_HOME}/Qwen3-32B-mcore}
 TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}
 MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-2048}
@@ -43,5 +42,5 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/train_dapo.sh"
 train_add_base_overrides dense hf_or_dist_ckpt
 train_add_dapo_overrides
 train_add_trainer_overrides
-train_add_sam_npugraph_ex_overrides
+train_add_feature_overrides
 train_run qwen3_rl.trainer.dapo dapo_megatron_trainer "$@"

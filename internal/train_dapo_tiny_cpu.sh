@@ -40,6 +40,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/train_dapo.sh"
 train_add_base_overrides moe random
 train_add_dapo_overrides
 train_add_trainer_overrides
-train_add_sam_npugraph_ex_overrides
+train_add_feature_overrides
 train_add_tiny_cpu_overrides
 train_run qwen3_rl.trainer.dapo dapo_megatron_trainer "$@"

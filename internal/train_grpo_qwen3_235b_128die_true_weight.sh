@@ -36,12 +36,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/train_common.sh"
 TRAIN_FILE=${TRAIN_FILE:-${DATA_DIR}/deepscaler/train.parquet}
 VAL_FILE=${VAL_FILE:-${DATA_DIR}/aime2024/test.parquet}
 ROLLOUT_DP=${ROLLOUT_DP:-$((NNODES * NPUS_PER_NODE / ROLLOUT_TP))}
-# shellcheck source=SCRIPTDIR/lib/train_eplb.sh
-source "$(dirname "${BASH_SOURCE[0]}")/lib/train_eplb.sh"
 
 train_add_base_overrides moe dist_ckpt
 overrides+=(reward_model.reward_manager=naive)
 train_add_trainer_overrides
-train_add_eplb_overrides
-train_add_sam_npugraph_ex_overrides
+train_add_feature_overrides
 train_run verl.trainer.main_ppo ppo_megatron_trainer "$@"

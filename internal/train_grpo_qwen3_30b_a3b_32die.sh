@@ -23,8 +23,7 @@ EXP_NAME=${EXP_NAME:-grpo_qwen3_30b_a3b_32die}
 MODEL_PATH=${MODEL_PATH:-${QWEN3_RL_HOME}/Qwen3-30B-A3B}
 DIST_CKPT_PATH=${DIST_CKPT_PATH:-${QWEN3_RL_HOME}/Qwen3-30B-A3B-mcore}
 # HF weights read online through mbridge instead of the converted dist checkpoint ([ref 001]; needs the mbridge
-# package, pinned in pins.toml [runtime]): True | False
-USE_MBRIDGE=${USE_MBRIDGE:-False}
+# package, pinned in pins.toml [runtime]): the switch USE_MBRIDGE=True | False (features.toml)
 TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}
 MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-1024}
 MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-2048}
@@ -39,12 +38,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/train_common.sh"
 TRAIN_FILE=${TRAIN_FILE:-${DATA_DIR}/gsm8k/train.parquet}
 VAL_FILE=${VAL_FILE:-${DATA_DIR}/gsm8k/test.parquet}
 ROLLOUT_DP=${ROLLOUT_DP:-$((NNODES * NPUS_PER_NODE / ROLLOUT_TP))}
-# shellcheck source=SCRIPTDIR/lib/train_eplb.sh
-source "$(dirname "${BASH_SOURCE[0]}")/lib/train_eplb.sh"
 
 train_add_base_overrides moe dist_ckpt_or_mbridge
 overrides+=(reward_model.reward_manager=naive)
 train_add_trainer_overrides
-train_add_eplb_overrides
-train_add_sam_npugraph_ex_overrides
+train_add_feature_overrides
 train_run verl.trainer.main_ppo ppo_megatron_trainer "$@"

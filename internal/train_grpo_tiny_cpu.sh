@@ -33,6 +33,6 @@ TRAIN_FILE=${TRAIN_FILE:-${DATA_DIR}/gsm8k/train.parquet}
 train_add_base_overrides moe random
 overrides+=(reward_model.reward_manager=naive)
 train_add_trainer_overrides
-train_add_sam_npugraph_ex_overrides
+train_add_feature_overrides
 train_add_tiny_cpu_overrides
 train_run verl.trainer.main_ppo ppo_megatron_trainer "$@"

@@ -13,6 +13,7 @@ def _usage() -> str:
         "  patches    apply / check / status / revert / lint the patch series (apply_all_patches.sh)\n"
         "  build      install the patched stack in order (build_project.sh)\n"
         "  pins       print pinned frameworks (--format table|shell|json)\n"
+        "  features   the feature registry (features.toml): features overrides --setup SCRIPT | features list\n"
         "  readme     regenerate / check README.md's generated tables (--write | --check)\n"
         "  data       convert a downloaded dataset to verl parquet (data prepare --dataset NAME ...)\n"
         "  simulate   rollout load-balancing simulator (rollout | gen-lengths | fit-step-model)\n"
@@ -52,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         from qwen3_rl.report.cli import main as report_main
 
         return report_main(rest)
+    if cmd == "features":
+        from qwen3_rl.features import main as features_main
+
+        return features_main(rest)
     if cmd == "readme":
         from qwen3_rl.readme import main as readme_main
 

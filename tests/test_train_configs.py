@@ -22,7 +22,7 @@ BASE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
 GOLDEN_DIR = REPO / "tests" / "data" / "train_commands"
 
 # the libraries every setup shares (a setup's own files may give their variables other defaults)
-SHARED_LIBS = {"train_common.sh", "train_dapo.sh", "train_eplb.sh"}
+SHARED_LIBS = {"train_common.sh", "train_dapo.sh"}
 # `VAR=${VAR:-default}` at the start of a line: an environment variable with its default
 DEFAULT_RE = re.compile(r"^([A-Z_0-9]+)=\$\{\1:-(.*)\}$", re.M)
 # `source "$(dirname "${BASH_SOURCE[0]}")/lib/x.sh"`: a library sourced relative to the script
@@ -65,7 +65,7 @@ SETUPS = {
     "train_grpo_tiny_cpu.sh": ("verl.trainer.main_ppo", "ppo_megatron_trainer", 2, 8, 4, 64, (2, 1, 1, 2), 1, 1),
     "train_dapo_tiny_cpu.sh": ("qwen3_rl.trainer.dapo", "dapo_megatron_trainer", 2, 8, 4, 64, (1, 2, 1, 1), 1, 1),
 }
-# prompt length where it is not 2048 (seed 001: Qwen3-30B-A3B, gsm8k, 1024 / 2048)
+# prompt length where it is not 2048 ([ref 001]: Qwen3-30B-A3B, gsm8k, 1024 / 2048)
 PROMPT_LENGTH = {"train_grpo_qwen3_30b_a3b_32die.sh": 1024, "train_grpo_tiny_cpu.sh": 128,
                  "train_dapo_tiny_cpu.sh": 128}
 
@@ -351,28 +351,40 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     "upstream_fixes_off": ({"NPU_EXPANDABLE_SEGMENTS": "False", "ROLLOUT_REAL_TORCH_COMPILE": "False",
                             "ROLLOUT_PLAIN_LIST_CAPTURE_SIZES": "False"}, []),
     "bad_fix_switch_lowercase": ({"ROLLOUT_REAL_TORCH_COMPILE": "false"}, []),
-    # seed 001's options (30B-A3B: mbridge; every setup: MindSpeed fused RoPE)
+    # [ref 001]'s options (30B-A3B: mbridge; every setup: MindSpeed fused RoPE)
     "mbridge_fused_rope": ({"USE_MBRIDGE": "True", "FUSED_ROPE": "True"}, []),
     "bad_mbridge_with_alltoallv": ({"USE_MBRIDGE": "True", "MOE_ALLTOALLV": "True"}, []),
     "bad_fused_rope": ({"FUSED_ROPE": "on"}, []),
 }
-# variables the scripts check for True/False: given True in the every_var case
-_CHECKED_BOOLS = ("SAM_ENABLE", "SAM_GROUP", "NPUGRAPH_EX", "ROLLOUT_EPLB", "MOE_ALLTOALL_OVERLAP",
-                  "NPU_EXPANDABLE_SEGMENTS", "ROLLOUT_REAL_TORCH_COMPILE", "ROLLOUT_PLAIN_LIST_CAPTURE_SIZES",
-                  "FUSED_ROPE", "ROLLOUT_FREE_CACHE_ENGINE")
-# variables with a fixed set of values: given this value in the every_var case (MOE_ALLTOALLV=True conflicts
-# with ROLLOUT_EPLB=True, USE_MBRIDGE=True with MOE_ALLTOALL_OVERLAP=True: each has its own case)
-_CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1", "MOE_ALLTOALLV": "False", "USE_MBRIDGE": "False",
-                    "SAM_GROUP_EXCHANGE": "False"}
+# every_var: the feature switches (features.toml, validated) get a valid value: bools True except those whose
+# True breaks a rule with another switch on or with the default sizes (each has its own case), enums this value,
+# lists a one-element list; every other variable (shell sizes and paths, int switches) a distinct number
+_EVERY_VAR_FALSE = ("MOE_ALLTOALLV", "USE_MBRIDGE", "SAM_GROUP_EXCHANGE", "ROLLOUT_REBALANCE",
+                    "USE_CURRENT_LOG_PROB_AS_OLD")
+_CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1"}
 _RUNTIME_ENV = ("PWD", "OLDPWD", "SHLVL", "_")
 
 
+def _every_var_value(var: str, i: int) -> str:
+    from qwen3_rl.features import load_registry
+
+    f = load_registry().features.get(var)
+    if f is not None and f.type == "bool":
+        return "False" if var in _EVERY_VAR_FALSE else "True"
+    if f is not None and f.type == "list":
+        return f"[{1000 + i}]"
+    return _CHECKED_CHOICES.get(var, str(1000 + i))
+
+
 def _golden_env(case: str) -> dict[str, str]:
+    from qwen3_rl.features import load_registry
+
     env, _ = GOLDEN_CASES[case]
     if case != "every_var":
         return dict(env)
-    names = sorted({v for s in INTERNAL.glob("train_*.sh") for v in script_env_defaults(s)})
-    return {v: "True" if v in _CHECKED_BOOLS else _CHECKED_CHOICES.get(v, str(1000 + i)) for i, v in enumerate(names)}
+    names = sorted({v for s in INTERNAL.glob("train_*.sh") for v in script_env_defaults(s)}
+                   | set(load_registry().features))
+    return {v: _every_var_value(v, i) for i, v in enumerate(names)}
 
 
 def _golden_record(script: Path, env: dict[str, str], args: list[str]) -> dict:
@@ -408,10 +420,11 @@ def test_golden_commands(name: str) -> None:
         assert rec == want["cases"][case], f"{name} [{case}] differs from {path.relative_to(REPO)}"
     # the cases exercise what they are named for (guards against a golden file recorded from a broken script)
     assert "argv" in want["cases"]["defaults"] and "argv" in want["cases"]["every_var"]
-    assert want["cases"]["bad_sam_enable"]["error"].endswith("failed in print mode: SAM_ENABLE must be True or False")
+    assert want["cases"]["bad_sam_enable"]["error"].endswith(
+        "failed in print mode: error: SAM_ENABLE='yes': expected one of True, False")
     assert want["cases"]["extra_args"]["argv"][-1] == "trainer.total_training_steps=3"
     assert want["cases"]["bad_fix_switch_lowercase"]["error"].endswith(
-        "ROLLOUT_REAL_TORCH_COMPILE must be True or False, got 'false'")
+        "error: ROLLOUT_REAL_TORCH_COMPILE='false': expected one of True, False")
     off = want["cases"]["upstream_fixes_off"]["argv"]
     assert all(f"actor_rollout_ref.rollout.{k}=False" in off
                for k in ("npu_expandable_segments", "real_torch_compile", "plain_list_capture_sizes"))
@@ -430,7 +443,7 @@ def test_moe_alltoall_overlap_switch(patched_imports: Path) -> None:
     assert cfg.actor_rollout_ref.actor.megatron.override_transformer_config.moe_alltoall_overlap_comm is True
     dense = INTERNAL / "train_grpo_qwen3_32b_32die_true_weight.sh"
     assert key not in parse_train_script(dense, env={**BASE_ENV, "MOE_ALLTOALL_OVERLAP": "True"}).overrides
-    with pytest.raises(Exception, match="MOE_ALLTOALL_OVERLAP must be True or False"):
+    with pytest.raises(TrainScriptError, match="error: MOE_ALLTOALL_OVERLAP='yes': expected one of True, False"):
         parse_train_script(moe, env={**BASE_ENV, "MOE_ALLTOALL_OVERLAP": "yes"})
 
 
@@ -447,14 +460,16 @@ def test_moe_zero_memory_switch(patched_imports: Path) -> None:
     otc = cfg.actor_rollout_ref.actor.megatron.override_transformer_config
     assert (otc.moe_zero_memory, otc.moe_zero_memory_num_layers) == ("level1", 4)
     assert otc.moe_alltoall_overlap_comm is True
-    with pytest.raises(Exception, match="MOE_ZERO_MEMORY must be disable, level0 or level1"):
+    with pytest.raises(TrainScriptError, match="error: MOE_ZERO_MEMORY='on': expected one of disable, level0, level1"):
         parse_train_script(moe, env={**BASE_ENV, "MOE_ZERO_MEMORY": "on"})
     for level in ("level0", "level1"):
         for overlap in ({}, {"MOE_ALLTOALL_OVERLAP": "False"}):
             with pytest.raises(TrainScriptError) as err:
                 parse_train_script(moe, env={**BASE_ENV, "MOE_ZERO_MEMORY": level, **overlap})
-            assert str(err.value).endswith(f"MOE_ZERO_MEMORY={level} needs MOE_ALLTOALL_OVERLAP=True (MindSpeed "
-                                           "applies moe_zero_memory only with moe_alltoall_overlap_comm)")
+            assert str(err.value).endswith(
+                f"error: MOE_ZERO_MEMORY={level} requires MOE_ALLTOALL_OVERLAP=True (got MOE_ALLTOALL_OVERLAP=False): "
+                "MindSpeed applies moe_zero_memory only with moe_alltoall_overlap_comm "
+                "(mindspeed/features_manager/moe/moe_zero_memory.py:33,37)")
     # the dense setups ignore the MoE variables
     dense = INTERNAL / "train_dapo_qwen3_32b_32die_true_weight.sh"
     assert not any(o.startswith(prefix) for o in parse_train_script(dense, env={**BASE_ENV,
@@ -464,8 +479,8 @@ def test_moe_zero_memory_switch(patched_imports: Path) -> None:
 def test_rollout_rebalance_needs_vllm_dp() -> None:
     """ROLLOUT_REBALANCE=True reaches the rollout config where vLLM runs DP > 1 (235B: DP32); the 32B setups (four
     independent TP8 engines, vLLM DP 1) and a 235B run with ROLLOUT_DP=1 stop instead of failing at engine start."""
-    reason = "ROLLOUT_REBALANCE=True needs vLLM data parallelism > 1 (this setup runs vLLM DP 1: nothing to move " \
-             "requests between)"
+    reason = "error: ROLLOUT_REBALANCE=True requires VLLM_DP > 1 (got VLLM_DP=1): nothing to move requests between; " \
+             "the engine hook refuses vLLM DP 1 at start-up"
     for script in sorted(INTERNAL.glob("train_*.sh")):
         on = {**BASE_ENV, "ROLLOUT_REBALANCE": "True"}
         if "_32b_" in script.name or "_tiny_cpu" in script.name:  # vLLM DP 1 by default
@@ -487,12 +502,12 @@ def test_sam_group_exchange_needs_group_mode_and_vllm_dp() -> None:
     without SAM_ENABLE / SAM_GROUP, or with vLLM DP 1 (32B, tiny CPU, ROLLOUT_DP=1), the script stops."""
     key = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.sam_config.group_exchange"
     on = {**BASE_ENV, "SAM_ENABLE": "True", "SAM_GROUP": "True", "SAM_GROUP_EXCHANGE": "True"}
-    dp1 = "SAM_GROUP_EXCHANGE=True needs vLLM data parallelism > 1"
+    dp1 = "SAM_GROUP_EXCHANGE=True requires VLLM_DP > 1"
     for script in sorted(INTERNAL.glob("train_*.sh")):
         assert parse_train_script(script, env={**BASE_ENV, "SAM_ENABLE": "True"}).get(key) is None  # off: no key
-        with pytest.raises(TrainScriptError, match="needs SAM_ENABLE=True and SAM_GROUP=True"):
+        with pytest.raises(TrainScriptError, match="requires SAM_ENABLE=True and SAM_GROUP=True"):
             parse_train_script(script, env={**on, "SAM_GROUP": "False"})
-        with pytest.raises(TrainScriptError, match="SAM_GROUP_EXCHANGE must be True or False"):
+        with pytest.raises(TrainScriptError, match="SAM_GROUP_EXCHANGE='1': expected one of True, False"):
             parse_train_script(script, env={**on, "SAM_GROUP_EXCHANGE": "1"})
         if "_32b_" in script.name or "_tiny_cpu" in script.name:  # vLLM DP 1
             with pytest.raises(TrainScriptError, match=dp1):
@@ -518,12 +533,12 @@ def test_upstream_fix_switches(patched_imports: Path) -> None:
         cfg = _compose(off.overrides, off.config_name, verl_config_dir)
         assert all(cfg.actor_rollout_ref.rollout[k] is False for k in keys)
     for var in env_vars:
-        with pytest.raises(Exception, match=f"{var} must be True or False"):
+        with pytest.raises(TrainScriptError, match=f"error: {var}='yes': expected one of True, False"):
             parse_train_script(script, env={**BASE_ENV, var: "yes"})
 
 
 def test_mbridge_and_fused_rope_switches(patched_imports: Path) -> None:
-    """Seed 001's options, both off by default. USE_MBRIDGE=True (30B-A3B): verl's use_mbridge on for the actor
+    """[ref 001]'s options, both off by default. USE_MBRIDGE=True (30B-A3B): verl's use_mbridge on for the actor
     and, through verl's own interpolation, the ref, the dist checkpoint off for both (verl loads it before mbridge);
     refused with the weight converters that only handle verl's own export. FUSED_ROPE=True: MindSpeed's
     position_embedding_type=rope + use_fused_rotary_pos_emb in the actor's (and so the ref's) transformer config."""
@@ -549,13 +564,15 @@ def test_mbridge_and_fused_rope_switches(patched_imports: Path) -> None:
     for extra in ({"MOE_ALLTOALLV": "True"}, {"MOE_ALLTOALL_OVERLAP": "True"}):
         with pytest.raises(TrainScriptError) as err:
             parse_train_script(script, env={**BASE_ENV, "USE_MBRIDGE": "True", **extra})
-        assert "USE_MBRIDGE=True cannot be combined with MOE_ALLTOALLV=True or MOE_ALLTOALL_OVERLAP=True" in str(err.value)
-    with pytest.raises(TrainScriptError, match="USE_MBRIDGE must be True or False, got 'true'"):
+        (var,) = extra
+        assert str(err.value).endswith(f"error: USE_MBRIDGE=True excludes {var}=True: verl {'0013' if var == 'MOE_ALLTOALLV' else '0012'} "
+                                       "converts only verl's own weight export, not mbridge's")
+    with pytest.raises(TrainScriptError, match="error: USE_MBRIDGE='true': expected one of True, False"):
         parse_train_script(script, env={**BASE_ENV, "USE_MBRIDGE": "true"})
     # fused RoPE is a switch of every setup; the 235B one composes too
     moe = parse_train_script(INTERNAL / "train_grpo_qwen3_235b_128die_true_weight.sh",
                              env={**BASE_ENV, "FUSED_ROPE": "True"})
     otc = _compose(moe.overrides, moe.config_name, verl_config_dir).actor_rollout_ref.actor.megatron
     assert otc.override_transformer_config.use_fused_rotary_pos_emb is True
-    with pytest.raises(TrainScriptError, match="FUSED_ROPE must be True or False, got 'yes'"):
+    with pytest.raises(TrainScriptError, match="error: FUSED_ROPE='yes': expected one of True, False"):
         parse_train_script(script, env={**BASE_ENV, "FUSED_ROPE": "yes"})

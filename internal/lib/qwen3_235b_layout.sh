@@ -17,12 +17,5 @@ ACTOR_ETP=${ACTOR_ETP:-1}
 
 # ---- rollout (vLLM-Ascend) --------------------------------------------------------------------
 ROLLOUT_TP=${ROLLOUT_TP:-4}
-ROLLOUT_ENABLE_EP=${ROLLOUT_ENABLE_EP:-True}
-# train -> rollout expert weight sync: one all-to-allv per expert tensor, each rank receiving only the experts its
-# vLLM EP rank holds (verl patch 0013, docs/moe_reshard.md): True | False. Needs ROLLOUT_ENABLE_EP=True and
-# ROLLOUT_EPLB=False (the run stops at the first weight sync otherwise).
-MOE_ALLTOALLV=${MOE_ALLTOALLV:-False}
 ROLLOUT_GPU_MEMORY_UTILIZATION=${ROLLOUT_GPU_MEMORY_UTILIZATION:-0.87}
-# chunked MoE in prefill ([ref 002 §2.1]; vllm_ascend patch 0005, docs/moe_memory.md): tokens per chunk of
-# the MoE layers' routed path in prefill steps, 0 = off (no key emitted). 4096 cuts the modelled peak ~1.6 -> 0.2 GiB.
-MOE_PREFILL_CHUNK_SIZE=${MOE_PREFILL_CHUNK_SIZE:-0}
+# the rollout switches (ROLLOUT_ENABLE_EP, MOE_ALLTOALLV, MOE_PREFILL_CHUNK_SIZE, ROLLOUT_EPLB*, ...): features.toml

