@@ -200,8 +200,8 @@ def test_score_cli_errors(tmp_path: Path, capsys) -> None:
     assert capsys.readouterr().err.startswith("error: http://127.0.0.1:9/v1/models:")
 
 
-def test_sampling_defaults_are_seed_004() -> None:
-    """Seed 004 §3.3.2's ais_bench generation_kwargs and max_out_len."""
+def test_sampling_defaults_are_ref_004() -> None:
+    """[ref 004 §3.3.2]: the ais_bench generation_kwargs and max_out_len."""
     assert Sampling() == Sampling(temperature=0.5, top_k=10, top_p=0.95, repetition_penalty=1.03, max_tokens=20480,
                                   seed=None)
 
@@ -289,7 +289,7 @@ def test_compare_table_plot_and_published(tmp_path: Path, capsys) -> None:
     doc = json.loads(capsys.readouterr().out)
     row = doc["comparison"][0]
     assert (row["key"], row["before"], row["after"], row["measured"]) == ("aime2024/accuracy", 30.0, 36.5, 6.5)
-    assert (row["published_before"], row["published_after"], row["source"]) == (38.99, 45.33, "seed 004 §3.4")
+    assert (row["published_before"], row["published_after"], row["source"]) == (38.99, 45.33, "ref 004 §3.4")
     assert row["published"] == pytest.approx(6.34) and row["ratio"] == pytest.approx(6.5 / 6.34)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and doc["plot"] == str(png)
     assert compare.main([str(before), str(after)]) == 0

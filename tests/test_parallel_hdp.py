@@ -58,10 +58,10 @@ def test_short_sequences_go_dp_long_ones_get_cp_blocks() -> None:
     assert all(p.block_size == 1 for p in a.placements[3:])
 
 
-def test_close_to_lower_bound_on_seed_like_batch() -> None:
-    from qwen3_rl.bench.hdp import default_budget, seed_like_lengths
+def test_close_to_lower_bound_on_reference_like_batch() -> None:
+    from qwen3_rl.bench.hdp import default_budget, reference_like_lengths
 
-    lens = seed_like_lengths(96, seed=1)
+    lens = reference_like_lengths(96, seed=1)
     a = hdp.assign_hdp(lens, 8, default_budget(8))
     check(a, lens, 8, default_budget(8))
     assert a.max_cost / hdp.lower_bound(lens, 8, default_budget(8)) < 1.1

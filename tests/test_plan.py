@@ -1,4 +1,4 @@
-"""``python -m qwen3_rl plan``: reproduces the seed's memory figures (002 §2.1) from first principles."""
+"""``python -m qwen3_rl plan``: reproduces the memory figures of [ref 002 §2.1] from first principles."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ CFG_235B = DATA / "qwen3_235b_a22b_config.json"
 CFG_32B = DATA / "qwen3_32b_config.json"
 GIB = 1 << 30
 
-SEED_235B = [
+REF_235B = [
     "--model-config", str(CFG_235B), "--rollout-tp", "4", "--rollout-ep", "128", "--rollout-dp", "32",
     "--max-model-len", "32768", "--gpu-memory-utilization", "0.87",
 ]  # fmt: skip
@@ -55,8 +55,8 @@ def test_model_param_counts_match_published_sizes():
 
 
 def test_235b_seed_figures(capsys):
-    """Seed 002 §2.1: TP4 weights ≈ 7.09 GiB/die, KV 1.47 GiB per 32K sequence, 20–30 concurrent at 0.87."""
-    plan = _run_json(capsys, SEED_235B)
+    """[ref 002 §2.1]: TP4 weights ≈ 7.09 GiB/die, KV 1.47 GiB per 32K sequence, 20–30 concurrent at 0.87."""
+    plan = _run_json(capsys, REF_235B)
     r = plan["rollout"]
     assert r["weights_gib_per_die"] == pytest.approx(7.09, rel=0.02)
     assert r["kv_gib_per_seq"] == pytest.approx(1.47, rel=0.02)
@@ -76,7 +76,7 @@ def test_235b_seed_figures(capsys):
 
 
 def test_235b_concurrency_in_seed_range_over_plausible_settings():
-    """The 20–30 holds for verl's default and the seed's batch size 256, 32K or 34K lengths."""
+    """The 20–30 holds for verl's default and the reference's batch size 256, 32K or 34K lengths."""
     spec = load_model_config(CFG_235B)
     for max_num_seqs in (256, 1024):
         for length in (32768, 34816):
@@ -148,7 +148,7 @@ def test_training_static_memory_formula():
 
 def test_training_235b_layout(capsys):
     """Recipe layout TP4 PP4 CP4 EP32 on 128 dies needs ETP1 and an uneven pipeline for 94 layers."""
-    args = [*SEED_235B, "--train-dies", "128", "--actor-tp", "4", "--actor-pp", "4", "--actor-cp", "4",
+    args = [*REF_235B, "--train-dies", "128", "--actor-tp", "4", "--actor-pp", "4", "--actor-cp", "4",
             "--actor-ep", "32"]  # fmt: skip
     assert plan_main(args) == 1
     assert "ETP" in capsys.readouterr().err
@@ -165,7 +165,7 @@ def test_training_235b_layout(capsys):
 
 def test_text_output_and_dispatcher():
     out = subprocess.run(
-        [sys.executable, "-m", "qwen3_rl", "plan", *SEED_235B],
+        [sys.executable, "-m", "qwen3_rl", "plan", *REF_235B],
         capture_output=True, text=True, cwd=REPO, check=True,
     ).stdout  # fmt: skip
     assert "weights per die       7.099 GiB" in out
@@ -179,11 +179,11 @@ def test_text_output_and_dispatcher():
             ["--model-config", "/nonexistent/config.json", "--rollout-tp", "4", "--max-model-len", "8"],
             "not found",
         ),
-        ([*SEED_235B[:2], "--max-model-len", "8"], "rollout TP unknown"),
-        ([*SEED_235B[:4], "--rollout-ep", "64", "--rollout-dp", "32", "--max-model-len", "8"], "TP×DP = 128"),
-        ([*SEED_235B[:2], "--rollout-tp", "3", "--max-model-len", "8"], "does not divide"),
-        ([*SEED_235B[:4]], "max model length unknown"),
-        ([*SEED_235B, "--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
+        ([*REF_235B[:2], "--max-model-len", "8"], "rollout TP unknown"),
+        ([*REF_235B[:4], "--rollout-ep", "64", "--rollout-dp", "32", "--max-model-len", "8"], "TP×DP = 128"),
+        ([*REF_235B[:2], "--rollout-tp", "3", "--max-model-len", "8"], "does not divide"),
+        ([*REF_235B[:4]], "max model length unknown"),
+        ([*REF_235B, "--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
     ],
 )
 def test_bad_inputs_one_line_error(capsys, argv, message):
@@ -308,7 +308,7 @@ def test_hdp_sub_group_hccl_buffers(capsys, cp, comms):
     HDPProcessGroups.build(groups, groups[0], lambda r: made.append(tuple(r)) or tuple(r), cp_group="cp")
     assert len(made) == len(set(made)) and tuple(range(cp)) not in made
     assert sum(1 for g in made if 0 in g and len(g) > 1) == comms
-    args = [*SEED_235B, "--train-dies", "128", "--actor-tp", "4", "--actor-pp", "4", "--actor-cp", str(cp),
+    args = [*REF_235B, "--train-dies", "128", "--actor-tp", "4", "--actor-pp", "4", "--actor-cp", str(cp),
             "--actor-ep", "32", "--actor-etp", "1", "--actor-first-stage-layers", "23", "--actor-last-stage-layers",
             "23", "--hccl-buffsize-mb", "512"]  # fmt: skip
     assert _run_json(capsys, args)["training"]["hdp"] is None  # off unless asked for
@@ -319,7 +319,7 @@ def test_hdp_sub_group_hccl_buffers(capsys, cp, comms):
 
 
 def test_hdp_needs_context_parallel(capsys):
-    args = [*SEED_235B, "--train-dies", "128", "--actor-tp", "4", "--actor-pp", "1", "--actor-cp", "1",
+    args = [*REF_235B, "--train-dies", "128", "--actor-tp", "4", "--actor-pp", "1", "--actor-cp", "1",
             "--actor-ep", "32", "--actor-etp", "1", "--actor-hdp"]  # fmt: skip
     assert plan_main(args) == 1
     assert "HDP needs context parallel size >= 2" in capsys.readouterr().err

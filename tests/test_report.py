@@ -103,9 +103,9 @@ def test_parse_sample_log(tmp_path):
     assert xs == [1, 2, 3, 4, 5, 6] and ys[0] == 2250.0
 
 
-def test_parse_seed_document_format():
-    """The wrapped, elided form the seed document (004 §2.4) shows."""
-    lines = [  # trailing blanks as in the seed document
+def test_parse_reference_document_format():
+    """The wrapped, elided form [ref 004 §2.4] shows."""
+    lines = [  # trailing blanks as in [ref 004 §2.4]
         "step:1 - actor/grad_norm:0.04106094129383564 - ",
         "……",
         "critic/rewards/mean:-0.4141845703125 -",

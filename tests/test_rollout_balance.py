@@ -104,7 +104,7 @@ def test_permutation_bad_inputs() -> None:
         rebalance_permutation(9, 3, 2, uneven="pad")  # type: ignore[arg-type]
     with pytest.raises(DataRebalanceError, match="not a permutation"):
         inverse_permutation(np.array([0, 0, 1]))
-    # the seed layout: 512 prompts x 16 over 32 ranks -> 256 rows/rank, each prompt on 16 ranks
+    # the reference layout ([ref 002 §1.3]): 512 prompts x 16 over 32 ranks -> 256 rows/rank, each prompt on 16 ranks
     perm = rebalance_permutation(512 * 16, 16, 32)
     rank_of_old = np.empty(8192, dtype=np.int64)
     rank_of_old[perm] = np.arange(8192) // 256
@@ -400,8 +400,8 @@ def test_simulator_sanity(coupling: str) -> None:
         assert out["rollout-rebalance"].migrations > 0
 
 
-def test_seed_like_generator_statistics() -> None:
-    lengths = generate_lengths()  # 512 x 16, seed statistics
+def test_reference_like_generator_statistics() -> None:
+    lengths = generate_lengths()  # 512 x 16, reference statistics
     r = lengths.response_len
     assert lengths.size == 8192 and r.max() <= 32768 and r.min() >= 1
     assert abs(r.mean() - 7345) / 7345 < 0.05  # sampling noise of 512 groups

@@ -1,15 +1,15 @@
-"""HDP benchmark: max per-rank cost / lower bound on seed-like length batches, vs verl's Karmarkar-Karp.
+"""HDP benchmark: max per-rank cost / lower bound on reference-like length batches, vs verl's Karmarkar-Karp.
 
     python -m qwen3_rl.bench.hdp [--batches 5] [--sizes 64,256] [--cp 4,8] [--json]
 
 Lengths: prompt ~ log-normal (mean 74, clipped to 2048) + response ~ log-normal (mean 7345, sigma
-``--sigma``, clipped to 32768), as in the seed's Qwen3-235B 32K GRPO run (mean input 73.7, mean output
+``--sigma``, clipped to 32768), as in the Qwen3-235B 32K GRPO run of [ref 002 §1.3] (mean input 73.7, mean output
 7344.97, max response 32768). Per CP size C the per-rank token budget is ``--budget`` (default
 ``ceil((32768 + 2048) / C)`` rounded up to a multiple of 1024, the smallest that lets the longest sequence run).
 
 Compared on the same batch and cost model (``qwen3_rl.parallel.hdp.CostModel``):
   hdp      ``assign_hdp`` (DP for short, aligned CP blocks for long, bin packing + refinement)
-  pure_cp  every sequence split over all C ranks (CP only, as CP8 in the seed); micro-batches from verl 0.6.1's
+  pure_cp  every sequence split over all C ranks (CP only, as CP8 in [ref 002 §4.2]); micro-batches from verl 0.6.1's
            ``get_seqlen_balanced_partitions`` (Karmarkar-Karp) on the per-sequence cost, as verl's
            ``rearrange_micro_batches`` does; micro-batch count raised until every micro-batch fits the budget
   pure_dp  every sequence whole on one rank; verl's KK partition of the sequences over the C ranks on the cost;
@@ -36,8 +36,8 @@ from qwen3_rl.parallel import hdp
 MAX_PROMPT, MAX_RESPONSE = 2048, 32768
 
 
-def seed_like_lengths(n: int, seed: int, sigma: float = 0.8) -> list[int]:
-    """Sequence lengths (prompt + response) of a seed-like batch (means 74 + 7345 before clipping)."""
+def reference_like_lengths(n: int, seed: int, sigma: float = 0.8) -> list[int]:
+    """Sequence lengths (prompt + response) of a reference-like batch (means 74 + 7345 before clipping)."""
     rng = np.random.default_rng(seed)
     resp = rng.lognormal(np.log(7345) - sigma**2 / 2, sigma, n)
     prompt = rng.lognormal(np.log(74) - 0.5**2 / 2, 0.5, n)
@@ -94,7 +94,7 @@ def run(sizes: list[int], cps: list[int], batches: int, budget: int | None, sigm
         for n in sizes:
             rows = []
             for b in range(batches):
-                lens = seed_like_lengths(n, seed + 1000 * b + n, sigma)
+                lens = reference_like_lengths(n, seed + 1000 * b + n, sigma)
                 lb = hdp.lower_bound(lens, cp, B, cm)
                 t0 = time.perf_counter()
                 a = hdp.assign_hdp(lens, cp, B, cm)

@@ -5,5 +5,5 @@
   that the checkpoint is complete;
 * :mod:`qwen3_rl.eval.score` -- generate with vLLM (offline ``LLM`` or an OpenAI-compatible server) on AIME 2024
   or gsm8k test, judge with the training reward (``qwen3_rl/data/reward.py``), accuracy over rounds;
-* :mod:`qwen3_rl.eval.compare` -- before / after table (and plot) beside seed 004's published figures.
+* :mod:`qwen3_rl.eval.compare` -- before / after table (and plot) beside [ref 004]'s published figures.
 """

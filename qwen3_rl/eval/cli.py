@@ -9,7 +9,7 @@ USAGE = (
     "usage: python -m qwen3_rl eval <merge|score|compare> [args]\n\n"
     "  merge    verl Megatron checkpoint (global_step_N/actor) -> HF directory, through verl.model_merger\n"
     "  score    accuracy on aime2024 / gsm8k test with vLLM (offline or --server), mean ± std over --rounds\n"
-    "  compare  before vs after table (--plot PNG) beside seed 004's 38.99 -> 45.33\n"
+    "  compare  before vs after table (--plot PNG) beside ref 004's 38.99 -> 45.33\n"
 )
 
 

@@ -1,9 +1,9 @@
-"""``eval compare``: accuracy before vs after training, beside seed 004's published figures.
+"""``eval compare``: accuracy before vs after training, beside [ref 004]'s published figures.
 
 Input: two ``score.json`` files of ``eval score`` (before: the base model; after: the merged checkpoint).
-Output: one row per dataset with before, after and the change, and, where the seed publishes the same
+Output: one row per dataset with before, after and the change, and, where [ref 004] publishes the same
 measurement, its before / after / change: Qwen3-32B on AIME 2024, 16 rounds, 38.99 -> 45.33 after 100 DAPO
-steps (seed 004 §3.4, ais_bench ``aime2024_gen``, the sampling defaults of ``eval score``). Rows have the
+steps ([ref 004 §3.4], ais_bench ``aime2024_gen``, the sampling defaults of ``eval score``). Rows have the
 shape of ``report``'s comparison rows (``key``, ``published``, ``measured``, ``ratio``, ``source``).
 """
 
@@ -35,7 +35,7 @@ class PublishedAccuracy:
 
 PUBLISHED_ACCURACY: dict[str, PublishedAccuracy] = {
     "aime2024": PublishedAccuracy("aime2024", "Qwen3-32B", 38.99, 45.33,
-                                  "100 DAPO steps, dapo-math-17k, 16 rounds", "seed 004 §3.4"),
+                                  "100 DAPO steps, dapo-math-17k, 16 rounds", "ref 004 §3.4"),
 }
 
 

@@ -1,12 +1,12 @@
 """``eval score``: accuracy of a model on AIME 2024 or gsm8k test, averaged over rounds.
 
 Generation: vLLM offline (``vllm.LLM(...).chat``, one request per problem with ``n = rounds`` samples) by
-default, or an OpenAI-compatible server already running (``--server URL``: ``vllm serve`` as in seed 004;
+default, or an OpenAI-compatible server already running (``--server URL``: ``vllm serve`` as in [ref 004];
 one ``/v1/chat/completions`` request per problem and round). The prompts are the dataset's chat messages,
 rendered by the model's chat template as verl renders them in training.
 
-Sampling defaults are seed 004's evaluation settings (its ais_bench ``generation_kwargs``): temperature 0.5,
-top_k 10, top_p 0.95, repetition_penalty 1.03, 20480 new tokens; seed 004 averages 16 rounds.
+Sampling defaults are [ref 004]'s evaluation settings (its ais_bench ``generation_kwargs``): temperature 0.5,
+top_k 10, top_p 0.95, repetition_penalty 1.03, 20480 new tokens; [ref 004] averages 16 rounds.
 
 Judge: the training reward, ``qwen3_rl/data/reward.py`` ``compute_score`` (the final boxed / ``Answer:`` /
 ``####`` answer compared with the ground truth by math-verify). A round's accuracy is the share of problems
@@ -42,9 +42,9 @@ class ScoreError(ValueError):
 
 @dataclass(frozen=True)
 class Sampling:
-    """Sampling settings of every request (seed 004's evaluation defaults).
+    """Sampling settings of every request ([ref 004]'s evaluation defaults).
 
-    ``max_tokens`` counts new tokens; ``seed`` None = vLLM's random seed (seed 004 sets none).
+    ``max_tokens`` counts new tokens; ``seed`` None = vLLM's random seed ([ref 004] sets none).
     """
 
     temperature: float = 0.5
@@ -398,14 +398,14 @@ def main(argv: Sequence[str]) -> int:
     data.add_argument("--data-dir", default="data", help="data prepare's output root (default: data)")
     data.add_argument("--data", help="a verl parquet file instead of --dataset")
     data.add_argument("--limit", type=int, help="first N distinct problems only")
-    s = ap.add_argument_group("sampling (seed 004's defaults)")
+    s = ap.add_argument_group("sampling (ref 004's defaults)")
     s.add_argument("--rounds", type=int, default=16, help="samples per problem, averaged (default 16)")
     s.add_argument("--temperature", type=float, default=d.temperature)
     s.add_argument("--top-k", type=int, default=d.top_k)
     s.add_argument("--top-p", type=float, default=d.top_p)
     s.add_argument("--repetition-penalty", type=float, default=d.repetition_penalty)
     s.add_argument("--max-tokens", type=int, default=d.max_tokens, help="new tokens per answer (default 20480)")
-    s.add_argument("--seed", type=int, help="base sampling seed (default: none, as seed 004)")
+    s.add_argument("--seed", type=int, help="base sampling seed (default: none, as ref 004)")
     e = ap.add_argument_group("offline engine (--model)")
     e.add_argument("--tensor-parallel-size", type=int, help="vLLM TP of the offline engine")
     e.add_argument("--max-model-len", type=int, help="e.g. 22528 = 2048 prompt + 20480 new tokens")

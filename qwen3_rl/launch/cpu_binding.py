@@ -1,6 +1,6 @@
 """Pin each NPU's processes to the CPU cores of that NPU's NUMA node (launcher ``--cpu-binding``).
 
-Seed slides §2.2: host-bound gaps in decode (GC pauses, threads of one rank migrating across NUMA
+[ref 002 §2.2]: host-bound gaps in decode (GC pauses, threads of one rank migrating across NUMA
 nodes) were cut by disabling GC during decode plus core binding (13.6 % less rollout time together).
 
 How the binding reaches the worker processes: the launcher starts one small binder process per node

@@ -1,5 +1,5 @@
 """Training-log report (``python -m qwen3_rl report``): parse verl step lines, table, plots, and the
-seed's published figures."""
+reference documents' published figures."""
 
 from qwen3_rl.report.parse import ReportError, StepLog, parse_lines, parse_log, parse_value
 from qwen3_rl.report.published import PUBLISHED, Figure, resolve_setup

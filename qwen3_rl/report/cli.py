@@ -1,7 +1,7 @@
 """``python -m qwen3_rl report LOG [--plot DIR] [--setup NAME] [--json]``.
 
 Reads verl's console step lines, prints a compact per-step table of selected metrics, writes PNG
-plots, and compares with the seed's published figures for ``--setup``.
+plots, and compares with the reference documents' published figures for ``--setup``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ i.e. ``step:N`` then ``key:pprint.pformat(value)`` items joined by ``" - "``; on
 ``nan``, ``inf``, ``True``, ``np.float64(1.0)``, ``np.int64(3)``, ``numpy.float32(2.5)``. Ray
 prefixes worker output with ``(TaskRunner pid=...)``; that prefix and timestamps are skipped.
 A step record wrapped over several lines (the step line ends with ``-``; then ``key:value -``
-lines and ``……`` elision lines, as the seed document shows it) is also read.
+lines and ``……`` elision lines, as [ref 004 §2.4] shows it) is also read.
 """
 
 from __future__ import annotations

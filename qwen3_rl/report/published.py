@@ -1,6 +1,6 @@
-"""The seed documents' published figures, by setup, for comparison with a training log.
+"""The reference documents' published figures (docs/references.md), by setup, for comparison with a training log.
 
-Sources: ``000_*`` (recipe README, performance tables: step 1 of each run) and ``002_*`` §1.3
+Sources: [ref 000] (recipe README, performance tables: step 1 of each run) and [ref 002 §1.3]
 (Qwen3-235B 32K GRPO: averages of one run; the mapping of its "推理时间 / 训练时间 / 总时间" columns
 onto verl's ``timing_s/gen`` / ``timing_s/update_actor`` / ``timing_s/step`` is ours).
 """
@@ -23,8 +23,8 @@ class Figure:
     source: str
 
 
-_README = "000 README performance table"
-_SLIDES = "002 §1.3 table"
+_README = "ref 000 performance table"
+_SLIDES = "ref 002 §1.3 table"
 
 PUBLISHED: dict[str, tuple[str, tuple[Figure, ...]]] = {
     "235b-grpo": (
@@ -68,7 +68,7 @@ PUBLISHED: dict[str, tuple[str, tuple[Figure, ...]]] = {
 }
 
 ALIASES: dict[str, str] = {
-    # the seed launch table's train scripts (real-weight runs; random init has no published figure)
+    # the train scripts of [ref 000 launch table] (real-weight runs; random init has no published figure)
     "train_grpo_qwen3_235b_128die_true_weight": "235b-grpo",
     "train_dapo_qwen3_235b_128die_true_weight": "235b-dapo",
     "train_grpo_qwen3_32b_32die_true_weight": "32b-grpo",

@@ -1,4 +1,4 @@
-"""Chunked MoE in prefill for vLLM-Ascend 0.13 (seed 002 section 2.1; patch
+"""Chunked MoE in prefill for vLLM-Ascend 0.13 ([ref 002 §2.1]; patch
 ``vllm_ascend/0005-vllm_ascend-feature-chunked_moe_prefill``).
 
 What it does

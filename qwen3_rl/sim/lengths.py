@@ -1,4 +1,4 @@
-"""Rollout length files for the simulator: reading, validation, and a seed-like generator.
+"""Rollout length files for the simulator: reading, validation, and a reference-like generator.
 
 File format: JSON lines, one object per sample, ``{"prompt_id", "sample_id", "prompt_len",
 "response_len"}``, prompts in dataset order and the n samples of a prompt adjacent (the layout of
@@ -9,17 +9,17 @@ group median ``m_g = exp(mu + sigma_group * z_g)``; its samples ``m_g * exp(sigm
 ``z`` standard normal, rounded and clipped to ``[1, max_response]`` (a clipped sample is a response
 truncated at the length limit).
 
-How the spreads were chosen, once, from the seed (``002_*`` slides: GBS 512, n 16, mean response
+How the spreads were chosen, once, from [ref 002 §1.3] (GBS 512, n 16, mean response
 7344.97 tokens, max response 32768) — never tuned on the simulator's idle figures:
 
 * total log-spread: the 32K limit is taken as the 99th percentile of the unclipped lengths (about
   1 % of responses truncated). For a lognormal with mean ``M``, ``ln(cap / M) = z99*s - s^2/2``, so
   ``s = z99 - sqrt(z99^2 - 2 ln(cap / M)) = 0.770`` for ``M = 7345``, ``cap = 32768``.
-* split: the seed states that the samples of one prompt have correlated lengths, without a
+* split: [ref 002 §3.1] states that the samples of one prompt have correlated lengths, without a
   figure; we split the log-variance equally (intra-prompt correlation 0.5):
   ``sigma_group = sigma_within = s / sqrt(2) = 0.545``.
 * ``mu`` is then solved so that the mean after clipping is 7345; prompt lengths are lognormal with
-  mean 73.7 (the seed's mean input) and log-spread 0.3 (prompt length barely matters for decode).
+  mean 73.7 (the mean input of [ref 002 §1.3]) and log-spread 0.3 (prompt length barely matters for decode).
 """
 
 from __future__ import annotations
@@ -31,12 +31,13 @@ from pathlib import Path
 
 import numpy as np
 
-SEED_NUM_PROMPTS = 512
-SEED_N = 16
-SEED_DP = 32
-SEED_MAX_RESPONSE = 32768
-SEED_MEAN_RESPONSE = 7344.97
-SEED_MEAN_PROMPT = 73.7
+# the Qwen3-235B 32K GRPO run of [ref 002 §1.3] (docs/references.md)
+REF_NUM_PROMPTS = 512
+REF_N = 16
+REF_DP = 32
+REF_MAX_RESPONSE = 32768
+REF_MEAN_RESPONSE = 7344.97
+REF_MEAN_PROMPT = 73.7
 CAP_QUANTILE = 0.99
 INTRA_PROMPT_CORRELATION = 0.5
 PROMPT_SIGMA = 0.3
@@ -62,7 +63,7 @@ class Lengths:
         return int(self.response_len.shape[0])
 
 
-def total_log_sigma(mean: float = SEED_MEAN_RESPONSE, cap: float = SEED_MAX_RESPONSE, z: float = _Z99) -> float:
+def total_log_sigma(mean: float = REF_MEAN_RESPONSE, cap: float = REF_MAX_RESPONSE, z: float = _Z99) -> float:
     """Log-spread ``s`` of a lognormal with the given mean whose ``z`` quantile sits at ``cap``."""
     r = math.log(cap / mean)
     disc = z * z - 2.0 * r
@@ -72,7 +73,7 @@ def total_log_sigma(mean: float = SEED_MEAN_RESPONSE, cap: float = SEED_MAX_RESP
 
 
 def default_spreads() -> tuple[float, float]:
-    """``(sigma_group, sigma_within)`` chosen from the seed statistics (see module docstring)."""
+    """``(sigma_group, sigma_within)`` chosen from the reference statistics (see module docstring)."""
     s = total_log_sigma()
     return s * math.sqrt(INTRA_PROMPT_CORRELATION), s * math.sqrt(1.0 - INTRA_PROMPT_CORRELATION)
 
@@ -106,18 +107,18 @@ def solve_mu(mean: float, sigma: float, cap: float) -> float:
 
 
 def generate_lengths(
-    num_prompts: int = SEED_NUM_PROMPTS,
-    n: int = SEED_N,
+    num_prompts: int = REF_NUM_PROMPTS,
+    n: int = REF_N,
     *,
-    mean_response: float = SEED_MEAN_RESPONSE,
-    max_response: int = SEED_MAX_RESPONSE,
+    mean_response: float = REF_MEAN_RESPONSE,
+    max_response: int = REF_MAX_RESPONSE,
     sigma_group: float | None = None,
     sigma_within: float | None = None,
-    mean_prompt: float = SEED_MEAN_PROMPT,
+    mean_prompt: float = REF_MEAN_PROMPT,
     prompt_sigma: float = PROMPT_SIGMA,
     seed: int = 0,
 ) -> Lengths:
-    """Draw seed-like lengths (two-level lognormal, see module docstring). Deterministic in ``seed``."""
+    """Draw reference-like lengths (two-level lognormal, see module docstring). Deterministic in ``seed``."""
     if num_prompts < 1 or n < 1:
         raise ValueError("num_prompts and n must be >= 1")
     if max_response < 1:

@@ -12,8 +12,8 @@ The batch (``B = num_prompts * n`` samples, dataset order, samples of a prompt a
 ``dp`` contiguous chunks, one per DP rank (verl ``DataProto.chunk``); ``data-rebalance`` first applies
 :func:`qwen3_rl.rollout.data_rebalance.rebalance_permutation`. Each rank runs continuous batching:
 FCFS admission while fewer than ``max_num_seqs`` run; a request admitted at step ``s`` emits one token
-per step and leaves after ``response_len`` steps. KV capacity is not simulated (the 32K seed runs
-256 sequences per rank by design); the rebalance planner gets an unlimited KV pool unless
+per step and leaves after ``response_len`` steps. KV capacity is not simulated (the 32K reference run,
+[ref 002 §2.1], runs 256 sequences per rank by design); the rebalance planner gets an unlimited KV pool unless
 ``--kv-blocks-per-rank`` is given.
 
 Step time (milliseconds), one decode step of a rank holding ``R`` running requests whose context
@@ -44,8 +44,8 @@ per_kctx * (C/dp) / 1000 + per_prefill_ktok * (P/dp) / 1000``.
 
 Default step-model parameters (fitted, see :func:`fit_step_model` and ``docs/rollout_balancing.md``):
 ``t0`` is set so that a small-batch step costs about 60 ms (published figure after rebalancing),
-``per_seq`` and ``per_kctx`` so that on the seed-like lengths (DP 32, 256 sequences per rank,
-lockstep, default layout) the mean step is 137.64 ms (seed baseline) and the slowest step 200 ms (the
+``per_seq`` and ``per_kctx`` so that on the reference-like lengths (DP 32, 256 sequences per rank,
+lockstep, default layout) the mean step is 137.64 ms ([ref 002 §2.2] baseline) and the slowest step 200 ms (the
 upper end of the published 125-200 ms per output token before rebalancing).
 """
 
@@ -76,12 +76,12 @@ from qwen3_rl.rollout.rebalance import (
     plan_rebalance,
 )
 from qwen3_rl.sim.lengths import (
-    SEED_DP,
-    SEED_MAX_RESPONSE,
-    SEED_MEAN_PROMPT,
-    SEED_MEAN_RESPONSE,
-    SEED_N,
-    SEED_NUM_PROMPTS,
+    REF_DP,
+    REF_MAX_RESPONSE,
+    REF_MEAN_PROMPT,
+    REF_MEAN_RESPONSE,
+    REF_N,
+    REF_NUM_PROMPTS,
     Lengths,
     LengthsError,
     default_spreads,
@@ -92,7 +92,7 @@ from qwen3_rl.sim.lengths import (
 
 POLICIES = ("default", "data-rebalance", "rollout-rebalance", "both")
 COUPLINGS = ("lockstep", "independent")
-KV_BYTES_PER_TOKEN = 1.47e9 / 32768  # seed: one 32K sequence holds 1.47 GB of KV cache
+KV_BYTES_PER_TOKEN = 1.47e9 / 32768  # [ref 002 §2.1]: one 32K sequence holds 1.47 GB of KV cache
 
 
 class SimError(ValueError):
@@ -573,13 +573,13 @@ def lower_bound(lengths: Lengths, cfg: SimConfig) -> float:
 # ----------------------------------------------------------------------------------- fitting
 
 
-def fit_step_model(lengths: Lengths, dp: int = SEED_DP, max_num_seqs: int = 256, *, small_step_ms: float = 60.0,
+def fit_step_model(lengths: Lengths, dp: int = REF_DP, max_num_seqs: int = 256, *, small_step_ms: float = 60.0,
                    mean_step_ms: float = 137.64, peak_step_ms: float = 200.0,
                    base: StepModel | None = None) -> StepModel:
     """Fit ``t0``, ``per_seq``, ``per_kctx`` to three published figures on the default lockstep rollout.
 
     ``small_step_ms``: a step at the smallest bucket with a short context (``t0 + per_seq``);
-    ``mean_step_ms``: mean step over the default rollout (seed 002: 137.64 ms per 235B decode step);
+    ``mean_step_ms``: mean step over the default rollout ([ref 002 §2.2]: 137.64 ms per 235B decode step);
     ``peak_step_ms``: the slowest step (upper end of the published 125-200 ms per output token before
     rebalancing). Step counts, buckets and context sums of the default lockstep rollout do not depend on
     the step model, so each fit is a 3x3 linear solve; which step is the slowest does, so the solve is
@@ -906,15 +906,15 @@ def _label(res: SimResult, links: Sequence[float]) -> str:
 
 def _gen_main(argv: list[str]) -> int:
     sg, sw = default_spreads()
-    p = _Parser(prog="python -m qwen3_rl simulate gen-lengths", description="Write a seed-like lengths file.")
+    p = _Parser(prog="python -m qwen3_rl simulate gen-lengths", description="Write a reference-like lengths file.")
     p.add_argument("--out", required=True)
-    p.add_argument("--num-prompts", type=int, default=SEED_NUM_PROMPTS)
-    p.add_argument("--n", type=int, default=SEED_N)
-    p.add_argument("--mean-response", type=float, default=SEED_MEAN_RESPONSE)
-    p.add_argument("--max-response", type=int, default=SEED_MAX_RESPONSE)
+    p.add_argument("--num-prompts", type=int, default=REF_NUM_PROMPTS)
+    p.add_argument("--n", type=int, default=REF_N)
+    p.add_argument("--mean-response", type=float, default=REF_MEAN_RESPONSE)
+    p.add_argument("--max-response", type=int, default=REF_MAX_RESPONSE)
     p.add_argument("--sigma-group", type=float, default=sg)
     p.add_argument("--sigma-within", type=float, default=sw)
-    p.add_argument("--mean-prompt", type=float, default=SEED_MEAN_PROMPT)
+    p.add_argument("--mean-prompt", type=float, default=REF_MEAN_PROMPT)
     p.add_argument("--seed", type=int, default=0)
     ns = p.parse_args(argv)
     try:
@@ -939,7 +939,7 @@ def _fit_main(argv: list[str]) -> int:
     p = _Parser(prog="python -m qwen3_rl simulate fit-step-model",
                 description="Fit t0/per_seq/per_kctx to the published step times on a lengths file.")
     p.add_argument("--lengths", required=True)
-    p.add_argument("--dp", type=int, default=SEED_DP)
+    p.add_argument("--dp", type=int, default=REF_DP)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--small-step-ms", type=float, default=60.0)
     p.add_argument("--mean-step-ms", type=float, default=137.64)

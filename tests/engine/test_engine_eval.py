@@ -136,7 +136,7 @@ def test_merge_score_rejudge_compare(engine_ws: Path, tiny_models: dict[str, Pat
 
 def test_score_through_a_real_vllm_server(engine_ws: Path, tiny_models: dict[str, Path], tmp_path: Path) -> None:
     """``eval score --server``: vLLM 0.13.0's own OpenAI server (``vllm.entrypoints.openai.api_server``, CPU)
-    takes the chat requests with seed 004's vLLM-only fields (top_k, repetition_penalty); one request per
+    takes the chat requests with [ref 004]'s vLLM-only fields (top_k, repetition_penalty); one request per
     (problem, round); the same --seed gives the same answers again through the server."""
     import socket
     import time
