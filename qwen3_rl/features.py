@@ -421,9 +421,9 @@ def _normal(f: Feature, raw: str) -> str:
 
 
 def values_from_overrides(reg: Registry, vals: Mapping[str, str], setup: str | None) -> dict[str, str | None]:
-    """The features' values a final command implies (override map without ``+``): a key set to ``{value}``
-    gives the value; a key a feature sets to a fixed value only for one value of its own gives that value;
-    otherwise the default. Context values from their keys."""
+    """The features' values a final command implies (override map without ``+``; hand-written Hydra arguments
+    included): a key set to ``{value}`` gives the value; a key a feature sets to a fixed value only for one value
+    of its own gives that value; otherwise the setup's default. Context values from their keys."""
     ctx: dict[str, str] = {}
     for name, cv in reg.context.items():
         if cv.key and cv.key in vals:
@@ -442,8 +442,8 @@ def values_from_overrides(reg: Registry, vals: Mapping[str, str], setup: str | N
             if s.value == "{value}":
                 found = _normal(f, vals[key])
                 break
-            own = s.when.get(f.env)
-            if own and len(own) == 1 and own[0][:1] not in ("!", ">", "=") and set(s.when) == {f.env} \
+            own = s.when.get(f.env)  # a fixed value set only for one value of the feature's own
+            if own and len(own) == 1 and own[0][:1] not in ("!", ">", "=") and not _TEMPLATE_RE.search(s.value) \
                     and _normal(f, vals[key]) == _normal(f, s.value):
                 found = own[0]
                 break

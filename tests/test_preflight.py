@@ -200,36 +200,63 @@ def _feature_errors(extra: list[str], **env: str) -> list[str]:
 
 
 def test_moe_zero_memory_needs_alltoall_overlap():
-    from qwen3_rl.launch.preflight import check_moe_zero_memory
+    """features.toml's MOE_ZERO_MEMORY rule on the final command's keys, also past the script's own check."""
+    from qwen3_rl.launch.preflight import check_feature_rules
 
-    assert check_moe_zero_memory({}) == [] and check_moe_zero_memory({OTC + "moe_zero_memory": "disable"}) == []
+    assert check_feature_rules({}) == [] and check_feature_rules({OTC + "moe_zero_memory": "disable"}) == []
     for level in ("level0", "level1"):
-        (err,) = check_moe_zero_memory({OTC + "moe_zero_memory": level})
-        assert err.line() == (f"error: [feature] moe_zero_memory={level} needs moe_alltoall_overlap_comm=True "
-                              "(MOE_ALLTOALL_OVERLAP=True): MindSpeed applies it only with the all-to-all overlap")
-        assert check_moe_zero_memory({OTC + "moe_zero_memory": level, OTC + "moe_alltoall_overlap_comm": "True"}) == []
+        (err,) = check_feature_rules({OTC + "moe_zero_memory": level})
+        assert err.line() == (f"error: [feature] MOE_ZERO_MEMORY={level} requires MOE_ALLTOALL_OVERLAP=True (got "
+                              "MOE_ALLTOALL_OVERLAP=False): MindSpeed applies moe_zero_memory only with "
+                              "moe_alltoall_overlap_comm (mindspeed/features_manager/moe/moe_zero_memory.py:33,37)")
+        assert check_feature_rules({OTC + "moe_zero_memory": level, OTC + "moe_alltoall_overlap_comm": "true"}) == []
     assert _feature_errors([]) == []
     (msg,) = _feature_errors([f"+{OTC}moe_zero_memory=level1"])
-    assert msg.startswith("moe_zero_memory=level1 needs moe_alltoall_overlap_comm=True")
+    assert msg.startswith("MOE_ZERO_MEMORY=level1 requires MOE_ALLTOALL_OVERLAP=True")
     assert _feature_errors([f"+{OTC}moe_zero_memory=level1"], MOE_ALLTOALL_OVERLAP="True") == []
 
 
 def test_rollout_rebalance_needs_vllm_dp():
-    from qwen3_rl.launch.preflight import check_rollout_rebalance
+    from qwen3_rl.launch.preflight import check_feature_rules
 
     R = "actor_rollout_ref.rollout."
-    assert check_rollout_rebalance({R + "rollout_rebalance": "False"}) == []
-    assert check_rollout_rebalance({R + "rollout_rebalance": "True",
-                                    R + "engine_kwargs.vllm.data_parallel_size": "32"}) == []
+    assert check_feature_rules({R + "rollout_rebalance": "False"}) == []
+    assert check_feature_rules({R + "rollout_rebalance": "True",
+                                R + "engine_kwargs.vllm.data_parallel_size": "32"}) == []
     for dp in ({}, {R + "engine_kwargs.vllm.data_parallel_size": "1"}):
-        (err,) = check_rollout_rebalance({R + "rollout_rebalance": "true", **dp})
-        assert err.line() == ("error: [feature] rollout_rebalance=True needs vLLM data parallelism > 1 (engine_kwargs."
-                              "vllm.data_parallel_size is 1: nothing to move requests between; the engine refuses "
-                              "it at start-up)")
+        (err,) = check_feature_rules({R + "rollout_rebalance": "true", **dp})
+        assert err.line() == ("error: [feature] ROLLOUT_REBALANCE=True requires VLLM_DP > 1 (got VLLM_DP=1): nothing "
+                              "to move requests between; the engine hook refuses vLLM DP 1 at start-up")
     # a hand-written override past the script's own check: the 235B script with vLLM DP 1
     (msg,) = _feature_errors([R + "rollout_rebalance=True", f"+{R}engine_kwargs.vllm.data_parallel_size=1"])
-    assert msg.startswith("rollout_rebalance=True needs vLLM data parallelism > 1")
+    assert msg.startswith("ROLLOUT_REBALANCE=True requires VLLM_DP > 1")
     assert _feature_errors([R + "rollout_rebalance=True"]) == []  # DP 32
+
+
+def test_feature_rules_read_back_from_keys():
+    """Switches on through hand-written keys only: SAM group exchange without group mode, all-to-allv with EPLB
+    (an excludes rule), the old-log-prob switch with two mini-batches (a context comparison)."""
+    from qwen3_rl.launch.preflight import check_feature_rules
+
+    R = "actor_rollout_ref.rollout."
+    sc = R + "engine_kwargs.vllm.speculative_config."
+    dp = {R + "engine_kwargs.vllm.data_parallel_size": "4"}
+    (err,) = check_feature_rules({**dp, sc + "method": "sam", sc + "sam_config.group_exchange": "True"})
+    assert err.message == ("SAM_GROUP_EXCHANGE=True requires SAM_ENABLE=True and SAM_GROUP=True (got SAM_ENABLE=True, "
+                           "SAM_GROUP=False): the exchanged tokens feed the group automata of the SAM drafter")
+    assert check_feature_rules({**dp, sc + "method": "sam", sc + "sam_config.group_mode": "True",
+                                sc + "sam_config.group_exchange": "True"}) == []
+    eplb = R + "engine_kwargs.vllm.additional_config.eplb_config.dynamic_eplb"
+    (err,) = check_feature_rules({"actor_rollout_ref.actor.moe_alltoallv": "True", eplb: "True"},
+                                 "train_grpo_qwen3_235b_128die_true_weight.sh")
+    assert err.message == "MOE_ALLTOALLV=True excludes ROLLOUT_EPLB=True: EPLB moves experts off vLLM's default placement"
+    sizes = {"data.train_batch_size": "128", "actor_rollout_ref.actor.ppo_mini_batch_size": "64"}
+    (err,) = check_feature_rules({**sizes, "actor_rollout_ref.actor.use_current_log_prob_as_old": "True"})
+    assert err.message.startswith("USE_CURRENT_LOG_PROB_AS_OLD=True requires PPO_MINI_BATCH_SIZE == TRAIN_BATCH_SIZE "
+                                  "(got PPO_MINI_BATCH_SIZE=64, TRAIN_BATCH_SIZE=128)")
+    # a switch that is not the setup's is not read: the dense 32B setup has no EPLB / all-to-allv
+    assert check_feature_rules({"actor_rollout_ref.actor.moe_alltoallv": "True", eplb: "True"},
+                               "train_grpo_qwen3_32b_32die_true_weight.sh") == []
 
 
 def test_spec_decode_requests_a_drafter_can_serve():

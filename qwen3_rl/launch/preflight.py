@@ -11,6 +11,8 @@ verl command with every default resolved), then checks, all at once:
   (EP×ETP×PP) too, EP divides the experts, TP divides heads and KV heads, layers split over PP,
   rollout TP×DP = world;
 * batches: the sizes verl and Megatron divide really divide;
+* features: the requires / excludes rules of ``features.toml`` on the final command (extra Hydra arguments
+  included), one ``error: [feature] ...`` line per broken rule;
 * lengths: prompt + response fits the model's context (and the dynamic-batch token budget);
 * environment contract (:mod:`qwen3_rl.launch.env_contract`): the environment the Ray workers will get
   -- the user's, then the launcher's env file(s) sourced by bash exactly as ``ray_start_npu.sh`` does
@@ -230,33 +232,24 @@ def check_lengths(vals: Mapping[str, str], cfg: Mapping[str, Any] | None) -> lis
     return out
 
 
-def check_moe_zero_memory(vals: Mapping[str, str]) -> list[Finding]:
-    """MindSpeed's moe_zero_memory (level0 / level1) acts only together with moe_alltoall_overlap_comm
-    (mindspeed/features_manager/moe/moe_zero_memory.py:33,37); alone it would silently do nothing."""
-    otc = M + "override_transformer_config."
-    level = (vals.get(otc + "moe_zero_memory") or "disable").strip().strip("'\"")
-    if level in ("level0", "level1") and not _get_bool(vals, otc + "moe_alltoall_overlap_comm", False):
-        return [_err("feature", f"moe_zero_memory={level} needs moe_alltoall_overlap_comm=True (MOE_ALLTOALL_OVERLAP="
-                                "True): MindSpeed applies it only with the all-to-all overlap")]
-    return []
+def check_feature_rules(vals: Mapping[str, str], setup: str | None = None) -> list[Finding]:
+    """The requires / excludes rules of the feature registry (``features.toml``) on the final command, hand-written
+    Hydra arguments included (the train script checks the same rules on its env vars before it prints anything):
+    each switch's value is read back from the keys it sets (:func:`qwen3_rl.features.values_from_overrides`).
+    ``setup``: the train script's file name (its switches and defaults; None = every switch)."""
+    from qwen3_rl.features import FeatureError, check_command
 
-
-def check_rollout_rebalance(vals: Mapping[str, str]) -> list[Finding]:
-    """Rollout rebalance moves requests between vLLM DP ranks; the engine hook refuses vLLM DP 1 at start-up
-    (qwen3_rl/rollout/vllm_engine_hook.py, ``VllmRebalanceHook.configure``), e.g. the 32B setups' TP8 engines."""
-    if not _get_bool(vals, R + "rollout_rebalance", False):
-        return []
-    dp = _get_int(vals, R + "engine_kwargs.vllm.data_parallel_size", 1) or 1
-    if dp > 1:
-        return []
-    return [_err("feature", f"rollout_rebalance=True needs vLLM data parallelism > 1 (engine_kwargs.vllm."
-                            f"data_parallel_size is {dp}: nothing to move requests between; the engine refuses it "
-                            "at start-up)")]
+    try:
+        return [_err("feature", msg) for msg in check_command(vals, setup)]
+    except FeatureError as exc:
+        return [_err("feature", f"features.toml: {exc}")]
 
 
 def check_sam_group_exchange(vals: Mapping[str, str]) -> list[Finding]:
     """``sam_config.group_exchange`` shares sibling tokens between vLLM DP ranks: it needs SAM, group mode and
-    vLLM DP > 1 (qwen3_rl/spec_decode/sibling_exchange.py; the 32B setups run independent TP8 engines)."""
+    vLLM DP > 1 (qwen3_rl/spec_decode/sibling_exchange.py; the 32B setups run independent TP8 engines).
+    The same rules as features.toml's SAM_GROUP_EXCHANGE, which :func:`run_preflight` checks
+    (:func:`check_feature_rules`); kept for callers that check the keys alone."""
     sc = R + "engine_kwargs.vllm.speculative_config."
     if not _get_bool(vals, sc + "sam_config.group_exchange", False):
         return []
@@ -495,10 +488,8 @@ def run_preflight(train_script: str, env_script: str | None = None, nnodes: int 
         findings += check_layout(vals, cfg)
         findings += check_batches(vals)
         findings += check_lengths(vals, cfg)
-        findings += check_moe_zero_memory(vals)
-        findings += check_rollout_rebalance(vals)
+        findings += check_feature_rules(vals, Path(train_script).name)
         findings += check_spec_decode_requests(vals)
-        findings += check_sam_group_exchange(vals)
     except ValueError as exc:
         findings.append(_err("script", f"non-integer size in the train command: {str(exc).splitlines()[0]}"))
     findings += check_kv_concurrency(vals, cfg)
