@@ -19,9 +19,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from qwen3_rl.spec_decode.config import SamOptions, parse_sam_options
+from qwen3_rl.spec_decode.config import parse_sam_options
 from qwen3_rl.spec_decode.exchange_hook import SiblingExchangeHook, exchange_enabled, find_sam_drafter
 from qwen3_rl.spec_decode.runner_drafter import SamRunnerDrafter
+from qwen3_rl.spec_decode.sam import SamConfig
 
 K = 3
 R = "actor_rollout_ref.rollout."
@@ -70,8 +71,8 @@ def _engine(sam: SamRunnerDrafter | None, sam_config: dict | None) -> SimpleName
 
 
 def test_switch_and_config_checks() -> None:
-    assert SamOptions().group_exchange is False
-    opts = parse_sam_options({"group_mode": True, "group_exchange": True, "exchange_every": 2})
+    assert SamConfig().group_exchange is False
+    opts = parse_sam_options({"group_mode": True, "group_exchange": True, "exchange_every": 2}, K)
     assert opts.group_exchange and opts.exchange_every == 2 and opts.exchange_max_bytes == 16384
     with pytest.raises(ValueError, match="needs group_mode=True"):
         parse_sam_options({"group_exchange": True})
@@ -80,7 +81,7 @@ def test_switch_and_config_checks() -> None:
     with pytest.raises(ValueError, match="must be bool"):
         parse_sam_options({"group_mode": True, "group_exchange": "yes"})
     # off: the hook resolves to nothing and never touches a process group
-    off = SiblingExchangeHook(_engine(SamRunnerDrafter(K, SamOptions(group_mode=True), 512), {"group_mode": True}),
+    off = SiblingExchangeHook(_engine(SamRunnerDrafter(SamConfig(num_speculative_tokens=K, group_mode=True), 512), {"group_mode": True}),
                               group_factory=lambda: pytest.fail("no group when off"))
     for _ in range(3):
         off.after_step()
@@ -89,11 +90,11 @@ def test_switch_and_config_checks() -> None:
     # on, but no in-process SAM drafter reachable: a clear error, not a silent no-op
     with pytest.raises(RuntimeError, match="in-process engine"):
         SiblingExchangeHook(_engine(None, {"group_mode": True, "group_exchange": True})).after_step()
-    sam = SamRunnerDrafter(K, opts, 512)
+    sam = SamRunnerDrafter(opts, 512)
     assert find_sam_drafter(_engine(sam, {})) is sam and sam.exchange is not None
     assert sam.drafter.max_shadows_per_group == 7 and sam.drafter.max_shadow_tokens == 1 << 25
-    sam = SamRunnerDrafter(K, parse_sam_options({"group_mode": True, "group_exchange": True,
-                                                 "exchange_max_siblings": 0, "exchange_max_shadow_tokens": 99}), 512)
+    sam = SamRunnerDrafter(parse_sam_options({"group_mode": True, "group_exchange": True,
+                                              "exchange_max_siblings": 0, "exchange_max_shadow_tokens": 99}, K), 512)
     assert sam.drafter.max_shadows_per_group == 0 and sam.drafter.max_shadow_tokens == 99
     with pytest.raises(ValueError, match="exchange_max_siblings"):
         parse_sam_options({"group_mode": True, "group_exchange": True, "exchange_max_siblings": -1})
@@ -170,8 +171,7 @@ RESP = [int(x) for x in np.random.default_rng(3).integers(100, 400, 120)]  # no 
 def _drive(rank: int, group_factory) -> dict:  # type: ignore[no-untyped-def]
     """Rank 1 accepts 4 tokens of RESP per step and finishes first; rank 0 accepts what its drafts earn
     (1 + accepted) of the same RESP. Both call the hook after every step (rank 1 idle = dummy steps)."""
-    opts = SamOptions(group_mode=True, group_exchange=True)
-    sam = SamRunnerDrafter(K, opts, 512)
+    sam = SamRunnerDrafter(SamConfig(num_speculative_tokens=K, group_mode=True, group_exchange=True), 512)
     hook = SiblingExchangeHook(_engine(sam, {"group_mode": True, "group_exchange": True}), group_factory)
     b = _Batch()
     b.add(f"r{rank}", PROMPT)

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from qwen3_rl.spec_decode.config import SamOptions
 from qwen3_rl.spec_decode.runner_drafter import SamRunnerDrafter
-from qwen3_rl.spec_decode.sam import group_key
+from qwen3_rl.spec_decode.sam import SamConfig, group_key
 from qwen3_rl.spec_decode.sibling_exchange import group_key64
 
 PAD = 0
@@ -90,7 +89,7 @@ def test_group_key_survives_data_rebalance_and_its_inverse(patched_imports: Path
         from_ids = [list(_pre_process_inputs(PAD, c.batch["input_ids"][i])) for i in range(len(c))]
         assert [[int(t) for t in x] for x in from_ids] == from_raw
         # the rank's SAM adapter assigns the group from the runner's prompt
-        sam = SamRunnerDrafter(3, SamOptions(group_mode=True, group_exchange=True), 256)
+        sam = SamRunnerDrafter(SamConfig(num_speculative_tokens=3, group_mode=True, group_exchange=True), 256)
         rids = [f"r{rank}-{i}" for i in range(len(c))]
         sam.observe(_Batch(from_raw, rids), {r: None for r in rids}, None)
         for r, u in zip(rids, uids, strict=True):

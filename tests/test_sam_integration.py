@@ -17,6 +17,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+from dataclasses import fields
 from pathlib import Path
 from unittest import mock
 
@@ -26,10 +27,11 @@ import pytest
 from qwen3_rl.spec_decode.bs_threshold import BatchSizeGate
 from qwen3_rl.spec_decode.config import (
     MAX_SPECULATIVE_TOKENS,
-    SamOptions,
+    SAM_OPTIONS,
     check_num_speculative_tokens,
     parse_sam_options,
 )
+from qwen3_rl.spec_decode.sam import SamConfig
 
 L = 512  # max_model_len of the replays
 K = 3
@@ -37,10 +39,10 @@ K = 3
 
 # ----------------------------------------------------------------------------- pure package logic
 def test_options_and_gate_validation() -> None:
-    assert parse_sam_options(None) == SamOptions()
-    opts = parse_sam_options({"group_mode": True, "cache_max_responses": 8, "pad_drafts": True})
-    cfg = opts.sam_config(4)
-    assert (cfg.group_mode, cfg.cache_max_responses, cfg.num_speculative_tokens) == (True, 8, 4)
+    assert parse_sam_options(None) == SamConfig()
+    cfg = parse_sam_options({"group_mode": True, "cache_max_responses": 8, "pad_drafts": True}, 4)
+    assert (cfg.group_mode, cfg.cache_max_responses, cfg.pad_drafts, cfg.num_speculative_tokens) == (True, 8, True, 4)
+    assert set(SAM_OPTIONS) == {f.name for f in fields(SamConfig)} - {"num_speculative_tokens"}
     for bad, msg in [({"group_mod": True}, "unknown option"), ({"group_mode": 1}, "must be bool"),
                      ({"min_match": True}, "must be int"), ({"rule": "often"}, "rule"),
                      ({"cache_max_responses": 500}, "cache_max_responses"), ([1], "mapping")]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from sam_reference import check_invariants
 
 from qwen3_rl.bench.drafters import load_corpus, replay_exchange
 from qwen3_rl.spec_decode.sam import SEP, SamConfig, SamProposer
@@ -179,7 +180,7 @@ def test_exchange_lossless_same_drafts_as_siblings_together(ranks: int) -> None:
     for r in range(ranks):  # every group finished everywhere: only the bounded cache is held
         assert props[r].num_shadows() == 0 and props[r].num_shadow_tokens() == 0
         assert props[r].num_groups() == 0
-        props[r].check_invariants()
+        check_invariants(props[r])
         props[r].clear_cache()
         assert props[r].nbytes() == 0
 
@@ -238,7 +239,7 @@ def test_shadow_memory_bounded_and_freed() -> None:
             sender.extend(f"s{j}", rng.integers(0, 50, 5))
         ex.merge([None, es.pack()])
         assert p.num_shadow_tokens() <= 300
-        p.check_invariants()
+        check_invariants(p)
     assert p.num_shadows() >= 1
     held = p.nbytes()
     for j in range(6):
@@ -439,7 +440,7 @@ def test_unheld_groups_filtered_and_siblings_per_group_capped() -> None:
     for j in range(4):
         send.extend(f"a{j}", [9])
     assert ex.merge([None, es.pack()]) == 2
-    recv.check_invariants()
+    check_invariants(recv)
     for j in range(4):
         es.before_finish(f"a{j}")
         send.finish(f"a{j}")

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from sam_reference import brute_force_propose, check_invariants, num_hubs, step_from_buffer
 
-from qwen3_rl.spec_decode import DraftProposer, SamConfig, SamProposer, group_key
+from qwen3_rl.spec_decode import SamConfig, SamProposer, group_key
 from qwen3_rl.spec_decode import _sam_kernels as kern
-from qwen3_rl.spec_decode._sam_kernels import brute_force_propose
 
 REPO = Path(__file__).resolve().parent.parent
 CORPUS = REPO.parent / "shared" / "bench" / "rollouts_dev.jsonl"  # ../shared beside the checkout
@@ -25,7 +25,7 @@ K = 3
 def _check_all_prefixes(text: np.ndarray, plen: int, rule: str, chunks: list[int]) -> None:
     """Feed ``text`` after a ``plen`` prompt in chunks; after every chunk compare with brute force."""
     p = SamProposer(rule=rule, recent_budget=1 << 30)
-    p._exact_growth = len(chunks) % 2 == 0  # half the cases: every array exactly full (room checks hit)
+    p._tuning.exact_growth = len(chunks) % 2 == 0  # half the cases: every array exactly full (room checks hit)
     p.add_request("r", text[:plen])
     t = plen
     ci = 0
@@ -40,7 +40,7 @@ def _check_all_prefixes(text: np.ndarray, plen: int, rule: str, chunks: list[int
         p.extend("r", text[t: t + n])
         t += n
     np.testing.assert_array_equal(p.tokens("r"), text)
-    p.check_invariants()
+    check_invariants(p)
     p.finish("r")
     assert p.nbytes() == 0
 
@@ -68,7 +68,7 @@ def test_hub_index_is_transparent(rule: str, exact: bool) -> None:
     text = np.concatenate([base] + [np.where(rng.random(300) < 0.1, rng.integers(0, 24, 300), base)
                                     for _ in range(3)]).astype(np.int32)
     p = SamProposer(rule=rule, recent_budget=1 << 30)
-    p._exact_growth = exact
+    p._tuning.exact_growth = exact
     p.add_request("r", text[:50])
     t = 50
     while t < text.shape[0]:
@@ -79,9 +79,9 @@ def test_hub_index_is_transparent(rule: str, exact: bool) -> None:
         p.extend("r", text[t: t + n])
         t += n
         if t % 97 < 4:
-            p.check_invariants()  # hub index finds every hub edge; counts match
-    assert p.num_hubs() > 0
-    p.check_invariants()
+            check_invariants(p)  # hub index finds every hub edge; counts match
+    assert num_hubs(p) > 0
+    check_invariants(p)
     p.finish("r")
     assert p.nbytes() == 0
 
@@ -128,7 +128,6 @@ def test_bounded_recent_walk_is_a_real_occurrence(budget):
 
 def test_interface_and_config_validation():
     p = SamProposer()
-    assert isinstance(p, DraftProposer)
     with pytest.raises(ValueError):
         SamConfig(num_speculative_tokens=0)
     with pytest.raises(ValueError):
@@ -209,7 +208,7 @@ def test_cache_compaction_keeps_newest_responses_within_bounds():
         assert len(cache) == 1
         auto = p._autos[cache[0]]
         assert len(auto.strings) <= 2 * R and auto.tokens <= 2 * T
-        p.check_invariants()
+        check_invariants(p)
         # the newest response drafts (pointer of a running request re-fed after a rebuild)
         p.extend("live", resp[:4])
         assert p.propose(["live"]) == [resp[4:7].tolist()]
@@ -346,9 +345,9 @@ def test_tight_growth_and_batch_paths_agree(group_mode):
     base = rng.integers(0, 12, 400).astype(np.int32)
     cfg = SamConfig(group_mode=group_mode, cache_max_responses=3, cache_max_tokens=200)
     tight, ref, buf = SamProposer(cfg), SamProposer(cfg), SamProposer(cfg)
-    tight._exact_growth = True
-    tight.warm_lanes = 0
-    ref.warm_lanes = 16
+    tight._tuning.exact_growth = True
+    tight._tuning.warm_lanes = 0
+    ref._tuning.warm_lanes = 16
     rids = [f"r{i}" for i in range(6)]
     texts = {}
     for i, r in enumerate(rids):
@@ -371,22 +370,22 @@ def test_tight_growth_and_batch_paths_agree(group_mode):
         for i, r in enumerate(rids):
             runner[i, : len(texts[r])] = texts[r]
         nt = np.array([len(texts[r]) for r in rids], np.int64)
-        out, cnt = buf.step_from_buffer(buf.slots_of(rids), runner, nt)
+        out, cnt = step_from_buffer(buf, buf.slots_of(rids), runner, nt)
         assert [out[i, : cnt[i]].tolist() for i in range(len(rids))] == d_ref
-        tight.check_invariants()
+        check_invariants(tight)
         if step == 30 and group_mode:  # finished responses enter the (tiny) cache, new ones start
             for p in (tight, ref, buf):
                 p.finish(rids[0])
                 p.add_request(rids[0], [9, 9], group_id="g9")
             texts[rids[0]] = [9, 9]
-    assert tight.num_hubs() > 0  # the hub index was exercised (12 token ids: degrees >= HUB_DEGREE)
+    assert num_hubs(tight) > 0  # the hub index was exercised (12 token ids: degrees >= HUB_DEGREE)
     for r in rids:
         np.testing.assert_array_equal(tight.tokens(r), np.asarray(texts[r], np.int32))
         for p in (tight, ref, buf):
             p.finish(r)
     for p in (tight, ref, buf):
         p.clear_cache()
-        p.check_invariants()
+        check_invariants(p)
         assert p.nbytes() == 0 and p.num_requests == 0
 
 
@@ -397,9 +396,9 @@ def test_cache_pointer_fixup_once_matches_reference():
     rng = np.random.default_rng(21)
     cfg = SamConfig(group_mode=True, cache_max_responses=5, cache_max_tokens=400)
     props = [SamProposer(cfg) for _ in range(4)]
-    props[0].cache_fix_each = True
-    props[2].warm_lanes = 0
-    props[3].warm_lanes = 3
+    props[0]._tuning.cache_fix_each = True
+    props[2]._tuning.warm_lanes = 0
+    props[3]._tuning.warm_lanes = 3
     base = rng.integers(0, 8, 600).astype(np.int32)
     live: dict[str, int] = {}
     nxt = 0
@@ -426,14 +425,14 @@ def test_cache_pointer_fixup_once_matches_reference():
         ptr = [p._SM[np.ix_(p.slots_of(rids), cols)] for p in props]
         for other in ptr[1:]:
             np.testing.assert_array_equal(ptr[0], other)
-        hubs = max(hubs, props[1].num_hubs())
+        hubs = max(hubs, num_hubs(props[1]))
         for r in rids[: int(rng.integers(0, 3))]:  # finished responses grow the cache / rebuild it
             for p in props:
                 p.finish(r)
             del live[r]
     assert hubs > 0  # hub states were indexed (cache and group automata)
     for p in props:
-        p.check_invariants()
+        check_invariants(p)
         for r in list(live):
             p.finish(r)
         p.clear_cache()
@@ -478,16 +477,16 @@ def test_bad_token_ranges_raise_before_anything_changes():
     before = [p.tokens("a"), p.tokens("b")]
     runner = np.array([[1, 2, 3, 1, 2, 3, 0], [4, 5, 6, 4, 0, 0, 0]], np.int32)
     with pytest.raises(ValueError, match="shorter than the drafter's text"):
-        p.step_from_buffer(slots, runner, np.array([6, 2]))  # b's buffer is behind its text
+        step_from_buffer(p, slots, runner, np.array([6, 2]))  # b's buffer is behind its text
     with pytest.raises(ValueError, match="must not end before they start"):
         p.extend_arrays(slots, np.array([3, 4], np.int32), np.array([0, 2, 1]))
     s = int(slots[1])
     p._SM[s, kern.M_LEN] = kern.MAX_STRING_LEN - 1  # pretend b is at the length limit (no 16M-token build)
     with pytest.raises(ValueError, match="longer than"):
-        p.step_from_buffer(slots, runner, np.array([6, kern.MAX_STRING_LEN + 1]))
+        step_from_buffer(p, slots, runner, np.array([6, kern.MAX_STRING_LEN + 1]))
     p._SM[s, kern.M_LEN] = 3
     for r, want in zip(("a", "b"), before, strict=True):
         np.testing.assert_array_equal(p.tokens(r), want)  # a was not extended although its range was good
-    out, cnt = p.step_from_buffer(slots, runner, np.array([6, 4]))
+    out, cnt = step_from_buffer(p, slots, runner, np.array([6, 4]))
     assert [out[i, : cnt[i]].tolist() for i in range(2)] == [[1, 2, 3], [5, 6, 4]]  # the good step still works
-    p.check_invariants()
+    check_invariants(p)

@@ -25,6 +25,25 @@ Storage model (all token ids are int32 >= 0, all lengths in tokens):
 * A *string* (slot ``s``) owns a token buffer ``T`` (int32, address in ``SM[s]``) and its scalars
   in the row ``SM[s]`` (one 128-byte record: length, last state, automaton, ...).
 
+Invariants the kernels rely on (kept by every kernel that mutates; ``tests/sam_reference.py``
+``check_invariants`` asserts the storage ones after every step of the tests):
+
+* State 0 is the root: ``L = 0``, link -1, its transitions only in ``R``. For every other state
+  ``L[link[p]] < L[p]``, so suffix-link walks end at the root; a transition ``p --tok--> q`` implies
+  ``L[q] >= L[p] + 1`` ("solid" when equal: no clone needed when ``q`` is reached again).
+* ``P`` of a state is an end position (string local index, offset) of one of its strings, in a string of
+  the same automaton (a clone inherits its original's); a candidate is drafted from only if the token
+  after it exists (``_has_cont``). With rule "recent" the first ``budget`` suffix-link ancestors of a new
+  end are re-pointed to it, so ``P`` is never older than a real occurrence.
+* A string's ``M_LAST`` state has ``L == M_LEN`` (its whole text), and ``T[0:M_LEN]`` is that text.
+* Counts never exceed capacities (``A_NST <= A_SCAP``, ``A_NE <= A_ECAP``); the hashes ``R`` and ``H``
+  keep load <= 0.5 (``2 * A_RN <= A_RCAP``, ``2 * A_HN <= A_HCAP``, power-of-2 capacities), so every
+  probe meets an empty slot and ends.
+* A state is a hub iff its ``F < -1``; then every edge of its list is in ``H`` with the same target, and
+  ``A_HN`` counts exactly those indexed edges.
+* A string's cache pointer (``M_CST``, ``M_CLN``) is exact for the cache automaton of stamp ``M_CSTAMP``
+  when that automaton had ``M_CVER`` states; after growth ``_match_fix`` restores it.
+
 Arrays are allocated and grown by the Python side (``sam.py``); a kernel that finds an array too
 small stops *before* mutating anything for the token at hand, records the request of growth in
 ``grow`` and its progress in ``prog`` and returns, and the caller grows and calls again. One decode
@@ -44,10 +63,15 @@ OFFSET_BITS = 24
 OFFSET_MASK = (1 << OFFSET_BITS) - 1
 MAX_STRING_LEN = 1 << OFFSET_BITS
 
+I32 = 4  # bytes per int32 (address arithmetic: record i of a table at address b starts at b + I32 * REC * i)
 SREC = 4  # state record: L, K, P, F
+S_LEN, S_LINK, S_POS, S_FIRST = range(SREC)  # longest length, suffix link, packed occurrence, first edge
 EREC = 3  # edge record: token, target, next
+E_TOK, E_TGT, E_NEXT = range(EREC)
 RREC = 2  # root hash slot: token, state
+R_TOK, R_STATE = range(RREC)
 HREC = 4  # hub index slot: state, token, target, edge
+H_STATE, H_TOK, H_TGT, H_EDGE = range(HREC)
 HUB_DEGREE = 8  # default of AM[a, A_HUBDEG]: a lookup walking this many edges makes a state a hub (0 = never)
 
 # automaton meta row AM[a, :] (int64)
@@ -63,6 +87,19 @@ SM_COLS = 16
 G_TOK, G_STATES, G_EDGES, G_ROOT, G_HUB = range(5)
 BAD_RANGE, TOO_LONG = -1, -2  # extend_batch / step_batch return codes for bad input (nothing changed)
 WARM_MAX_TOKENS = 8  # tokens per request the read-only warm-up pass walks ahead
+WARM_LANES = 16  # default of knob KN_WARM_LANES: interleaved warm-up walks (0 = no warm-up pass)
+WARM_HOPS = 2  # default of knob KN_WARM_HOPS: suffix links a warm-up walk follows after each token
+# Phases of one warm-up lane (``warm_batch``): the next dependent load the lane makes.
+WP_STATE = 0  # read the record of the current state (then one of the probes below)
+WP_EDGE = 1  # compare the current edge of the state's list
+WP_ROOT = 2  # probe the root hash
+WP_HOPS = 3  # follow the reached state's suffix links (occurrence update walk), then the next token
+WP_HUB = 4  # probe the hub index
+WP_CLONE = 5  # walk the edge list a clone of the reached state will copy
+WP_LINK_HEAD = 6  # the first lookup line of the found state's suffix link (the first redirect)
+# knobs of extend_batch / step_batch (int64[KNOB_COLS]; speed and test switches, never change a draft)
+KN_PRECHECK, KN_WARM_LANES, KN_WARM_HOPS, KN_CACHE_FIX_EACH = range(4)
+KNOB_COLS = 4
 
 
 # ------------------------------------------------------------------------------------ raw views
@@ -125,7 +162,7 @@ def _root_find(R, rcap, tok):
     mask = rcap - 1
     i = _hash_slot(tok, mask)
     while True:
-        k = R[RREC * i]
+        k = R[RREC * i + R_TOK]
         if k == tok:
             return i
         if k == -1:
@@ -136,14 +173,14 @@ def _root_find(R, rcap, tok):
 @njit(cache=True, inline="always")
 def _head(S, p):
     """First edge of state ``p`` (-1 = none), hub mark removed."""
-    f = S[SREC * p + 3]
+    f = S[SREC * p + S_FIRST]
     return f if f >= -1 else -f - 2
 
 
 @njit(cache=True, inline="always")
 def _set_head(S, p, e):
     """Make edge ``e`` the first edge of ``p``, keeping the hub mark."""
-    S[SREC * p + 3] = e if S[SREC * p + 3] >= -1 else -e - 2
+    S[SREC * p + S_FIRST] = e if S[SREC * p + S_FIRST] >= -1 else -e - 2
 
 
 @njit(cache=True, inline="always")
@@ -159,10 +196,10 @@ def _hub_find(H, hcap, p, tok):
     mask = hcap - 1
     i = _hub_slot(p, tok, mask)
     while True:
-        st = H[HREC * i]
+        st = H[HREC * i + H_STATE]
         if st == -1:
             return -1
-        if st == p and H[HREC * i + 1] == tok:
+        if st == p and H[HREC * i + H_TOK] == tok:
             return i
         i = (i + 1) & mask
 
@@ -172,12 +209,12 @@ def _hub_put(H, hcap, p, tok, val, e):
     """Index edge ``e`` = ``p --tok--> val`` (absent before; room ensured)."""
     mask = hcap - 1
     i = _hub_slot(p, tok, mask)
-    while H[HREC * i] != -1:
+    while H[HREC * i + H_STATE] != -1:
         i = (i + 1) & mask
-    H[HREC * i] = p
-    H[HREC * i + 1] = tok
-    H[HREC * i + 2] = val
-    H[HREC * i + 3] = e
+    H[HREC * i + H_STATE] = p
+    H[HREC * i + H_TOK] = tok
+    H[HREC * i + H_TGT] = val
+    H[HREC * i + H_EDGE] = e
 
 
 @njit(cache=True)
@@ -191,9 +228,9 @@ def _make_hub(AM, a, S, E, H, p):
     hcap = AM[a, A_HCAP]
     e = _head(S, p)
     while e != -1:
-        _hub_put(H, hcap, p, E[EREC * e], E[EREC * e + 1], e)
-        e = E[EREC * e + 2]
-    S[SREC * p + 3] = -S[SREC * p + 3] - 2
+        _hub_put(H, hcap, p, E[EREC * e + E_TOK], E[EREC * e + E_TGT], e)
+        e = E[EREC * e + E_NEXT]
+    S[SREC * p + S_FIRST] = -S[SREC * p + S_FIRST] - 2
     AM[a, A_HN] = hn + d
 
 
@@ -204,24 +241,24 @@ def _edge_find(AM, a, S, E, H, p, tok):
     Hubs: one probe of ``H``. Others: list walk, a found edge moves to the front; a walk of
     ``HUB_DEGREE`` or more edges makes ``p`` a hub.
     """
-    f = S[SREC * p + 3]
+    f = S[SREC * p + S_FIRST]
     if f < -1:
         i = _hub_find(H, AM[a, A_HCAP], p, tok)
-        return -1 if i < 0 else H[HREC * i + 3]
+        return -1 if i < 0 else H[HREC * i + H_EDGE]
     e = f
     prev = -1
     steps = 0
     while e != -1:
-        if E[EREC * e] == tok:
+        if E[EREC * e + E_TOK] == tok:
             if prev != -1:
-                E[EREC * prev + 2] = E[EREC * e + 2]
-                E[EREC * e + 2] = S[SREC * p + 3]
-                S[SREC * p + 3] = e
+                E[EREC * prev + E_NEXT] = E[EREC * e + E_NEXT]
+                E[EREC * e + E_NEXT] = S[SREC * p + S_FIRST]
+                S[SREC * p + S_FIRST] = e
             if steps >= AM[a, A_HUBDEG] > 0:
                 _make_hub(AM, a, S, E, H, p)
             return e
         prev = e
-        e = E[EREC * e + 2]
+        e = E[EREC * e + E_NEXT]
         steps += 1
     if steps >= AM[a, A_HUBDEG] > 0:
         _make_hub(AM, a, S, E, H, p)
@@ -233,12 +270,12 @@ def _get(AM, a, S, E, R, H, p, tok):
     """Transition of state ``p`` by ``tok`` (-1 if absent)."""
     if p == 0:
         i = _root_find(R, AM[a, A_RCAP], tok)
-        return -1 if i < 0 else R[RREC * i + 1]
-    if S[SREC * p + 3] < -1:
+        return -1 if i < 0 else R[RREC * i + R_STATE]
+    if S[SREC * p + S_FIRST] < -1:
         i = _hub_find(H, AM[a, A_HCAP], p, tok)
-        return -1 if i < 0 else H[HREC * i + 2]
+        return -1 if i < 0 else H[HREC * i + H_TGT]
     e = _edge_find(AM, a, S, E, H, p, tok)
-    return -1 if e < 0 else E[EREC * e + 1]
+    return -1 if e < 0 else E[EREC * e + E_TGT]
 
 
 @njit(cache=True, inline="always")
@@ -246,22 +283,22 @@ def _redirect(AM, a, S, E, R, H, p, tok, q, val):
     """If ``p --tok--> q``, point it to ``val`` and return True."""
     if p == 0:
         i = _root_find(R, AM[a, A_RCAP], tok)
-        if i >= 0 and R[RREC * i + 1] == q:
-            R[RREC * i + 1] = val
+        if i >= 0 and R[RREC * i + R_STATE] == q:
+            R[RREC * i + R_STATE] = val
             return True
         return False
-    if S[SREC * p + 3] < -1:
+    if S[SREC * p + S_FIRST] < -1:
         i = _hub_find(H, AM[a, A_HCAP], p, tok)
-        if i >= 0 and H[HREC * i + 2] == q:
-            H[HREC * i + 2] = val
-            E[EREC * H[HREC * i + 3] + 1] = val
+        if i >= 0 and H[HREC * i + H_TGT] == q:
+            H[HREC * i + H_TGT] = val
+            E[EREC * H[HREC * i + H_EDGE] + 1] = val
             return True
         return False
     e = _edge_find(AM, a, S, E, H, p, tok)
-    if e >= 0 and E[EREC * e + 1] == q:
-        E[EREC * e + 1] = val
-        if S[SREC * p + 3] < -1:  # the lookup just made p a hub: its index holds the old target
-            H[HREC * _hub_find(H, AM[a, A_HCAP], p, tok) + 2] = val
+    if e >= 0 and E[EREC * e + E_TGT] == q:
+        E[EREC * e + E_TGT] = val
+        if S[SREC * p + S_FIRST] < -1:  # the lookup just made p a hub: its index holds the old target
+            H[HREC * _hub_find(H, AM[a, A_HCAP], p, tok) + H_TGT] = val
         return True
     return False
 
@@ -269,11 +306,11 @@ def _redirect(AM, a, S, E, R, H, p, tok, q, val):
 @njit(cache=True, inline="always")
 def _add_edge(AM, a, S, E, H, ne, p, tok, val):
     """Prepend edge ``p --tok--> val`` at edge index ``ne`` (room ensured, hub index too); returns ne + 1."""
-    E[EREC * ne] = tok
-    E[EREC * ne + 1] = val
-    E[EREC * ne + 2] = _head(S, p)
+    E[EREC * ne + E_TOK] = tok
+    E[EREC * ne + E_TGT] = val
+    E[EREC * ne + E_NEXT] = _head(S, p)
     _set_head(S, p, ne)
-    if S[SREC * p + 3] < -1:
+    if S[SREC * p + S_FIRST] < -1:
         _hub_put(H, AM[a, A_HCAP], p, tok, val, ne)
         AM[a, A_HN] += 1
     return ne + 1
@@ -284,10 +321,10 @@ def _root_put(R, rcap, tok, val):
     """Insert a new root transition (absent before; room ensured). Returns 1."""
     mask = rcap - 1
     i = _hash_slot(tok, mask)
-    while R[RREC * i] != -1:
+    while R[RREC * i + R_TOK] != -1:
         i = (i + 1) & mask
-    R[RREC * i] = tok
-    R[RREC * i + 1] = val
+    R[RREC * i + R_TOK] = tok
+    R[RREC * i + R_STATE] = val
     return 1
 
 
@@ -297,7 +334,7 @@ def _degree(S, E, q):
     e = _head(S, q)
     while e != -1:
         d += 1
-        e = E[EREC * e + 2]
+        e = E[EREC * e + E_NEXT]
     return d
 
 
@@ -307,13 +344,13 @@ def root_rehash(old, new):
     ncap = new.shape[0] // RREC
     m = ncap - 1
     for j in range(old.shape[0] // RREC):
-        t = old[RREC * j]
+        t = old[RREC * j + R_TOK]
         if t != -1:
             i = _hash_slot(t, m)
-            while new[RREC * i] != -1:
+            while new[RREC * i + R_TOK] != -1:
                 i = (i + 1) & m
-            new[RREC * i] = t
-            new[RREC * i + 1] = old[RREC * j + 1]
+            new[RREC * i + R_TOK] = t
+            new[RREC * i + R_STATE] = old[RREC * j + R_STATE]
 
 
 @njit(cache=True)
@@ -321,29 +358,9 @@ def hub_rehash(old, new):
     """Insert every record of hub index ``old`` into the empty (-1 filled) power-of-2 index ``new``."""
     ncap = new.shape[0] // HREC
     for j in range(old.shape[0] // HREC):
-        p = old[HREC * j]
+        p = old[HREC * j + H_STATE]
         if p != -1:
-            _hub_put(new, ncap, p, old[HREC * j + 1], old[HREC * j + 2], old[HREC * j + 3])
-
-
-@njit(cache=True)
-def hub_check(S, E, H, hcap, nst):
-    """Consistency of the hub index (tests): returns (hubs, indexed edges), or (-1 - state, -1) for a hub
-    edge the index does not find or a count that does not match."""
-    hubs = 0
-    edges = 0
-    for p in range(1, nst):
-        if S[SREC * p + 3] >= -1:
-            continue
-        hubs += 1
-        e = _head(S, p)
-        while e != -1:
-            i = _hub_find(H, hcap, p, E[EREC * e])
-            if i < 0 or H[HREC * i + 3] != e or H[HREC * i + 2] != E[EREC * e + 1]:
-                return -1 - p, -1
-            edges += 1
-            e = E[EREC * e + 2]
-    return hubs, edges
+            _hub_put(new, ncap, p, old[HREC * j + H_TOK], old[HREC * j + H_TGT], old[HREC * j + H_EDGE])
 
 
 # ------------------------------------------------------------------------------- extension
@@ -363,11 +380,11 @@ def sam_extend(AM, a, S, E, R, H, last, tok, posval):
     if nst + 2 > AM[a, A_SCAP]:
         return -1, 0, G_STATES, nst + 2
     ecap = AM[a, A_ECAP]
-    Llast = S[SREC * last]
+    Llast = S[SREC * last + S_LEN]
     q = _get(AM, a, S, E, R, H, last, tok)
     if q != -1:
         # The extended string already occurs in the automaton (another string, or a shared prompt).
-        if S[SREC * q] == Llast + 1:
+        if S[SREC * q + S_LEN] == Llast + 1:
             return q, q, -1, 0
         d = _degree(S, E, q)
         if ne + d > ecap:
@@ -376,8 +393,8 @@ def sam_extend(AM, a, S, E, R, H, last, tok, posval):
         ne = _clone(AM, a, S, E, H, ne, q, cl, Llast + 1)
         p = last
         while p != -1 and _redirect(AM, a, S, E, R, H, p, tok, q, cl):
-            p = S[SREC * p + 1]
-        S[SREC * q + 1] = cl
+            p = S[SREC * p + S_LINK]
+        S[SREC * q + S_LINK] = cl
         AM[a, A_NST] = nst + 1
         AM[a, A_NE] = ne
         return cl, cl, -1, 0
@@ -395,12 +412,12 @@ def sam_extend(AM, a, S, E, R, H, last, tok, posval):
             root_new = 1
         else:
             cnt += 1
-            if S[SREC * p + 3] < -1:
+            if S[SREC * p + S_FIRST] < -1:
                 hubs += 1
-        p = S[SREC * p + 1]
+        p = S[SREC * p + S_LINK]
     need_e = ne + cnt
     clone = False
-    if p != -1 and S[SREC * p] + 1 != S[SREC * q]:
+    if p != -1 and S[SREC * p + S_LEN] + 1 != S[SREC * q + S_LEN]:
         clone = True
         # q may itself lie on the chain below p and gain the new edge before being cloned
         need_e += _degree(S, E, q) + 1
@@ -412,10 +429,10 @@ def sam_extend(AM, a, S, E, R, H, last, tok, posval):
         return -1, 0, G_HUB, AM[a, A_HN] + hubs
     # mutate
     cur = nst
-    S[SREC * cur] = Llast + 1
-    S[SREC * cur + 1] = 0
-    S[SREC * cur + 2] = posval
-    S[SREC * cur + 3] = -1
+    S[SREC * cur + S_LEN] = Llast + 1
+    S[SREC * cur + S_LINK] = 0
+    S[SREC * cur + S_POS] = posval
+    S[SREC * cur + S_FIRST] = -1
     nst += 1
     x = last
     while x != p:
@@ -423,20 +440,20 @@ def sam_extend(AM, a, S, E, R, H, last, tok, posval):
             AM[a, A_RN] += _root_put(R, rcap, tok, cur)
         else:
             ne = _add_edge(AM, a, S, E, H, ne, x, tok, cur)
-        x = S[SREC * x + 1]
+        x = S[SREC * x + S_LINK]
     chain = 0
     if p != -1:
         if not clone:
-            S[SREC * cur + 1] = q
+            S[SREC * cur + S_LINK] = q
             chain = q
         else:
             cl = nst
             nst += 1
-            ne = _clone(AM, a, S, E, H, ne, q, cl, S[SREC * p] + 1)
+            ne = _clone(AM, a, S, E, H, ne, q, cl, S[SREC * p + S_LEN] + 1)
             while p != -1 and _redirect(AM, a, S, E, R, H, p, tok, q, cl):
-                p = S[SREC * p + 1]
-            S[SREC * q + 1] = cl
-            S[SREC * cur + 1] = cl
+                p = S[SREC * p + S_LINK]
+            S[SREC * q + S_LINK] = cl
+            S[SREC * cur + S_LINK] = cl
             chain = cl
     AM[a, A_NST] = nst
     AM[a, A_NE] = ne
@@ -446,14 +463,14 @@ def sam_extend(AM, a, S, E, R, H, last, tok, posval):
 @njit(cache=True)
 def _clone(AM, a, S, E, H, ne, q, c, length):
     """Make state ``c`` a clone of ``q`` with length ``length`` (link, occurrence and all edges; not a hub)."""
-    S[SREC * c] = length
-    S[SREC * c + 1] = S[SREC * q + 1]
-    S[SREC * c + 2] = S[SREC * q + 2]
-    S[SREC * c + 3] = -1
+    S[SREC * c + S_LEN] = length
+    S[SREC * c + S_LINK] = S[SREC * q + S_LINK]
+    S[SREC * c + S_POS] = S[SREC * q + S_POS]
+    S[SREC * c + S_FIRST] = -1
     e = _head(S, q)
     while e != -1:
-        ne = _add_edge(AM, a, S, E, H, ne, c, E[EREC * e], E[EREC * e + 1])
-        e = E[EREC * e + 2]
+        ne = _add_edge(AM, a, S, E, H, ne, c, E[EREC * e + E_TOK], E[EREC * e + E_TGT])
+        e = E[EREC * e + E_NEXT]
     return ne
 
 
@@ -513,13 +530,13 @@ def _append_tokens(AM, SM, auto_str, s, buf, row, j0, j1, budget, complete, prog
         steps = 0
         bud = 0 if complete and j == j1 - 1 else budget
         while x > 0 and (steps < bud or cand_pos == -1) and steps < bud + 8:
-            old = S[SREC * x + 2]
+            old = S[SREC * x + S_POS]
             if cand_pos == -1 and _has_cont(SM, auto_str, a, old):
                 cand_pos = old
-                cand_len = S[SREC * x]
+                cand_len = S[SREC * x + S_LEN]
             if steps < bud:
-                S[SREC * x + 2] = posval
-            x = S[SREC * x + 1]
+                S[SREC * x + S_POS] = posval
+            x = S[SREC * x + S_LINK]
             steps += 1
     SM[s, M_LAST] = last
     SM[s, M_CLEN] = cand_len
@@ -531,8 +548,8 @@ def _append_tokens(AM, SM, auto_str, s, buf, row, j0, j1, budget, complete, prog
 def _match_fix(S, st, ln):
     """Move a match pointer (state ``st``, length ``ln``) made before the automaton grew (states split)
     to the state that now holds the strings of length ``ln``."""
-    while st != 0 and S[SREC * S[SREC * st + 1]] >= ln:
-        st = S[SREC * st + 1]
+    while st != 0 and S[SREC * S[SREC * st + S_LINK] + S_LEN] >= ln:
+        st = S[SREC * st + S_LINK]
     return st
 
 
@@ -548,8 +565,8 @@ def _match_step(AM, a, S, E, R, H, st, ln, tok):
             return t, ln + 1
         if st == 0:
             return 0, 0
-        st = S[SREC * st + 1]
-        ln = S[SREC * st]
+        st = S[SREC * st + S_LINK]
+        ln = S[SREC * st + S_LEN]
 
 
 @njit(cache=True)
@@ -558,13 +575,13 @@ def _prefetch_lookup(AM, a, st, tok):
     record (root slot, hub slot or list head); the record itself is read here."""
     if st == 0:
         if AM[a, A_RCAP]:
-            _prefetch(AM[a, A_R] + 4 * RREC * _hash_slot(tok, AM[a, A_RCAP] - 1))
+            _prefetch(AM[a, A_R] + I32 * RREC * _hash_slot(tok, AM[a, A_RCAP] - 1))
         return
-    f = _view(AM[a, A_S] + 4 * SREC * st, SREC)[3]
+    f = _view(AM[a, A_S] + I32 * SREC * st, SREC)[S_FIRST]
     if f < -1:
-        _prefetch(AM[a, A_H] + 4 * HREC * _hub_slot(st, tok, AM[a, A_HCAP] - 1))
+        _prefetch(AM[a, A_H] + I32 * HREC * _hub_slot(st, tok, AM[a, A_HCAP] - 1))
     elif f >= 0:
-        _prefetch(AM[a, A_E] + 4 * EREC * f)
+        _prefetch(AM[a, A_E] + I32 * EREC * f)
 
 
 @njit(cache=True, inline="always")
@@ -615,20 +632,22 @@ def _cache_follow(AM, ca, SM, s, buf, row, j0, j1, S, E, R, H, fix_each=False):
 
 @njit(cache=True)
 def extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, complete, AM, SM, auto_str, ca, stamp,
-                 grow, precheck=True, warm_lanes=16, warm_hops=2, cache_fix_each=False):
+                 grow, knobs):
     """Append ``buf[rows[i], starts[i]:ends[i]]`` to string ``slots[i]`` for every i (one decode step).
 
     ``prog`` int64[2] = (request index, token column) to resume from (0, -1 at the first call).
     Returns the number of growth requests written to ``grow`` (int64[m, 3]: kind, slot, elements);
-    0 = done. Phase 1 (``precheck``) checks the room of every request first (hot meta rows only) so
+    0 = done. ``knobs``: int64[KNOB_COLS] (``KN_*``). Phase 1 (``KN_PRECHECK``) checks the room of every request first (hot meta rows only) so
     that decode steps rarely stop in the middle; phase 2 appends, checking room token by token;
     phase 3 advances the pointers into the cache automaton ``ca`` (stamp ``stamp``; -1 = no cache;
-    ``cache_fix_each``: reference walk, see ``_cache_follow``).
+    ``KN_CACHE_FIX_EACH``: reference walk, see ``_cache_follow``); before phase 2 the read-only warm-up
+    pass (``warm_batch``, ``KN_WARM_LANES`` lanes, ``KN_WARM_HOPS`` hops) runs when phase 1 did.
     ``complete``: the strings end here (cache insertion), see ``_append_tokens``.
     Bad input, checked before anything changes: returns ``BAD_RANGE`` if some ``ends[i] < starts[i]``,
     ``TOO_LONG`` if a string would reach ``MAX_STRING_LEN`` tokens.
     """
     n = slots.shape[0]
+    precheck = knobs[KN_PRECHECK] != 0
     i0 = prog[0]
     if i0 == 0 and prog[1] < 0:
         for i in range(n):
@@ -678,8 +697,9 @@ def extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, complete,
             ng += 1
     if ng:
         return ng
-    if precheck and warm_lanes > 0:
-        warm_batch(slots, buf, rows, starts, ends, i0, prog[1], AM, SM, warm_lanes, min(budget, warm_hops))
+    if precheck and knobs[KN_WARM_LANES] > 0:
+        warm_batch(slots, buf, rows, starts, ends, i0, prog[1], AM, SM, knobs[KN_WARM_LANES],
+                   min(budget, knobs[KN_WARM_HOPS]))
     # phase 2: append
     for i in range(i0, n):
         j0 = starts[i] if i != i0 or prog[1] < 0 else prog[1]
@@ -697,7 +717,7 @@ def extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, complete,
     for i in range(n):  # every pointer's state line requested before the first walk needs it ...
         s = slots[i]
         if ends[i] > starts[i] and SM[s, M_CSTAMP] == stamp:
-            _prefetch(AM[ca, A_S] + 4 * SREC * SM[s, M_CST])
+            _prefetch(AM[ca, A_S] + I32 * SREC * SM[s, M_CST])
     for i in range(n):  # ... then the line its first lookup reads (list head, hub slot or root slot)
         s = slots[i]
         if ends[i] > starts[i] and SM[s, M_CSTAMP] == stamp:
@@ -707,7 +727,7 @@ def extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, complete,
             continue
         if SM[slots[i], M_CSTAMP] != stamp:  # made for a cache that is gone (rare): re-fed
             _cache_resync(AM, ca, SM, slots[i], ends[i] - starts[i], stamp, S, E, R, H, resync)
-        _cache_follow(AM, ca, SM, slots[i], buf, rows[i], starts[i], ends[i], S, E, R, H, cache_fix_each)
+        _cache_follow(AM, ca, SM, slots[i], buf, rows[i], starts[i], ends[i], S, E, R, H, knobs[KN_CACHE_FIX_EACH] != 0)
     return 0
 
 
@@ -722,15 +742,15 @@ def _lane_start(AM, SM, slots, buf, rows, starts, ends, i, j, lane, Li, Lj, Lst,
     """
     s = slots[i]
     a = SM[s, M_AUTO]
-    _prefetch(SM[s, M_T] + 4 * SM[s, M_LEN])
-    _prefetch(AM[a, A_S] + 4 * SREC * AM[a, A_NST])
-    _prefetch(AM[a, A_E] + 4 * EREC * AM[a, A_NE])
+    _prefetch(SM[s, M_T] + I32 * SM[s, M_LEN])
+    _prefetch(AM[a, A_S] + I32 * SREC * AM[a, A_NST])
+    _prefetch(AM[a, A_E] + I32 * EREC * AM[a, A_NE])
     st = SM[s, M_LAST]
-    _prefetch(AM[a, A_S] + 4 * SREC * st)
+    _prefetch(AM[a, A_S] + I32 * SREC * st)
     Li[lane] = i
     Lj[lane] = j
     Lst[lane] = st
-    Lph[lane] = 0
+    Lph[lane] = WP_STATE
     Lend[lane] = min(ends[i], j + WARM_MAX_TOKENS)
     La[lane] = a
     Ltok[lane] = buf[rows[i], j]
@@ -739,11 +759,11 @@ def _lane_start(AM, SM, slots, buf, rows, starts, ends, i, j, lane, Li, Lj, Lst,
 @njit(cache=True)
 def _lane_to_link(S, st, lane, Lst, Lph):
     """A lane's token has no transition at ``st`` (address ``S`` of the state records): continue at the
-    suffix link, reading its record next (phase 0). Returns the link."""
-    st = _view(S + 4 * SREC * st, SREC)[1]
+    suffix link, reading its record next (``WP_STATE``). Returns the link."""
+    st = _view(S + I32 * SREC * st, SREC)[S_LINK]
     Lst[lane] = st
-    Lph[lane] = 0
-    _prefetch(S + 4 * SREC * st)
+    Lph[lane] = WP_STATE
+    _prefetch(S + I32 * SREC * st)
     return st
 
 
@@ -793,7 +813,7 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
             st = Lst[lane]
             done = False
             found = False
-            if ph == 0:  # at state st: read its record
+            if ph == WP_STATE:  # at state st: read its record
                 Lpl[lane] = 0
                 if st == 0:
                     rcap = AM[a, A_RCAP]
@@ -803,93 +823,93 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                     else:
                         h = _hash_slot(tok, rcap - 1)
                         Lh[lane] = h
-                        Lph[lane] = 2
-                        _prefetch(AM[a, A_R] + 4 * RREC * h)
+                        Lph[lane] = WP_ROOT
+                        _prefetch(AM[a, A_R] + I32 * RREC * h)
                 else:
-                    rec = _view(S + 4 * SREC * st, SREC)
-                    Lpl[lane] = rec[0]
-                    e = rec[3]
+                    rec = _view(S + I32 * SREC * st, SREC)
+                    Lpl[lane] = rec[S_LEN]
+                    e = rec[S_FIRST]
                     if e < -1:  # hub: probe the index
                         h = _hub_slot(st, tok, AM[a, A_HCAP] - 1)
                         Lh[lane] = h
-                        Lph[lane] = 4
-                        _prefetch(AM[a, A_H] + 4 * HREC * h)
+                        Lph[lane] = WP_HUB
+                        _prefetch(AM[a, A_H] + I32 * HREC * h)
                     elif e == -1:
-                        st = rec[1]
+                        st = rec[S_LINK]
                         Lst[lane] = st
-                        _prefetch(S + 4 * SREC * st)
+                        _prefetch(S + I32 * SREC * st)
                     else:
                         Le[lane] = e
-                        Lph[lane] = 1
-                        _prefetch(AM[a, A_E] + 4 * EREC * e)
-            elif ph == 1:  # at edge e of st
+                        Lph[lane] = WP_EDGE
+                        _prefetch(AM[a, A_E] + I32 * EREC * e)
+            elif ph == WP_EDGE:  # at edge e of st
                 e = Le[lane]
-                er = _view(AM[a, A_E] + 4 * EREC * e, EREC)
-                if er[0] == tok:
-                    st = er[1]
+                er = _view(AM[a, A_E] + I32 * EREC * e, EREC)
+                if er[E_TOK] == tok:
+                    st = er[E_TGT]
                     done = found = True
-                elif er[2] == -1:
+                elif er[E_NEXT] == -1:
                     st = _lane_to_link(S, st, lane, Lst, Lph)
                 else:
-                    Le[lane] = er[2]
-                    _prefetch(AM[a, A_E] + 4 * EREC * er[2])
-            elif ph == 4:  # hub index probe
+                    Le[lane] = er[E_NEXT]
+                    _prefetch(AM[a, A_E] + I32 * EREC * er[E_NEXT])
+            elif ph == WP_HUB:  # hub index probe
                 h = Lh[lane]
-                hr = _view(AM[a, A_H] + 4 * HREC * h, HREC)
-                if hr[0] == st and hr[1] == tok:
-                    st = hr[2]
+                hr = _view(AM[a, A_H] + I32 * HREC * h, HREC)
+                if hr[H_STATE] == st and hr[H_TOK] == tok:
+                    st = hr[H_TGT]
                     done = found = True
-                elif hr[0] == -1:
+                elif hr[H_STATE] == -1:
                     st = _lane_to_link(S, st, lane, Lst, Lph)
                 else:
                     h = (h + 1) & (AM[a, A_HCAP] - 1)
                     Lh[lane] = h
-                    _prefetch(AM[a, A_H] + 4 * HREC * h)
-            elif ph == 2:  # root hash probe
+                    _prefetch(AM[a, A_H] + I32 * HREC * h)
+            elif ph == WP_ROOT:  # root hash probe
                 h = Lh[lane]
-                kv = _view(AM[a, A_R] + 4 * RREC * h, RREC)
-                if kv[0] == tok:
-                    st = kv[1]
+                kv = _view(AM[a, A_R] + I32 * RREC * h, RREC)
+                if kv[R_TOK] == tok:
+                    st = kv[R_STATE]
                     done = found = True
-                elif kv[0] == -1:
+                elif kv[R_TOK] == -1:
                     st = 0
                     done = True
                 else:
                     h = (h + 1) & (AM[a, A_RCAP] - 1)
                     Lh[lane] = h
-                    _prefetch(AM[a, A_R] + 4 * RREC * h)
-            elif ph == 5:  # clone ahead: the edge list of the reached state (the clone copies it)
-                nx = _view(AM[a, A_E] + 4 * EREC * Lx[lane], EREC)[2]
+                    _prefetch(AM[a, A_R] + I32 * RREC * h)
+            elif ph == WP_CLONE:  # clone ahead: the edge list of the reached state (the clone copies it)
+                nx = _view(AM[a, A_E] + I32 * EREC * Lx[lane], EREC)[E_NEXT]
                 if nx != -1:
                     Lx[lane] = nx
-                    _prefetch(AM[a, A_E] + 4 * EREC * nx)
+                    _prefetch(AM[a, A_E] + I32 * EREC * nx)
                 else:  # then the first redirect: the suffix link of the state whose transition was found
-                    p2 = _view(S + 4 * SREC * Lp[lane], SREC)[1]  # (-1 for the root)
+                    p2 = _view(S + I32 * SREC * Lp[lane], SREC)[S_LINK]  # (-1 for the root)
                     Lp[lane] = -1
-                    Lph[lane] = 3
+                    Lph[lane] = WP_HOPS
                     if p2 > 0:
                         Lx[lane] = p2
-                        Lph[lane] = 6
-                        _prefetch(S + 4 * SREC * p2)
-            elif ph == 6:  # its first edge (or its hub slot for the token)
+                        Lph[lane] = WP_LINK_HEAD
+                        _prefetch(S + I32 * SREC * p2)
+            elif ph == WP_LINK_HEAD:  # its first edge (or its hub slot for the token)
                 _prefetch_lookup(AM, a, Lx[lane], tok)
-                Lph[lane] = 3
-            else:  # ph 3: suffix-link hops of the reached state (occurrence update walk)
+                Lph[lane] = WP_HOPS
+            else:  # WP_HOPS: suffix-link hops of the reached state (occurrence update walk)
                 if st > 0 and Lh[lane] > 0:
-                    rec = _view(S + 4 * SREC * st, SREC)
-                    if Lp[lane] >= 0 and Lpl[lane] + 1 != rec[0]:
+                    rec = _view(S + I32 * SREC * st, SREC)
+                    if Lp[lane] >= 0 and Lpl[lane] + 1 != rec[S_LEN]:
                         # the extension will clone this state: walk what the clone reads first
-                        hd = rec[3] if rec[3] >= -1 else -rec[3] - 2
+                        hd = rec[S_FIRST] if rec[S_FIRST] >= -1 else -rec[S_FIRST] - 2
                         if hd >= 0:
                             Lx[lane] = hd
-                            Lph[lane] = 5
-                            _prefetch(AM[a, A_E] + 4 * EREC * hd)
+                            Lph[lane] = WP_CLONE
+                            _prefetch(AM[a, A_E] + I32 * EREC * hd)
                             continue
                     Lp[lane] = -1
-                    st = rec[1]
+                    st = rec[S_LINK]
                     Lst[lane] = st
                     Lh[lane] -= 1
-                    _prefetch(S + 4 * SREC * st)
+                    _prefetch(S + I32 * SREC * st)
                 else:
                     st = Le[lane]  # the state reached by the token
                     j = Lj[lane] + 1
@@ -897,8 +917,8 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                         Lj[lane] = j
                         Ltok[lane] = buf[rows[i], j]
                         Lst[lane] = st
-                        Lph[lane] = 0
-                        _prefetch(S + 4 * SREC * st)
+                        Lph[lane] = WP_STATE
+                        _prefetch(S + I32 * SREC * st)
                     else:
                         Li[lane] = -1
                         active -= 1
@@ -915,9 +935,9 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
                 Le[lane] = st
                 Lst[lane] = st
                 Lh[lane] = hops
-                Lph[lane] = 3
+                Lph[lane] = WP_HOPS
                 if st > 0:
-                    _prefetch(S + 4 * SREC * st)
+                    _prefetch(S + I32 * SREC * st)
 
 
 # ---------------------------------------------------------------------------------- propose
@@ -948,19 +968,19 @@ def propose_batch(slots, k, min_match, AM, SM, auto_str, ca, stamp, out, out_n):
             st, ln = _cache_pointer(S, SM, s, nst)
             tries = 0
             while st > 0 and tries < 4 and ln > best_len[i]:
-                pos = S[SREC * st + 2]
+                pos = S[SREC * st + S_POS]
                 if _has_cont(SM, auto_str, ca, pos):
                     best_len[i] = ln
                     best_pos[i] = pos
                     best_a[i] = ca
                     break
-                st = S[SREC * st + 1]
-                ln = S[SREC * st]
+                st = S[SREC * st + S_LINK]
+                ln = S[SREC * st + S_LEN]
                 tries += 1
     for i in range(n):  # the drafts' token lines, all requested before the first is read
         if best_len[i] >= min_match and best_pos[i] >= 0:
             pos = best_pos[i]
-            _prefetch(SM[auto_str[best_a[i], pos >> OFFSET_BITS], M_T] + 4 * ((pos & OFFSET_MASK) + 1))
+            _prefetch(SM[auto_str[best_a[i], pos >> OFFSET_BITS], M_T] + I32 * ((pos & OFFSET_MASK) + 1))
     for i in range(n):
         if best_len[i] < min_match or best_pos[i] < 0:
             out_n[i] = 0
@@ -976,40 +996,17 @@ def propose_batch(slots, k, min_match, AM, SM, auto_str, ca, stamp, out, out_n):
 
 
 @njit(cache=True)
-def step_batch(slots, buf, rows, starts, ends, prog, budget, resync, AM, SM, auto_str, ca, stamp, grow, k, min_match,
-               out, out_n, precheck=True, warm_lanes=16, warm_hops=2, cache_fix_each=False):
+def step_batch(slots, buf, rows, starts, ends, prog, budget, resync, AM, SM, auto_str, ca, stamp, grow, knobs, k,
+               min_match, out, out_n):
     """One decode step in one call: ``extend_batch`` then, once it is done, ``propose_batch``."""
     ng = extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, False, AM, SM, auto_str, ca, stamp, grow,
-                      precheck, warm_lanes, warm_hops, cache_fix_each)
+                      knobs)
     if ng == 0:
         propose_batch(slots, k, min_match, AM, SM, auto_str, ca, stamp, out, out_n)
     return ng
 
 
-# -------------------------------------------------------------------------------- reference
-@njit(cache=True)
-def brute_force_propose(text, k, rule):
-    """Reference: longest suffix of ``text`` that also ends earlier, by scanning every end position.
-
-    rule 0 = earliest occurrence, 1 = most recent. Returns (match_len, end_pos, draft int32[<=k]).
-    O(len(text) * match length); used by tests only.
-    """
-    t = text.shape[0]
-    best = 0
-    best_e = -1
-    for e in range(t - 1):
-        m = 0
-        while m <= e and text[e - m] == text[t - 1 - m]:
-            m += 1
-        if m > best or (m == best and m > 0 and rule == 1):
-            best = m
-            best_e = e
-    if best == 0:
-        return 0, -1, np.empty(0, np.int32)
-    n = min(k, t - best_e - 1)
-    return best, best_e, text[best_e + 1:best_e + 1 + n].copy()
-
-
+# ---------------------------------------------------------------------------------- exchange
 @njit(cache=True)
 def gather_tails(SM, slots, starts, ends, out):
     """Copy ``T[s][starts[i]:ends[i]]`` of string ``slots[i]`` for every i into ``out`` (back to back);

@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm_ascend.spec_decode.interface import Proposer
 
-from qwen3_rl.spec_decode.config import options_from_vllm_config
+from qwen3_rl.spec_decode.config import config_from_vllm_config
 from qwen3_rl.spec_decode.runner_drafter import SamRunnerDrafter
 
 
@@ -33,12 +33,13 @@ class SamAscendProposer(Proposer):
 
     def __init__(self, vllm_config: Any, device: Any = None, runner: Any = None) -> None:
         super().__init__(vllm_config, device, runner)
-        k, options, _threshold = options_from_vllm_config(vllm_config)
+        config = config_from_vllm_config(vllm_config)
         self.vllm_config = vllm_config
         self.device = device
         self.runner = runner
-        self.k = k
-        self.sam = SamRunnerDrafter(k, options, vllm_config.model_config.max_model_len)
+        self.k = config.num_speculative_tokens
+        # builds the drafter and compiles its kernels (the first decode step compiles nothing)
+        self.sam = SamRunnerDrafter(config, vllm_config.model_config.max_model_len)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """No model to load."""

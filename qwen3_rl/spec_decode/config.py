@@ -7,6 +7,8 @@ User-facing form (``LLM(speculative_config=...)``, verl ``rollout.engine_kwargs.
      "disable_by_batch_size": 64,              # optional: drafting off while running requests > 64
      "sam_config": {"group_mode": True, ...}}  # optional: SAM drafter options, keys of SAM_OPTIONS
 
+The drafter's configuration is one ``sam.SamConfig`` (k + the ``sam_config`` options).
+
 Everything here is pure Python (no vLLM import) so it can be unit-tested alone. The vLLM patch calls
 ``check_sam_keys`` from a ``mode="before"`` validator (pydantic drops unknown keyword arguments of
 ``SpeculativeConfig`` silently, so a misspelled option would otherwise vanish) and
@@ -16,7 +18,7 @@ Everything here is pure Python (no vLLM import) so it can be unit-tested alone. 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 from qwen3_rl.spec_decode.sam import SamConfig
@@ -33,59 +35,8 @@ SAM_TOP_LEVEL_KEYS = frozenset({
 })
 
 
-@dataclass(frozen=True)
-class SamOptions:
-    """Options of ``speculative_config["sam_config"]`` (all optional; defaults = ``SamConfig``'s).
-
-    Attributes:
-        group_mode: GRPO samples of one prompt (same prompt token ids) share one automaton, and
-            finished responses enter a bounded cache (docs/sam_decoding.md).
-        rule: "recent" or "earliest" occurrence as the continuation.
-        recent_budget: suffix-link ancestors re-pointed per appended token (rule "recent").
-        min_match: shortest suffix match (tokens) that may draft.
-        cache_max_responses: responses kept when the cache is rebuilt; it holds at most
-            min(2 x this, 127) (0..127, 0 = no cache).
-        cache_max_tokens: tokens kept when the cache is rebuilt; it holds at most 2 x this.
-        resync: tokens re-fed to a request's cache pointer after the cache was rebuilt.
-        pad_drafts: pad every draft to exactly k tokens (repeating its last token) so that each
-            pure-decode step has query length 1 + k, the only shape a FULL_DECODE_ONLY graph
-            (needed by npugraph_ex) replays; padded tokens are verified like any draft token.
-        group_exchange: share the siblings' accepted tokens among the vLLM DP ranks (group mode
-            across ranks when data rebalance spreads a prompt's samples; needs group_mode and vLLM DP > 1;
-            qwen3_rl/spec_decode/sibling_exchange.py).
-        exchange_every: engine steps between two exchanges (>= 1).
-        exchange_max_bytes: cap of one rank's message per exchange (bytes, >= 24; the oldest tokens of the
-            longest pending ranges are dropped first).
-        exchange_max_siblings: remote siblings a rank keeps per group (shadow strings; 0 = all). Each kept
-            sibling costs its whole text in host memory and its new tokens in every merge; 7 = the measured
-            configuration (8 samples per prompt, docs/sam_decoding.md).
-        exchange_max_shadow_tokens: bound of the tokens a rank holds in shadow strings (beyond it, remote
-            tokens are skipped).
-    """
-
-    group_mode: bool = False
-    rule: str = "recent"
-    recent_budget: int = 1
-    min_match: int = 1
-    cache_max_responses: int = 64
-    cache_max_tokens: int = 131072
-    resync: int = 32
-    pad_drafts: bool = False
-    group_exchange: bool = False
-    exchange_every: int = 1
-    exchange_max_bytes: int = 16384
-    exchange_max_siblings: int = 7
-    exchange_max_shadow_tokens: int = 1 << 25
-
-    def sam_config(self, k: int) -> SamConfig:
-        """The drafter's config for ``k`` speculative tokens."""
-        return SamConfig(num_speculative_tokens=k, rule=self.rule, recent_budget=self.recent_budget,
-                         min_match=self.min_match, group_mode=self.group_mode,
-                         cache_max_responses=self.cache_max_responses,
-                         cache_max_tokens=self.cache_max_tokens, resync=self.resync)
-
-
-SAM_OPTIONS = tuple(f.name for f in fields(SamOptions))
+#: Keys of ``speculative_config["sam_config"]``: the fields of ``SamConfig`` but k (a top-level key).
+SAM_OPTIONS = tuple(f.name for f in fields(SamConfig) if f.name != "num_speculative_tokens")
 _BOOL_OPTIONS = frozenset({"group_mode", "pad_drafts", "group_exchange"})
 
 
@@ -144,10 +95,13 @@ def check_num_speculative_tokens(k: Any) -> int:
     return k
 
 
-def parse_sam_options(raw: Mapping[str, Any] | None) -> SamOptions:
-    """Validate ``sam_config`` (None = defaults); unknown keys and wrong types raise ``ValueError``."""
+def parse_sam_options(raw: Mapping[str, Any] | None, k: int = SamConfig.num_speculative_tokens) -> SamConfig:
+    """The drafter's config from ``sam_config`` (None = defaults) and ``k`` speculative tokens.
+
+    Unknown keys, wrong types and out-of-range values raise ``ValueError`` naming the key.
+    """
     if raw is None:
-        return SamOptions()
+        raw = {}
     if not isinstance(raw, Mapping):
         raise ValueError(f"speculative_config.sam_config must be a mapping, got {type(raw).__name__}")
     bad = _unknown(raw, SAM_OPTIONS)
@@ -158,36 +112,26 @@ def parse_sam_options(raw: Mapping[str, Any] | None) -> SamOptions:
         ok = isinstance(val, want) and (want is bool or not isinstance(val, bool))
         if not ok:
             raise ValueError(f"speculative_config.sam_config.{key} must be {want.__name__}, got {val!r}")
-    opts = SamOptions(**dict(raw))
-    opts.sam_config(1)  # SamConfig's own range checks (rule, budgets, cache sizes)
-    if opts.group_exchange and not opts.group_mode:
-        raise ValueError("speculative_config.sam_config.group_exchange=True needs group_mode=True (the exchange "
-                         "feeds the siblings' tokens into the group automata)")
-    if opts.exchange_every < 1:
-        raise ValueError(f"speculative_config.sam_config.exchange_every must be >= 1, got {opts.exchange_every}")
-    if opts.exchange_max_siblings < 0 or opts.exchange_max_shadow_tokens < 0:
-        raise ValueError("speculative_config.sam_config.exchange_max_siblings and exchange_max_shadow_tokens must "
-                         "be >= 0")
-    if opts.exchange_max_bytes < 24:
-        raise ValueError(f"speculative_config.sam_config.exchange_max_bytes must be >= 24, got "
-                         f"{opts.exchange_max_bytes}")
-    return opts
+    try:
+        return SamConfig(num_speculative_tokens=k, **dict(raw))
+    except ValueError as exc:  # SamConfig's range checks
+        raise ValueError(f"speculative_config.sam_config: {exc}") from None
 
 
-def validate_sam_speculative_config(spec: Any) -> SamOptions:
-    """Validate a vLLM ``SpeculativeConfig`` whose ``method`` is "sam"; returns the parsed options.
+def validate_sam_speculative_config(spec: Any) -> SamConfig:
+    """Validate a vLLM ``SpeculativeConfig`` whose ``method`` is "sam"; returns the drafter's config.
 
     Checks k (``num_speculative_tokens``), ``sam_config`` and that no draft model is given.
     Raises ``ValueError`` with a message naming the bad key.
     """
     if getattr(spec, "method", None) != METHOD:
         raise ValueError(f"not a SAM speculative config: method={getattr(spec, 'method', None)!r}")
-    check_num_speculative_tokens(getattr(spec, "num_speculative_tokens", None))
+    k = check_num_speculative_tokens(getattr(spec, "num_speculative_tokens", None))
     model = getattr(spec, "model", None)
     if model not in (None, METHOD):
         raise ValueError(f"method='sam' is model-free: drop model={model!r}")
     try:
-        return parse_sam_options(getattr(spec, "sam_config", None))
+        return parse_sam_options(getattr(spec, "sam_config", None), k)
     except ValueError as exc:
         raise ValueError(str(exc)) from None
 
@@ -199,8 +143,10 @@ def reject_sam_config_for_other_methods(spec: Any) -> None:
                          f"(method={getattr(spec, 'method', None)!r})")
 
 
-def options_from_vllm_config(vllm_config: Any) -> tuple[int, SamOptions, int | None]:
-    """(k, SAM options, batch-size threshold or None) from a ``VllmConfig`` with method "sam"."""
-    spec = vllm_config.speculative_config
-    opts = validate_sam_speculative_config(spec)
-    return int(spec.num_speculative_tokens), opts, getattr(spec, "disable_by_batch_size", None)
+def config_from_vllm_config(vllm_config: Any) -> SamConfig:
+    """The drafter's config (k included) from a ``VllmConfig`` whose speculative method is "sam".
+
+    ``speculative_config.disable_by_batch_size`` is not part of it: the runner's ``BatchSizeGate`` reads it
+    (``bs_threshold.BatchSizeGate.from_vllm_config``).
+    """
+    return validate_sam_speculative_config(vllm_config.speculative_config)

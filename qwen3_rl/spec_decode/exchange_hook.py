@@ -93,7 +93,7 @@ class SiblingExchangeHook:
         if sam is None:
             return
         self.steps += 1
-        if self.steps % sam.options.exchange_every:
+        if self.steps % sam.config.exchange_every:
             return
         assert self._comm is not None
         sam.exchange_round(self._comm)

@@ -26,37 +26,46 @@ The drafter reads the runner's buffers and writes none of them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from qwen3_rl.spec_decode.config import SamOptions
-from qwen3_rl.spec_decode.sam import SamProposer, group_key
+from qwen3_rl.spec_decode.sam import SamConfig, SamProposer, group_key
 from qwen3_rl.spec_decode.sibling_exchange import SiblingExchange
+
+#: Private switch of the load-time warm-up (benchmarks turn it off to measure the cold first step).
+_WARM_UP = True
 
 
 class SamRunnerDrafter:
     """SAM drafting over a runner's persistent batch.
 
+    Builds the drafter and, unless switched off (``_WARM_UP``), compiles every kernel it will call
+    (``_warm_up``) so the engine's first decode step compiles nothing.
+
     Args:
-        k: number of speculative tokens (``num_speculative_tokens``).
-        options: validated ``sam_config`` options.
+        config: the drafter's config (``config.parse_sam_options``; k = ``num_speculative_tokens``).
         max_model_len: the engine's max model length (tokens); drafts never exceed it.
     """
 
-    def __init__(self, k: int, options: SamOptions, max_model_len: int) -> None:
-        self.k = int(k)
-        self.options = options
+    def __init__(self, config: SamConfig, max_model_len: int) -> None:
+        self._setup(config, max_model_len, rank=-1)
+        if _WARM_UP:
+            _warm_up(config)
+
+    def _setup(self, config: SamConfig, max_model_len: int, rank: int) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
         self.max_model_len = int(max_model_len)
-        self.drafter = SamProposer(options.sam_config(self.k))
+        self.drafter = SamProposer(config)
         self._fed: dict[str, int] = {}  # req_id -> tokens held by the automaton
         self._paused: set[str] = set()
         # sibling exchange (sam_config.group_exchange): its rank is set by the engine hook (exchange_hook.py)
         self.exchange: SiblingExchange | None = (
-            SiblingExchange(self.drafter, -1, options.exchange_max_bytes) if options.group_exchange else None)
-        self.drafter.max_shadows_per_group = options.exchange_max_siblings
-        self.drafter.max_shadow_tokens = options.exchange_max_shadow_tokens
+            SiblingExchange(self.drafter, rank, config.exchange_max_bytes) if config.group_exchange else None)
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -175,7 +184,7 @@ class SamRunnerDrafter:
         rows_a = np.asarray(rows, np.int64)
         drafts, counts = self.drafter.propose_arrays(np.ascontiguousarray(slots[rows_a]), self.k)
         room = self.max_model_len - 1 - np.asarray(num[rows_a], np.int64)  # draft + bonus must fit
-        pad = self.options.pad_drafts
+        pad = self.config.pad_drafts
         for j, i in enumerate(rows):
             lim = int(min(self.k, room[j]))
             c = int(min(counts[j], lim))
@@ -191,3 +200,80 @@ class SamRunnerDrafter:
         """``observe`` then ``propose``: one decode step of the runner."""
         slots = self.observe(input_batch, live, scheduler_output)
         return self.propose(input_batch, valid_sampled_token_ids, slots)
+
+
+# ---------------------------------------------------------------------------------------------- warm-up
+#: Warm-up text: a prompt with repeats (matches, clones and a hub state; ids < 16) and the decode steps'
+#: accepted tokens per row (1 + accepted drafts, <= k + 1 per step).
+_WARM_PROMPT = np.array([(7 * i) % 13 for i in range(40)], np.int32)
+_WARM_STEPS = 6
+
+
+def _warm_batch(texts: list[np.ndarray], nums: list[int], prompt_len: int) -> SimpleNamespace:
+    """A minimal stand-in of vLLM's ``InputBatch`` over ``texts`` (row i holds ``nums[i]`` valid tokens)."""
+    width = max(t.shape[0] for t in texts)
+    tok = np.zeros((len(texts), width), np.int32)
+    for i, t in enumerate(texts):
+        tok[i, : t.shape[0]] = t
+    ids = [f"warm-{i}" for i in range(len(texts))]
+    return SimpleNamespace(num_reqs=len(texts), req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                           token_ids_cpu=tok, num_tokens_no_spec=np.asarray(nums, np.int32),
+                           num_prompt_tokens=np.full(len(texts), prompt_len, np.int32),
+                           spec_decode_unsupported_reqs=set())
+
+
+def _warm_up(config: SamConfig) -> None:
+    """Compile and run every kernel a ``SamRunnerDrafter`` with ``config`` calls, on throwaway drafters.
+
+    The numba kernels compile at their first call (seconds each, tens of seconds in all when numba's disk
+    cache is cold); without this the first decode step of the engine pays for it. The drafters made here
+    are discarded: the caller's drafter holds nothing of them (numba's compiled code is the only effect).
+
+    Phases (the same calls a runner makes, same argument types, so the same compiled signatures):
+
+    1. add + extend: two requests of one prompt enter (root hash growth, state/edge growth, warm pass);
+    2. decode: ``_WARM_STEPS`` steps of observe + propose (drafts, cache pointer follow);
+    3. finish: one request finishes per step after the first (group mode: cache insertion, rebuild of a
+       full cache, pointer re-sync); a preempted request resumes with a shorter text (rebuild);
+    4. sibling exchange (only with ``group_exchange``): two ranks exchange every step, one message over
+       the cap (pack, capped pack, parse, shadow append).
+    """
+    opts = dataclasses.replace(config, cache_max_responses=1, cache_max_tokens=16, exchange_max_bytes=128,
+                               exchange_max_siblings=0) if config.group_mode else config
+    drafters = [SamRunnerDrafter.__new__(SamRunnerDrafter) for _ in range(2 if config.group_exchange else 1)]
+    for rank, d in enumerate(drafters):
+        d._setup(opts, 1 << 20, rank)
+    k = config.num_speculative_tokens
+    rng = np.random.default_rng(0)
+    texts = [np.concatenate([_WARM_PROMPT, rng.integers(0, 16, 4 * _WARM_STEPS * (k + 1), dtype=np.int32)])
+             for _ in range(3)]
+    plen = _WARM_PROMPT.shape[0]
+    nums = [plen] * len(texts)
+
+    def exchange() -> None:
+        if config.group_exchange:
+            msgs = [d.exchange.pack() for d in drafters]
+            for d in drafters:
+                d.exchange.merge(msgs)
+
+    for step in range(_WARM_STEPS):  # phases 1 and 2
+        for d in drafters:
+            batch = _warm_batch(texts, nums, plen)
+            d.step(batch, [[1]] * batch.num_reqs, None, None)
+        exchange()
+        nums = [n + 1 + (step + i) % (k + 1) for i, n in enumerate(nums)]
+    live = {"warm-0": 0, "warm-1": 1, "warm-2": 2}
+    for d in drafters:  # phase 3
+        d.step(_warm_batch(texts, [n + k + 1 for n in nums], plen), [[1]] * 3, live, None)
+        d.observe(_warm_batch(texts[:1], nums[:1], plen), live, None)  # warm-1, warm-2 preempted
+    exchange()
+    for d in drafters:
+        d.step(_warm_batch(texts[:2], [nums[0], nums[1] - 2], plen), [[1]] * 2, live,  # warm-1 shorter: rebuilt
+               SimpleNamespace(finished_req_ids={"warm-2"}, scheduled_new_reqs=()))
+    exchange()
+    for d in drafters:
+        d.step(_warm_batch(texts[:2], [nums[0] + 1, nums[1]], plen), [[1]] * 2, live,
+               SimpleNamespace(finished_req_ids={"warm-0"}, scheduled_new_reqs=()))
+    exchange()
+    for d in drafters:
+        d.release_all()

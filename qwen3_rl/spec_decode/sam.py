@@ -13,7 +13,7 @@ enter one bounded cache automaton that every request matches against (one match 
 
 All per-token state lives in numpy int32 record arrays owned here and reached by the numba kernels
 through an address table (see ``_sam_kernels``); a decode step for a whole batch is one kernel call
-(``step_arrays`` / ``step_from_buffer``), or one ``extend_arrays`` plus one ``propose_arrays`` call.
+(``step_arrays``), or one ``extend_arrays`` plus one ``propose_arrays`` call (what the runner does).
 """
 
 from __future__ import annotations
@@ -41,21 +41,38 @@ def group_key(prompt_ids: Sequence[int] | np.ndarray) -> str:
 
 @dataclass(frozen=True)
 class SamConfig:
-    """Switches and sizes of the SAM drafter (all counts in tokens unless said otherwise).
+    """The SAM drafter's one configuration (all counts in tokens unless said otherwise).
+
+    Engine form: ``speculative_config={"method": "sam", "num_speculative_tokens": k, "sam_config": {...}}``;
+    the keys of ``sam_config`` are this class's fields except ``num_speculative_tokens``
+    (``config.SAM_OPTIONS``, parsed by ``config.parse_sam_options``). All fields are optional.
 
     Attributes:
-        num_speculative_tokens: default k for ``propose``.
-        rule: "recent" (most recent earlier occurrence) or "earliest".
+        num_speculative_tokens: k, the default draft length of ``propose``.
+        rule: "recent" (most recent earlier occurrence) or "earliest" as the continuation.
         recent_budget: suffix-link ancestors re-pointed to the newest occurrence per appended token
             (bounds the update cost; only used by rule "recent").
         min_match: shortest suffix match (tokens) that may produce a draft.
-        group_mode: share one automaton among requests of the same group and use the cache.
+        group_mode: GRPO samples of one prompt (same ``group_id``: the prompt token ids) share one
+            automaton, and finished responses enter a bounded cache (docs/sam_decoding.md).
         cache_max_responses: responses kept after a cache rebuild; the cache holds at most
             ``min(2 * cache_max_responses, 127)`` (0 disables the cache; <= 127).
         cache_max_tokens: tokens kept after a cache rebuild; the cache holds at most twice this.
         resync: tokens re-fed to a request's cache pointer after the cache was rebuilt.
-        hub_degree: a lookup that walks this many edges of a state indexes the state's transitions
-            in a hash (one probe instead of a list walk; 0 = never). Changes speed, never drafts.
+        pad_drafts: (runner) pad every draft to exactly k tokens (repeating its last token) so that each
+            pure-decode step has query length 1 + k, the only shape a FULL_DECODE_ONLY graph (needed by
+            npugraph_ex) replays; padded tokens are verified like any draft token.
+        group_exchange: (runner) share the siblings' accepted tokens among the vLLM DP ranks (group mode
+            across ranks when data rebalance spreads a prompt's samples; needs group_mode and vLLM DP > 1;
+            ``sibling_exchange.py``).
+        exchange_every: engine steps between two exchanges (>= 1).
+        exchange_max_bytes: cap of one rank's message per exchange (bytes, >= 24; the oldest tokens of the
+            longest pending ranges are dropped first).
+        exchange_max_siblings: remote siblings kept per group automaton (shadow strings; 0 = all). Each
+            kept sibling costs its whole text in host memory and its new tokens in every merge; 7 = the
+            measured configuration (8 samples per prompt, docs/sam_decoding.md).
+        exchange_max_shadow_tokens: bound of the tokens held in shadow strings (beyond it, remote tokens
+            are skipped).
     """
 
     num_speculative_tokens: int = 3
@@ -66,23 +83,67 @@ class SamConfig:
     cache_max_responses: int = 64
     cache_max_tokens: int = 131072
     resync: int = 32
-    hub_degree: int = K.HUB_DEGREE
+    pad_drafts: bool = False
+    group_exchange: bool = False
+    exchange_every: int = 1
+    exchange_max_bytes: int = 16384
+    exchange_max_siblings: int = 7
+    exchange_max_shadow_tokens: int = 1 << 25
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.rule not in ("recent", "earliest"):
             raise ValueError(f"rule must be 'recent' or 'earliest', got {self.rule!r}")
-        if self.recent_budget < 0 or self.min_match < 1 or self.resync < 0 or self.hub_degree < 0:
-            raise ValueError("recent_budget >= 0, min_match >= 1, resync >= 0 and hub_degree >= 0 are required")
+        if self.recent_budget < 0 or self.min_match < 1 or self.resync < 0:
+            raise ValueError("recent_budget >= 0, min_match >= 1 and resync >= 0 are required")
         if not 0 <= self.cache_max_responses <= K.MAX_STRINGS:
             raise ValueError(f"cache_max_responses must be in [0, {K.MAX_STRINGS}]")
         if self.cache_max_tokens < 1:
             raise ValueError("cache_max_tokens must be >= 1")
+        if self.group_exchange and not self.group_mode:
+            raise ValueError("group_exchange=True needs group_mode=True (the exchange feeds the siblings' tokens "
+                             "into the group automata)")
+        if self.exchange_every < 1:
+            raise ValueError(f"exchange_every must be >= 1, got {self.exchange_every}")
+        if self.exchange_max_siblings < 0 or self.exchange_max_shadow_tokens < 0:
+            raise ValueError("exchange_max_siblings and exchange_max_shadow_tokens must be >= 0")
+        if self.exchange_max_bytes < 24:
+            raise ValueError(f"exchange_max_bytes must be >= 24, got {self.exchange_max_bytes}")
 
     @property
     def budget(self) -> int:
+        """Occurrence-update walk per appended token (0 = rule "earliest")."""
         return 0 if self.rule == "earliest" else self.recent_budget
+
+
+@dataclass
+class _Tuning:
+    """Speed knobs and test hooks of one ``SamProposer`` (private: none changes a draft).
+
+    Attributes:
+        hub_degree: a lookup walking this many edges of a state indexes its transitions in the hub hash
+            (one probe instead of a list walk; 0 = never).
+        warm_lanes: interleaved read-only warm-up walks before a batch update (0 = off).
+        warm_hops: suffix links the warm-up walks follow after each token.
+        exact_growth: tests: grow arrays to exactly the size asked for (no slack) and skip the batch room
+            precheck, so that the kernels' token-by-token room checks stop mid-batch.
+        cache_fix_each: tests: fix cache pointers up before every token (the reference walk).
+    """
+
+    hub_degree: int = K.HUB_DEGREE
+    warm_lanes: int = K.WARM_LANES
+    warm_hops: int = K.WARM_HOPS
+    exact_growth: bool = False
+    cache_fix_each: bool = False
+
+    def knobs(self, out: np.ndarray) -> np.ndarray:
+        """The kernels' knob array (int64[``K.KNOB_COLS``], ``K.KN_*`` columns), written into ``out``."""
+        out[K.KN_PRECHECK] = 0 if self.exact_growth else 1
+        out[K.KN_WARM_LANES] = self.warm_lanes
+        out[K.KN_WARM_HOPS] = self.warm_hops
+        out[K.KN_CACHE_FIX_EACH] = int(self.cache_fix_each)
+        return out
 
 
 @dataclass
@@ -131,7 +192,7 @@ class SamProposer:
     bytes of all arrays held (capacity).
 
     Fast path for a runner: keep ``slot_of(req_id)`` per batch row and call ``step_arrays`` (flat
-    accepted tokens) or ``step_from_buffer`` (the runner's token buffer) once per decode step.
+    accepted tokens) once per decode step, or ``extend_arrays`` then ``propose_arrays``.
     """
 
     def __init__(self, config: SamConfig | None = None, **overrides: object) -> None:
@@ -159,10 +220,8 @@ class SamProposer:
         self._cache_stamp = 0  # changes whenever ``_cache`` is replaced (requests' pointers then re-feed)
         self._next_stamp = 1
         self._grow = np.zeros((1024, 3), np.int64)
-        self._exact_growth = False  # tests: grow to exactly the size asked for (no slack)
-        self.warm_lanes = 16  # interleaved read-only warm-up walks before a batch update (0 = off)
-        self.warm_hops = 2  # suffix links the warm-up walks follow after each token
-        self.cache_fix_each = False  # tests: fix cache pointers up before every token (reference walk)
+        self._tuning = _Tuning()  # speed knobs and test hooks (never change a draft)
+        self._knobs = np.zeros(K.KNOB_COLS, np.int64)
         self._prog = np.zeros(2, np.int64)
         self._rows = np.zeros(16, np.int64)
         self._out = np.zeros((16, cfg.num_speculative_tokens), np.int32)
@@ -175,9 +234,9 @@ class SamProposer:
         self._sh_rows = np.zeros(0, np.int64)  # ... and their rows (rebuilt when ``_sh_dirty``)
         self._sh_dirty = False
         self._shadow_tokens = 0
-        self.max_shadow_tokens = 1 << 24  # bound of tokens held in shadow strings (sibling exchange)
+        self.max_shadow_tokens = cfg.exchange_max_shadow_tokens  # bound of tokens held in shadow strings
         self._has_sep = False  # a SEP was appended somewhere: drafts are cut at SEP
-        self.max_shadows_per_group = 0  # remote siblings kept per group automaton (0 = all); others ignored
+        self.max_shadows_per_group = cfg.exchange_max_siblings  # remote siblings kept per group (0 = all)
         self.groups_version = 0  # changes whenever a group automaton is opened or freed
 
     # ------------------------------------------------------------------ slot tables (metadata)
@@ -222,7 +281,7 @@ class SamProposer:
         self._set_array(self._arrS, a, root, (self._AM, a, K.A_S))
         self._AM[a, K.A_SCAP] = 1
         self._AM[a, K.A_NST] = 1
-        self._AM[a, K.A_HUBDEG] = self.config.hub_degree
+        self._AM[a, K.A_HUBDEG] = self._tuning.hub_degree
         self._auto_str[a, :] = -1
         self._autos[a] = _Auto()
         return a
@@ -286,7 +345,7 @@ class SamProposer:
                 if old.shape[0] >= need:
                     continue
                 # headroom of need/16 + 64 tokens: a new prompt does not regrow at its first decode step
-                new = np.empty(need if self._exact_growth else
+                new = np.empty(need if self._tuning.exact_growth else
                                max(need + (need >> 4) + 64, old.shape[0] + (old.shape[0] >> 1) + 16), np.int32)
                 ln = int(self._SM[i, K.M_LEN])
                 new[:ln] = old[:ln]
@@ -302,13 +361,13 @@ class SamProposer:
             cap = int(self._AM[i, cap_col])
             if cap >= need:
                 continue
-            ncap = need if self._exact_growth else max(need, cap + (cap >> 1) + 16)
+            ncap = need if self._tuning.exact_growth else max(need, cap + (cap >> 1) + 16)
             new = np.empty(ncap * rec, np.int32)
             used = int(self._AM[i, used_col]) * rec
             new[:used] = lst[i][:used]
             self._set_array(lst, i, new, (self._AM, i, addr_col))
             self._AM[i, cap_col] = ncap
-            if kind == K.G_STATES and self.config.hub_degree and 8 * self._AM[i, K.A_HCAP] < ncap:
+            if kind == K.G_STATES and self._tuning.hub_degree and 8 * self._AM[i, K.A_HCAP] < ncap:
                 # hub index sized with the states (capacity >= states / 8, 2 B per state): later hub
                 # conversions rarely need a growth round trip of their own
                 self._grow_hashed(K.G_HUB, i, ncap // 16)
@@ -326,17 +385,15 @@ class SamProposer:
         prog = self._prog
         prog[0] = 0
         prog[1] = -1
+        knobs = self._tuning.knobs(self._knobs)
         while True:
             if k:
                 ng = K.step_batch(slots, buf, rows, starts, ends, prog, cfg.budget, cfg.resync, self._AM, self._SM,
-                                  self._auto_str, ca, self._cache_stamp, self._grow, k, cfg.min_match, self._out,
-                                  self._out_n, not self._exact_growth, self.warm_lanes, self.warm_hops,
-                                  self.cache_fix_each)
+                                  self._auto_str, ca, self._cache_stamp, self._grow, knobs, k, cfg.min_match,
+                                  self._out, self._out_n)
             else:
                 ng = K.extend_batch(slots, buf, rows, starts, ends, prog, cfg.budget, cfg.resync, complete,
-                                    self._AM, self._SM, self._auto_str, ca, self._cache_stamp, self._grow,
-                                    not self._exact_growth, self.warm_lanes, self.warm_hops,
-                                    self.cache_fix_each)
+                                    self._AM, self._SM, self._auto_str, ca, self._cache_stamp, self._grow, knobs)
             if ng == 0:
                 break
             if ng == K.BAD_RANGE:
@@ -471,32 +528,6 @@ class SamProposer:
         k = k or self.config.num_speculative_tokens
         slots, buf, rows, starts, ends = self._flat(slots, toks, offs)
         n = slots.shape[0]
-        self._out_buffers(n, k)
-        self._run(slots, buf, rows, starts, ends, k=k)
-        return self._drafts(n)
-
-    def step_from_buffer(self, slots: np.ndarray, token_ids: np.ndarray, num_tokens: np.ndarray,
-                         rows: np.ndarray | None = None, k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """One decode step from a runner's token buffer (vLLM ``InputBatch.token_ids_cpu``-like).
-
-        Args:
-            slots: int[n] kernel slots (``slot_of``).
-            token_ids: int32[rows, max_len]; row ``rows[i]`` holds request i's prompt + accepted
-                tokens in ``[0, num_tokens[i])`` (its first ``len`` tokens must equal the drafter's
-                text; only the new tail ``[len, num_tokens[i])`` is read).
-            num_tokens: int[n] valid tokens per request (``num_tokens_no_spec``).
-            rows: int[n] buffer row of request i (default: i).
-            k: draft length (default ``num_speculative_tokens``).
-        Returns:
-            (drafts int32[n, k], counts int32[n]) views reused by the next call.
-        """
-        k = k or self.config.num_speculative_tokens
-        slots = np.asarray(slots, np.int64)
-        n = slots.shape[0]
-        rows = self._zero_rows(n) + np.arange(n) if rows is None else np.asarray(rows, np.int64)
-        buf = np.asarray(token_ids, np.int32)
-        ends = np.asarray(num_tokens, np.int64)[:n]
-        starts = self._SM[slots, K.M_LEN]
         self._out_buffers(n, k)
         self._run(slots, buf, rows, starts, ends, k=k)
         return self._drafts(n)
@@ -818,26 +849,6 @@ class SamProposer:
             self._free_auto(self._cache)
         self._cache = -1
         self._cache_stamp = 0
-
-    def check_invariants(self) -> None:
-        """Assert that every count fits its array (tests; O(slots))."""
-        for a in self._autos:
-            am = self._AM[a]
-            assert am[K.A_NST] <= am[K.A_SCAP] and 4 * am[K.A_SCAP] == self._arrS[a].shape[0], a
-            assert am[K.A_NE] <= am[K.A_ECAP] and 3 * am[K.A_ECAP] == self._arrE[a].shape[0], a
-            assert 2 * am[K.A_RN] <= am[K.A_RCAP] and 2 * am[K.A_RCAP] == self._arrR[a].shape[0], a
-            assert 2 * am[K.A_HN] <= am[K.A_HCAP] and K.HREC * am[K.A_HCAP] == self._arrH[a].shape[0], a
-            hubs, indexed = K.hub_check(self._arrS[a], self._arrE[a], self._arrH[a], am[K.A_HCAP], am[K.A_NST])
-            assert hubs >= 0 and indexed == am[K.A_HN], (a, hubs, indexed, am[K.A_HN])
-            for s in self._autos[a].strings:
-                assert self._SM[s, K.M_LEN] <= self._SM[s, K.M_TCAP] == self._arrT[s].shape[0], s
-        held = sum(x.nbytes for lst in (self._arrS, self._arrE, self._arrR, self._arrH, self._arrT) for x in lst)
-        assert held == self._nbytes, (held, self._nbytes)
-
-    def num_hubs(self) -> int:
-        """States whose transitions are indexed by the hub hash (diagnostics, tests)."""
-        return sum(int(K.hub_check(self._arrS[a], self._arrE[a], self._arrH[a], self._AM[a, K.A_HCAP],
-                                   self._AM[a, K.A_NST])[0]) for a in self._autos)
 
     def nbytes(self) -> int:
         """Bytes held by the per-token arrays (tokens, states, edges, root hashes, hub indexes; capacity)."""

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from qwen3_rl.spec_decode.bs_threshold import BatchSizeGate, propose_or_skip
-from qwen3_rl.spec_decode.config import options_from_vllm_config
+from qwen3_rl.spec_decode.config import config_from_vllm_config
 from qwen3_rl.spec_decode.runner_drafter import SamRunnerDrafter
 
 
@@ -37,12 +37,13 @@ class SamVllmProposer:
     name = "sam"
 
     def __init__(self, vllm_config: Any, runner: Any) -> None:
-        k, options, _threshold = options_from_vllm_config(vllm_config)
+        config = config_from_vllm_config(vllm_config)
         self.vllm_config = vllm_config
         self.runner = runner
-        self.k = k
+        self.k = config.num_speculative_tokens
         self.gate = BatchSizeGate.from_vllm_config(vllm_config)
-        self.sam = SamRunnerDrafter(k, options, vllm_config.model_config.max_model_len)
+        # builds the drafter and compiles its kernels, as vLLM's NgramProposer does in its constructor
+        self.sam = SamRunnerDrafter(config, vllm_config.model_config.max_model_len)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """No model to load (vLLM's GPU runner calls this after loading the target model)."""
