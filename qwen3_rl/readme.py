@@ -1,8 +1,10 @@
-"""Generated sections of README.md (pins, patches, switches, environment contract):
-``python -m qwen3_rl readme --write|--check``.
+"""Generated sections of README.md (feature index, pins, patches, switches, environment contract) and of
+docs/setups.md (each switch's default per setup, each setup's flat command): ``python -m qwen3_rl readme
+--write|--check``.
 
 A section sits between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``; ``--check``
-exits 1 when README.md differs from what the pin file and the patch headers say.
+exits 1 when a file differs from what the pin file, the patch headers, features.toml and the golden
+train commands (tests/data/train_commands) say.
 """
 
 from __future__ import annotations
@@ -30,34 +32,111 @@ def _patches() -> str:
     return markdown_table(list(load_pins().frameworks))
 
 
-def _switches() -> str:
-    """Boolean feature switches of the train scripts: env var, default, the Hydra key it sets.
+def _setup_label(reg, names: tuple[str, ...]) -> str:
+    return ", ".join(n if n in ("all", *reg.groups) else n.removeprefix("train_").removesuffix(".sh") for n in names)
 
-    A script's variables and override lines are its own plus those of the libraries it sources
-    (``source "$(dirname "${BASH_SOURCE[0]}")/lib/X.sh"``, internal/lib/): a switch defined once in
-    a library is a switch of every script sourcing it."""
-    source_re = re.compile(r'^(?:source|\.) "\$\(dirname "\$\{BASH_SOURCE\[0\]\}"\)/([\w./-]+\.sh)"', re.M)
-    scripts = sorted((REPO_ROOT / "internal").glob("train_*.sh"))
-    rows: dict[str, tuple[set[str], set[str], list[str]]] = {}
-    for script in scripts:
-        own = script.read_text()
-        text = "\n".join([own, *((script.parent / rel).read_text() for rel in source_re.findall(own))])
-        for var, default in re.findall(r"^([A-Z_0-9]+)=\$\{\1:-(.*)\}$", text, flags=re.M):
-            if default not in ("True", "False"):
-                continue
-            keys = {k.replace("${_vllm_kw}", "actor_rollout_ref.rollout.engine_kwargs.vllm")
-                    for k in re.findall(rf"\+*((?:\$\{{_vllm_kw\}})?[a-z_.0-9]+)=\$\{{{var}\}}", text)}
-            if f'"${{{var}}}" == True' in text and keys:
-                keys.add("(and more keys when True: see the script)")
-            entry = rows.setdefault(var, (set(), set(), []))
-            entry[0].add(default)
-            entry[1].update(keys)
-            entry[2].append(script.name.removeprefix("train_").removesuffix(".sh"))
-    out = ["| env var | default | Hydra key it sets | scripts |", "|---|---|---|---|"]
-    for var, (defaults, keys, names) in sorted(rows.items()):
-        key = ", ".join(k if k.startswith("(") else f"`{k}`" for k in sorted(keys)) or "key(s) added only when True (see the script)"
-        where = "all" if len(names) == len(scripts) else ", ".join(names)
-        out.append(f"| `{var}` | `{'/'.join(sorted(defaults))}` | {key} | {where} |")
+
+def _default_text(reg, f) -> str:
+    if f.default_context:
+        ctx = reg.context[f.default_context]
+        text = " × ".join(ctx.product) if ctx.product else f.default_context
+    else:
+        text = f"`{f.default}`" if f.default != "" else "(empty)"
+    extra = ", ".join(f"{g}: `{v}`" for g, v in f.default_for.items())
+    return f"{text} ({extra})" if extra else text
+
+
+def _allowed_text(f) -> str:
+    if f.type in ("bool", "enum"):
+        return ", ".join(f"`{a}`" for a in (("True", "False") if f.type == "bool" else f.allowed))
+    if f.type == "int":
+        return "integer" + (f" ≥ {f.min}" if f.min is not None else "") + (" or empty" if f.default == "" else "")
+    return {"list": "Hydra list `[a,b]`", "float": "number"}.get(f.type, "any")
+
+
+def _when_text(when: dict) -> str:
+    from qwen3_rl.features import _cond_text
+
+    return " and ".join(_cond_text(n, v) for n, v in when.items())
+
+
+def _switches() -> str:
+    """The feature switches of the train scripts, from features.toml: env var, type, default, allowed values,
+    the keys each sets (and when), the setups it applies to, its requires / excludes rules."""
+    from qwen3_rl.features import load_registry
+
+    reg = load_registry()
+    out = ["| env var | type | default | allowed | key(s) it sets | setups | requires / excludes |",
+           "|---|---|---|---|---|---|---|"]
+    for f in reg.features.values():
+        keys = []
+        for st in f.sets:
+            own = {n: v for n, v in st.when.items()}
+            cond = f" when {_when_text(own)}" if own else ""
+            keys.append(f"`{st.key}={st.value}`{cond}")
+        rules = [f"{'/'.join(r.when)}: {r.kind} {r.describe()}" for r in (*f.requires, *f.excludes)]
+        out.append(f"| `{f.env}` | {f.type} | {_default_text(reg, f)} | {_allowed_text(f)} | "
+                   f"{'<br>'.join(keys) or '(read by the keys of another switch)'} | {_setup_label(reg, f.setups)} | "
+                   f"{'; '.join(rules) or '–'} |")
+    return "\n".join(out)
+
+
+def _feature_index() -> str:
+    """One row per feature of features.toml: its switch, patches, runtime modules, tests and doc."""
+    from qwen3_rl.features import load_registry
+
+    reg = load_registry()
+    out = ["| feature | switch | patch(es) | module(s) | test(s) | doc |", "|---|---|---|---|---|---|"]
+    for f in reg.features.values():
+        patches = ", ".join(f"[{p.split('/')[0]} {p.split('/')[1][:4]}](patches/{p})" for p in f.patches) or "–"
+        modules = ", ".join(f"`{m.removeprefix('qwen3_rl/')}`" for m in f.modules) or "–"
+        tests = ", ".join(f"`{t.removeprefix('tests/')}`" for t in f.tests)
+        doc = f"[{f.doc}]({f.doc})" if f.doc and f.doc != "README.md" else "this README"
+        out.append(f"| {f.name} | `{f.env}` | {patches} | {modules} | {tests} | {doc} |")
+    return "\n".join(out)
+
+
+def _golden(stem: str) -> dict:
+    import json
+
+    return json.loads((REPO_ROOT / "tests" / "data" / "train_commands" / f"{stem}.json").read_text())
+
+
+def _setup_commands() -> str:
+    """Each setup's flat command with every default, from the golden files of tests/test_train_configs.py."""
+    import shlex
+
+    from qwen3_rl.features import load_registry
+
+    out = []
+    for script in load_registry().setups():
+        stem = script.removesuffix(".sh")
+        argv = _golden(stem)["cases"]["defaults"]["argv"]
+        head = " ".join(shlex.quote(a) for a in argv[:5])
+        body = " \\\n".join([head, *(f"    {shlex.quote(a)}" for a in argv[5:])])
+        out += [f"### `internal/{script}`", "", "```bash", body, "```", ""]
+    return "\n".join(out).rstrip("\n")
+
+
+def _feature_defaults() -> str:
+    """Every switch's default in every setup (– = the switch does not apply there)."""
+    from qwen3_rl.features import load_registry
+
+    reg = load_registry()
+    setups = reg.setups()
+    out = ["| switch | " + " | ".join(s.removeprefix("train_").removesuffix(".sh") for s in setups) + " |",
+           "|---|" + "---|" * len(setups)]
+    for f in reg.features.values():
+        cells = []
+        for s in setups:
+            if not reg.applies(f, s):
+                cells.append("–")
+            elif f.default_context and not any(g in f.default_for for g in reg.groups_of(s)):
+                cells.append(" × ".join(reg.context[f.default_context].product))
+            else:
+                d = reg.default(f, s, {})
+                cells.append(f"`{d}`" if d != "" else "(empty)")
+        out.append(f"| `{f.env}` | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -67,15 +146,19 @@ def _env_contract() -> str:
     return contract_table()
 
 
-SECTIONS: dict[str, Callable[[], str]] = {"pins": _pins, "patches": _patches, "switches": _switches,
-                                          "env-contract": _env_contract}
+SECTIONS: dict[str, Callable[[], str]] = {"feature-index": _feature_index, "pins": _pins, "patches": _patches,
+                                          "switches": _switches, "env-contract": _env_contract}
+# generated sections of other documents, same markers
+DOC_SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
+    "docs/setups.md": {"feature-defaults": _feature_defaults, "setup-commands": _setup_commands},
+}
 
 
-def render(text: str) -> str:
-    for name, fn in SECTIONS.items():
-        pat = re.compile(rf"(<!-- generated:{name} -->).*?(<!-- /generated:{name} -->)", re.S)
+def render(text: str, sections: dict[str, Callable[[], str]] | None = None, name: str = "README.md") -> str:
+    for section, fn in (SECTIONS if sections is None else sections).items():
+        pat = re.compile(rf"(<!-- generated:{section} -->).*?(<!-- /generated:{section} -->)", re.S)
         if not pat.search(text):
-            raise ValueError(f"README.md lacks the generated:{name} markers")
+            raise ValueError(f"{name} lacks the generated:{section} markers")
         text = pat.sub(lambda m, fn=fn: m.group(1) + "\n" + fn() + "\n" + m.group(2), text)
     return text
 
@@ -86,20 +169,24 @@ def main(argv: list[str]) -> int:
     g.add_argument("--write", action="store_true")
     g.add_argument("--check", action="store_true")
     a = ap.parse_args(argv)
-    path = REPO_ROOT / "README.md"
-    old = path.read_text()
-    try:
-        new = render(old)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    if a.write:
-        if new != old:
+    stale = []
+    for rel, sections in [("README.md", SECTIONS), *DOC_SECTIONS.items()]:
+        path = REPO_ROOT / rel
+        old = path.read_text()
+        try:
+            new = render(old, sections, rel)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        if new == old:
+            continue
+        if a.write:
             path.write_text(new)
-            print("README.md: generated sections updated")
-        return 0
-    if new != old:
-        print("error: README.md generated sections are stale; run: python -m qwen3_rl readme --write",
+            print(f"{rel}: generated sections updated")
+        else:
+            stale.append(rel)
+    if stale:
+        print(f"error: generated sections are stale in {', '.join(stale)}; run: python -m qwen3_rl readme --write",
               file=sys.stderr)
         return 1
     return 0

@@ -279,7 +279,8 @@ def test_verl_default_reward_coverage(patched_imports: Path) -> None:
 
 def test_setups_doc_lists_every_env_var() -> None:
     """docs/setups.md documents every environment variable the scripts read (the script's own and those of
-    the library it sources), with its default."""
+    the library it sources), with its default, and every feature switch of features.toml with its default in
+    each setup."""
     doc = (REPO / "docs" / "setups.md").read_text()
     for script in INTERNAL.glob("train_*.sh"):
         for var, (default, where) in script_env_defaults(script).items():
@@ -288,6 +289,21 @@ def test_setups_doc_lists_every_env_var() -> None:
             shown = default.replace("${QWEN3_RL_HOME}", "<repo>")
             cells = (f"`{shown}`",) if shown else ("``", "(empty)")
             assert any(c in row for c in cells for row in rows), f"{var}: default {cells} not in docs rows {rows!r}"
+    # the feature switches: the generated table of features.toml's defaults, one column per setup
+    from qwen3_rl.features import load_registry
+
+    reg = load_registry()
+    header = "| switch | " + " | ".join(n.removeprefix("train_").removesuffix(".sh") for n in reg.setups()) + " |"
+    assert header in doc, "docs/setups.md lacks the feature defaults table (python -m qwen3_rl readme --write)"
+    for f in reg.features.values():
+        (row,) = [line for line in doc.splitlines() if line.startswith(f"| `{f.env}` |")]
+        cells = [c.strip() for c in row.strip("|").split("|")][1:]
+        for setup, cell in zip(reg.setups(), cells, strict=True):
+            if not reg.applies(f, setup):
+                assert cell == "–", (f.env, setup, cell)
+            elif not f.default_context:
+                want = reg.default(f, setup, {})
+                assert cell == (f"`{want}`" if want else "(empty)"), (f.env, setup, cell)
 
 
 def test_dapo_entry_point_composes_script_command(patched_imports: Path) -> None:
@@ -576,3 +592,36 @@ def test_mbridge_and_fused_rope_switches(patched_imports: Path) -> None:
     assert otc.override_transformer_config.use_fused_rotary_pos_emb is True
     with pytest.raises(TrainScriptError, match="error: FUSED_ROPE='yes': expected one of True, False"):
         parse_train_script(script, env={**BASE_ENV, "FUSED_ROPE": "yes"})
+
+
+def test_compose_every_feature_key(patched_imports: Path) -> None:
+    """Every key a features.toml switch can set composes with patched verl's real Hydra config: each setup with its
+    switches on (bools True where no rule forbids it for the setup's sizes, MoE zero memory level1, the int knobs
+    non-zero), with USE_MBRIDGE on and off, and with the defaults; together the commands carry every key of the
+    registry."""
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RolloutConfig
+
+    from qwen3_rl.features import load_registry
+
+    reg = load_registry()
+    verl_config_dir = patched_imports / "verl" / "verl" / "trainer" / "config"
+    seen: set[str] = set()
+    for name in sorted(SETUPS):
+        vllm_dp = SETUPS[name][8] or 1
+        on = {f.env: "True" for f in reg.features.values() if f.type == "bool"}
+        on.update(MOE_ALLTOALLV="False", USE_MBRIDGE="False", USE_CURRENT_LOG_PROB_AS_OLD="False",
+                  ROLLOUT_REBALANCE="True" if vllm_dp > 1 else "False",
+                  SAM_GROUP_EXCHANGE="True" if vllm_dp > 1 else "False", MOE_ZERO_MEMORY="level1",
+                  MOE_ZERO_MEMORY_NUM_LAYERS="2", MOE_PREFILL_CHUNK_SIZE="4096", SAM_BS_THRESHOLD="8")
+        envs = [{}, on, {**on, "NPUGRAPH_EX": "False"}, {"USE_MBRIDGE": "True"}]
+        for env in envs:
+            cmd = parse_train_script(INTERNAL / name, env={**BASE_ENV, **env})
+            cfg = _compose(cmd.overrides, cmd.config_name, verl_config_dir)
+            OmegaConf.resolve(cfg)
+            omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout, dataclass_type=RolloutConfig)
+            omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+            seen.update(o.split("=", 1)[0] for o in cmd.overrides)
+    keys = {s.key for f in reg.features.values() for s in f.sets}
+    assert keys <= seen, f"registry keys no setup emitted (so never composed): {sorted(keys - seen)}"
