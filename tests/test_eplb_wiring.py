@@ -77,7 +77,7 @@ def test_train_script_switch_reaches_policy_factory(vllm_ascend_on_path, ascend_
 def test_bad_switch_value_is_an_error() -> None:
     from qwen3_rl.launch import TrainScriptError
 
-    with pytest.raises(TrainScriptError, match="ROLLOUT_EPLB must be True or False"):
+    with pytest.raises(TrainScriptError, match="error: ROLLOUT_EPLB=.yes.: expected one of True, False"):
         parse_train_script(SCRIPT, env=dict(BASE_ENV, ROLLOUT_EPLB="yes"))
 
 
