@@ -6,6 +6,8 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${QWEN3_RL_VENV:-${HOME}/.cache/qwen3_rl/venv}"
 ENGINE_VENV="${QWEN3_RL_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/engine-venv}"
+SAM_BOUNDSCHECK_TESTS=(tests/test_spec_decode_sam.py tests/test_sibling_exchange.py tests/test_sam_warm_up.py
+                       tests/test_sam_exchange_hook.py tests/test_sam_group_key.py tests/test_sam_boundscheck.py)
 
 usage() {
   cat <<'USAGE'
@@ -16,6 +18,10 @@ Examples:  bash tests/run_tests.sh -m engine        # the real-engine tests alon
            bash tests/run_tests.sh tests/test_pins.py
 Test paths decide the part: paths only under tests/engine skip the main run, paths elsewhere skip
 the engine run. Either part collecting nothing is fine as long as the other ran tests.
+Boundscheck run: when the main run runs and no test path, -m or -k is given, the SAM drafter's tests
+(SAM_BOUNDSCHECK_TESTS) run once more in the main venv with NUMBA_BOUNDSCHECK=1 and an empty numba cache
+(a fresh process: numba reads the switch at import, and its cache must not hand back unchecked code),
+so an off-by-one of the kernels' raw-pointer views shows as an IndexError.
 USAGE
 }
 
@@ -37,19 +43,29 @@ main() {
   if [[ ${#scripts[@]} -gt 0 ]]; then
     "${VENV}/bin/shellcheck" -x "${scripts[@]}"
   fi
-  local arg main_paths=0 engine_paths=0
+  local arg main_paths=0 engine_paths=0 selective=0
   for arg in "$@"; do
+    [[ "${arg}" == -m* || "${arg}" == -k* ]] && selective=1
     [[ "${arg}" == -* || ! -e "${arg%%::*}" ]] && continue
     case "$(realpath "${arg%%::*}")" in
       "${HERE}/tests/engine"*) engine_paths=1 ;;
       *) main_paths=1 ;;
     esac
   done
-  local rc_main=5 rc_engine=5
+  local rc_main=5 rc_engine=5 rc_bounds=5
   if (( main_paths || ! engine_paths )); then
     echo "== pytest (main venv)"
     rc_main=0
     "${VENV}/bin/python" -m pytest "$@" || rc_main=$?
+    if (( ! main_paths && ! selective )); then
+      echo "== pytest (main venv, NUMBA_BOUNDSCHECK=1: SAM kernels)"
+      local cache_dir
+      cache_dir="$(mktemp -d)"
+      rc_bounds=0
+      NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR="${cache_dir}" "${VENV}/bin/python" -m pytest -q -p no:cacheprovider \
+        "${SAM_BOUNDSCHECK_TESTS[@]}" || rc_bounds=$?
+      rm -rf "${cache_dir}"
+    fi
   fi
   if (( engine_paths || ! main_paths )); then
     echo "== pytest (engine venv: tests/engine)"
@@ -58,13 +74,13 @@ main() {
     rc_engine=0
     "${ENGINE_VENV}/bin/python" -m pytest "${eargs[@]}" || rc_engine=$?
   fi
-  echo "== pytest exit codes: main ${rc_main}, engine ${rc_engine} (5 = nothing collected)"
+  echo "== pytest exit codes: main ${rc_main}, boundscheck ${rc_bounds}, engine ${rc_engine} (5 = nothing collected or not run)"
   if [[ ${rc_main} -eq 5 && ${rc_engine} -eq 5 ]]; then
     echo "error: pytest collected no tests" >&2
     return 1
   fi
   local rc
-  for rc in "${rc_main}" "${rc_engine}"; do
+  for rc in "${rc_main}" "${rc_bounds}" "${rc_engine}"; do
     if [[ ${rc} -ne 0 && ${rc} -ne 5 ]]; then
       return "${rc}"
     fi
