@@ -522,9 +522,9 @@ def test_train_script_switch_reaches_the_worker(patched_imports: Path, monkeypat
         asyncio.run(mw.ActorRolloutRefWorker.rollout_mode(worker))
     assert seen == [{}, {"moe_alltoallv": True, "rollout_layout": RolloutLayout(tp=4, dp=32, expert_parallel=True)}]
     # refused combinations: the train script stops before anything loads ...
-    with pytest.raises(Exception, match="cannot be combined with ROLLOUT_EPLB=True"):
+    with pytest.raises(Exception, match="MOE_ALLTOALLV=True excludes ROLLOUT_EPLB=True"):
         parse_train_script(INTERNAL / moe, env={**env, "MOE_ALLTOALLV": "True", "ROLLOUT_EPLB": "True"})
-    with pytest.raises(Exception, match="MOE_ALLTOALLV=True needs ROLLOUT_ENABLE_EP=True"):
+    with pytest.raises(Exception, match="MOE_ALLTOALLV=True requires ROLLOUT_ENABLE_EP=True"):
         parse_train_script(INTERNAL / moe, env={**env, "MOE_ALLTOALLV": "True", "ROLLOUT_ENABLE_EP": "False"})
     # ... and a hand-written command gets the reason at the weight sync
     eplb_key = "+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.eplb_config.dynamic_eplb=True"
