@@ -288,7 +288,7 @@ def test_train_switch_reaches_patchedascend_config(ascend_config, rollout_engine
     assert not any(o.startswith(KEY) for o in
                    parse_train_script(dense, env=dict(BASE_ENV, MOE_PREFILL_CHUNK_SIZE="4096")).overrides)
     for bad in ("abc", "-1", "4k", "1.5"):
-        with pytest.raises(TrainScriptError, match="MOE_PREFILL_CHUNK_SIZE must be a non-negative integer"):
+        with pytest.raises(TrainScriptError, match=f"error: MOE_PREFILL_CHUNK_SIZE='{bad}': expected an integer >= 0$"):
             parse_train_script(SCRIPT_235B, env=dict(BASE_ENV, MOE_PREFILL_CHUNK_SIZE=bad))
 
 

@@ -366,5 +366,5 @@ def test_train_script_maps_the_byte_cap() -> None:
 
     assert cap({}) == [key + "4000000000"]
     assert cap({"ROLLOUT_REBALANCE_MAX_KV_BYTES": "0"}) == [key + "0"]
-    with pytest.raises(TrainScriptError, match="ROLLOUT_REBALANCE_MAX_KV_BYTES must be a non-negative integer"):
+    with pytest.raises(TrainScriptError, match="error: ROLLOUT_REBALANCE_MAX_KV_BYTES='4e9': expected an integer >= 0"):
         cap({"ROLLOUT_REBALANCE_MAX_KV_BYTES": "4e9"})
