@@ -70,6 +70,7 @@ schedules — is the real (patched) code. Each shim stands in for a device call 
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import importlib.util
 import sys
 import types
@@ -478,7 +479,11 @@ def _fused_adam() -> None:
     if "apex" in sys.modules:
         return
     apex, optimizers = types.ModuleType("apex"), types.ModuleType("apex.optimizers")
-    apex.__path__ = []  # a package without submodules: apex.normalization etc. still raise ImportError
+    # a package without submodules (apex.normalization etc. still raise ImportError) and without a distribution,
+    # so importlib.util.find_spec works and transformers' is_apex_available() stays False
+    apex.__spec__ = importlib.machinery.ModuleSpec("apex", None, is_package=True)
+    optimizers.__spec__ = importlib.machinery.ModuleSpec("apex.optimizers", None)
+    apex.__path__ = []
     optimizers.FusedAdam, optimizers.FusedSGD = CpuFusedAdam, torch.optim.SGD
     apex.optimizers = optimizers
     sys.modules["apex"], sys.modules["apex.optimizers"] = apex, optimizers
