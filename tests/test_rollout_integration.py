@@ -660,17 +660,20 @@ def test_switches_declared_and_mapped_from_scripts(patched_imports: Path) -> Non
 
     env_base = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
     scripts = sorted((REPO / "internal").glob("train_*.sh"))
-    from test_train_configs import SETUPS, script_env_defaults
+    from test_train_configs import SETUPS
+
+    from qwen3_rl.features import load_registry
+
+    reg = load_registry()  # the switches' defaults live in features.toml, not in the scripts
 
     assert [p.name for p in scripts] == sorted(SETUPS)
 
     for script in scripts:
-        defaults = script_env_defaults(script)
         default_ov = dict(o.split("=", 1) for o in parse_train_script(script, env=env_base).overrides if "=" in o)
         cmd = parse_train_script(script, env={**env_base, "DATA_REBALANCE": "True", "ROLLOUT_REBALANCE_MAX_MOVES": "7"})
         ov = dict(o.split("=", 1) for o in cmd.overrides if "=" in o)
         for var, (key, default_val) in SWITCHES.items():
-            assert defaults[var][0] == str(default_val), (script.name, var)
+            assert reg.default(reg.features[var], script.name, {}) == str(default_val), (script.name, var)
             assert default_ov[f"actor_rollout_ref.rollout.{key}"] == str(default_val), (script.name, key)
         assert ov["actor_rollout_ref.rollout.data_rebalance"] == "True"
         assert ov["actor_rollout_ref.rollout.rollout_rebalance"] == "False"
