@@ -62,18 +62,17 @@ def vllm_default(pristine_workspace: Path):
 )
 def test_output_valid(E: int, R: int, X: int, groups: int, nodes: int) -> None:
     w = torch.from_numpy(synthetic_loads(3, E, 1.0, 2000, 8, seed=E + X).astype(np.float64))
+    if nodes > 1 and groups % nodes == 0:  # vLLM's hierarchical mode: not implemented, an error (not ignored)
+        with pytest.raises(ValueError, match="hierarchical placement"):
+            eplb.rebalance_experts(w, E + X, groups, nodes, R)
+        with pytest.raises(ValueError, match="hierarchical placement"):
+            eplb.rebalance_experts_migration_aware(w, E + X, groups, nodes, R, torch.arange(E + X).remainder(E)
+                                                   .expand(3, -1))
+        groups = 1  # the global placement of the same sizes
     out = eplb.rebalance_experts(w, E + X, groups, nodes, R)
     check_valid(w, out, E + X, R)
     out_d = eplb.rebalance_experts(w, E + X, groups, nodes, R, eplb.EplbOptions(distinct=True))
     check_valid(w, out_d, E + X, R, distinct=True)
-    if nodes > 1 and groups % nodes == 0:  # hierarchical: a group's replicas all on one node
-        phy_per_node = (E + X) // nodes
-        for layer in range(3):
-            node_of_slot = np.arange(E + X) // phy_per_node
-            p = out[0][layer].numpy()
-            for g in range(groups):
-                in_group = (p // (E // groups)) == g
-                assert len(set(node_of_slot[in_group])) == 1
 
 
 @settings(max_examples=25, deadline=None)
@@ -110,7 +109,7 @@ def test_hot_experts_packing_aware_vs_vllm(vllm_default) -> None:
     assert eplb.balancedness(w, ours[0], 128).mean() == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("E,R,X,groups,nodes", [(64, 16, 16, 1, 2), (64, 32, 32, 1, 4), (64, 8, 0, 1, 1), (64, 16, 16, 8, 2)])
+@pytest.mark.parametrize("E,R,X,groups,nodes", [(64, 16, 16, 1, 2), (64, 32, 32, 1, 4), (64, 8, 0, 1, 1)])
 def test_not_worse_than_vllm_default(vllm_default, E: int, R: int, X: int, groups: int, nodes: int) -> None:
     for zipf in (0.5, 1.0):
         w = torch.from_numpy(synthetic_loads(8, E, zipf, 10000, 8, seed=7).astype(np.float64))
@@ -207,12 +206,12 @@ def test_bench_cli_json(pristine_workspace: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("G,N,R,X,seed", [(8, 8, 32, 32, 0), (8, 4, 16, 16, 1), (4, 2, 8, 8, 2), (8, 8, 128, 128, 3)])
-def test_hierarchical_bound_holds(G: int, N: int, R: int, X: int, seed: int) -> None:
-    """No hierarchical placement (ours, any of its layers) beats the bound; ours is above vLLM's hierarchical
-    result and the bound is attained on loads that are uniform (every group and expert equally hot)."""
+def test_hierarchical_bound_holds(vllm_default, G: int, N: int, R: int, X: int, seed: int) -> None:
+    """No hierarchical placement (vLLM's DefaultEplbPolicy, which honours the contract; any of its layers)
+    beats the bound, and the bound is attained on loads that are uniform (every group and expert equally hot)."""
     loads = synthetic_loads(num_layers=6, num_experts=64 if R < 128 else 128, zipf=1.0, tokens=4000, seed=seed)
     E = loads.shape[1]
-    phy = eplb.rebalance_experts(torch.from_numpy(loads.astype(np.float64)), E + X, G, N, R)[0].numpy()
+    phy = vllm_default.rebalance_experts(torch.from_numpy(loads.astype(np.float64)), E + X, G, N, R)[0].numpy()
     bal = eplb.balancedness(loads, phy, R)
     bound = hierarchical_bound(loads, G, N, R, E + X)
     assert np.all(bal <= bound + 1e-9), (bal, bound)
@@ -221,16 +220,15 @@ def test_hierarchical_bound_holds(G: int, N: int, R: int, X: int, seed: int) -> 
 
 
 def test_bench_hierarchical_case_reports_contracts(pristine_workspace: Path, tmp_path: Path) -> None:
-    """A hierarchical case prints the bound, ours under the contract (>= vLLM's) and ours placed globally
-    beside vLLM-Ascend's policies, which ignore groups; each entry says which contract it honours."""
+    """A hierarchical case prints the bound vLLM's placement (under the contract) stays below, and ours placed
+    globally beside vLLM-Ascend's policies, which ignore groups; each entry says which contract it honours."""
     from qwen3_rl.bench.eplb import run_case
 
     loads = synthetic_loads(num_layers=4, num_experts=32, zipf=1.0, tokens=4000, seed=5)
     res = run_case(loads, 16, 4, 4, 16, ("vllm_default", "ours", "ascend_dynamic_ep"),
                    vllm_tree=pristine_workspace / "vllm", ascend_tree=pristine_workspace / "vllm-ascend")
     assert "hierarchical" in res["meta"]["constraint"]
-    assert res["ours"]["balancedness"] <= res["hierarchical_bound"]["balancedness"] + 1e-9
-    assert res["ours"]["balancedness"] >= res["vllm_default"]["balancedness"] - 1e-9
-    assert res["ours_global"]["constraint"].startswith("global")
+    assert res["vllm_default"]["balancedness"] <= res["hierarchical_bound"]["balancedness"] + 1e-9
+    assert res["ours"]["constraint"].startswith("global")
     assert res["ascend_dynamic_ep"]["constraint"].startswith("global")
-    assert res["ours_global"]["balancedness"] >= res["ascend_dynamic_ep"]["balancedness"] - 1e-9
+    assert res["ours"]["balancedness"] >= res["ascend_dynamic_ep"]["balancedness"] - 1e-9

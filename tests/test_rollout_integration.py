@@ -453,8 +453,7 @@ class _ToyEngine:
 
         r = self._find(rid)
         st = RequestState(rid, r.origin, tuple(r.prompt), tuple(r.out), dict(r.params), r.seed,
-                          r.gen.get_state().numpy().tobytes(), r.computed, len(r.blocks), None,
-                          {"sent_by": self.rank})
+                          r.gen.get_state().numpy().tobytes(), r.computed, len(r.blocks), {"sent_by": self.rank})
         return st, list(r.blocks)
 
     def release_request(self, rid: str) -> None:
@@ -716,14 +715,15 @@ def test_request_state_and_kv_blocks_round_trip() -> None:
     g = torch.Generator().manual_seed(5)
     torch.randint(0, 9, (3,), generator=g)
     st = RequestState("req-ä", 3, (1, 2, 3), (9, 8), {"temperature": 0.6, "top_p": 0.95, "stop": ["</s>"]}, 5,
-                      g.get_state().numpy().tobytes(), 4, 2, None, {"arrival": 1.5})
+                      g.get_state().numpy().tobytes(), 4, 2, {"arrival": 1.5})
     back = unpack_request(pack_request(st))
     assert back == st
     g2 = torch.Generator()
     g2.set_state(torch.frombuffer(bytearray(back.generator_state), dtype=torch.uint8))
     assert torch.randint(0, 1000, (4,), generator=g2).tolist() == torch.randint(0, 1000, (4,), generator=g).tolist()
-    empty = RequestState("w", 0, (7,), (), {}, None, None, 0, 0, b"", {})
-    assert unpack_request(pack_request(empty)) == empty  # empty drafter state differs from None
+    empty = RequestState("w", 0, (7,), (), {}, None, b"", 0, 0, {})
+    assert unpack_request(pack_request(empty)) == empty  # an empty generator state differs from None
+    assert unpack_request(pack_request(empty)).generator_state == b"" and back.seed == 5
     buf = pack_request(st)
     with pytest.raises(MigrationError, match="bytes, header says"):
         unpack_request(buf[:-1])

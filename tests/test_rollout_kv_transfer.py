@@ -180,7 +180,7 @@ class _Engine:
     def export_request(self, req_id: str) -> tuple[RequestState, list[int]]:
         blocks = self.running[req_id]
         return RequestState(req_id, 0, tuple(range(self.ctx - 3)), (7, 8, 9), {}, None, None, self.ctx,
-                            len(blocks), None, {"status": "running"}), blocks
+                            len(blocks), {"status": "running"}), blocks
 
     def release_request(self, req_id: str) -> None:
         del self.running[req_id]

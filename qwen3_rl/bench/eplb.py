@@ -255,7 +255,7 @@ def run_case(
     prev = None
     if "ours_migration" in policies:
         pl = prev_loads if prev_loads is not None else drift(loads, drift_sigma, seed + 1)
-        prev = eplb.rebalance_experts(torch.from_numpy(pl.astype(np.float64)), num_phy, num_groups, num_nodes,
+        prev = eplb.rebalance_experts(torch.from_numpy(pl.astype(np.float64)), num_phy, 1, num_nodes,
                                       num_ranks)[0].numpy()
         prev_bal = eplb.balancedness(loads, prev, num_ranks)
         res["previous_placement"] = {"balancedness": round(float(prev_bal.mean()), 6),
@@ -263,8 +263,9 @@ def run_case(
     hier = eplb._hierarchical(num_experts, num_groups, num_nodes)
     if hier:
         # vLLM's hierarchical contract: every replica of an expert stays on its group's node.  No placement
-        # honouring it beats this bound; vLLM-Ascend's policies never see groups/nodes (global placement).
-        res["meta"]["constraint"] = "hierarchical: a group's replicas stay on its node (ours, vllm_default)"
+        # honouring it beats this bound.  Ours places globally (one group, what the type-4 vLLM-Ascend policy
+        # computes on NPU), like vLLM-Ascend's policies, which never see groups/nodes.
+        res["meta"]["constraint"] = "hierarchical: a group's replicas stay on its node (vllm_default)"
         res["hierarchical_bound"] = {"balancedness": round(float(hierarchical_bound(loads, num_groups, num_nodes,
                                                                                     num_ranks, num_phy).mean()), 6)}
     for name in policies:
@@ -280,19 +281,13 @@ def run_case(
                 out, ms = _timed(lambda pol=pol: pol.rebalance_experts(w.clone(), num_phy, num_groups, num_nodes,
                                                                        num_ranks))
                 res[name] = _entry(loads, out[0].numpy(), num_ranks, ms, prev)
-            elif name == "ours":
-                out, ms = _timed(lambda: eplb.rebalance_experts(w, num_phy, num_groups, num_nodes, num_ranks))
+            elif name == "ours":  # one group: a global placement (ours has no hierarchical mode)
+                out, ms = _timed(lambda: eplb.rebalance_experts(w, num_phy, 1, num_nodes, num_ranks))
                 res[name] = _entry(loads, out[0].numpy(), num_ranks, ms, prev)
-                if hier:
-                    # like-for-like with the vLLM-Ascend policies, which place globally (no groups): the
-                    # same call with one group, i.e. what our type-4 vLLM-Ascend policy computes on NPU
-                    out, ms = _timed(lambda: eplb.rebalance_experts(w, num_phy, 1, num_nodes, num_ranks))
-                    res["ours_global"] = _entry(loads, out[0].numpy(), num_ranks, ms, prev)
-                    res["ours_global"]["constraint"] = "global (groups ignored, as vLLM-Ascend policies)"
             elif name == "ours_migration":
                 assert prev is not None
                 out, ms = _timed(lambda: eplb.rebalance_experts_migration_aware(
-                    w, num_phy, num_groups, num_nodes, num_ranks, torch.from_numpy(prev), migration_weight))
+                    w, num_phy, 1, num_nodes, num_ranks, torch.from_numpy(prev), migration_weight))
                 res[name] = _entry(loads, out[0].numpy(), num_ranks, ms, prev)
             elif name.startswith("ascend_"):
                 module, cls = {
@@ -323,6 +318,10 @@ def run_case(
                 raise ValueError(f"unknown policy {name!r}; choose from {', '.join(ALL_POLICIES)}")
         except (FileNotFoundError, ImportError) as exc:
             res[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    if hier:
+        for name in ("ours", "ours_migration"):
+            if name in res and "error" not in res[name]:
+                res[name]["constraint"] = "global (no hierarchical mode; as the vLLM-Ascend policies)"
     return res
 
 

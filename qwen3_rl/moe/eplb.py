@@ -34,9 +34,10 @@ their old slot. Objective ``J = max_load / mean_load + migration_weight * moved_
 expert weight must buy at least ``migration_weight`` of peak-to-mean ratio. A slot counts as moved when
 its logical expert differs from the previous one (that slot's weights must be transferred).
 
-Hierarchical mode follows vLLM: when ``num_groups % num_nodes == 0`` and ``num_nodes > 1`` the expert
-groups are first packed onto nodes (equal group count per node, balanced loads, swap-refined) and every
-replica of an expert stays on its group's node; otherwise one global problem is solved.
+One global problem is solved per layer. vLLM's hierarchical mode (``num_groups % num_nodes == 0`` and
+``num_nodes > 1``: every replica of a group's experts on the group's node) is not implemented and raises
+``ValueError``: nothing here requests it (the vLLM-Ascend policy, ``eplb_ascend_policy.py``, passes one
+group and one node; Qwen3-MoE has no expert groups).
 
 Public API (torch tensors, CPU; same contract as vLLM 0.13
 ``vllm/distributed/eplb/policy/abstract.py:AbstractEplbPolicy.rebalance_experts``):
@@ -46,8 +47,6 @@ Public API (torch tensors, CPU; same contract as vLLM 0.13
   slot ``p`` lives on rank ``p // S``).
 * ``rebalance_experts_migration_aware(..., prev_phy2log[L, P], migration_weight)`` returns those three
   plus ``moved[L]`` (slots whose expert changed).
-* ``PackingAwareEplbPolicy``: a class with the classmethod ``rebalance_experts`` for vLLM's
-  ``EPLB_POLICIES`` registry (duck-typed, vLLM is not imported).
 """
 
 from __future__ import annotations
@@ -60,7 +59,6 @@ import torch
 
 __all__ = [
     "EplbOptions",
-    "PackingAwareEplbPolicy",
     "balancedness",
     "identity_placement",
     "log2phy_from_phy2log",
@@ -575,19 +573,8 @@ def _check_shapes(weight: torch.Tensor, num_replicas: int, num_ranks: int, num_n
 
 
 def _hierarchical(num_log: int, num_groups: int, num_nodes: int) -> bool:
+    """vLLM's hierarchical contract applies to these sizes (``DefaultEplbPolicy`` honours it; we raise)."""
     return num_nodes > 1 and num_groups > 0 and num_groups % num_nodes == 0 and num_log % num_groups == 0
-
-
-def _group_to_node(gw: np.ndarray, num_nodes: int, max_swaps: int) -> np.ndarray:
-    """Balanced packing of groups onto nodes (equal group count per node). Returns node of each group."""
-    groups_per_node = gw.shape[0] // num_nodes
-    ones = np.ones(gw.shape[0], dtype=np.int64)
-    se, sv, ld = _pack(gw, ones, num_nodes, groups_per_node, True)
-    _swap_search(se, sv, ld, groups_per_node, max_swaps, np.zeros(0, dtype=np.int64), 0.0, True)
-    node = np.empty(gw.shape[0], dtype=np.int64)
-    for p in range(se.shape[0]):
-        node[se[p]] = p // groups_per_node
-    return node
 
 
 def _solve_all(
@@ -604,47 +591,18 @@ def _solve_all(
     num_layers, num_log = w.shape
     slots = num_replicas // num_ranks
     out = np.empty((num_layers, num_replicas), dtype=np.int64)
-    if not _hierarchical(num_log, num_groups, num_nodes):
-        for layer in range(num_layers):
-            wl = np.ascontiguousarray(w[layer])
-            if prev is None:
-                out[layer] = _solve_layer(wl, num_ranks, slots, opts.num_targets, opts.max_swaps, opts.distinct)
-            else:
-                out[layer] = _solve_layer_migration(
-                    wl, np.ascontiguousarray(prev[layer]), num_ranks, slots, migration_weight,
-                    opts.num_targets, opts.max_swaps, opts.distinct,
-                )
-        return out
-    group_size = num_log // num_groups
-    ranks_per_node = num_ranks // num_nodes
-    phy_per_node = num_replicas // num_nodes
+    if _hierarchical(num_log, num_groups, num_nodes):
+        raise ValueError(f"hierarchical placement (num_groups={num_groups} on num_nodes={num_nodes}: each group's "
+                         "replicas on one node) is not implemented; pass num_groups=1 for a global placement")
     for layer in range(num_layers):
-        gw = w[layer].reshape(num_groups, group_size).sum(-1)
-        node_of_group = _group_to_node(np.ascontiguousarray(gw), num_nodes, opts.max_swaps)
-        for node in range(num_nodes):
-            experts = np.concatenate(
-                [np.arange(g * group_size, (g + 1) * group_size) for g in np.flatnonzero(node_of_group == node)]
+        wl = np.ascontiguousarray(w[layer])
+        if prev is None:
+            out[layer] = _solve_layer(wl, num_ranks, slots, opts.num_targets, opts.max_swaps, opts.distinct)
+        else:
+            out[layer] = _solve_layer_migration(
+                wl, np.ascontiguousarray(prev[layer]), num_ranks, slots, migration_weight,
+                opts.num_targets, opts.max_swaps, opts.distinct,
             )
-            wn = np.ascontiguousarray(w[layer, experts])
-            if num_log // num_nodes > phy_per_node:
-                raise ValueError("hierarchical mode needs num_replicas / num_nodes >= experts per node")
-            sl = slice(node * phy_per_node, (node + 1) * phy_per_node)
-            local_prev = None
-            if prev is not None:
-                # previous slots of this node mapped into the node-local expert numbering when possible
-                lookup = np.full(num_log, -1, dtype=np.int64)
-                lookup[experts] = np.arange(experts.shape[0])
-                local_prev = lookup[prev[layer, sl]]
-            if local_prev is not None and np.all(local_prev >= 0) and np.all(
-                np.bincount(local_prev, minlength=experts.shape[0]) >= 1
-            ):
-                local = _solve_layer_migration(
-                    wn, np.ascontiguousarray(local_prev), ranks_per_node, slots, migration_weight,
-                    opts.num_targets, opts.max_swaps, opts.distinct,
-                )
-            else:
-                local = _solve_layer(wn, ranks_per_node, slots, opts.num_targets, opts.max_swaps, opts.distinct)
-            out[layer, sl] = experts[local]
     return out
 
 
@@ -678,7 +636,8 @@ def rebalance_experts(
     Args:
         weight: [layers, num_logical_experts] load statistics (tokens, any non-negative dtype).
         num_replicas: physical experts P, a multiple of ``num_ranks`` and >= num_logical_experts.
-        num_groups: expert groups (hierarchical mode when divisible by ``num_nodes`` and nodes > 1).
+        num_groups: expert groups; a count that would select vLLM's hierarchical mode (divisible by
+            ``num_nodes``, nodes > 1) raises ``ValueError`` (not implemented; pass 1).
         num_nodes: server nodes; ``num_ranks`` must be a multiple of it.
         num_ranks: EP ranks.
         options: tuning knobs (default ``EplbOptions()``).
@@ -735,16 +694,6 @@ def rebalance_experts_migration_aware(
     moved = torch.from_numpy((new != prev).sum(axis=1).astype(np.int64))
     dev = weight.device
     return phy.to(dev), log2phy.to(dev), logcnt.to(dev), moved
-
-
-class PackingAwareEplbPolicy:
-    """vLLM ``AbstractEplbPolicy``-compatible class (duck-typed; registering it needs a vLLM patch)."""
-
-    @classmethod
-    def rebalance_experts(
-        cls, weight: torch.Tensor, num_replicas: int, num_groups: int, num_nodes: int, num_ranks: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return rebalance_experts(weight, num_replicas, num_groups, num_nodes, num_ranks)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ together, ``vllm/v1/engine/llm_engine.py:195-206, 285-288``):
    these small objects (with a timeout) gives every rank the same view;
 2. every rank computes the same :class:`~qwen3_rl.rollout.rebalance.MigrationPlan` (deterministic);
 3. sources export each moving request (:class:`RequestState`: tokens, sampling params, seed and
-   sampler generator state, drafter state or ``None`` = rebuild from tokens) and its KV blocks; the
+   sampler generator state; a target's drafter rebuilds its state from the tokens) and its KV blocks; the
    state bytes and the KV blocks go point-to-point (``isend``/``irecv``, each waited with a timeout);
    sources then release the request; targets allocate blocks, write the KV and import the request;
 4. results routed back in step 1 are delivered to the origin's front end, so the caller of
@@ -54,7 +54,7 @@ from qwen3_rl.rollout.rebalance import (
 )
 
 _MAGIC = b"QRRS"
-_VERSION = 1
+_VERSION = 2  # 2: no drafter-state section
 _HDR = struct.Struct("<4sIQ")  # magic, version, json header length (bytes)
 
 
@@ -79,8 +79,8 @@ class RequestState:
     ``generator_state``: bytes of the per-request sampler generator (``torch.Generator.get_state()``) so a
     seeded request continues the same random stream; None for unseeded requests.
     ``num_computed_tokens``: tokens whose KV exists (0 for a waiting request); ``num_kv_blocks``: blocks
-    that travel with it. ``drafter_state``: speculative-decoding drafter state, or None = the target
-    rebuilds it from the request's tokens. ``origin_rank``: DP rank whose front end owns the request.
+    that travel with it (a speculative-decoding drafter's state does not travel: the target's drafter
+    rebuilds it from the request's tokens). ``origin_rank``: DP rank whose front end owns the request.
     ``extra``: engine-specific JSON-serialisable fields (arrival time, priority, ...).
     """
 
@@ -93,7 +93,6 @@ class RequestState:
     generator_state: bytes | None = None
     num_computed_tokens: int = 0
     num_kv_blocks: int = 0
-    drafter_state: bytes | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -106,25 +105,23 @@ def pack_request(state: RequestState) -> np.ndarray:
     """Serialise a :class:`RequestState` to bytes (no pickle): ``uint8`` array of shape ``(nbytes,)``.
 
     Layout: ``magic 'QRRS' | u32 version | u64 header length | JSON header | int64 prompt ids |
-    int64 output ids | generator state | drafter state`` (little endian).
+    int64 output ids | generator state`` (little endian).
     """
     prompt = np.asarray(state.prompt_token_ids, dtype="<i8")
     output = np.asarray(state.output_token_ids, dtype="<i8")
     gen = state.generator_state or b""
-    drafter = state.drafter_state or b""
     header = {
         "req_id": state.req_id, "origin_rank": int(state.origin_rank), "sampling_params": state.sampling_params,
         "seed": state.seed, "num_computed_tokens": int(state.num_computed_tokens),
         "num_kv_blocks": int(state.num_kv_blocks), "extra": state.extra,
         "n_prompt": int(prompt.shape[0]), "n_output": int(output.shape[0]),
         "gen_bytes": len(gen) if state.generator_state is not None else -1,
-        "drafter_bytes": len(drafter) if state.drafter_state is not None else -1,
     }
     try:
         hjson = json.dumps(header, sort_keys=True, allow_nan=False).encode()
     except (TypeError, ValueError) as e:
         raise MigrationError(f"request {state.req_id}: state is not JSON-serialisable: {e}") from e
-    blob = b"".join([_HDR.pack(_MAGIC, _VERSION, len(hjson)), hjson, prompt.tobytes(), output.tobytes(), gen, drafter])
+    blob = b"".join([_HDR.pack(_MAGIC, _VERSION, len(hjson)), hjson, prompt.tobytes(), output.tobytes(), gen])
     return np.frombuffer(blob, dtype=np.uint8).copy()
 
 
@@ -142,7 +139,7 @@ def unpack_request(buf: np.ndarray | bytes) -> RequestState:
     except ValueError as e:
         raise MigrationError(f"request state header is not valid JSON: {e}") from e
     off += hlen
-    need = off + 8 * (h["n_prompt"] + h["n_output"]) + max(h["gen_bytes"], 0) + max(h["drafter_bytes"], 0)
+    need = off + 8 * (h["n_prompt"] + h["n_output"]) + max(h["gen_bytes"], 0)
     if len(raw) != need:
         raise MigrationError(f"request {h.get('req_id')}: state has {len(raw)} bytes, header says {need}")
     prompt = np.frombuffer(raw, dtype="<i8", count=h["n_prompt"], offset=off)
@@ -152,10 +149,9 @@ def unpack_request(buf: np.ndarray | bytes) -> RequestState:
     gen = None
     if h["gen_bytes"] >= 0:
         gen, off = raw[off:off + h["gen_bytes"]], off + h["gen_bytes"]
-    drafter = raw[off:off + h["drafter_bytes"]] if h["drafter_bytes"] >= 0 else None
     return RequestState(h["req_id"], h["origin_rank"], tuple(int(t) for t in prompt), tuple(int(t) for t in output),
                         h["sampling_params"], h["seed"], gen, h["num_computed_tokens"], h["num_kv_blocks"],
-                        drafter, h["extra"])
+                        h["extra"])
 
 
 # ---------------------------------------------------------------------------------------------------

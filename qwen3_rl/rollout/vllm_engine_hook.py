@@ -42,8 +42,8 @@ rank's capacity): requests with stop strings (checked by the origin's detokenize
 structured output, LoRA, multimodal or prompt-embeds inputs, pooling requests, requests waiting for
 remote KV / grammar compilation. Refused at ``configure``: vLLM DP size 1, a multiprocess engine core,
 async scheduling, a batch queue, pipeline parallelism, more than one KV cache group.
-Speculative decoding: a migrated request's pending draft tokens are dropped and ``drafter_state`` is
-None (the target's drafter proposes from the request's tokens, which are in its input batch).
+Speculative decoding: a migrated request's pending draft tokens are dropped and no drafter state travels
+(the target's drafter proposes from the request's tokens, which are in its input batch).
 """
 
 from __future__ import annotations
@@ -429,7 +429,7 @@ class VllmRebalanceHook:
                  "away": away.to_json()}
         st = RequestState(req_id, origin, tuple(int(t) for t in req.prompt_token_ids),
                           tuple(int(t) for t in req.output_token_ids), sampling_params_to_dict(sp), sp.seed,
-                          gen_state, n_computed, nb, None, extra)
+                          gen_state, n_computed, nb, extra)
         return st, blocks
 
     def release_request(self, req_id: str) -> None:
