@@ -401,7 +401,8 @@ def setup_overrides(setup: str, env: Mapping[str, str], context: list[str],
     """Validate the features of ``setup`` (a train script name) from ``env`` and return their overrides."""
     reg = reg or load_registry()
     if setup not in reg.setups():
-        raise FeatureError(f"--setup {setup!r}: not a setup of features.toml (one of {', '.join(reg.setups())})")
+        raise FeatureError(f"--setup {setup!r}: not a setup of features.toml (one of {', '.join(reg.setups())}); "
+                           "a copied train script passes the setup it is based on: train_add_feature_overrides SETUP")
     ctx = parse_context(reg, context)
     values = resolve(reg, setup, env, ctx, notes)
     broken = rule_violations(reg, values)

@@ -259,3 +259,24 @@ def test_generated_docs_are_current() -> None:
     assert row.split(" | ")[-2] == "moe"
     (row,) = [line for line in text.splitlines() if line.startswith("| `NPUGRAPH_EX` | bool")]
     assert "sam_config.pad_drafts" in row
+
+
+def test_a_copied_train_script_names_its_setup(tmp_path: Path) -> None:
+    """The setup is the script's file name; a copy under another name stops with a hint, and runs once it passes
+    the setup it is based on to train_add_feature_overrides (same command as the original)."""
+    import shutil
+
+    (tmp_path / "lib").mkdir()
+    for lib in (INTERNAL / "lib").glob("*.sh"):
+        shutil.copy(lib, tmp_path / "lib" / lib.name)
+    copy = tmp_path / "my_tiny.sh"
+    copy.write_text((INTERNAL / "train_grpo_tiny_cpu.sh").read_text())
+    env = {**BASE_ENV, "QWEN3_RL_HOME": str(REPO)}
+    with pytest.raises(TrainScriptError) as err:
+        parse_train_script(copy, env=env)
+    assert str(err.value).endswith("a copied train script passes the setup it is based on: "
+                                   "train_add_feature_overrides SETUP")
+    copy.write_text(copy.read_text().replace("\ntrain_add_feature_overrides\n",
+                                             "\ntrain_add_feature_overrides train_grpo_tiny_cpu.sh\n"))
+    assert parse_train_script(copy, env=env).overrides == parse_train_script(
+        INTERNAL / "train_grpo_tiny_cpu.sh", env=env).overrides

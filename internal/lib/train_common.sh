@@ -219,15 +219,16 @@ train_add_trainer_overrides() {
     )
 }
 
-# train_add_feature_overrides: the feature switches of this setup (features.toml; README "Switches"): each env var
+# train_add_feature_overrides [SETUP]: the feature switches of this setup (features.toml; README "Switches"): each env var
 # (unset or empty = the registry default for this setup) is validated, the requires / excludes rules are checked,
 # and the keys each switch sets are appended. A bad value or a broken rule stops the script with one line, e.g.
 #   error: SAM_ENABLE='yes': expected one of True, False
-# The setup is the train script's file name; the sizes the rules and defaults need are passed as context.
-# Call it after train_add_base_overrides.
+# SETUP (default: the train script's file name) names the setup in features.toml whose switches and defaults apply;
+# a copy of a train script under another name passes the one it is based on. The sizes the rules and defaults need
+# are passed as context. Call it after train_add_base_overrides.
 train_add_feature_overrides() {
-    local setup vllm_dp=1 got=()
-    setup=$(basename "${BASH_SOURCE[-1]}")
+    local setup=${1:-} vllm_dp=1 got=()
+    [[ -n "${setup}" ]] || setup=$(basename "${BASH_SOURCE[-1]}")
     if [[ "${_train_layout:?train_add_base_overrides first}" == moe ]]; then
         vllm_dp=${ROLLOUT_DP}
     fi
