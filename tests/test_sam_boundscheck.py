@@ -17,6 +17,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from numba.core import config as numba_config
+
+from qwen3_rl.spec_decode import _sam_kernels as K
+
 REPO = Path(__file__).resolve().parents[1]
 
 _SCRIPT = """
@@ -27,6 +32,7 @@ from qwen3_rl.spec_decode import _sam_kernels as K
 from qwen3_rl.spec_decode.sam import SamProposer
 
 assert config.BOUNDSCHECK, "NUMBA_BOUNDSCHECK not in effect"
+assert K.CACHE is False  # no disk cache under bounds checking (numba's cache key ignores the switch)
 
 @njit
 def read(addr, n, i):
@@ -59,3 +65,16 @@ def test_out_of_range_index_raises_under_boundscheck(tmp_path: Path) -> None:
                           cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["VIEW_RAISES", "KERNEL_RAISES"], proc.stdout + proc.stderr[-2000:]
+
+
+def test_cache_falls_back_when_numba_has_no_cache_location(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a writable cache location numba raises at ``njit(cache=True)``: the kernels then compile
+    without the disk cache instead of failing to import."""
+    # this checkout's __pycache__ is writable: the cache is used unless bounds checking is on
+    assert K.CACHE is K._cache_usable() is (not numba_config.BOUNDSCHECK)
+
+    def no_locator(**kwargs):
+        raise RuntimeError("cannot cache function '_cache_probe': no locator available for file")
+
+    monkeypatch.setattr(K, "njit", no_locator)
+    assert K._cache_usable() is False

@@ -56,7 +56,34 @@ import numpy as np
 from llvmlite import ir
 from numba import carray, njit, types
 from numba.core import cgutils
+from numba.core import config as numba_config
 from numba.extending import intrinsic
+
+
+def _cache_probe() -> int:
+    return 0
+
+
+def _cache_usable() -> bool:
+    """Whether the kernels use numba's disk cache (``cache=True``).
+
+    Off under ``NUMBA_BOUNDSCHECK=1``: numba's cache key does not include the bounds-check switch, so a
+    checked run could load unchecked machine code (and a later unchecked run checked code). Off as well
+    when numba finds no writable cache location for this file (``__pycache__``, ``NUMBA_CACHE_DIR`` or the
+    user-wide cache): numba would raise at import; the kernels then compile in every process (the
+    drafter's load-time warm-up still keeps that out of the first decode step).
+    """
+    if numba_config.BOUNDSCHECK:
+        return False
+    try:
+        njit(cache=True)(_cache_probe)
+    except RuntimeError:  # "cannot cache function ...: no locator available"
+        return False
+    return True
+
+
+#: ``cache=`` of every kernel of this module (see ``_cache_usable``).
+CACHE = _cache_usable()
 
 MAX_STRINGS = 127
 OFFSET_BITS = 24
@@ -133,13 +160,13 @@ def _prefetch(typingctx, addr):
     return types.void(addr), codegen
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def _view(addr, n):
     """int32[n] view of the buffer at ``addr`` (n elements)."""
     return carray(_i32_ptr(addr), n)
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def _auto_views(AM, a):
     S = _view(AM[a, A_S], AM[a, A_SCAP] * SREC)
     E = _view(AM[a, A_E], AM[a, A_ECAP] * EREC)
@@ -149,12 +176,12 @@ def _auto_views(AM, a):
 
 
 # ----------------------------------------------------------------------------- transitions
-@njit(cache=True, inline="always")
+@njit(cache=CACHE, inline="always")
 def _hash_slot(tok, mask):
     return ((tok * 0x9E3779B1) >> 7) & mask
 
 
-@njit(cache=True, inline="always")
+@njit(cache=CACHE, inline="always")
 def _root_find(R, rcap, tok):
     """Slot of ``tok`` in the root hash, -1 if absent."""
     if rcap == 0:
@@ -170,27 +197,27 @@ def _root_find(R, rcap, tok):
         i = (i + 1) & mask
 
 
-@njit(cache=True, inline="always")
+@njit(cache=CACHE, inline="always")
 def _head(S, p):
     """First edge of state ``p`` (-1 = none), hub mark removed."""
     f = S[SREC * p + S_FIRST]
     return f if f >= -1 else -f - 2
 
 
-@njit(cache=True, inline="always")
+@njit(cache=CACHE, inline="always")
 def _set_head(S, p, e):
     """Make edge ``e`` the first edge of ``p``, keeping the hub mark."""
     S[SREC * p + S_FIRST] = e if S[SREC * p + S_FIRST] >= -1 else -e - 2
 
 
-@njit(cache=True, inline="always")
+@njit(cache=CACHE, inline="always")
 def _hub_slot(p, tok, mask):
     x = (p & 0xFFFFFF) * 0x9E3779B1 ^ (tok & 0x7FFFFFFF) * 0x85EBCA6B
     x ^= x >> 29
     return (x >> 7) & mask
 
 
-@njit(cache=True, inline="always")
+@njit(cache=CACHE, inline="always")
 def _hub_find(H, hcap, p, tok):
     """Index slot of hub ``p``'s transition by ``tok`` (-1 if absent)."""
     mask = hcap - 1
@@ -204,7 +231,7 @@ def _hub_find(H, hcap, p, tok):
         i = (i + 1) & mask
 
 
-@njit(cache=True, inline="always")
+@njit(cache=CACHE, inline="always")
 def _hub_put(H, hcap, p, tok, val, e):
     """Index edge ``e`` = ``p --tok--> val`` (absent before; room ensured)."""
     mask = hcap - 1
@@ -217,7 +244,7 @@ def _hub_put(H, hcap, p, tok, val, e):
     H[HREC * i + H_EDGE] = e
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def _make_hub(AM, a, S, E, H, p):
     """Index every edge of ``p`` in ``H`` if it has room, else record the room wanted. Semantics unchanged."""
     d = _degree(S, E, p)
@@ -234,7 +261,7 @@ def _make_hub(AM, a, S, E, H, p):
     AM[a, A_HN] = hn + d
 
 
-@njit(cache=True, inline="always")
+@njit(cache=CACHE, inline="always")
 def _edge_find(AM, a, S, E, H, p, tok):
     """Edge of non-root state ``p`` labelled ``tok`` (-1 if absent).
 
@@ -265,7 +292,7 @@ def _edge_find(AM, a, S, E, H, p, tok):
     return -1
 
 
-@njit(cache=True, inline="always")
+@njit(cache=CACHE, inline="always")
 def _get(AM, a, S, E, R, H, p, tok):
     """Transition of state ``p`` by ``tok`` (-1 if absent)."""
     if p == 0:
@@ -278,7 +305,7 @@ def _get(AM, a, S, E, R, H, p, tok):
     return -1 if e < 0 else E[EREC * e + E_TGT]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=CACHE, inline="always")
 def _redirect(AM, a, S, E, R, H, p, tok, q, val):
     """If ``p --tok--> q``, point it to ``val`` and return True."""
     if p == 0:
@@ -303,7 +330,7 @@ def _redirect(AM, a, S, E, R, H, p, tok, q, val):
     return False
 
 
-@njit(cache=True, inline="always")
+@njit(cache=CACHE, inline="always")
 def _add_edge(AM, a, S, E, H, ne, p, tok, val):
     """Prepend edge ``p --tok--> val`` at edge index ``ne`` (room ensured, hub index too); returns ne + 1."""
     E[EREC * ne + E_TOK] = tok
@@ -316,7 +343,7 @@ def _add_edge(AM, a, S, E, H, ne, p, tok, val):
     return ne + 1
 
 
-@njit(cache=True, inline="always")
+@njit(cache=CACHE, inline="always")
 def _root_put(R, rcap, tok, val):
     """Insert a new root transition (absent before; room ensured). Returns 1."""
     mask = rcap - 1
@@ -328,7 +355,7 @@ def _root_put(R, rcap, tok, val):
     return 1
 
 
-@njit(cache=True, inline="always")
+@njit(cache=CACHE, inline="always")
 def _degree(S, E, q):
     d = 0
     e = _head(S, q)
@@ -338,7 +365,7 @@ def _degree(S, E, q):
     return d
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def root_rehash(old, new):
     """Insert every pair of root hash ``old`` into the empty (-1 filled) power-of-2 hash ``new``."""
     ncap = new.shape[0] // RREC
@@ -353,7 +380,7 @@ def root_rehash(old, new):
             new[RREC * i + R_STATE] = old[RREC * j + R_STATE]
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def hub_rehash(old, new):
     """Insert every record of hub index ``old`` into the empty (-1 filled) power-of-2 index ``new``."""
     ncap = new.shape[0] // HREC
@@ -364,7 +391,7 @@ def hub_rehash(old, new):
 
 
 # ------------------------------------------------------------------------------- extension
-@njit(cache=True)
+@njit(cache=CACHE)
 def sam_extend(AM, a, S, E, R, H, last, tok, posval):
     """Append ``tok`` to the string whose current state is ``last`` (generalized online SAM).
 
@@ -460,7 +487,7 @@ def sam_extend(AM, a, S, E, R, H, last, tok, posval):
     return cur, chain, -1, 0
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def _clone(AM, a, S, E, H, ne, q, c, length):
     """Make state ``c`` a clone of ``q`` with length ``length`` (link, occurrence and all edges; not a hub)."""
     S[SREC * c + S_LEN] = length
@@ -474,14 +501,14 @@ def _clone(AM, a, S, E, H, ne, q, c, length):
     return ne
 
 
-@njit(cache=True, inline="always")
+@njit(cache=CACHE, inline="always")
 def _has_cont(SM, auto_str, a, pos):
     """True if the occurrence ``pos`` (packed) is followed by at least one token in its string."""
     g = auto_str[a, pos >> OFFSET_BITS]
     return (pos & OFFSET_MASK) + 1 < SM[g, M_LEN]
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def _append_tokens(AM, SM, auto_str, s, buf, row, j0, j1, budget, complete, prog, grow):
     """Append ``buf[row, j0:j1]`` to string ``s`` and its automaton; record the draft candidate.
 
@@ -544,7 +571,7 @@ def _append_tokens(AM, SM, auto_str, s, buf, row, j0, j1, budget, complete, prog
     return 0
 
 
-@njit(cache=True, inline="always")
+@njit(cache=CACHE, inline="always")
 def _match_fix(S, st, ln):
     """Move a match pointer (state ``st``, length ``ln``) made before the automaton grew (states split)
     to the state that now holds the strings of length ``ln``."""
@@ -553,7 +580,7 @@ def _match_fix(S, st, ln):
     return st
 
 
-@njit(cache=True, inline="always")
+@njit(cache=CACHE, inline="always")
 def _match_step(AM, a, S, E, R, H, st, ln, tok):
     """Matching statistics: extend the match (state ``st`` holding length ``ln``) by ``tok``.
 
@@ -569,7 +596,7 @@ def _match_step(AM, a, S, E, R, H, st, ln, tok):
         ln = S[SREC * st + S_LEN]
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def _prefetch_lookup(AM, a, st, tok):
     """Request the line that looking up ``tok`` at state ``st`` of automaton ``a`` reads after the state's
     record (root slot, hub slot or list head); the record itself is read here."""
@@ -584,7 +611,7 @@ def _prefetch_lookup(AM, a, st, tok):
         _prefetch(AM[a, A_E] + I32 * EREC * f)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=CACHE, inline="always")
 def _cache_pointer(S, SM, s, nst):
     """String ``s``'s (current) cache pointer (state, length), fixed up if the cache automaton (state
     records ``S``, ``nst`` states now) grew since the pointer was last exact."""
@@ -595,7 +622,7 @@ def _cache_pointer(S, SM, s, nst):
     return st, ln
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def _cache_resync(AM, ca, SM, s, n_new, stamp, S, E, R, H, resync):
     """Make string ``s``'s pointer for cache automaton ``ca`` (stamp ``stamp``) from scratch: match the
     ``resync`` tokens before its ``n_new`` newest ones (a pointer made for a cache that is gone)."""
@@ -611,7 +638,7 @@ def _cache_resync(AM, ca, SM, s, n_new, stamp, S, E, R, H, resync):
     SM[s, M_CVER] = AM[ca, A_NST]
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def _cache_follow(AM, ca, SM, s, buf, row, j0, j1, S, E, R, H, fix_each=False):
     """Advance string ``s``'s (current, see ``_cache_resync``) pointer into cache automaton ``ca`` by
     ``buf[row, j0:j1]``.
@@ -630,7 +657,7 @@ def _cache_follow(AM, ca, SM, s, buf, row, j0, j1, S, E, R, H, fix_each=False):
     SM[s, M_CVER] = AM[ca, A_NST]
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, complete, AM, SM, auto_str, ca, stamp,
                  grow, knobs):
     """Append ``buf[rows[i], starts[i]:ends[i]]`` to string ``slots[i]`` for every i (one decode step).
@@ -732,7 +759,7 @@ def extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, complete,
 
 
 # ------------------------------------------------------------------------------- warm-up pass
-@njit(cache=True)
+@njit(cache=CACHE)
 def _lane_start(AM, SM, slots, buf, rows, starts, ends, i, j, lane, Li, Lj, Lst, Lph, Lend, La, Ltok):
     """Put request ``i`` (first token column ``j``) on a lane: prefetch its tail lines and ``last``.
 
@@ -756,7 +783,7 @@ def _lane_start(AM, SM, slots, buf, rows, starts, ends, i, j, lane, Li, Lj, Lst,
     Ltok[lane] = buf[rows[i], j]
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def _lane_to_link(S, st, lane, Lst, Lph):
     """A lane's token has no transition at ``st`` (address ``S`` of the state records): continue at the
     suffix link, reading its record next (``WP_STATE``). Returns the link."""
@@ -767,7 +794,7 @@ def _lane_to_link(S, st, lane, Lst, Lph):
     return st
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
     """Read-only pass that brings into cache what ``extend_batch`` will touch (no semantic effect).
 
@@ -941,7 +968,7 @@ def warm_batch(slots, buf, rows, starts, ends, i0, j0, AM, SM, lanes, hops):
 
 
 # ---------------------------------------------------------------------------------- propose
-@njit(cache=True)
+@njit(cache=CACHE)
 def propose_batch(slots, k, min_match, AM, SM, auto_str, ca, stamp, out, out_n):
     """Drafts for strings ``slots``: up to ``k`` tokens after the chosen occurrence of the longest match.
 
@@ -995,7 +1022,7 @@ def propose_batch(slots, k, min_match, AM, SM, auto_str, ca, stamp, out, out_n):
         out_n[i] = max(c, 0)
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def step_batch(slots, buf, rows, starts, ends, prog, budget, resync, AM, SM, auto_str, ca, stamp, grow, knobs, k,
                min_match, out, out_n):
     """One decode step in one call: ``extend_batch`` then, once it is done, ``propose_batch``."""
@@ -1007,7 +1034,7 @@ def step_batch(slots, buf, rows, starts, ends, prog, budget, resync, AM, SM, aut
 
 
 # ---------------------------------------------------------------------------------- exchange
-@njit(cache=True)
+@njit(cache=CACHE)
 def gather_tails(SM, slots, starts, ends, out):
     """Copy ``T[s][starts[i]:ends[i]]`` of string ``slots[i]`` for every i into ``out`` (back to back);
     returns the tokens written (sibling exchange: a rank's pending tokens, read from its own strings)."""
@@ -1022,7 +1049,7 @@ def gather_tails(SM, slots, starts, ends, out):
     return o
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def parse_messages(flat, starts, ranks, skip, keys, k64, pos, counts, fin, tok_at, known):
     """Parse sibling-exchange messages laid back to back in ``flat`` (message m at ``starts[m]``, sent by
     rank ``ranks[m]``; messages of rank ``skip`` are ignored) into per-entry arrays (capacity >= entries):
@@ -1071,7 +1098,7 @@ def parse_messages(flat, starts, ranks, skip, keys, k64, pos, counts, fin, tok_a
     return e
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def pack_pending(SM, slot, k64, ser, sent, plen, used, n_rows, max_ints, out):
     """Sibling-exchange message of every used row's pending tokens (``T[slot][sent:len]``) into ``out``
     (int32, room >= ``max_ints``): ``[E, E x (key lo, key hi, serial, pos, count), tokens]``; marks them sent.
@@ -1112,7 +1139,7 @@ def pack_pending(SM, slot, k64, ser, sent, plen, used, n_rows, max_ints, out):
     return total
 
 
-@njit(cache=True)
+@njit(cache=CACHE)
 def shadow_fast(keys, pos, counts, tok_at, sh_keys, sh_rows, sh, room, e_slot, e_start, e_end, fast):
     """Entries that continue an open shadow string: look their shadow up (``sh_keys`` sorted, ``sh_rows``
     the rows of table ``sh`` = [key, slot, next pos, tokens, automaton]), advance it and fill the append
