@@ -203,10 +203,10 @@ class SamRunnerDrafter:
 
 
 # ---------------------------------------------------------------------------------------------- warm-up
-#: Warm-up text: a prompt with repeats (matches, clones and a hub state; ids < 16) and the decode steps'
-#: accepted tokens per row (1 + accepted drafts, <= k + 1 per step).
+#: Warm-up prompt (40 ids < 13, periodic: repeated suffixes, so matches, clones and drafts happen); every
+#: row's response is random ids < 16, of which each decode step accepts 1..k + 1 tokens.
 _WARM_PROMPT = np.array([(7 * i) % 13 for i in range(40)], np.int32)
-_WARM_STEPS = 6
+_WARM_STEPS = 6  # decode steps of phase 2
 
 
 def _warm_batch(texts: list[np.ndarray], nums: list[int], prompt_len: int) -> SimpleNamespace:
@@ -231,10 +231,10 @@ def _warm_up(config: SamConfig) -> None:
 
     Phases (the same calls a runner makes, same argument types, so the same compiled signatures):
 
-    1. add + extend: two requests of one prompt enter (root hash growth, state/edge growth, warm pass);
+    1. add + extend: three requests of one prompt enter (root hash growth, state/edge growth, warm pass);
     2. decode: ``_WARM_STEPS`` steps of observe + propose (drafts, cache pointer follow);
-    3. finish: one request finishes per step after the first (group mode: cache insertion, rebuild of a
-       full cache, pointer re-sync); a preempted request resumes with a shorter text (rebuild);
+    3. lifecycle: requests leave the batch (preempted), come back with a shorter text (rebuilt) and
+       finish one per step (group mode: cache insertion, rebuild of a full cache, pointer re-sync);
     4. sibling exchange (only with ``group_exchange``): two ranks exchange every step, one message over
        the cap (pack, capped pack, parse, shadow append).
     """
