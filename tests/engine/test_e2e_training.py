@@ -1,14 +1,14 @@
 """Whole training runs on CPU (marker ``e2e``): ``ray_start_npu.sh --device cpu`` starts Ray on 127.0.0.1 and runs
 ``internal/train_{grpo,dapo}_tiny_cpu.sh`` as it would on a cluster: verl's trainer, the Megatron actor
 (megatron-core 0.12.1 on gloo, TP 2 + EP 2 for GRPO, PP 2 for DAPO), the real vLLM 0.13 CPU engine in verl's sync
-SPMD rollout, our math-verify reward, the update, the weight sync, a checkpoint per step.
+SPMD rollout, our math-verify reward, the update, the weight sync, a checkpoint per step, resume.
 
 What is checked, per run: the launcher's exit status; after every weight sync each engine's parameters equal the
 actor's exported weights exactly (``cpu_device/probe.py``), the export carries the HF checkpoint's names and shapes,
 and the last sync differs from the first (the rollout sees the update); ``python -m qwen3_rl report`` parses the
-log with two steps; checkpoints ``global_step_1`` and ``global_step_2``. Not tested yet (docs/tiny_cpu_run.md): resuming
-from a checkpoint (verl's Megatron checkpoint load fails on CPU), a worker killed during a step (verl's driver then
-waits without a bound).
+log with two steps; checkpoints ``global_step_1`` and ``global_step_2``. Faults: a worker killed by pid during step 2 stops
+the run with an error inside a bound, and the same command then resumes from step 1's checkpoint and finishes
+step 2 on the same prompts as an uninterrupted run.
 
 Device-layer shims only (``cpu_device/``); ``bash tests/run_tests.sh -m e2e`` runs these tests alone.
 """
@@ -36,6 +36,7 @@ pytestmark = pytest.mark.e2e
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 RUN_TIMEOUT_S = 1500  # one launcher run, start to exit
+KILL_EXIT_TIMEOUT_S = 180  # a killed worker must end the run within this (verl 0018: the driver stops at once)
 
 SWITCHES_ON = {"SAM_ENABLE": "True", "SAM_GROUP": "True", "DATA_REBALANCE": "True",
                "USE_CURRENT_LOG_PROB_AS_OLD": "True"}
@@ -74,8 +75,11 @@ def _events(probe: Path) -> list[dict]:
 
 
 def launch(engine_ws: Path, tiny_root: Path, script: str, run_dir: Path, env: dict[str, str] | None = None,
-           ckpt: Path | None = None, timeout_s: float = RUN_TIMEOUT_S) -> Run:
-    """``bash ray_start_npu.sh <script> --device cpu --npus-per-node 2`` with the engine workspace on PYTHONPATH."""
+           ckpt: Path | None = None, on_event=None, timeout_s: float = RUN_TIMEOUT_S) -> Run:
+    """``bash ray_start_npu.sh <script> --device cpu --npus-per-node 2`` with the engine workspace on PYTHONPATH.
+
+    ``on_event(events, proc)`` is called every second while the run is alive (the fault test kills from it).
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     probe = run_dir / "probe"
     ckpt = ckpt or run_dir / "ckpt"
@@ -111,6 +115,8 @@ def launch(engine_ws: Path, tiny_root: Path, script: str, run_dir: Path, env: di
             while proc.poll() is None:
                 if time.monotonic() - t0 > timeout_s:
                     raise AssertionError(f"{script}: no exit within {timeout_s} s (see {out_file})")
+                if on_event is not None:
+                    on_event(_events(probe), proc)
                 time.sleep(1.0)
             pump.join(timeout=30)
     finally:
@@ -178,10 +184,17 @@ def stage_seconds(doc: dict, run: Run) -> dict[str, float]:
     return out
 
 
-def test_grpo_switches_on_then_off(engine_ws: Path, tiny_root: Path, tmp_path: Path) -> None:
+def _prompts_of_step(run_dir: Path, step: int) -> list[str]:
+    f = run_dir / "rollout_data" / f"{step}.jsonl"
+    assert f.is_file(), f"verl wrote no rollout dump {f}"
+    return sorted(json.loads(line)["input"] for line in f.read_text().splitlines() if line.strip())
+
+
+def test_grpo_switches_on_then_off_with_fault_and_resume(engine_ws: Path, tiny_root: Path, tmp_path: Path) -> None:
     """GRPO, 2 steps, with SAM (group mode), data rebalance and the current log-prob as old. Then the same setup
-    with every switch off, stopped after step 1 with its checkpoint saved (resuming from it does not run on CPU
-    yet: docs/tiny_cpu_run.md)."""
+    with every switch off: a worker is killed during step 2, which must stop the run with an error; the same
+    command again resumes from step 1 and finishes step 2 on the first run's step-2 prompts (the prompts a step
+    trains on come from the seeded dataloader; the switches only reorder and decode them)."""
     on = launch(engine_ws, tiny_root, "internal/train_grpo_tiny_cpu.sh", tmp_path / "on", env=SWITCHES_ON)
     assert on.rc == 0, _tail(on)
     check_weight_sync(on, tiny_root)
@@ -191,13 +204,38 @@ def test_grpo_switches_on_then_off(engine_ws: Path, tiny_root: Path, tmp_path: P
     assert "timing_s/old_log_prob" not in last, "USE_CURRENT_LOG_PROB_AS_OLD=True still ran the old-log-prob pass"
     print("stage seconds (GRPO, switches on):", json.dumps(stage_seconds(doc, on)))
 
-    # every switch off, stopped after step 1 (its checkpoint saved)
-    run_dir = tmp_path / "off"
-    first = launch(engine_ws, tiny_root, "internal/train_grpo_tiny_cpu.sh", run_dir, env={"TOTAL_TRAINING_STEPS": "1"})
-    assert first.rc == 0, _tail(first)
-    check_step_log_and_ckpt(first, [1])
-    assert not (first.ckpt / "global_step_2").exists()
+    killed: dict[str, float] = {}
 
+    def kill_in_step_2(events: list[dict], proc: subprocess.Popen) -> None:
+        if killed:
+            assert time.monotonic() - killed["at"] < KILL_EXIT_TIMEOUT_S, \
+                f"the run is still alive {KILL_EXIT_TIMEOUT_S} s after its worker was killed"
+            return
+        starts = [e for e in events if e["event"] == "generate_start" and e["n"] == 2 and e["rank"] == 1]
+        if starts:
+            os.kill(starts[0]["pid"], signal.SIGKILL)
+            killed.update(at=time.monotonic(), pid=starts[0]["pid"])
+
+    run_dir = tmp_path / "off"
+    faulty = launch(engine_ws, tiny_root, "internal/train_grpo_tiny_cpu.sh", run_dir, on_event=kill_in_step_2)
+    assert killed, "step 2 never started on rank 1"
+    assert faulty.rc != 0, "the run exited 0 although a worker was killed"
+    assert "ActorDiedError" in faulty.log or "actor died" in faulty.log.lower(), _tail(faulty)
+    check_weight_sync(faulty, tiny_root)
+    assert (faulty.ckpt / "global_step_1" / "actor").is_dir() and not (faulty.ckpt / "global_step_2").exists()
+    print(f"killed worker pid {killed['pid']}: the launcher exited {faulty.rc}, "
+          f"{time.monotonic() - killed['at']:.0f} s after the kill")
+
+    (run_dir / "logs").rename(run_dir / "logs.faulty")
+    (run_dir / "probe").rename(run_dir / "probe.faulty")
+    resumed = launch(engine_ws, tiny_root, "internal/train_grpo_tiny_cpu.sh", run_dir)
+    assert resumed.rc == 0, _tail(resumed)
+    assert "global_step_1" in resumed.log, "the rerun did not say it loaded global_step_1"
+    doc = check_step_log_and_ckpt(resumed, [2])
+    assert all(e["all_equal"] for e in resumed.of("weight_sync")) and resumed.of("weight_sync")
+    assert _prompts_of_step(run_dir, 2) == _prompts_of_step(tmp_path / "on", 2), \
+        "the resumed step 2 trained on other prompts than the uninterrupted run's step 2"
+    print("stage seconds (GRPO, switches off, resumed step 2):", json.dumps(stage_seconds(doc, resumed)))
 
 
 def test_dapo(engine_ws: Path, tiny_root: Path, tmp_path: Path) -> None:
@@ -207,3 +245,4 @@ def test_dapo(engine_ws: Path, tiny_root: Path, tmp_path: Path) -> None:
     check_weight_sync(run, tiny_root)
     doc = check_step_log_and_ckpt(run, [1, 2])
     print("stage seconds (dapo):", json.dumps(stage_seconds(doc, run)))
+
