@@ -101,21 +101,22 @@ def test_switch_and_config_checks() -> None:
 
 
 def test_preflight_refuses_group_exchange_without_group_mode_or_dp() -> None:
-    from qwen3_rl.launch.preflight import check_sam_group_exchange
+    """preflight's registry rules (features.toml SAM_GROUP_EXCHANGE) read back from the final command's keys."""
+    from qwen3_rl.launch.preflight import check_feature_rules
 
     sc = R + "engine_kwargs.vllm.speculative_config."
     ok = {sc + "method": "sam", sc + "sam_config.group_mode": "True", sc + "sam_config.group_exchange": "True",
           R + "engine_kwargs.vllm.data_parallel_size": "32"}
-    assert check_sam_group_exchange(ok) == []
-    assert check_sam_group_exchange({**ok, sc + "sam_config.group_exchange": "False"}) == []
-    (e,) = check_sam_group_exchange({**ok, sc + "sam_config.group_mode": "False"})
-    assert e.level == "error" and "SAM_GROUP=True" in e.message
-    (e,) = check_sam_group_exchange({**ok, R + "engine_kwargs.vllm.data_parallel_size": "1"})
-    assert "vLLM data parallelism > 1" in e.message
+    assert check_feature_rules(ok) == []
+    assert check_feature_rules({**ok, sc + "sam_config.group_exchange": "False"}) == []
+    (e,) = check_feature_rules({**ok, sc + "sam_config.group_mode": "False"})
+    assert e.level == "error" and "SAM_GROUP=False" in e.message
+    (e,) = check_feature_rules({**ok, R + "engine_kwargs.vllm.data_parallel_size": "1"})
+    assert "VLLM_DP > 1" in e.message
     dp_missing = {k: v for k, v in ok.items() if not k.endswith("data_parallel_size")}
-    assert len(check_sam_group_exchange(dp_missing)) == 1
-    errs = check_sam_group_exchange({sc + "sam_config.group_exchange": "True"})
-    assert len(errs) == 3 and all(x.level == "error" for x in errs)
+    assert len(check_feature_rules(dp_missing)) == 1
+    errs = check_feature_rules({sc + "sam_config.group_exchange": "True"})
+    assert len(errs) == 2 and all(x.level == "error" for x in errs)
 
 
 def test_patched_engine_step_calls_the_hook_after_dummy_and_real_steps(patched_imports: Path) -> None:

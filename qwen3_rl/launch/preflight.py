@@ -245,30 +245,6 @@ def check_feature_rules(vals: Mapping[str, str], setup: str | None = None) -> li
         return [_err("feature", f"features.toml: {exc}")]
 
 
-def check_sam_group_exchange(vals: Mapping[str, str]) -> list[Finding]:
-    """``sam_config.group_exchange`` shares sibling tokens between vLLM DP ranks: it needs SAM, group mode and
-    vLLM DP > 1 (qwen3_rl/spec_decode/sibling_exchange.py; the 32B setups run independent TP8 engines).
-    The same rules as features.toml's SAM_GROUP_EXCHANGE, which :func:`run_preflight` checks
-    (:func:`check_feature_rules`); kept for callers that check the keys alone."""
-    sc = R + "engine_kwargs.vllm.speculative_config."
-    if not _get_bool(vals, sc + "sam_config.group_exchange", False):
-        return []
-    out = []
-    method = vals.get(sc + "method")
-    if method != "sam":
-        out.append(_err("feature", f"sam_config.group_exchange=True (SAM_GROUP_EXCHANGE) needs speculative_config."
-                                   f"method=sam (SAM_ENABLE=True), got {method!r}"))
-    if not _get_bool(vals, sc + "sam_config.group_mode", False):
-        out.append(_err("feature", "sam_config.group_exchange=True (SAM_GROUP_EXCHANGE) needs sam_config.group_mode="
-                                   "True (SAM_GROUP=True): the exchanged tokens feed the group automata"))
-    dp = _get_int(vals, R + "engine_kwargs.vllm.data_parallel_size", 1) or 1
-    if dp <= 1:
-        out.append(_err("feature", f"sam_config.group_exchange=True (SAM_GROUP_EXCHANGE) needs vLLM data parallelism "
-                                   f"> 1 (engine_kwargs.vllm.data_parallel_size is {dp}: every engine already holds "
-                                   "all the siblings it serves)"))
-    return out
-
-
 def check_spec_decode_requests(vals: Mapping[str, str]) -> list[Finding]:
     """A drafter whose every rollout request vLLM 0.13 would leave undrafted (``vllm/v1/spec_decode/utils.py:9-17``:
     penalties, ``min_p``, log-probs): a warning per setting; ``calculate_log_probs`` with a drafter is an error
