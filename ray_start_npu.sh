@@ -89,6 +89,9 @@ DRY=$([[ "${P[MODE]}" == dry-run ]] && echo 1 || echo 0)
 # 2. environment: setup env script, then CANN/HCCL (paths checked), then the launcher's own exports
 export NNODES=${P[NNODES]} NPUS_PER_NODE=${P[NPUS_PER_NODE]} SOCKET_IFNAME=${P[IFNAME]}
 export CANN_HOME=${P[CANN_HOME]} RAY_ADDRESS=${P[RAY_ADDRESS]}
+# Ray 2.60's `ray start` turns token authentication on when ~/.ray/auth_token exists (any earlier local ray.init()
+# writes one) while `ray status` stays off and is refused: one explicit mode for every Ray process of the run.
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 if [[ -n "${P[ENV_SCRIPT]}" ]]; then
   set -a
   # shellcheck source=/dev/null

@@ -596,7 +596,8 @@ def _pids_mentioning(text: str) -> list[int]:
 def test_real_ray_head_in_loopback_namespace(tmp_path: Path):
     """ray_start_npu.sh with the real ray (2.60): head with a fake NPU resource inside a fresh network
     namespace (only lo), waits, runs a stand-in train script that runs an NPU task, exits with its code,
-    and leaves no Ray process behind."""
+    and leaves no Ray process behind. The home holds a Ray auth token, as any earlier local ray.init() leaves:
+    without the launcher's RAY_AUTH_MODE the head turns token auth on and the cluster check is refused."""
     ray_bin = VENV_BIN / "ray"
     if not ray_bin.exists():
         pytest.skip(f"no ray in the test venv ({ray_bin})")
@@ -610,6 +611,10 @@ def test_real_ray_head_in_loopback_namespace(tmp_path: Path):
         script = make_standin(root, RAY_STANDIN)
         env = stub_env(root, bin_dir, CANN_HOME=str(make_cann(root)), RAY_DEDUP_LOGS="0")
         env["PATH"] = f"{VENV_BIN}:{env['PATH']}"
+        (root / "home" / ".ray").mkdir(parents=True)
+        (root / "home" / ".ray" / "auth_token").write_text("0123456789abcdef" * 4)
+        env["HOME"] = str(root / "home")
+        env.pop("RAY_AUTH_MODE", None)
         temp_dir = root / "ray"
         port = 6379  # a fresh namespace: every port is free
         cmd = (f"ip link set lo up && exec bash {REPO}/ray_start_npu.sh {script} --no-preflight --timeout 60 "
