@@ -24,6 +24,7 @@ def _usage() -> str:
         "  eval       after training: merge a checkpoint to HF, score AIME/gsm8k accuracy, compare before/after\n"
         "  tiny-model tiny random-weight Qwen3 / Qwen3-MoE with a local tokenizer (tiny-model --out DIR [--moe])\n"
         "  tiny-data  generated gsm8k-style problems as verl parquet for the tiny CPU run (tiny-data --out DIR)\n"
+        "  sam-warm-cache  compile every SAM drafter kernel into numba's disk cache (run at image build)\n"
     )
 
 
@@ -57,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         from qwen3_rl.features import main as features_main
 
         return features_main(rest)
+    if cmd == "sam-warm-cache":
+        from qwen3_rl.spec_decode.runner_drafter import warm_cache_main
+
+        return warm_cache_main(rest)
     if cmd == "readme":
         from qwen3_rl.readme import main as readme_main
 

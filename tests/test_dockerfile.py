@@ -44,6 +44,8 @@ def test_copied_files_exist_and_scripts_run_in_order():
     order = [c for c in calls if c in ("download_frameworks_source_code.sh", "apply_all_patches.sh", "build_project.sh")]
     assert order[0] == "download_frameworks_source_code.sh" and order[-1] == "build_project.sh"
     assert order.index("apply_all_patches.sh") < order.index("build_project.sh")
+    # the SAM kernels are compiled into numba's cache after the stack (numba) is installed
+    assert text.index("python3 -m qwen3_rl sam-warm-cache") > text.index("bash build_project.sh")
 
 
 def test_no_hard_coded_framework_versions_or_secrets():

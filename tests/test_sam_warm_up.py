@@ -106,3 +106,36 @@ def test_warm_up_leaves_no_state(monkeypatch: pytest.MonkeyPatch, sam_config: di
         nums = [n + 1 + (step + i) % 3 for i, n in enumerate(nums)]
     assert drafted > 0
     assert warm.drafter.nbytes() == cold.drafter.nbytes()
+
+
+def test_warm_cache_command_fills_numba_cache(tmp_path) -> None:
+    """``python -m qwen3_rl sam-warm-cache`` (run at image build) leaves every kernel in numba's disk cache; a second
+    process finds them there (it reports the same cache and exits 0)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")} | {"NUMBA_CACHE_DIR": str(tmp_path)}
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-m", "qwen3_rl", "sam-warm-cache"], cwd=repo, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert str(tmp_path) in proc.stdout
+    index = sorted(p.name for p in tmp_path.rglob("*.nbi"))
+    assert any(n.startswith("_sam_kernels.") for n in index), index
+    assert len(list(tmp_path.rglob("*.nbc"))) >= len(index) > 5
+
+
+def test_warm_cache_command_refuses_without_cache() -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    env = dict(os.environ) | {"NUMBA_BOUNDSCHECK": "1"}
+    proc = subprocess.run([sys.executable, "-m", "qwen3_rl", "sam-warm-cache"], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1 and "numba's disk cache is off" in proc.stderr, proc.stderr
