@@ -177,6 +177,8 @@ def test_trainer_fit_dynamic_sampling(patched_imports) -> None:
     from qwen3_rl.trainer.dapo import make_dapo_trainer_class
     from qwen3_rl.trainer.dynamic_sampling import DynamicSamplingError
 
+    from dapo_probe import make_probe_trainer
+
     cls = make_dapo_trainer_class()
     n = 2
     # prompts 0..3 per dataloader batch of 2 prompts; informative iff responses differ
@@ -192,35 +194,18 @@ def test_trainer_fit_dynamic_sampling(patched_imports) -> None:
 
     trained: list[list[int]] = []
 
-    class Probe(cls):  # the PPO update itself is verl's worker RPCs: record what it receives
-        def _update_on_batch(self, batch, metrics, timing_raw):
-            trained.append(batch.batch["pid"][:, 0].tolist())
-            for k in ("advantages", "returns"):
-                batch.batch[k] = torch.zeros(len(batch), RESP_LEN)
-            batch.meta_info["global_token_num"] = [1] * len(batch)
-            return batch
-
-    t = Probe.__new__(Probe)
-    t.config = OmegaConf.create({
-        "data": {"train_batch_size": 2, "gen_batch_size": 2},
-        "algorithm": {"filter_groups": {"enable": True, "metric": "acc", "max_num_gen_batches": 2}},
-        "actor_rollout_ref": {"rollout": {"n": n}},
-        "trainer": {"project_name": "p", "experiment_name": "e", "logger": ["console"], "resume_mode": "disable",
-                    "val_before_train": False, "total_epochs": 1, "test_freq": -1, "save_freq": -1,
-                    "esi_redundant_time": 0, "balance_batch": False, "critic_warmup": 0}})
-    t.dapo = DapoSettings.from_config(t.config)
-    t.actor_rollout_wg, t.async_rollout_mode, t.use_rm, t.use_critic = wg, False, False, False
-    t.reward_fn, t.val_reward_fn = _reward_fn(wg), None
-    t.total_training_steps = 10
-
     class _Pool:
         def get_n_gpus(self) -> int:
             return 1
 
-    t.resource_pool_manager = _Pool()
+    # the PPO update itself is verl's worker RPCs: record what it receives
     # batches: [0,1] -> 1 informative; [2,3] -> 1 more: full -> step 1 on prompts 1,2
     #          [4,5] -> 0 informative; [6,7] -> 0: 2 batches, budget spent -> error
-    t.train_dataloader = [batch_dict([0, 1]), batch_dict([2, 3]), batch_dict([4, 5]), batch_dict([6, 7])]
+    t = make_probe_trainer(cls, n=n, resp_len=RESP_LEN, actor_rollout_wg=wg, reward_fn=_reward_fn(wg),
+                           resource_pool_manager=_Pool(), total_training_steps=10, response_mask=False,
+                           on_update=lambda batch: trained.append(batch.batch["pid"][:, 0].tolist()),
+                           train_dataloader=[batch_dict([0, 1]), batch_dict([2, 3]), batch_dict([4, 5]),
+                                             batch_dict([6, 7])])
     with pytest.raises(DynamicSamplingError, match="0 of 2 prompt groups .* after 2 generation batches"):
         t.fit()
     assert trained == [[1, 1, 2, 2]]

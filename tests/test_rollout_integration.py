@@ -274,7 +274,9 @@ def test_dp_size_derivation(patched_imports: Path) -> None:
 def test_dapo_fit_data_rebalance_with_filter_groups(patched_imports: Path) -> None:
     import torch
 
-    from qwen3_rl.trainer.dapo import DapoSettings, make_dapo_trainer_class
+    from qwen3_rl.trainer.dapo import make_dapo_trainer_class
+
+    from dapo_probe import make_probe_trainer
 
     cls = make_dapo_trainer_class()
     n = 4
@@ -291,30 +293,11 @@ def test_dapo_fit_data_rebalance_with_filter_groups(patched_imports: Path) -> No
         r[:, -1] = torch.tensor(acc)
         return {"reward_tensor": r, "reward_extra_info": {"acc": acc}}
 
-    class Probe(cls):
-        def _update_on_batch(self, batch, metrics, timing_raw):
-            trained.append(batch)
-            for k in ("advantages", "returns"):
-                batch.batch[k] = torch.zeros(len(batch), RESP_LEN)
-            batch.batch["response_mask"] = torch.ones(len(batch), RESP_LEN)
-            batch.meta_info["global_token_num"] = [1] * len(batch)
-            return batch
-
-    t = Probe.__new__(Probe)
-    t.config = OmegaConf.create({
-        "data": {"train_batch_size": 2, "gen_batch_size": 2},
-        "algorithm": {"filter_groups": {"enable": True, "metric": "acc", "max_num_gen_batches": 2}},
-        "actor_rollout_ref": {"rollout": {"n": n, "data_rebalance": True}},
-        "trainer": {"project_name": "p", "experiment_name": "e", "logger": ["console"], "resume_mode": "disable",
-                    "val_before_train": False, "total_epochs": 1, "test_freq": -1, "save_freq": -1,
-                    "esi_redundant_time": 0, "balance_batch": False, "critic_warmup": 0}})
-    t.dapo = DapoSettings.from_config(t.config)
     wg = _FakeActorRolloutWG(world_size=8, tp=2)  # 4 DP pieces
-    t.actor_rollout_wg, t.async_rollout_mode, t.use_rm, t.use_critic = wg, False, False, False
-    t.reward_fn, t.val_reward_fn = reward_fn, None
-    t.total_training_steps = 1
-    t.resource_pool_manager = _Pool()
-    t.train_dataloader = [_batch_dict([0, 1]), _batch_dict([2, 3])]  # 1 informative group per batch
+    t = make_probe_trainer(cls, n=n, resp_len=RESP_LEN, actor_rollout_wg=wg, reward_fn=reward_fn,
+                           resource_pool_manager=_Pool(), rollout_extra={"data_rebalance": True},
+                           on_update=trained.append,
+                           train_dataloader=[_batch_dict([0, 1]), _batch_dict([2, 3])])  # 1 informative group per batch
     t.fit()
     # each generation batch (2 prompts x 4) dealt over 4 pieces: each piece gets one sample of each prompt
     assert wg.pieces == [[[0, 1]] * 4, [[2, 3]] * 4]

@@ -24,41 +24,10 @@ from qwen3_rl.spec_decode.exchange_hook import SiblingExchangeHook, exchange_ena
 from qwen3_rl.spec_decode.runner_drafter import SamRunnerDrafter
 from qwen3_rl.spec_decode.sam import SamConfig
 
+from fake_input_batch import FakeInputBatch
+
 K = 3
 R = "actor_rollout_ref.rollout."
-
-
-class _Batch:
-    """The attributes of vLLM's ``InputBatch`` that ``SamRunnerDrafter`` reads (rows 0..n-1 in use)."""
-
-    def __init__(self, width: int = 512) -> None:
-        self.req_ids: list[str] = []
-        self.token_ids_cpu = np.zeros((4, width), np.int32)
-        self.num_tokens_no_spec = np.zeros(4, np.int64)
-        self.num_prompt_tokens = np.zeros(4, np.int64)
-        self.spec_decode_unsupported_reqs: set[str] = set()
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
-
-    @property
-    def req_id_to_index(self) -> dict[str, int]:
-        return {r: i for i, r in enumerate(self.req_ids)}
-
-    def add(self, rid: str, prompt: list[int]) -> None:
-        i = len(self.req_ids)
-        self.req_ids.append(rid)
-        self.token_ids_cpu[i, : len(prompt)] = prompt
-        self.num_tokens_no_spec[i] = self.num_prompt_tokens[i] = len(prompt)
-
-    def accept(self, i: int, toks: list[int]) -> None:
-        n = int(self.num_tokens_no_spec[i])
-        self.token_ids_cpu[i, n: n + len(toks)] = toks
-        self.num_tokens_no_spec[i] = n + len(toks)
-
-    def remove_all(self) -> None:
-        self.req_ids = []
 
 
 def _engine(sam: SamRunnerDrafter | None, sam_config: dict | None) -> SimpleNamespace:
@@ -174,7 +143,7 @@ def _drive(rank: int, group_factory) -> dict:  # type: ignore[no-untyped-def]
     (1 + accepted) of the same RESP. Both call the hook after every step (rank 1 idle = dummy steps)."""
     sam = SamRunnerDrafter(SamConfig(num_speculative_tokens=K, group_mode=True, group_exchange=True), 512)
     hook = SiblingExchangeHook(_engine(sam, {"group_mode": True, "group_exchange": True}), group_factory)
-    b = _Batch()
+    b = FakeInputBatch()
     b.add(f"r{rank}", PROMPT)
     pos, drafted_ok, steps = 0, 0, 0
     drafts: list[int] = []

@@ -21,29 +21,9 @@ from qwen3_rl.spec_decode.runner_drafter import SamRunnerDrafter
 from qwen3_rl.spec_decode.sam import SamConfig, group_key
 from qwen3_rl.spec_decode.sibling_exchange import group_key64
 
+from fake_input_batch import FakeInputBatch
+
 PAD = 0
-
-
-class _Batch:
-    """The ``InputBatch`` attributes ``SamRunnerDrafter.observe`` reads."""
-
-    def __init__(self, prompts: list[list[int]], req_ids: list[str]) -> None:
-        width = max(len(p) for p in prompts) + 8
-        self.req_ids = list(req_ids)
-        self.token_ids_cpu = np.zeros((len(prompts), width), np.int32)
-        self.num_tokens_no_spec = np.array([len(p) for p in prompts], np.int64)
-        self.num_prompt_tokens = self.num_tokens_no_spec.copy()
-        for i, p in enumerate(prompts):
-            self.token_ids_cpu[i, : len(p)] = p
-        self.spec_decode_unsupported_reqs: set[str] = set()
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.req_ids)
-
-    @property
-    def req_id_to_index(self) -> dict[str, int]:
-        return {r: i for i, r in enumerate(self.req_ids)}
 
 
 def test_group_key_is_the_same_for_every_token_container() -> None:
@@ -91,7 +71,7 @@ def test_group_key_survives_data_rebalance_and_its_inverse(patched_imports: Path
         # the rank's SAM adapter assigns the group from the runner's prompt
         sam = SamRunnerDrafter(SamConfig(num_speculative_tokens=3, group_mode=True, group_exchange=True), 256)
         rids = [f"r{rank}-{i}" for i in range(len(c))]
-        sam.observe(_Batch(from_raw, rids), {r: None for r in rids}, None)
+        sam.observe(FakeInputBatch.from_prompts(from_raw, rids), {r: None for r in rids}, None)
         for r, u in zip(rids, uids, strict=True):
             g = sam.drafter._reqs[r].group
             assert key_of_uid.setdefault(u, g) == g, (rank, u)  # the same key on every rank

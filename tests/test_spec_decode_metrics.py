@@ -284,10 +284,11 @@ def test_grpo_fit_without_counts_logs_none(patched_imports: Path, capsys: pytest
 
 def test_dapo_fit_sums_a_steps_generation_batches(patched_imports: Path, capsys: pytest.CaptureFixture) -> None:
     import torch
-    from omegaconf import OmegaConf
     from test_rollout_integration import RESP_LEN, _batch_dict, _Pool
 
-    from qwen3_rl.trainer.dapo import DapoSettings, make_dapo_trainer_class
+    from qwen3_rl.trainer.dapo import make_dapo_trainer_class
+
+    from dapo_probe import make_probe_trainer
 
     cls = make_dapo_trainer_class()
 
@@ -298,29 +299,9 @@ def test_dapo_fit_sums_a_steps_generation_batches(patched_imports: Path, capsys:
         r[:, -1] = torch.tensor(acc)
         return {"reward_tensor": r, "reward_extra_info": {"acc": acc}}
 
-    class Probe(cls):
-        def _update_on_batch(self, batch, metrics, timing_raw):
-            for k in ("advantages", "returns"):
-                batch.batch[k] = torch.zeros(len(batch), RESP_LEN)
-            batch.batch["response_mask"] = torch.ones(len(batch), RESP_LEN)
-            batch.meta_info["global_token_num"] = [1] * len(batch)
-            return batch
-
-    t = Probe.__new__(Probe)
-    t.config = OmegaConf.create({
-        "data": {"train_batch_size": 2, "gen_batch_size": 2},
-        "algorithm": {"filter_groups": {"enable": True, "metric": "acc", "max_num_gen_batches": 2}},
-        "actor_rollout_ref": {"rollout": {"n": 4, "data_rebalance": False}},
-        "trainer": {"project_name": "p", "experiment_name": "e", "logger": ["console"], "resume_mode": "disable",
-                    "val_before_train": False, "total_epochs": 1, "test_freq": -1, "save_freq": -1,
-                    "esi_redundant_time": 0, "balance_batch": False, "critic_warmup": 0}})
-    t.dapo = DapoSettings.from_config(t.config)
-    t.actor_rollout_wg = _drafting_wg()
-    t.async_rollout_mode, t.use_rm, t.use_critic = False, False, False
-    t.reward_fn, t.val_reward_fn = reward_fn, None
-    t.total_training_steps = 1
-    t.resource_pool_manager = _Pool()
-    t.train_dataloader = [_batch_dict([0, 1]), _batch_dict([2, 3])]  # one informative group per batch
+    t = make_probe_trainer(cls, n=4, resp_len=RESP_LEN, actor_rollout_wg=_drafting_wg(), reward_fn=reward_fn,
+                           resource_pool_manager=_Pool(), rollout_extra={"data_rebalance": False},
+                           train_dataloader=[_batch_dict([0, 1]), _batch_dict([2, 3])])  # one informative group per batch
     t.fit()
     assert t.actor_rollout_wg.calls == 2
     (metrics,) = _step_metrics_from_stdout(capsys.readouterr().out).values()
