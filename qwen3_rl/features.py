@@ -313,9 +313,6 @@ def _all_hold(conds: Mapping[str, tuple[str, ...]], lookup: Callable[[str], str 
 def rule_violations(reg: Registry, values: Mapping[str, str | None]) -> list[str]:
     """One line per broken requires / excludes rule, in registry order (``values``: features and context;
     None = the feature does not apply or is unknown)."""
-    def lookup(n: str) -> str | None:
-        return values.get(n)
-
     out = []
     for f in reg.features.values():
         mine = values.get(f.env)
@@ -324,7 +321,7 @@ def rule_violations(reg: Registry, values: Mapping[str, str | None]) -> list[str
         for r in (*f.requires, *f.excludes):
             if mine not in r.when:
                 continue
-            held = _all_hold(r.conds, lookup)
+            held = _all_hold(r.conds, values.get)
             if r.kind == "requires" and not held:
                 names = list(dict.fromkeys([*r.conds, *(s[1:] for v in r.conds.values() for s in v
                                                        if s.startswith("="))]))
@@ -380,15 +377,12 @@ def resolve(reg: Registry, setup: str, env: Mapping[str, str], ctx: Mapping[str,
 
 def render(reg: Registry, values: Mapping[str, str | None]) -> list[str]:
     """The Hydra overrides of the resolved features, in registry order."""
-    def lookup(n: str) -> str | None:
-        return values.get(n)
-
     out = []
     for f in reg.features.values():
         if values.get(f.env) is None:
             continue
         for s in f.sets:
-            if not _all_hold(s.when, lookup):
+            if not _all_hold(s.when, values.get):
                 continue
             val = _TEMPLATE_RE.sub(lambda m, f=f: str(values.get(f.env) if m.group(1) == "value"
                                                       else values.get(m.group(1), "")), s.value)

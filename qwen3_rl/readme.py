@@ -10,6 +10,7 @@ train commands (tests/data/train_commands) say.
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import sys
 from collections.abc import Callable
@@ -32,14 +33,27 @@ def _patches() -> str:
     return markdown_table(list(load_pins().frameworks))
 
 
+@functools.cache
+def _registry():
+    """features.toml, parsed once for all the sections that render from it."""
+    from qwen3_rl.features import load_registry
+
+    return load_registry()
+
+
+def _context_text(reg, name: str) -> str:
+    """How a default taken from a context value reads: its product (``VLLM_DP × ROLLOUT_TP``) or its name."""
+    ctx = reg.context[name]
+    return " × ".join(ctx.product) if ctx.product else name
+
+
 def _setup_label(reg, names: tuple[str, ...]) -> str:
     return ", ".join(n if n in ("all", *reg.groups) else n.removeprefix("train_").removesuffix(".sh") for n in names)
 
 
 def _default_text(reg, f) -> str:
     if f.default_context:
-        ctx = reg.context[f.default_context]
-        text = " × ".join(ctx.product) if ctx.product else f.default_context
+        text = _context_text(reg, f.default_context)
     else:
         text = f"`{f.default}`" if f.default != "" else "(empty)"
     extra = ", ".join(f"{g}: `{v}`" for g, v in f.default_for.items())
@@ -63,16 +77,13 @@ def _when_text(when: dict) -> str:
 def _switches() -> str:
     """The feature switches of the train scripts, from features.toml: env var, type, default, allowed values,
     the keys each sets (and when), the setups it applies to, its requires / excludes rules."""
-    from qwen3_rl.features import load_registry
-
-    reg = load_registry()
+    reg = _registry()
     out = ["| env var | type | default | allowed | key(s) it sets | setups | requires / excludes |",
            "|---|---|---|---|---|---|---|"]
     for f in reg.features.values():
         keys = []
         for st in f.sets:
-            own = {n: v for n, v in st.when.items()}
-            cond = f" when {_when_text(own)}" if own else ""
+            cond = f" when {_when_text(st.when)}" if st.when else ""
             keys.append(f"`{st.key}={st.value}`{cond}")
         rules = [f"{'/'.join(r.when)}: {r.kind} {r.describe()}" for r in (*f.requires, *f.excludes)]
         out.append(f"| `{f.env}` | {f.type} | {_default_text(reg, f)} | {_allowed_text(f)} | "
@@ -83,9 +94,7 @@ def _switches() -> str:
 
 def _feature_index() -> str:
     """One row per feature of features.toml: its switch, patches, runtime modules, tests and doc."""
-    from qwen3_rl.features import load_registry
-
-    reg = load_registry()
+    reg = _registry()
     out = ["| feature | switch | patch(es) | module(s) | test(s) | doc |", "|---|---|---|---|---|---|"]
     for f in reg.features.values():
         patches = ", ".join(f"[{p.split('/')[0]} {p.split('/')[1][:4]}](patches/{p})" for p in f.patches) or "–"
@@ -106,10 +115,8 @@ def _setup_commands() -> str:
     """Each setup's flat command with every default, from the golden files of tests/test_train_configs.py."""
     import shlex
 
-    from qwen3_rl.features import load_registry
-
     out = []
-    for script in load_registry().setups():
+    for script in _registry().setups():
         stem = script.removesuffix(".sh")
         argv = _golden(stem)["cases"]["defaults"]["argv"]
         head = " ".join(shlex.quote(a) for a in argv[:5])
@@ -120,9 +127,7 @@ def _setup_commands() -> str:
 
 def _feature_defaults() -> str:
     """Every switch's default in every setup (– = the switch does not apply there)."""
-    from qwen3_rl.features import load_registry
-
-    reg = load_registry()
+    reg = _registry()
     setups = reg.setups()
     out = ["| switch | " + " | ".join(s.removeprefix("train_").removesuffix(".sh") for s in setups) + " |",
            "|---|" + "---|" * len(setups)]
@@ -132,7 +137,7 @@ def _feature_defaults() -> str:
             if not reg.applies(f, s):
                 cells.append("–")
             elif f.default_context and not any(g in f.default_for for g in reg.groups_of(s)):
-                cells.append(" × ".join(reg.context[f.default_context].product))
+                cells.append(_context_text(reg, f.default_context))
             else:
                 d = reg.default(f, s, {})
                 cells.append(f"`{d}`" if d != "" else "(empty)")
