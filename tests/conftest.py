@@ -123,6 +123,17 @@ def run_script(name: str, *args: str, env: dict[str, str] | None = None,
                           env=full, cwd=cwd or REPO, timeout=600)
 
 
+def run_python(code: str, *args: str, path: tuple[Path | str, ...] = (), cwd: Path | None = None,
+               timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """``python -c CODE ARGS`` in a fresh interpreter (this venv) whose ``PYTHONPATH`` is exactly ``path``: the
+    way the patch tests run the same probe on the patched and on the pristine trees. Never raises on exit codes."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if path:
+        env["PYTHONPATH"] = os.pathsep.join(str(p) for p in path)
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=timeout)
+
+
 @pytest.fixture(scope="session")
 def patched_workspace(pristine_workspace: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     ws = tmp_path_factory.mktemp("patched")

@@ -18,15 +18,15 @@ push the sharded state through megatron's own checkpoint pre/post-processing
 from __future__ import annotations
 
 import copy
-import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+
+from conftest import run_python
 
 HERE = Path(__file__).resolve().parent
 
@@ -279,9 +279,7 @@ def test_pristine_megatron_crashes_on_none_state(pristine_workspace: Path) -> No
         opt, msd, _ = build_fake_dist_optimizer(seed=0)
         opt.sharded_param_state_fs_model_space(msd)
     """)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = run_python(code)
     assert proc.returncode != 0
     assert "AttributeError: 'NoneType' object has no attribute 'dtype'" in proc.stderr, proc.stderr[-2000:]
     assert "distrib_optimizer.py" in proc.stderr
@@ -316,9 +314,7 @@ print("WROTE", res.storage_data.length)
 
 
 def _write_bucket(tree: Path) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, "-c", f"TREE = {str(tree)!r}\n" + _WRITE_BUCKET], capture_output=True,
-                          text=True, env=env, timeout=300)
+    return run_python(f"TREE = {str(tree)!r}\n" + _WRITE_BUCKET)
 
 
 def test_async_writer_passes_serialization_format(patched_workspace: Path) -> None:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
-import subprocess
 import sys
 import textwrap
 import types
@@ -22,6 +20,8 @@ from hypothesis import strategies as st
 
 from qwen3_rl.compat import allocator, meta_info, rollout_progress, vllm_imports
 from qwen3_rl.pins import load_pins
+
+from conftest import run_python
 
 REPO = Path(__file__).resolve().parent.parent
 PINS = load_pins(REPO / "pins.toml")
@@ -479,9 +479,7 @@ def test_pristine_pin_has_the_bugs(pristine_workspace: Path) -> None:
     import json
 
     root = pristine_workspace / VERL_DIR
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(root)}
-    proc = subprocess.run([sys.executable, "-c", _PRISTINE_PROBE], cwd=root, capture_output=True,
-                          text=True, timeout=300, env=env)
+    proc = run_python(_PRISTINE_PROBE, path=(root,), cwd=root)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert Path(out["file"]).is_relative_to(root)
@@ -525,10 +523,7 @@ def test_0017_checkpoint_load_without_te(tree: str, patched_workspace: Path, pri
     """Patched: load_checkpoint goes past the optimizer allow-list to the checkpoint path with transformer_engine
     unimportable. Pristine verl 0.6.1: ModuleNotFoundError before the checkpoint is read."""
     ws = patched_workspace if tree == "patched" else pristine_workspace
-    path = os.pathsep.join(str(ws / PINS.frameworks[k].dir) for k in ("verl", "megatron"))
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": path}
-    proc = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_TE, str(tmp_path)], capture_output=True, text=True,
-                          timeout=300, env=env)
+    proc = run_python(_LOAD_WITHOUT_TE, str(tmp_path), path=tuple(ws / PINS.frameworks[k].dir for k in ("verl", "megatron")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     want = "reached the checkpoint path" if tree == "patched" else "ModuleNotFoundError: import of transformer_engine"
     assert proc.stdout.strip().splitlines()[-1].startswith(want), proc.stdout[-2000:]
