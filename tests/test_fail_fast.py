@@ -19,16 +19,12 @@ BLOCK_S = 600.0  # the blocked worker's wait: far longer than the test may take
 @pytest.fixture(scope="module")
 def local_ray():
     # a local ray.init() of Ray 2.60 turns token auth on and writes ~/.ray/auth_token unless the mode is set
-    saved = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
-    yield
-    ray.shutdown()
-    if saved is None:
-        os.environ.pop("RAY_AUTH_MODE", None)
-    else:
-        os.environ["RAY_AUTH_MODE"] = saved
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_AUTH_MODE", "disabled")
+        ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1")
+        yield
+        ray.shutdown()
 
 
 @ray.remote(num_cpus=1)
@@ -40,7 +36,6 @@ class Worker:
         return value
 
     def pid(self) -> int:
-        import os
 
         return os.getpid()
 
