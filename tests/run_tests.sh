@@ -17,7 +17,9 @@ $QWEN3_RL_VENV and tests/engine (vLLM 0.13.0's real CPU engine) in $QWEN3_RL_ENG
 Examples:  bash tests/run_tests.sh -m engine        # the real-engine tests alone
            bash tests/run_tests.sh tests/test_pins.py
 Test paths decide the part: paths only under tests/engine skip the main run, paths elsewhere skip
-the engine run. Either part collecting nothing is fine as long as the other ran tests.
+the engine run. On a full run (no test path, -m or -k) every part must run tests: a part that
+collects nothing fails the run. With a selection, one part collecting nothing is fine as long as
+another ran tests. A skipped test fails (tests/conftest.py).
 Boundscheck run: when the main run runs and no test path, -m or -k is given, the SAM drafter's tests
 (SAM_BOUNDSCHECK_TESTS) run once more in the main venv with NUMBA_BOUNDSCHECK=1 and an empty numba cache
 (a fresh process: numba reads the switch at import, and its cache must not hand back unchecked code),
@@ -78,6 +80,12 @@ main() {
   if [[ ${rc_main} -eq 5 && ${rc_engine} -eq 5 ]]; then
     echo "error: pytest collected no tests" >&2
     return 1
+  fi
+  if (( ! main_paths && ! engine_paths && ! selective )); then
+    if [[ ${rc_main} -eq 5 || ${rc_bounds} -eq 5 || ${rc_engine} -eq 5 ]]; then
+      echo "error: a full run needs every part to run tests (exit 5 = none collected)" >&2
+      return 1
+    fi
   fi
   local rc
   for rc in "${rc_main}" "${rc_bounds}" "${rc_engine}"; do
