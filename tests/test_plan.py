@@ -209,14 +209,6 @@ def test_config_lacking_fields(tmp_path, capsys):
     assert "cannot read model config" in capsys.readouterr().err
 
 
-def test_train_script_unavailable(monkeypatch, capsys):
-    """Until qwen3_rl.launch.train_script exists, --train-script is a one-line error."""
-    monkeypatch.setitem(sys.modules, "qwen3_rl.launch.train_script", None)  # import raises ImportError
-    assert plan_main(["--model-config", str(CFG_235B), "--train-script", "x.sh"]) == 1
-    err = capsys.readouterr().err
-    assert "not available yet" in err and err.count("\n") == 1
-
-
 def test_train_script_values_and_flag_precedence(monkeypatch, capsys):
     """Layout read through parse_train_script(path); explicit flags override it."""
     seen = {}

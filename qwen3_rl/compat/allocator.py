@@ -41,11 +41,6 @@ def set_npu_switch(enabled: bool) -> None:
     _npu_enabled = enabled
 
 
-def npu_switch_enabled() -> bool:
-    """Whether :func:`set_expandable_segments` acts on the NPU allocator in this process."""
-    return _npu_enabled
-
-
 def configure_from_rollout_config(rollout_config: Mapping[str, object] | None) -> bool:
     """Set the policy from ``rollout.npu_expandable_segments`` (missing = True); returns it."""
     enabled = read_switch(rollout_config, CONFIG_KEY, True)

@@ -348,13 +348,3 @@ def assign_hdp(
         raise AssertionError("HDP assignment exceeded the token budget")
     return out
 
-
-def pure_cp_cost(micro_batches: Sequence[Sequence[int]], cp_size: int, cost: CostModel) -> float:
-    """Max per-rank cost when every sequence is split over the whole CP group (all ranks equal)."""
-    return sum(cost.cost(s, cp_size) for mb in micro_batches for s in mb)
-
-
-def pure_dp_rank_costs(per_rank: Sequence[Sequence[int]], cost: CostModel) -> list[float]:
-    """Per-rank cost when every sequence runs whole on one rank (``per_rank[r]`` = its sequence lengths)."""
-    return [sum(cost.cost(s, 1) for s in seqs) for seqs in per_rank]
-

@@ -7,7 +7,6 @@ Layout comes from explicit flags or from a train script (read by
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 from collections.abc import Mapping, Sequence
@@ -147,17 +146,10 @@ def _convert(raw: Any, typ: type) -> Any:
 
 def values_from_train_script(path: str) -> dict[str, Any]:
     """Read the layout fields of :data:`SCRIPT_KEYS` from a train script."""
+    from qwen3_rl.launch.train_script import parse_train_script
+
     try:
-        mod = importlib.import_module("qwen3_rl.launch.train_script")
-    except ImportError:
-        raise PlanError(
-            "--train-script is not available yet (qwen3_rl.launch.train_script is missing); use explicit flags"
-        ) from None
-    fn = getattr(mod, "parse_train_script", None)
-    if fn is None:
-        raise PlanError("qwen3_rl.launch.train_script has no parse_train_script(); use explicit flags")
-    try:
-        overrides = _overrides_of(fn(path))
+        overrides = _overrides_of(parse_train_script(path))
     except PlanError:
         raise
     except Exception as e:  # e.g. TrainScriptError: the parser's own errors become one line here
