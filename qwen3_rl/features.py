@@ -9,7 +9,7 @@ and doc. Everything that validates a switch or turns it into overrides goes thro
   value or a broken rule stops with ONE line on stderr, e.g. ``error: SAM_ENABLE='yes': expected one of
   True, False``, exit 2.
 * :func:`check_command` (preflight): the requires / excludes rules on a final command's override map.
-* ``qwen3_rl.readme``: the README switch table and feature index.
+* ``qwen3_rl.readme``: the switch table and feature index of docs/features.md.
 
 Values: a bool is ``True`` or ``False`` exactly (every bool, one rule); an empty or unset variable takes
 the registry default.

@@ -1,5 +1,6 @@
-"""Generated sections of README.md (feature index, pins, patches, switches, environment contract) and of
-docs/setups.md (each switch's default per setup, each setup's flat command): ``python -m qwen3_rl readme
+"""Generated sections of the docs: the counts in README.md / README.zh-CN.md, the feature index and switch table
+(docs/features.md), pins and patches (docs/patches.md), the environment contract (docs/environment.md), each
+switch's default per setup and each setup's flat command (docs/setups.md): ``python -m qwen3_rl readme
 --write|--check``.
 
 A section sits between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``; ``--check``
@@ -17,6 +18,34 @@ from collections.abc import Callable
 
 from qwen3_rl.pins import REPO_ROOT, load_pins
 from qwen3_rl.upstream.patches import markdown_table
+
+DOC_FEATURES = "docs/features.md"
+
+
+def _count_values() -> dict[str, object]:
+    """The counts the READMEs state, from the registry, the patch series and the setups the registry knows."""
+    from qwen3_rl.upstream.patches import series
+
+    reg = _registry()
+    per_fw = {k: len(series(k)) for k in load_pins().frameworks}
+    setups = reg.setups()
+    tiny = sum(1 for s in setups if "tiny" in s)
+    return {"switches": len(reg.features), "patches": sum(per_fw.values()),
+            "per_fw": ", ".join(f"{k} {n}" for k, n in per_fw.items()),
+            "fixes": sum(1 for k in per_fw for p in series(k) if "-bugfix-" in p.path.name),
+            "cluster": len(setups) - tiny, "tiny": tiny}
+
+
+def _counts() -> str:
+    c = _count_values()
+    return (f"{c['switches']} switches; {c['patches']} patches ({c['per_fw']}), {c['fixes']} of them bug fixes; "
+            f"{c['cluster']} cluster setups and {c['tiny']} tiny CPU setups.")
+
+
+def _counts_zh() -> str:
+    c = _count_values()
+    return (f"{c['switches']} 个开关；{c['patches']} 个 patch（{c['per_fw']}），其中 {c['fixes']} 个为 bug 修复；"
+            f"{c['cluster']} 个集群 setup 和 {c['tiny']} 个 CPU 微型 setup。")
 
 
 def _pins() -> str:
@@ -97,10 +126,10 @@ def _feature_index() -> str:
     reg = _registry()
     out = ["| feature | switch | patch(es) | module(s) | test(s) | doc |", "|---|---|---|---|---|---|"]
     for f in reg.features.values():
-        patches = ", ".join(f"[{p.split('/')[0]} {p.split('/')[1][:4]}](patches/{p})" for p in f.patches) or "–"
+        patches = ", ".join(f"[{p.split('/')[0]} {p.split('/')[1][:4]}](../patches/{p})" for p in f.patches) or "–"
         modules = ", ".join(f"`{m.removeprefix('qwen3_rl/')}`" for m in f.modules) or "–"
         tests = ", ".join(f"`{t.removeprefix('tests/')}`" for t in f.tests)
-        doc = f"[{f.doc}]({f.doc})" if f.doc and f.doc != "README.md" else "this README"
+        doc = "this page" if f.doc == DOC_FEATURES else f"[{f.doc}]({f.doc.removeprefix('docs/')})"
         out.append(f"| {f.name} | `{f.env}` | {patches} | {modules} | {tests} | {doc} |")
     return "\n".join(out)
 
@@ -151,16 +180,19 @@ def _env_contract() -> str:
     return contract_table()
 
 
-SECTIONS: dict[str, Callable[[], str]] = {"feature-index": _feature_index, "pins": _pins, "patches": _patches,
-                                          "switches": _switches, "env-contract": _env_contract}
-# generated sections of other documents, same markers
+#: generated sections per document (path relative to the checkout), same markers everywhere
 DOC_SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
+    "README.md": {"counts": _counts},
+    "README.zh-CN.md": {"counts": _counts_zh},
+    DOC_FEATURES: {"feature-index": _feature_index, "switches": _switches},
+    "docs/patches.md": {"pins": _pins, "patches": _patches},
+    "docs/environment.md": {"env-contract": _env_contract},
     "docs/setups.md": {"feature-defaults": _feature_defaults, "setup-commands": _setup_commands},
 }
 
 
-def render(text: str, sections: dict[str, Callable[[], str]] | None = None, name: str = "README.md") -> str:
-    for section, fn in (SECTIONS if sections is None else sections).items():
+def render(text: str, sections: dict[str, Callable[[], str]], name: str) -> str:
+    for section, fn in sections.items():
         pat = re.compile(rf"(<!-- generated:{section} -->).*?(<!-- /generated:{section} -->)", re.S)
         if not pat.search(text):
             raise ValueError(f"{name} lacks the generated:{section} markers")
@@ -175,7 +207,7 @@ def main(argv: list[str]) -> int:
     g.add_argument("--check", action="store_true")
     a = ap.parse_args(argv)
     stale = []
-    for rel, sections in [("README.md", SECTIONS), *DOC_SECTIONS.items()]:
+    for rel, sections in DOC_SECTIONS.items():
         path = REPO_ROOT / rel
         old = path.read_text()
         try:

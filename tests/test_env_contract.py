@@ -242,10 +242,10 @@ def test_cited_upstream_lines_hold_their_anchor(pristine_workspace: Path) -> Non
     assert problems == []
 
 
-def test_readme_lists_the_contract() -> None:
-    readme = (REPO / "README.md").read_text()
-    assert markdown_table() in readme
-    assert readme.count("python -m qwen3_rl preflight") >= 2
+def test_docs_list_the_contract() -> None:
+    doc = (REPO / "docs" / "environment.md").read_text()
+    assert markdown_table() in doc
+    assert doc.count("python -m qwen3_rl preflight") >= 2
 
 
 # ---- (d) through the real CLI and the launcher -----------------------------------------------------------------

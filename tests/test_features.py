@@ -246,12 +246,12 @@ def test_registry_errors(tmp_path: Path) -> None:
 
 
 def test_generated_docs_are_current() -> None:
-    """README (switch table, feature index) and docs/setups.md (defaults per setup, flat commands) are what
-    features.toml and the golden commands say."""
+    """docs/features.md (switch table, feature index) and docs/setups.md (defaults per setup, flat commands) are
+    what features.toml and the golden commands say."""
     from qwen3_rl import readme
 
     assert readme.main(["--check"]) == 0
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "features.md").read_text()
     for f in REG.features.values():
         assert f"| `{f.env}` | {f.type} |" in text and f"| `{f.env}` | " in text.split("generated:feature-index")[1]
     # the deliberate fix: the all-to-all overlap is a switch of the MoE setups only

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-SCOPE = ("qwen3_rl", "tests", "docs", "README.md")
+SCOPE = ("qwen3_rl", "tests", "docs", "README.md", "README.zh-CN.md")
 # an absolute path into one of the two folders: not preceded by a name character, a dot (../work/...) or ~
 MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|tmp)/")
 # (file, text on the line) -> why it is not a machine path

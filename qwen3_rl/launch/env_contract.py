@@ -472,7 +472,7 @@ def resolve_launch_env(env: Mapping[str, str] | None = None, env_script: str | o
 
 # --- docs ----------------------------------------------------------------------------------------------
 def markdown_table() -> str:
-    """The contract as a Markdown table (README.md's generated:env-contract section)."""
+    """The contract as a Markdown table (docs/environment.md's generated:env-contract section)."""
     rows = ["| rule | variable / engine key | breaks when | applies when | upstream (pinned) |",
             "|---|---|---|---|---|"]
     for r in RULES:

@@ -66,7 +66,7 @@ def patches_main(argv: list[str]) -> int:
     g.add_argument("--status", action="store_true", help="table of patch / applied, not applied, conflict")
     g.add_argument("--revert", action="store_true", help="reverse the applied patches, last first")
     g.add_argument("--lint", action="store_true", help="check patch names, numbering and headers")
-    g.add_argument("--table", action="store_true", help="print the README's markdown table of the series")
+    g.add_argument("--table", action="store_true", help="print the markdown table of the series (as in docs/patches.md)")
     ap.add_argument("--workspace", help="workspace folder (default: $QWEN3_RL_WORKSPACE or <repo>/workspace)")
     ap.add_argument("--patches-dir", help="patch folder (default: <repo>/patches)")
     a = ap.parse_args(argv)

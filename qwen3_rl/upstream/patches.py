@@ -284,9 +284,9 @@ def _restore(tree: Path, backup: _Sandbox, files: list[str]) -> None:
             dst.unlink()
 
 
-def markdown_table(keys: list[str], root: Path | None = None) -> str:
-    """The README's patch table: one row per patch with its subject, switch and verification level (from its
-    header; the level only, the patch header says which tests)."""
+def markdown_table(keys: list[str], root: Path | None = None, link_prefix: str = "../") -> str:
+    """The patch table of docs/patches.md: one row per patch with its subject, switch and verification level (from
+    its header; the level only, the patch header says which tests); links are ``link_prefix`` + the repo path."""
     rows = ["| framework | patch | what | switch (default) | verified |", "|---|---|---|---|---|"]
     for key in keys:
         for p in series(key, root):
@@ -294,5 +294,5 @@ def markdown_table(keys: list[str], root: Path | None = None) -> str:
             subject = head.get("Subject", "").replace("|", "\\|")
             switch = head.get("Switch", "").replace("|", "\\|")
             level = verified_level(head.get("Verified", "")).replace("|", "\\|")
-            rows.append(f"| {key} | [{p.path.name}](patches/{key}/{p.path.name}) | {subject} | {switch} | {level} |")
+            rows.append(f"| {key} | [{p.path.name}]({link_prefix}patches/{key}/{p.path.name}) | {subject} | {switch} | {level} |")
     return "\n".join(rows)
