@@ -8,7 +8,8 @@ Steps: ``resolve`` (options -> plan files), ``show`` (dry-run printout), ``wait-
 (worker: the head's GCS port answers), ``watch-head`` (worker: stay until the head goes away),
 ``cpu-map`` / ``cpu-bind`` (CPU binding), ``stop`` (stop what this launcher started, by PID), ``auth`` (the
 cluster's Ray token: the head writes it, a worker waits for it), ``address-file save|restore`` (leave Ray's
-``ray_current_cluster`` as it was found).
+``ray_current_cluster`` as it was found), ``slurm-plan`` / ``slurm-task`` (launch_slurm.sbatch), ``k8s`` (a
+Volcano Job or MindCluster AscendJob for a train script).
 """
 
 from __future__ import annotations
@@ -353,7 +354,11 @@ def cmd_auth(argv: list[str]) -> int:
     ap.add_argument("--plan-dir", required=True)
     a = ap.parse_args(argv)
     plan = _load(a.plan_dir)
-    if plan.auth_mode != "token" or not plan.auth_token_file:
+    if plan.auth_mode != "token":
+        _log("Ray auth: off (RAY_AUTH_MODE=disabled: a loopback master)")
+        return 0
+    if not plan.auth_token_file:
+        _log("Ray auth: token from RAY_AUTH_TOKEN")
         return 0
     path = Path(plan.auth_token_file)
     if plan.auth_token_make:
@@ -370,6 +375,7 @@ def cmd_auth(argv: list[str]) -> int:
                         "on storage both nodes see (--auth-token-file), or give every node RAY_AUTH_TOKEN")
     elif not path.is_file():
         return _die(f"Ray auth token file {path} (RAY_AUTH_TOKEN_PATH) not found")
+    _log(f"Ray auth: token from {path}")
     return 0
 
 
@@ -390,10 +396,29 @@ def cmd_address_file(argv: list[str]) -> int:
     return 0
 
 
+def cmd_slurm_plan(argv: list[str]) -> int:
+    from qwen3_rl.launch.slurm import cmd_slurm_plan as run
+
+    return run(argv)
+
+
+def cmd_slurm_task(argv: list[str]) -> int:
+    from qwen3_rl.launch.slurm import cmd_slurm_task as run
+
+    return run(argv)
+
+
+def cmd_k8s(argv: list[str]) -> int:
+    from qwen3_rl.launch.k8s import main as run
+
+    return run(argv)
+
+
 STEPS: dict[str, Callable[[list[str]], int]] = {
     "resolve": cmd_resolve, "show": cmd_show, "wait-started": cmd_wait_started, "wait-cluster": cmd_wait_cluster,
     "wait-head": cmd_wait_head, "watch-head": cmd_watch_head, "cpu-map": cmd_cpu_map, "cpu-bind": cmd_cpu_bind,
-    "stop": cmd_stop, "auth": cmd_auth, "address-file": cmd_address_file,
+    "stop": cmd_stop, "auth": cmd_auth, "address-file": cmd_address_file, "slurm-plan": cmd_slurm_plan,
+    "slurm-task": cmd_slurm_task, "k8s": cmd_k8s,
 }
 
 
