@@ -22,17 +22,15 @@ for ``ip netns``); without it the test is skipped with the failing command and i
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from netns import TwoNodes, describe, ns_pids, pids_mentioning, two_nodes  # noqa: F401 (fixture)
 from test_launch import REPO, VENV_BIN, make_cann, make_standin, make_stubs, stub_env
 
 from qwen3_rl.pins import load_pins
@@ -83,108 +81,6 @@ sys.exit(int(os.environ["STANDIN_EXIT"]))
 """
 
 
-def _ip(*args: str, timeout: float = 10) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=timeout, check=False)
-
-
-def _ns_pids(ns: str) -> list[int]:
-    p = _ip("netns", "pids", ns)
-    return [int(x) for x in p.stdout.split()] if p.returncode == 0 else []
-
-
-def _describe(pids: list[int]) -> str:
-    """``pid: cmdline`` lines, for failure messages."""
-    lines = []
-    for pid in pids:
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            cmd = "(gone)"
-        lines.append(f"{pid}: {cmd[:300]}")
-    return "\n".join(lines)
-
-
-def _pids_mentioning(text: str) -> list[int]:
-    """PIDs whose command line contains ``text`` (the test's own directory)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                if text in (d / "cmdline").read_bytes().decode(errors="replace"):
-                    out.append(int(d.name))
-            except OSError:
-                continue
-    return out
-
-
-@dataclass(frozen=True)
-class TwoNodes:
-    """Two network namespaces joined by a veth pair (``head_ip`` in ``head_ns``, ``worker_ip`` in ``worker_ns``)."""
-
-    head_ns: str
-    worker_ns: str
-    head_if: str
-    worker_if: str
-    head_ip: str
-    worker_ip: str
-
-
-@pytest.fixture
-def two_nodes() -> Iterator[TwoNodes]:
-    if shutil.which("ip") is None:
-        pytest.skip("'ip' (iproute2) not found: the two-node test needs 'ip netns'")
-    sfx = secrets.token_hex(3)
-    octet = int(sfx[:2], 16)
-    net = TwoNodes(head_ns=f"q3rl-h-{sfx}", worker_ns=f"q3rl-w-{sfx}", head_if=f"q3h{sfx}", worker_if=f"q3w{sfx}",
-                   head_ip=f"10.213.{octet}.1", worker_ip=f"10.213.{octet}.2")
-    made: list[str] = []
-
-    def teardown() -> None:
-        for ns in made:  # only what this fixture created; stray processes in them are ours by construction
-            for pid in _ns_pids(ns):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for ns in made:
-            _ip("netns", "del", ns)  # deleting a namespace deletes the veth end inside it (and its peer)
-
-    first = ["netns", "add", net.head_ns]
-    p = _ip(*first)
-    if p.returncode != 0:
-        pytest.skip(f"cannot create a network namespace: `ip {' '.join(first)}` failed: {p.stderr.strip()} "
-                    "(needs root / CAP_NET_ADMIN + CAP_SYS_ADMIN)")
-    made.append(net.head_ns)
-    try:
-        steps = [
-            ["netns", "add", net.worker_ns],
-            # the veth pair is created inside the head namespace, its peer goes straight into the worker's:
-            # neither end ever exists in the host's namespace
-            ["-n", net.head_ns, "link", "add", net.head_if, "type", "veth", "peer", "name", net.worker_if,
-             "netns", net.worker_ns],
-            ["-n", net.head_ns, "addr", "add", f"{net.head_ip}/30", "dev", net.head_if],
-            ["-n", net.worker_ns, "addr", "add", f"{net.worker_ip}/30", "dev", net.worker_if],
-            ["-n", net.head_ns, "link", "set", "lo", "up"],
-            ["-n", net.worker_ns, "link", "set", "lo", "up"],
-            ["-n", net.head_ns, "link", "set", net.head_if, "up"],
-            ["-n", net.worker_ns, "link", "set", net.worker_if, "up"],
-            ["netns", "exec", net.head_ns, "true"],  # entering a namespace needs CAP_SYS_ADMIN as well
-        ]
-        for step in steps:
-            p = _ip(*step)
-            if p.returncode != 0:
-                pytest.skip(f"cannot set up the two-node network: `ip {' '.join(step)}` failed: {p.stderr.strip()}")
-            if step[:2] == ["netns", "add"]:
-                made.append(step[2])
-        yield net
-    finally:
-        teardown()
-        left = _ip("netns", "list").stdout
-        links = _ip("-o", "link", "show").stdout
-        assert net.head_ns not in left and net.worker_ns not in left, f"namespaces not deleted: {left}"
-        assert net.head_if not in links and net.worker_if not in links, "veth left in the host namespace"
-
-
 def _wait_for(path: Path, text: str, deadline: float, proc: subprocess.Popen[str]) -> bool:
     while time.monotonic() < deadline:
         if path.is_file() and text in path.read_text(errors="replace"):
@@ -200,7 +96,7 @@ def _tail(path: Path, n: int = 40) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):
+def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):  # noqa: F811 (the fixture)
     ray_bin = VENV_BIN / "ray"
     if not ray_bin.exists():
         pytest.skip(f"no ray in the test venv ({ray_bin})")
@@ -260,7 +156,7 @@ def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):
         assert f"training exited with code {EXIT_CODE}" in head_out
         assert "stopping ray (started by this launcher)" in head_out
         # the head's launcher returns only after its Ray is gone: nothing is left in its namespace
-        assert _ns_pids(net.head_ns) == [], f"head's Ray still running:\n{_describe(_ns_pids(net.head_ns))}"
+        assert ns_pids(net.head_ns) == [], f"head's Ray still running:\n{describe(ns_pids(net.head_ns))}"
         ips = sorted([net.head_ip, net.worker_ip])
         assert f"standin: nodes=2 NPU={2 * NPUS:.1f} node_npu=[{NPUS:.1f}, {NPUS:.1f}] ips={ips}" in train, train
         assert f"standin: task_ips={ips}" in train, train
@@ -281,10 +177,10 @@ def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):
 
         # nothing of ours is left: no process in either namespace, none naming the test's directory
         time.sleep(0.5)
-        left = _ns_pids(net.head_ns) + _ns_pids(net.worker_ns)
-        assert left == [], f"processes left in the namespaces:\n{_describe(left)}\n--- worker\n{worker_out}"
-        left = _pids_mentioning(str(root))
-        assert left == [], f"processes left that belong to this test:\n{_describe(left)}"
+        left = ns_pids(net.head_ns) + ns_pids(net.worker_ns)
+        assert left == [], f"processes left in the namespaces:\n{describe(left)}\n--- worker\n{worker_out}"
+        left = pids_mentioning(str(root))
+        assert left == [], f"processes left that belong to this test:\n{describe(left)}"
         for role in ("head", "worker"):
             assert not list((root / role / "logs").glob(".ray_start_npu_*.pid")), f"{role} pid file left"
         assert list((root / "head" / "ray").glob("session_*")), "the head did not use the given Ray temp dir"
@@ -301,7 +197,7 @@ def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)  # its own session (start_new_session)
                 proc.wait(timeout=10)
-        for pid in _pids_mentioning(str(root)):
+        for pid in pids_mentioning(str(root)):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
