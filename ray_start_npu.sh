@@ -64,7 +64,7 @@ cleanup() {
   stop_pid "$WATCH_PID" "head watcher" 5
   stop_pid "$BINDER_PID" "cpu binder" 5
   stop_pid "$RAY_PID" "ray (started by this launcher)" 60
-  [[ -n "$RAY_PID" ]] && q3 launch address-file restore --plan-dir "$PLAN_DIR"   # Ray's ray_current_cluster
+  [[ -n "$RAY_PID" ]] && { q3 launch address-file restore --plan-dir "$PLAN_DIR" || true; }   # Ray's ray_current_cluster
   [[ -n "$OWN_TOKEN" ]] && rm -f "$OWN_TOKEN"
   [[ -n "$OWN_PIDFILE" ]] && rm -f "$OWN_PIDFILE"
   rm -rf "$PLAN_DIR"
