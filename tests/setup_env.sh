@@ -19,21 +19,23 @@ unchanged pin and requirement files does nothing; a venv holding another torch i
 USAGE
 }
 
-# The runtime torch version from pins.toml (stdlib only: runs before the venv exists).
-runtime_torch() {
-  PYTHONPATH="${HERE}" "${PYTHON}" -m qwen3_rl pins --pins "${HERE}/pins.toml" --get runtime.torch
+# A runtime version from pins.toml (stdlib only: runs before the venv exists).
+runtime_pin() {
+  PYTHONPATH="${HERE}" "${PYTHON}" -m qwen3_rl pins --pins "${HERE}/pins.toml" --get "runtime.$1"
 }
+runtime_torch() { runtime_pin torch; }
 
 main() {
   case "${1:-}" in -h|--help) usage; return 0 ;; esac
-  local stamp want torch_spec have
+  local stamp want torch_spec ray_spec have
   torch_spec="torch==$(runtime_torch)"
+  ray_spec="ray[default]==$(runtime_pin ray)"
   if [[ "${torch_spec}" == "torch==" ]]; then
     echo "error: no runtime.torch in ${HERE}/pins.toml" >&2
     return 1
   fi
   stamp="${VENV}/.qwen3_rl-stamp"
-  want="$(printf '%s\n' "${torch_spec}" | cat - "${HERE}/.ci/requirements-test.txt" \
+  want="$(printf '%s\n' "${torch_spec}" "${ray_spec}" | cat - "${HERE}/.ci/requirements-test.txt" \
     "${HERE}/.ci/constraints-test.txt" "${HERE}/pyproject.toml" | sha256sum | cut -d' ' -f1)"
   if [[ -f "${stamp}" && "$(cat "${stamp}")" == "${want}" ]]; then
     echo "setup: ${VENV} up to date (${torch_spec})"
@@ -57,7 +59,7 @@ main() {
   fi
   echo "setup: installing ${torch_spec} and the test requirements into ${VENV} (first time: several minutes)"
   "${VENV}/bin/python" -m pip install -q --upgrade pip
-  "${VENV}/bin/python" -m pip install -q -c "${HERE}/.ci/constraints-test.txt" "${torch_spec}" \
+  "${VENV}/bin/python" -m pip install -q -c "${HERE}/.ci/constraints-test.txt" "${torch_spec}" "${ray_spec}" \
     -r "${HERE}/.ci/requirements-test.txt"
   "${VENV}/bin/python" -m pip install -q --no-deps -e "${HERE}"
   "${VENV}/bin/python" - "${torch_spec#torch==}" <<'PY'

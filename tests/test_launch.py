@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -24,7 +25,7 @@ from conftest import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "data"
-VENV_BIN = Path.home() / ".cache" / "qwen3_rl" / "venv" / "bin"
+VENV_BIN = Path(sys.executable).parent  # the venv running the tests (its ray is the one the launcher uses)
 PY = str(VENV_BIN / "python") if (VENV_BIN / "python").exists() else "python3"
 
 RAY_STATUS_TEMPLATE = """======== Autoscaler status: 2026-11-21 22:20:18.934640 ========
@@ -502,6 +503,9 @@ def test_worker_joins_and_leaves_when_head_goes(stubs):
     th = threading.Thread(target=accept, daemon=True)
     th.start()
     env = stub_env(root, bin_dir, CANN_HOME=str(make_cann(root)))
+    # the head's token file, as a head on shared storage leaves it (the worker waits for it before joining)
+    (root / "logs").mkdir(exist_ok=True)
+    (root / "logs" / f".ray_auth_token_{port}").write_text("ab" * 32)
     proc = subprocess.Popen(["bash", str(REPO / "ray_start_npu.sh"), S32, "--role", "worker", "--master-addr",
                              "127.0.0.1", "--port", str(port), "--no-preflight", "--watch-interval", "0.2",
                              "--watch-misses", "2"], env=env, text=True, stdout=subprocess.PIPE,
@@ -594,10 +598,15 @@ def _pids_mentioning(text: str) -> list[int]:
 
 
 def test_real_ray_head_in_loopback_namespace(tmp_path: Path):
-    """ray_start_npu.sh with the real ray (2.60): head with a fake NPU resource inside a fresh network
-    namespace (only lo), waits, runs a stand-in train script that runs an NPU task, exits with its code,
-    and leaves no Ray process behind. The home holds a Ray auth token, as any earlier local ray.init() leaves:
-    without the launcher's RAY_AUTH_MODE the head turns token auth on and the cluster check is refused."""
+    """ray_start_npu.sh with the real ray (pins.toml runtime.ray): head with a fake NPU resource inside a fresh
+    network namespace (only lo), waits, runs a stand-in train script that runs an NPU task, exits with its code,
+    and leaves no Ray process behind. Token auth is on (an NPU-profile run): the launcher's own cluster check and
+    the training use the head's token file, not the stale ``~/.ray/auth_token`` the home holds.
+
+    The node is left as found: Ray's ``ray_current_cluster`` (under ``$TMPDIR/ray``, no --temp-dir) is gone after
+    the launcher exits, so a bare ``ray.init(num_cpus=1)`` afterwards on the same node starts its own Ray instead
+    of attaching to the dead cluster ("When connecting to an existing cluster, num_cpus and num_gpus must not be
+    provided" before the fix)."""
     ray_bin = VENV_BIN / "ray"
     if not ray_bin.exists():
         pytest.skip(f"no ray in the test venv ({ray_bin})")
@@ -615,11 +624,13 @@ def test_real_ray_head_in_loopback_namespace(tmp_path: Path):
         (root / "home" / ".ray" / "auth_token").write_text("0123456789abcdef" * 4)
         env["HOME"] = str(root / "home")
         env.pop("RAY_AUTH_MODE", None)
-        temp_dir = root / "ray"
+        temp_dir = root / "ray"  # Ray's default under TMPDIR=root (stub_env): where a bare ray.init() looks
         port = 6379  # a fresh namespace: every port is free
-        cmd = (f"ip link set lo up && exec bash {REPO}/ray_start_npu.sh {script} --no-preflight --timeout 60 "
-               f"--port {port} --temp-dir {temp_dir} --ray-arg=--num-cpus=1 --ray-arg=--object-store-memory=100000000"
-               f" --log-dir {root}/logs")
+        fresh = ("import ray; ray.init(num_cpus=1, include_dashboard=False, object_store_memory=80_000_000, "
+                 "logging_level='ERROR'); print('fresh ray.init:', ray.cluster_resources().get('CPU')); ray.shutdown()")
+        cmd = (f"ip link set lo up && {{ bash {REPO}/ray_start_npu.sh {script} --no-preflight --timeout 60 "
+               f"--port {port} --ray-arg=--num-cpus=1 --ray-arg=--object-store-memory=100000000"
+               f" --log-dir {root}/logs; rc=$?; }}; {VENV_BIN / 'python'} -c \"{fresh}\"; exit $rc")
         t0 = time.time()
         p = subprocess.run([*prefix, "bash", "-c", cmd], env=env, text=True, capture_output=True, timeout=150,
                            cwd=REPO)
@@ -627,6 +638,12 @@ def test_real_ray_head_in_loopback_namespace(tmp_path: Path):
         log = (root / "logs" / "train_standin_head_127.0.0.1.log")
         text = log.read_text() if log.is_file() else ""
         assert p.returncode == 7, f"{p.stdout}\n{p.stderr}\n{text}"
+        # Ray wrote its address file for the launch's cluster, and the launcher removed it once that Ray stopped
+        assert f"removed {temp_dir}/ray_current_cluster (it pointed at this launch's stopped cluster" in p.stdout
+        assert "fresh ray.init: 1.0" in p.stdout, p.stderr[-3000:]
+        assert "When connecting to an existing cluster" not in p.stderr
+        assert f"Ray auth: new cluster token in {root}/logs/.ray_auth_token_{port}" in p.stdout
+        assert not (root / "logs" / f".ray_auth_token_{port}").exists(), "the head left its token file"
         assert "standin: NPU=16.0 task_ip=127.0.0.1 nodes=['127.0.0.1']" in text
         assert "'lo'" in text and "'eth" not in text
         assert "cluster ready: 1 node(s), 16 NPU" in p.stdout

@@ -11,7 +11,10 @@ Checked: the head waits (it reports 1/2 nodes and starts no training) until the 
 registered; the stand-in train script sees 2 live nodes and NPU=32 through ``ray.nodes()`` /
 ``ray.cluster_resources()`` and runs one task on each node; the head exits with the script's exit code
 and stops its Ray; the worker notices that the head's cluster is gone and exits 0 by itself; no process
-is left in either namespace or mentions the test's directory. The namespaces (and with them the veth
+is left in either namespace or mentions the test's directory. Token auth (Ray 2.52, pins.toml): the head writes one
+token to a file both nodes see (``--auth-token-file``); from the worker's namespace, ``ray status`` without the
+token and ``ray.init`` with a wrong one are refused by the head's GCS while ``ray status`` with the token answers;
+the token is written in no log or Ray session file. The namespaces (and with them the veth
 pair) are deleted in the fixture's teardown, also on failure. Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN
 for ``ip netns``); without it the test is skipped with the failing command and its error.
 """
@@ -19,18 +22,18 @@ for ``ip netns``); without it the test is skipped with the failing command and i
 from __future__ import annotations
 
 import os
-import secrets
 import shutil
 import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from netns import TwoNodes, describe, ns_pids, pids_mentioning, two_nodes  # noqa: F401 (fixture)
 from test_launch import REPO, VENV_BIN, make_cann, make_standin, make_stubs, stub_env
+
+from qwen3_rl.pins import load_pins
 
 NPUS = 16
 EXIT_CODE = 5
@@ -55,110 +58,27 @@ refs = [where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["Node
         for n in alive]
 print(f"standin: task_ips={sorted(ray.get(refs, timeout=60))}", flush=True)
 ray.shutdown()
+# Clients on the other node (the worker's namespace) try the head's GCS: without the token, with a wrong
+# one, and (positive control) with the cluster's token file.
+import subprocess
+head = os.environ["RAY_ADDRESS"]
+clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+clean["HOME"] = os.environ["EMPTY_HOME"]  # no ~/.ray/auth_token to fall back on
+probe = ["ip", "netns", "exec", os.environ["PEER_NS"]]
+init = ("import ray, sys\ntry:\n ray.init(address=sys.argv[1], logging_level='ERROR')\n"
+        "except Exception as e:\n print('ERR', type(e).__name__, e); sys.exit(3)\nprint('CONNECTED')")
+cases = {"no_token": (clean, ["ray", "status", "--address", head]),
+         "wrong_token": ({**clean, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
+                         [sys.executable, "-c", init, head]),
+         "with_token": ({**clean, "RAY_AUTH_MODE": "token",
+                         "RAY_AUTH_TOKEN_PATH": os.environ["RAY_AUTH_TOKEN_PATH"]}, ["ray", "status", "--address", head])}
+for name, (env, cmd) in cases.items():
+    p = subprocess.run(probe + cmd, env=env, capture_output=True, text=True, timeout=60)
+    out = p.stdout + p.stderr
+    refused = "InvalidAuthToken" in out or "AuthenticationError" in out
+    print(f"standin: client {name}: rc={p.returncode} refused={refused} active={'Active:' in p.stdout}", flush=True)
 sys.exit(int(os.environ["STANDIN_EXIT"]))
 """
-
-
-def _ip(*args: str, timeout: float = 10) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=timeout, check=False)
-
-
-def _ns_pids(ns: str) -> list[int]:
-    p = _ip("netns", "pids", ns)
-    return [int(x) for x in p.stdout.split()] if p.returncode == 0 else []
-
-
-def _describe(pids: list[int]) -> str:
-    """``pid: cmdline`` lines, for failure messages."""
-    lines = []
-    for pid in pids:
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            cmd = "(gone)"
-        lines.append(f"{pid}: {cmd[:300]}")
-    return "\n".join(lines)
-
-
-def _pids_mentioning(text: str) -> list[int]:
-    """PIDs whose command line contains ``text`` (the test's own directory)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit() and int(d.name) != os.getpid():
-            try:
-                if text in (d / "cmdline").read_bytes().decode(errors="replace"):
-                    out.append(int(d.name))
-            except OSError:
-                continue
-    return out
-
-
-@dataclass(frozen=True)
-class TwoNodes:
-    """Two network namespaces joined by a veth pair (``head_ip`` in ``head_ns``, ``worker_ip`` in ``worker_ns``)."""
-
-    head_ns: str
-    worker_ns: str
-    head_if: str
-    worker_if: str
-    head_ip: str
-    worker_ip: str
-
-
-@pytest.fixture
-def two_nodes() -> Iterator[TwoNodes]:
-    if shutil.which("ip") is None:
-        pytest.skip("'ip' (iproute2) not found: the two-node test needs 'ip netns'")
-    sfx = secrets.token_hex(3)
-    octet = int(sfx[:2], 16)
-    net = TwoNodes(head_ns=f"q3rl-h-{sfx}", worker_ns=f"q3rl-w-{sfx}", head_if=f"q3h{sfx}", worker_if=f"q3w{sfx}",
-                   head_ip=f"10.213.{octet}.1", worker_ip=f"10.213.{octet}.2")
-    made: list[str] = []
-
-    def teardown() -> None:
-        for ns in made:  # only what this fixture created; stray processes in them are ours by construction
-            for pid in _ns_pids(ns):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for ns in made:
-            _ip("netns", "del", ns)  # deleting a namespace deletes the veth end inside it (and its peer)
-
-    first = ["netns", "add", net.head_ns]
-    p = _ip(*first)
-    if p.returncode != 0:
-        pytest.skip(f"cannot create a network namespace: `ip {' '.join(first)}` failed: {p.stderr.strip()} "
-                    "(needs root / CAP_NET_ADMIN + CAP_SYS_ADMIN)")
-    made.append(net.head_ns)
-    try:
-        steps = [
-            ["netns", "add", net.worker_ns],
-            # the veth pair is created inside the head namespace, its peer goes straight into the worker's:
-            # neither end ever exists in the host's namespace
-            ["-n", net.head_ns, "link", "add", net.head_if, "type", "veth", "peer", "name", net.worker_if,
-             "netns", net.worker_ns],
-            ["-n", net.head_ns, "addr", "add", f"{net.head_ip}/30", "dev", net.head_if],
-            ["-n", net.worker_ns, "addr", "add", f"{net.worker_ip}/30", "dev", net.worker_if],
-            ["-n", net.head_ns, "link", "set", "lo", "up"],
-            ["-n", net.worker_ns, "link", "set", "lo", "up"],
-            ["-n", net.head_ns, "link", "set", net.head_if, "up"],
-            ["-n", net.worker_ns, "link", "set", net.worker_if, "up"],
-            ["netns", "exec", net.head_ns, "true"],  # entering a namespace needs CAP_SYS_ADMIN as well
-        ]
-        for step in steps:
-            p = _ip(*step)
-            if p.returncode != 0:
-                pytest.skip(f"cannot set up the two-node network: `ip {' '.join(step)}` failed: {p.stderr.strip()}")
-            if step[:2] == ["netns", "add"]:
-                made.append(step[2])
-        yield net
-    finally:
-        teardown()
-        left = _ip("netns", "list").stdout
-        links = _ip("-o", "link", "show").stdout
-        assert net.head_ns not in left and net.worker_ns not in left, f"namespaces not deleted: {left}"
-        assert net.head_if not in links and net.worker_if not in links, "veth left in the host namespace"
 
 
 def _wait_for(path: Path, text: str, deadline: float, proc: subprocess.Popen[str]) -> bool:
@@ -176,10 +96,13 @@ def _tail(path: Path, n: int = 40) -> str:
 
 
 @pytest.mark.timeout(120)
-def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):
+def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):  # noqa: F811 (the fixture)
     ray_bin = VENV_BIN / "ray"
     if not ray_bin.exists():
         pytest.skip(f"no ray in the test venv ({ray_bin})")
+    pinned = load_pins().runtime["ray"]
+    version = subprocess.run([str(ray_bin), "--version"], capture_output=True, text=True, timeout=60).stdout
+    assert f"version {pinned}" in version, f"{ray_bin}: {version.strip()}, the image runs ray {pinned} (pins.toml)"
     net = two_nodes
     # short root: Ray's unix socket paths (under each temp dir) are length-limited
     root = Path(tempfile.mkdtemp(prefix="q3mn", dir="/tmp"))
@@ -191,15 +114,22 @@ def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):
         script = make_standin(root, MULTINODE_STANDIN)
         cann = make_cann(root)
         out: dict[str, Path] = {}
+        token_file = root / "shared" / "ray_token"  # storage both nodes see (here: the same host)
+        (root / "empty_home").mkdir()
+        token = ""
         for role, ns in (("head", net.head_ns), ("worker", net.worker_ns)):
             node = root / role
             (node / "tmp").mkdir(parents=True)
             env = stub_env(root, bin_dir, CANN_HOME=str(cann), LOG_DIR=str(node / "logs"), TMPDIR=str(node / "tmp"),
-                           STANDIN_EXIT=str(EXIT_CODE), RAY_DEDUP_LOGS="0")
+                           STANDIN_EXIT=str(EXIT_CODE), RAY_DEDUP_LOGS="0", PEER_NS=net.worker_ns,
+                           EMPTY_HOME=str(root / "empty_home"))
+            for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+                env.pop(k, None)
             env["PATH"] = f"{bin_dir}:{VENV_BIN}:{env['PATH']}"
             cmd = ["ip", "netns", "exec", ns, "bash", str(REPO / "ray_start_npu.sh"), str(script),
                    "--nnodes", "2", "--npus-per-node", str(NPUS), "--master-addr", net.head_ip, "--port", str(PORT),
-                   "--no-preflight", "--timeout", "60", "--temp-dir", str(node / "ray"),
+                   "--no-preflight", "--timeout", "60", "--temp-dir", str(root / "head" / "ray"),
+                   "--auth-token-file", str(token_file),
                    "--join-retries", "20", "--join-interval", "1", "--watch-interval", "1", "--watch-misses", "2",
                    "--ray-arg=--num-cpus=1", "--ray-arg=--object-store-memory=80000000"]
             out[role] = node / "launcher.out"
@@ -211,6 +141,8 @@ def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):
                 assert ok, f"head did not report 1/2 nodes:\n{_tail(out['head'])}"
                 assert procs["head"].poll() is None, _tail(out["head"])
                 assert not list((node / "logs").glob("train_standin_head_*.log")), "training started early"
+                token = token_file.read_text().strip()
+                assert len(token) == 64 and (token_file.stat().st_mode & 0o077) == 0, "token file not private"
 
         head_rc = procs["head"].wait(timeout=max(1.0, deadline - time.monotonic()))
         t_head = time.monotonic()
@@ -224,10 +156,15 @@ def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):
         assert f"training exited with code {EXIT_CODE}" in head_out
         assert "stopping ray (started by this launcher)" in head_out
         # the head's launcher returns only after its Ray is gone: nothing is left in its namespace
-        assert _ns_pids(net.head_ns) == [], f"head's Ray still running:\n{_describe(_ns_pids(net.head_ns))}"
+        assert ns_pids(net.head_ns) == [], f"head's Ray still running:\n{describe(ns_pids(net.head_ns))}"
         ips = sorted([net.head_ip, net.worker_ip])
         assert f"standin: nodes=2 NPU={2 * NPUS:.1f} node_npu=[{NPUS:.1f}, {NPUS:.1f}] ips={ips}" in train, train
         assert f"standin: task_ips={ips}" in train, train
+        # token auth: a client on the other node without the cluster's token is refused, one with it is served
+        assert "standin: client no_token: rc=1 refused=True active=False" in train, train
+        assert "standin: client wrong_token: rc=3 refused=True active=False" in train, train
+        assert "standin: client with_token: rc=0 refused=False active=True" in train, train
+        assert not token_file.exists(), "the head left the cluster's token file"
 
         # the worker notices the head's cluster is gone and leaves on its own (bounded)
         worker_rc = procs["worker"].wait(timeout=25)
@@ -240,13 +177,19 @@ def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):
 
         # nothing of ours is left: no process in either namespace, none naming the test's directory
         time.sleep(0.5)
-        left = _ns_pids(net.head_ns) + _ns_pids(net.worker_ns)
-        assert left == [], f"processes left in the namespaces:\n{_describe(left)}\n--- worker\n{worker_out}"
-        left = _pids_mentioning(str(root))
-        assert left == [], f"processes left that belong to this test:\n{_describe(left)}"
+        left = ns_pids(net.head_ns) + ns_pids(net.worker_ns)
+        assert left == [], f"processes left in the namespaces:\n{describe(left)}\n--- worker\n{worker_out}"
+        left = pids_mentioning(str(root))
+        assert left == [], f"processes left that belong to this test:\n{describe(left)}"
         for role in ("head", "worker"):
             assert not list((root / role / "logs").glob(".ray_start_npu_*.pid")), f"{role} pid file left"
-            assert list((root / role / "ray").glob("session_*")), f"{role} did not use its own Ray temp dir"
+        assert list((root / "head" / "ray").glob("session_*")), "the head did not use the given Ray temp dir"
+        # both nodes' ray_current_cluster (Ray 2.52: in the head's temp dir) is gone with the cluster
+        assert not (root / "head" / "ray" / "ray_current_cluster").exists()
+        # the token appears in no log, launcher output or Ray session file of either node
+        leaked = [str(f) for f in root.rglob("*") if f.is_file() and not f.is_socket() and token in
+                  f.read_bytes().decode(errors="replace")]
+        assert leaked == [], f"the cluster's token is written in {leaked}"
         print(f"two-node launch: head exit {head_rc} after {t_head - t0:.1f} s, worker exit {worker_rc} "
               f"{t_worker - t_head:.1f} s later")
     finally:
@@ -254,7 +197,7 @@ def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)  # its own session (start_new_session)
                 proc.wait(timeout=10)
-        for pid in _pids_mentioning(str(root)):
+        for pid in pids_mentioning(str(root)):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -37,6 +37,7 @@ def test_every_line_is_pinned_and_matches_the_pin_file():
     assert _exact(ours["torch"]) == PINS.runtime["torch"]
     assert _exact(ours["torch-npu"]) == PINS.runtime["torch_npu"]
     assert _exact(ours["mbridge"]) == PINS.runtime["mbridge"]  # USE_MBRIDGE=True (verl use_mbridge)
+    assert _exact(ours["ray"]) == PINS.runtime["ray"]  # one Ray: the image and both test environments
     patched = {canonicalize_name(fw.pypi) for fw in PINS.frameworks.values() if fw.pypi}
     assert not patched & set(ours), "patched frameworks are installed from the workspace, not requirements.txt"
 

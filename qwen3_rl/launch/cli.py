@@ -6,7 +6,10 @@ wrote (``--plan-dir``) and prints one-line ``error: ...`` messages on failure.
 Steps: ``resolve`` (options -> plan files), ``show`` (dry-run printout), ``wait-started`` (the local
 ``ray start --block`` is up), ``wait-cluster`` (head: N nodes × NPUs registered), ``wait-head``
 (worker: the head's GCS port answers), ``watch-head`` (worker: stay until the head goes away),
-``cpu-map`` / ``cpu-bind`` (CPU binding), ``stop`` (stop what this launcher started, by PID).
+``cpu-map`` / ``cpu-bind`` (CPU binding), ``stop`` (stop what this launcher started, by PID), ``auth`` (the
+cluster's Ray token: the head writes it, a worker waits for it), ``address-file save|restore`` (leave Ray's
+``ray_current_cluster`` as it was found), ``slurm-plan`` / ``slurm-task`` (launch_slurm.sbatch), ``k8s`` (a
+Volcano Job or MindCluster AscendJob for a train script).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from qwen3_rl.launch.cpu_binding import (
 from qwen3_rl.launch.netinfo import tcp_reachable
 from qwen3_rl.launch.npu_smi import NpuSmiError, run_npu_smi
 from qwen3_rl.launch.options import LaunchError, LaunchPlan, parse_options, usage
+from qwen3_rl.launch.ray_node import make_token, restore_address_file, save_address_file, wait_token
 from qwen3_rl.launch.ray_status import ClusterError, query_status, wait_for_cluster
 from qwen3_rl.launch.train_script import TrainScriptError, parse_train_script
 
@@ -344,10 +348,77 @@ def cmd_stop(argv: list[str]) -> int:
     return _die(f"still running after {a.grace:g} s: pids {[p for _, p in targets]} (ray start {ray_pid})")
 
 
+def cmd_auth(argv: list[str]) -> int:
+    """Head: write a new token to the plan's token file. Worker: wait (bounded) until the head's token is there."""
+    ap = argparse.ArgumentParser(prog="launch auth")
+    ap.add_argument("--plan-dir", required=True)
+    a = ap.parse_args(argv)
+    plan = _load(a.plan_dir)
+    if plan.auth_mode != "token":
+        _log("Ray auth: off (RAY_AUTH_MODE=disabled: a loopback master)")
+        return 0
+    if not plan.auth_token_file:
+        _log("Ray auth: token from RAY_AUTH_TOKEN")
+        return 0
+    path = Path(plan.auth_token_file)
+    if plan.auth_token_make:
+        try:
+            make_token(path)
+        except OSError as exc:
+            return _die(f"cannot write the Ray auth token file {path}: {exc.strerror}")
+        _log(f"Ray auth: new cluster token in {path} (mode 0600; workers read the same file)")
+        return 0
+    if plan.role == "worker":
+        wait_s = plan.join_retries * plan.join_interval
+        if not wait_token(path, wait_s):
+            return _die(f"no Ray auth token in {path} after {wait_s:g} s: the head writes it there, so it must be "
+                        "on storage both nodes see (--auth-token-file), or give every node RAY_AUTH_TOKEN")
+    elif not path.is_file():
+        return _die(f"Ray auth token file {path} (RAY_AUTH_TOKEN_PATH) not found")
+    _log(f"Ray auth: token from {path}")
+    return 0
+
+
+def cmd_address_file(argv: list[str]) -> int:
+    """``save``: record Ray's ray_current_cluster before ``ray start``; ``restore``: put it back after Ray stopped."""
+    ap = argparse.ArgumentParser(prog="launch address-file")
+    ap.add_argument("action", choices=["save", "restore"])
+    ap.add_argument("--plan-dir", required=True)
+    a = ap.parse_args(argv)
+    plan = _load(a.plan_dir)
+    state = Path(a.plan_dir) / "address_file.json"
+    if a.action == "save":
+        if not state.is_file():  # a worker's join retry must not record the file after the first attempt
+            save_address_file(Path(plan.ray_address_file), state)
+        return 0
+    if state.is_file():
+        _log(restore_address_file(state, plan.port))
+    return 0
+
+
+def cmd_slurm_plan(argv: list[str]) -> int:
+    from qwen3_rl.launch.slurm import cmd_slurm_plan as run
+
+    return run(argv)
+
+
+def cmd_slurm_task(argv: list[str]) -> int:
+    from qwen3_rl.launch.slurm import cmd_slurm_task as run
+
+    return run(argv)
+
+
+def cmd_k8s(argv: list[str]) -> int:
+    from qwen3_rl.launch.k8s import main as run
+
+    return run(argv)
+
+
 STEPS: dict[str, Callable[[list[str]], int]] = {
     "resolve": cmd_resolve, "show": cmd_show, "wait-started": cmd_wait_started, "wait-cluster": cmd_wait_cluster,
     "wait-head": cmd_wait_head, "watch-head": cmd_watch_head, "cpu-map": cmd_cpu_map, "cpu-bind": cmd_cpu_bind,
-    "stop": cmd_stop,
+    "stop": cmd_stop, "auth": cmd_auth, "address-file": cmd_address_file, "slurm-plan": cmd_slurm_plan,
+    "slurm-task": cmd_slurm_task, "k8s": cmd_k8s,
 }
 
 

@@ -47,6 +47,7 @@ ENV_FALLBACKS: dict[str, tuple[str, str | None]] = {
     "cann_home": ("CANN_HOME", "/usr/local/Ascend"),
     "npu_env": ("NPU_ENV_SCRIPT", str(DEFAULT_NPU_ENV)),
     "device": ("LAUNCH_DEVICE", "npu"),
+    "auth_token_file": ("RAY_AUTH_TOKEN_FILE", None),
 }
 BOOL_FALLBACKS = {"dashboard": "RAY_DASHBOARD", "cpu_binding": "CPU_BINDING", "no_preflight": "SKIP_PREFLIGHT"}
 
@@ -93,6 +94,12 @@ class LaunchPlan:
     ray_start: list[str]
     python: str
     repo: str
+    # Ray token auth: mode "token" | "disabled"; the token file Ray reads (RAY_AUTH_TOKEN_PATH; "" when the
+    # token comes in RAY_AUTH_TOKEN); auth_token_make: this node (the head) writes a new token there
+    auth_mode: str = "disabled"
+    auth_token_file: str = ""
+    auth_token_make: bool = False
+    ray_address_file: str = ""  # <ray temp dir>/ray_current_cluster (restored on exit; see launch/ray_node.py)
     notes: list[str] = field(default_factory=list)
 
     def shell_vars(self) -> dict[str, str]:
@@ -144,13 +151,17 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--cpu-binding", action="store_true", default=None,
                     help="pin each NPU's processes to its NUMA node's cores [CPU_BINDING=1; default off]")
     opt("--role", "role", "auto | head | worker")
-    opt("--temp-dir", "temp_dir", "Ray temp dir on this node (default: Ray's /tmp/ray; a worker takes the head's)")
+    opt("--temp-dir", "temp_dir", "Ray temp dir (head: passed to ray start; Ray 2.52 workers use the head's path, give the same "
+                                  "one there) [default: $RAY_TMPDIR/ray, $TMPDIR/ray or /tmp/ray]")
     opt("--join-retries", "join_retries", "worker: attempts to reach/join the head")
     opt("--join-interval", "join_interval", "worker: seconds between attempts")
     opt("--watch-interval", "watch_interval", "worker: seconds between checks that the head is alive")
     opt("--watch-misses", "watch_misses", "worker: failed checks in a row before leaving")
     opt("--cann-home", "cann_home", "CANN install root (holds ascend-toolkit/ or cann/)")
     opt("--npu-env", "npu_env", "the CANN/HCCL/vLLM environment file sourced on every node")
+    opt("--auth-token-file", "auth_token_file",
+        "Ray auth token file of a cluster run: the head writes a new token there, workers read it (storage all "
+        "nodes see); unused when RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH is set (default <log-dir>/.ray_auth_token_<port>)")
     opt("--device", "device", "npu | cpu. cpu = CPU profile for a node without NPUs (the tiny CPU run): Ray "
                               "advertises --npus-per-node worker slots under verl's NPU resource name, CANN is not "
                               "sourced, preflight skips its npu-smi/CANN/patch checks; refused on a node with NPUs")
@@ -372,12 +383,16 @@ def parse_options(argv: list[str], env: dict[str, str] | None = None) -> LaunchP
                      "--disable-usage-stats"]
         if dashboard:
             notes.append("--dashboard only applies on the head")
-    if temp_dir:  # per node (Ray 2.60: "Can be specified per node"); a worker without it uses the head's path
+    if temp_dir and role == "head":
+        # Ray 2.52 (pins.toml runtime.ray) takes --temp-dir on the head only: a worker warns, ignores it and uses
+        # the head's path (ray/scripts/scripts.py); the worker's --temp-dir only tells the launcher that path
         ray_start += [f"--temp-dir={temp_dir}"]
     ray_start += extra + ["--block"]
 
     log_dir_raw, _ = _value(ns, "log_dir", env)
     log_dir = Path(str(log_dir_raw)).resolve()
+    auth_mode, token_file, token_make = _auth(ns, env, str(device), master_ip, role, port, log_dir, notes)
+    from qwen3_rl.launch.ray_node import ADDRESS_FILE, ray_temp_root
     stem = f"{train.stem}_{role}_{node_ip}"
     cann_home, _ = _value(ns, "cann_home", env)
     return LaunchPlan(
@@ -390,5 +405,43 @@ def parse_options(argv: list[str], env: dict[str, str] | None = None) -> LaunchP
         preflight=preflight, join_retries=join_retries, join_interval=join_interval,
         watch_interval=watch_interval, watch_misses=watch_misses, cann_home=str(cann_home),
         npu_env=str(Path(str(npu_env)).resolve()), ray_bin=ray_bin, ray_start=ray_start,
-        python=sys.executable, repo=str(REPO), notes=notes,
+        python=sys.executable, repo=str(REPO), auth_mode=auth_mode, auth_token_file=token_file,
+        auth_token_make=token_make,
+        ray_address_file=str(ray_temp_root(str(temp_dir) if temp_dir else None, env) / ADDRESS_FILE), notes=notes,
     )
+
+
+def _auth(ns: argparse.Namespace, env: dict[str, str], device: str, master_ip: str, role: str, port: int,
+          log_dir: Path, notes: list[str]) -> tuple[str, str, bool]:
+    """Ray token auth for this launch: (mode, token file for RAY_AUTH_TOKEN_PATH or "", head makes the token).
+
+    Token auth is on for every run except a CPU-profile run on a loopback master (the tiny CPU run): with auth off,
+    whoever reaches a node's Ray ports (GCS, client server, dashboard) can run code there, and Ray binds its GCS
+    port on every interface even for 127.0.0.1 (docs/launch.md). ``RAY_AUTH_MODE=disabled`` is refused unless the
+    master is a loopback address.
+    """
+    loopback = ipaddress.ip_address(master_ip).is_loopback
+    raw = env.get("RAY_AUTH_MODE", "")
+    if raw == "":
+        mode = "disabled" if device == "cpu" and loopback else "token"
+    elif raw in ("token", "disabled"):
+        mode = raw
+    else:
+        raise LaunchError(f"RAY_AUTH_MODE={raw!r} must be token or disabled")
+    if mode == "disabled":
+        if not loopback:
+            raise LaunchError(f"RAY_AUTH_MODE=disabled with master {master_ip}: a cluster's Ray ports stay "
+                              "token-authenticated (unset RAY_AUTH_MODE)")
+        return mode, "", False
+    if env.get("RAY_AUTH_TOKEN", ""):
+        notes.append("Ray auth: token from RAY_AUTH_TOKEN (given to every node by the scheduler or the user)")
+        return mode, "", False
+    if env.get("RAY_AUTH_TOKEN_PATH", ""):
+        notes.append("Ray auth: token file from RAY_AUTH_TOKEN_PATH (made by the user)")
+        return mode, str(Path(env["RAY_AUTH_TOKEN_PATH"]).resolve()), False
+    raw_file, _ = _value(ns, "auth_token_file", env)
+    token_file = Path(str(raw_file)).resolve() if raw_file else log_dir / f".ray_auth_token_{port}"
+    notes.append(f"Ray auth: token file {token_file} ("
+                 + ("the head writes a new token there" if role == "head" else "written by the head; "
+                    "must be on storage this node shares with it") + ")")
+    return mode, str(token_file), role == "head"

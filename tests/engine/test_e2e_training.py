@@ -74,6 +74,28 @@ def _events(probe: Path) -> list[dict]:
     return sorted(out, key=lambda e: e["time"])
 
 
+def launch_env(engine_ws: Path, tiny_root: Path, run_dir: Path, ckpt: Path,
+               env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a tiny CPU run: the engine workspace and the CPU device shims on PYTHONPATH, the tiny
+    model and data, the probe, checkpoint and rollout-dump directories under ``run_dir``."""
+    venv_bin = str(Path(sys.executable).parent)
+    pypath = [str(HERE / "cpu_device"), *(str(engine_ws / d) for d in workspace.PATH_TREES), str(REPO),
+              str(engine_ws / ".dist-info")]
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VLLM_", "QWEN3_RL_"))}
+    full.update({
+        "PATH": f"{venv_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}", "QWEN3_RL_PYTHON": sys.executable,
+        "PYTHONPATH": ":".join(pypath), "QWEN3_RL_CPU_SHIMS": "1", "QWEN3_RL_ENGINE_WS": str(engine_ws),
+        "QWEN3_RL_E2E_PROBE_DIR": str(run_dir / "probe"),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": "none", "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "MODEL_PATH": str(tiny_root / "qwen3_moe_tiny"), "DATA_DIR": str(tiny_root / "data"),
+        "CKPT_DIR": str(ckpt), "ROLLOUT_DATA_DIR": str(run_dir / "rollout_data"),
+        "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+    })
+    full.update(env or {})
+    return full
+
+
 def launch(engine_ws: Path, tiny_root: Path, script: str, run_dir: Path, env: dict[str, str] | None = None,
            ckpt: Path | None = None, on_event=None, timeout_s: float = RUN_TIMEOUT_S) -> Run:
     """``bash ray_start_npu.sh <script> --device cpu --npus-per-node 2`` with the engine workspace on PYTHONPATH.
@@ -83,21 +105,7 @@ def launch(engine_ws: Path, tiny_root: Path, script: str, run_dir: Path, env: di
     run_dir.mkdir(parents=True, exist_ok=True)
     probe = run_dir / "probe"
     ckpt = ckpt or run_dir / "ckpt"
-    venv_bin = str(Path(sys.executable).parent)
-    pypath = [str(HERE / "cpu_device"), *(str(engine_ws / d) for d in workspace.PATH_TREES), str(REPO),
-              str(engine_ws / ".dist-info")]
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VLLM_", "QWEN3_RL_"))}
-    full.update({
-        "PATH": f"{venv_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}", "QWEN3_RL_PYTHON": sys.executable,
-        "PYTHONPATH": ":".join(pypath), "QWEN3_RL_CPU_SHIMS": "1", "QWEN3_RL_ENGINE_WS": str(engine_ws),
-        "QWEN3_RL_E2E_PROBE_DIR": str(probe),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": "none", "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "MODEL_PATH": str(tiny_root / "qwen3_moe_tiny"), "DATA_DIR": str(tiny_root / "data"),
-        "CKPT_DIR": str(ckpt), "ROLLOUT_DATA_DIR": str(run_dir / "rollout_data"),
-        "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-    })
-    full.update(env or {})
+    full = launch_env(engine_ws, tiny_root, run_dir, ckpt, env)
     ray_tmp = tempfile.mkdtemp(prefix="q3r", dir="/tmp")  # Ray's socket paths must stay under 107 characters
     cmd = ["bash", str(REPO / "ray_start_npu.sh"), str(REPO / script), "--device", "cpu", "--npus-per-node", "2",
            "--port", str(gloo_port()), "--temp-dir", ray_tmp, "--log-dir", str(run_dir / "logs"),
