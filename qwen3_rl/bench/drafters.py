@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from qwen3_rl.bench.upstream_trees import UpstreamTreeError, upstream_tree
+from qwen3_rl.spec_decode.adaptive_k import AdaptiveK
 from qwen3_rl.spec_decode.sam import SamConfig, SamProposer, group_key
 from qwen3_rl.spec_decode.sibling_exchange import (
     DEFAULT_MAX_BYTES,
@@ -401,6 +402,153 @@ def replay_exchange(groups: list[list[Sample]], cfg: SamConfig, k: int, ranks: i
             "bytes_per_exchange_rank_max": max(hist) if hist else 0,
             "tokens_dropped": sum(e.stats.tokens_dropped for e in exs),
             "bytes_per_token_replay_end": peak_bpt or None}
+
+
+TAIL_MAX = 8  # a lockstep step with at most this many running requests belongs to the tail
+
+
+def adaptive_from(cfg: SamConfig) -> AdaptiveK:
+    """The runner's draft-length policy for ``cfg`` (``adaptive_k``; k_max = ``num_speculative_tokens``)."""
+    return AdaptiveK(cfg.num_speculative_tokens, cfg.adaptive_k_min, cfg.verify_base_ms, cfg.verify_seq_ms,
+                     cfg.verify_token_ms, cfg.verify_kctx_ms, uniform=cfg.pad_drafts)
+
+
+BOXED = (79075, 90)  # Qwen2.5 tokens of "boxed" and "{"
+DIGITS = range(15, 25)  # Qwen2.5 tokens of "0".."9"
+
+
+def proxy_rewards(g: list[Sample]) -> list[float]:
+    """Reward stand-in for one prompt's samples (the corpus has no reference answers): majority vote.
+
+    A response's answer = the digit tokens after its last ``boxed{``; 1.0 when it equals the most common
+    answer among the prompt's samples and at least two samples give it, else 0.0 (no ``boxed{``: 0.0).
+    """
+    answers: list[tuple[int, ...] | None] = []
+    for s in g:
+        r = s.response.tolist()
+        at = [i for i in range(len(r) - 1) if (r[i], r[i + 1]) == BOXED]
+        if not at:
+            answers.append(None)
+            continue
+        j = at[-1] + 2
+        ans = []
+        while j < len(r) and r[j] in DIGITS:
+            ans.append(r[j])
+            j += 1
+        answers.append(tuple(ans) if ans else None)
+    votes = [a for a in answers if a is not None]
+    if not votes:
+        return [0.0] * len(g)
+    best = max(set(votes), key=votes.count)
+    return [1.0 if a == best and votes.count(best) >= 2 else 0.0 for a in answers]
+
+
+def replay_visits(groups: list[list[Sample]], cfg: SamConfig, k: int, history: int, *, use_history: bool,
+                  adaptive: bool = False, weighted: bool = False, tail_max: int = TAIL_MAX,
+                  on_step: Callable[[int, np.ndarray], None] | None = None) -> dict[str, Any]:
+    """Lockstep replay of one rollout step on one engine, with a prompt's earlier visit in the history.
+
+    Per prompt, samples ``[0, history)`` stand for the responses of its previous visit (an earlier rollout
+    step): with ``use_history`` they enter the drafter's history store (``history_add``; ``weighted``: scored
+    with ``proxy_rewards`` through the reward hook), else they are not seen. Samples ``[history, n)`` are the
+    current groups: all of them run together from the first step (siblings on one engine, finished
+    responses enter the finished-response cache). A step verifies every running request's draft (fixed
+    ``k``, or with ``adaptive`` the ``AdaptiveK`` choice at k_max = ``cfg.num_speculative_tokens``), accepts
+    while it equals the real tokens and advances one bonus token.
+
+    Returns ``mean_accepted`` (response tokens / request-steps), ``bulk_mean_accepted`` and
+    ``tail_mean_accepted`` (the same over the lockstep steps with more than / at most ``tail_max`` running
+    requests), ``tail_steps``, ``lockstep_steps``, ``modeled_ms`` (the verification cost model summed over
+    the steps, ``AdaptiveK.step_ms``; drafted tokens counted as verified) and the draft-length histogram.
+    ``on_step(step, k_per_request)`` sees every step's draft lengths (tests).
+    """
+    p = SamProposer(cfg)
+    if weighted and p.history is not None:
+        p.history.weighted = True  # measured, not a product option (docs/sam_decoding.md)
+    pol = adaptive_from(cfg) if adaptive else None
+    costm = pol or AdaptiveK(max(k, 1), 1, cfg.verify_base_ms, cfg.verify_seq_ms, cfg.verify_token_ms,
+                             cfg.verify_kctx_ms)
+    kq = cfg.num_speculative_tokens if adaptive else k
+    scored = 0
+    if use_history:
+        for g in groups:
+            key = group_key(g[0].prompt)
+            for s in g[:history]:
+                p.history_add(key, s.response)
+            if weighted:
+                rw = proxy_rewards(g)[:history]
+                scored += sum(rw)
+                p.history_score(key, [s.response for s in g[:history]], rw)
+    rids, resp, pos, ctx = [], [], [], []
+    for g in groups:
+        key = group_key(g[0].prompt)
+        for s in g[history:]:
+            rid = f"{s.prompt_id}-{s.sample_id}"
+            p.add_request(rid, s.prompt, key)
+            rids.append(rid)
+            resp.append(s.response)
+            pos.append(0)
+            ctx.append(int(s.prompt.shape[0]))
+    seeded_bytes = p.nbytes()
+    live = list(range(len(rids)))
+    sums = {"bulk": [0, 0], "tail": [0, 0]}  # tokens, request-steps
+    drafted = accepted = steps = tail_steps = 0
+    modeled = 0.0
+    khist = np.zeros(kq + 1, np.int64)
+    step = 0
+    while live:
+        slots = p.slots_of([rids[i] for i in live])
+        out, cnt = p.propose_arrays(slots, kq)
+        out, cnt = out.copy(), cnt.astype(np.int64).copy()
+        ctx_tokens = float(sum(ctx[i] + pos[i] for i in live))
+        kk = pol.choose(slots, cnt, ctx_tokens) if pol is not None else np.minimum(cnt, k)
+        if pol is not None and pol.uniform and kk.shape[0]:
+            kk = np.full_like(kk, int(kk.max()))  # padded to the step's k (pad tokens verified, never accepted)
+        if on_step is not None:
+            on_step(step, kk)
+        khist += np.bincount(np.minimum(kk, kq), minlength=kq + 1)[: kq + 1]
+        part = "tail" if len(live) <= tail_max else "bulk"
+        tail_steps += part == "tail"
+        acc_l, adv_l, done = [], [], []
+        accs = np.zeros(len(live), np.int64)
+        for j, i in enumerate(live):
+            d, r, p0 = out[j, : min(kk[j], cnt[j])], resp[i], pos[i]
+            a = 0
+            while a < d.shape[0] and p0 + a < r.shape[0] and d[a] == r[p0 + a]:
+                a += 1
+            adv = min(a + 1, r.shape[0] - p0)
+            accs[j] = a
+            acc_l.append(rids[i])
+            adv_l.append(r[p0: p0 + adv])
+            pos[i] = p0 + adv
+            sums[part][0] += adv
+            sums[part][1] += 1
+            drafted += int(kk[j])
+            accepted += a
+            if pos[i] >= r.shape[0]:
+                done.append(i)
+        modeled += costm.step_ms(len(live), int(kk.sum()), ctx_tokens)
+        if pol is not None:
+            pol.observe(slots, kk, accs)
+        p.extend_batch(acc_l, adv_l)
+        for i in done:
+            p.finish(rids[i])
+        live = [i for i in live if pos[i] < resp[i].shape[0]]
+        steps += 1
+        step += 1
+    tokens = sums["bulk"][0] + sums["tail"][0]
+    reqsteps = sums["bulk"][1] + sums["tail"][1]
+    hist = p.history
+    return {"mean_accepted": tokens / max(reqsteps, 1), "acceptance_rate": accepted / max(drafted, 1),
+            "bulk_mean_accepted": sums["bulk"][0] / max(sums["bulk"][1], 1),
+            "tail_mean_accepted": sums["tail"][0] / max(sums["tail"][1], 1),
+            "tail_steps": tail_steps, "lockstep_steps": steps, "steps": reqsteps, "drafted": drafted,
+            "accepted": accepted, "response_tokens": tokens, "history": history if use_history else 0,
+            "current_requests": len(rids), "modeled_ms": modeled, "tokens_per_modeled_ms": tokens / modeled,
+            "k_hist": khist.tolist(), "history_strings": p.history_strings,
+            "history_scored_responses": scored if weighted else None,
+            "history_store_bytes_after": hist.nbytes() if hist is not None else 0,
+            "nbytes_after_seeding": seeded_bytes}
 
 
 def build_contexts(groups: list[list[Sample]], batch: int, context_len: int, extra: int,
