@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from qwen3_rl.bench.upstream_trees import UpstreamTreeError, upstream_tree
+from qwen3_rl.spec_decode._sam_kernels import M_LEN
 from qwen3_rl.spec_decode.adaptive_k import AdaptiveK
 from qwen3_rl.spec_decode.sam import SamConfig, SamProposer, group_key
 from qwen3_rl.spec_decode.sibling_exchange import (
@@ -162,6 +163,32 @@ class _Drafts:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.out[i, : self.cnt[i]]
+
+
+class SamAdaptiveDrafter(SamDrafter):
+    """Ours with the adaptive draft length (``adaptive_k``): a timed step = the policy's observation of the
+    previous step's acceptance + ``step_arrays`` at k_max + the policy's choice (what the runner does)."""
+
+    def __init__(self, cfg: SamConfig) -> None:
+        super().__init__(cfg)
+        self.pol = adaptive_from(cfg)
+        self.kmax = cfg.num_speculative_tokens
+        self.last: np.ndarray | None = None  # draft lengths given last step
+
+    def prepare_step(self, rids: Sequence[str], accepted: Sequence[np.ndarray], k: int) -> Any:
+        slots, toks, offs, _ = super().prepare_step(rids, accepted, k)
+        acc = np.maximum(np.diff(offs) - 1, 0)
+        return slots, toks, offs, acc
+
+    def timed_step(self, prepared: Any) -> Any:
+        slots, toks, offs, acc = prepared
+        ctx = float(self.p._SM[slots, M_LEN].sum())  # context tokens (the runner sums num_tokens_no_spec)
+        if self.last is not None:
+            self.pol.observe(slots, self.last, acc)
+        out, cnt = self.p.step_arrays(slots, toks, offs, self.kmax)
+        kk = self.pol.choose(slots, cnt, ctx)
+        self.last = kk
+        return _Drafts(out, np.minimum(cnt, kk).astype(np.int32))
 
 
 def import_vllm_ngram(vllm_tree: str) -> type:
@@ -607,8 +634,31 @@ def build_contexts(groups: list[list[Sample]], batch: int, context_len: int, ext
     return ctxs, conts, keys
 
 
+def history_texts(groups: list[list[Sample]], keys: Sequence[str], history: int, tokens: int
+                  ) -> dict[str, list[np.ndarray]]:
+    """History of the cost groups (``build_contexts``'s keys ``g<gi>``, corpus prompt ``gi % len(groups)``):
+    ``history`` responses of ``tokens`` tokens per group. Response h starts with the real response
+    ``(tp, h % n)`` of the group's prompt (a sibling's text, as an earlier visit's), followed by further
+    responses of that prompt with token ids shifted by ``m * ROUND_SHIFT`` (no span repeats verbatim)."""
+    out: dict[str, list[np.ndarray]] = {}
+    for key in dict.fromkeys(keys):
+        tp = int(key[1:]) % len(groups)
+        g = groups[tp]
+        resps = []
+        for h in range(history):
+            parts, have, m = [], 0, 0
+            while have < tokens:
+                piece = g[(h + m) % len(g)].response.astype(np.int64) + m * ROUND_SHIFT
+                parts.append(piece.astype(np.int32))
+                have += piece.shape[0]
+                m += 1
+            resps.append(np.concatenate(parts)[:tokens])
+        out[key] = resps
+    return out
+
+
 def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int, batch: int, context_len: int,
-                 steps: int, warmup: int = 3, fill_cache: bool = False) -> dict[str, Any]:
+                 steps: int, warmup: int = 3, fill_cache: bool = False, history: int = 0) -> dict[str, Any]:
     """CPU us per decode step (batch update + propose) and bytes per token at ``batch`` x ``context_len``.
 
     Contexts are built (``add``) before timing; each timed step appends only that step's accepted
@@ -616,10 +666,19 @@ def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int
     one kernel call per step; list conversion is runner-side work done in ``prepare_step``).
     ``fill_cache``: finish every corpus response (reversed) first so the finished-response cache is
     full (group mode's steady state; its matching then costs inside every step).
+    ``history`` > 0: the history store is filled first with ``history`` responses of ``context_len //
+    history`` tokens for every cost group (``history_texts``), so every group automaton starts with them.
     """
     extra = (steps + warmup + 1) * (k + 1) + 2 * min(steps, 10)  # timed steps + the list-API steps
     ctxs, conts, keys = build_contexts(groups, batch, context_len, extra, max(len(g) for g in groups))
     d = make()
+    hist_tokens = 0
+    if history:
+        assert isinstance(d, SamDrafter) and d.p.history is not None, "history cost needs history_responses > 0"
+        for key, resps in history_texts(groups, keys, history, context_len // history).items():
+            for r in resps:
+                d.p.history_add(key, r)
+        hist_tokens = d.p.history.num_tokens()
     if fill_cache:
         for g in groups:
             for s in g:
@@ -673,7 +732,14 @@ def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int
            # tokens a request advances per timed step: compare with the replay's mean_accepted
            "cost_tokens_per_request_step": float(np.mean(tokens)) / batch,
            "bytes_per_token": peak, "build_s": build_s}
-    if isinstance(d, SamDrafter):  # the list-in/list-out API on the same state, for reference
+    if history:
+        h = d.p.history  # type: ignore[attr-defined]
+        out.update({"history_store_tokens": hist_tokens, "history_store_bytes": h.nbytes(),
+                    "history_store_bound_bytes": h.max_bytes, "history_strings": d.p.history_strings,  # type: ignore[attr-defined]
+                    "history_store_within_bound": h.nbytes() <= h.max_bytes})
+    if isinstance(d, SamAdaptiveDrafter):
+        out["k_hist"] = d.pol.k_hist.tolist()
+    if isinstance(d, SamDrafter) and not isinstance(d, SamAdaptiveDrafter):  # the list API, for reference
         lt = []
         for _ in range(min(steps, 10)):
             acc = [conts[r][pos[r]: pos[r] + 2] for r in range(batch)]
@@ -694,7 +760,8 @@ def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int
 
 
 def measure_cost_repeated(make: Callable[[], Drafter], groups: list[list[Sample]], k: int, batch: int,
-                          context_len: int, steps: int, repeats: int, fill_cache: bool = False) -> dict[str, Any]:
+                          context_len: int, steps: int, repeats: int, fill_cache: bool = False, history: int = 0
+                          ) -> dict[str, Any]:
     """``measure_cost`` ``repeats`` times, each with a fresh drafter and freshly built contexts.
 
     The figures of the run with the median ``us_per_step`` are returned (so ``us_per_step`` is the median
@@ -703,7 +770,8 @@ def measure_cost_repeated(make: Callable[[], Drafter], groups: list[list[Sample]
     """
     if repeats < 1:
         raise ValueError(f"--cost-repeats must be >= 1, got {repeats}")
-    runs = [measure_cost(make, groups, k, batch, context_len, steps, fill_cache=fill_cache) for _ in range(repeats)]
+    runs = [measure_cost(make, groups, k, batch, context_len, steps, fill_cache=fill_cache, history=history)
+            for _ in range(repeats)]
     order = sorted(range(repeats), key=lambda i: runs[i]["us_per_step"])
     out = dict(runs[order[(repeats - 1) // 2]])
     out["us_per_step_runs"] = [round(r["us_per_step"], 1) for r in runs]
@@ -863,13 +931,40 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "cache_max_tokens": args.cache_tokens})
     makers: dict[str, tuple[Callable[[], Drafter], Callable[[], Drafter] | None, int]] = {}
     methods: dict[str, Any] = {}
+    H = args.history
+    hist_cfg = SamConfig(**{**grp_cfg.__dict__, "history_responses": max(H, 1)})
+    ada_cfg = SamConfig(**{**hist_cfg.__dict__, "num_speculative_tokens": max(args.adaptive_k, 1), "adaptive_k": True,
+                           "adaptive_k_min": min(args.adaptive_k_min, max(args.adaptive_k, 1))})
+    # --history H: lockstep visit replay (samples [0, H) = the prompt's earlier visit), bulk / tail figures
+    visits: dict[str, Callable[[], dict[str, Any]]] = {}
+    cost_k: dict[str, int] = {}
+    cost_hist: dict[str, int] = {}
     makers["sam"] = (lambda: SamDrafter(sam_cfg), lambda: SamDrafter(sam_cfg), 1)
     if args.group:
         makers["sam_group"] = (lambda: SamDrafter(grp_cfg), lambda: SamDrafter(grp_cfg), 1)
         makers["sam_group_spread"] = (lambda: SamDrafter(grp_cfg), None, args.ranks)
+        if H:
+            visits["sam_group"] = lambda: replay_visits(groups, grp_cfg, k, H, use_history=False)
+            makers["sam_group_history"] = (lambda: SamDrafter(hist_cfg), lambda: SamDrafter(hist_cfg), 1)
+            visits["sam_group_history"] = lambda: replay_visits(groups, hist_cfg, k, H, use_history=True)
+            cost_hist["sam_group_history"] = H
+            if args.history_weighted:
+                makers["sam_group_history_weighted"] = (lambda: SamDrafter(hist_cfg), None, 1)
+                visits["sam_group_history_weighted"] = lambda: replay_visits(groups, hist_cfg, k, H, use_history=True,
+                                                                             weighted=True)
+            if args.adaptive_k:
+                makers["sam_group_adaptive"] = (lambda: SamDrafter(ada_cfg), lambda: SamAdaptiveDrafter(ada_cfg), 1)
+                visits["sam_group_adaptive"] = lambda: replay_visits(groups, ada_cfg, k, H, use_history=True,
+                                                                     adaptive=True)
+                cost_k["sam_group_adaptive"] = args.adaptive_k
+                cost_hist["sam_group_adaptive"] = H
     else:
         methods["sam_group"] = _null("group-aware mode not requested (--group)")
         methods["sam_group_spread"] = _null("group-aware mode not requested (--group)")
+    if not (args.group and H):
+        methods["sam_group_history"] = _null("needs --group and --history H")
+    if not (args.group and H and args.adaptive_k):
+        methods["sam_group_adaptive"] = _null("needs --group, --history H and --adaptive-k KMAX")
     try:
         try:
             vllm_tree = str(upstream_tree("vllm", args.vllm_tree))
@@ -897,7 +992,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             methods[name] = _null("not selected (--methods)")
             continue
         try:
-            res = replay(groups, make, k, ranks)
+            res = visits[name]() if name in visits else replay(groups, make, k, ranks)
             res.setdefault("us_per_step", None)
             res.setdefault("bytes_per_token", None)
             if ranks > 1:
@@ -907,8 +1002,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 cost_ctx = args.context_len
                 if name == "arctic_suffix" and args.arctic_cost_batch:
                     batch = args.arctic_cost_batch
-                res.update(measure_cost_repeated(make_cost, groups, k, batch, cost_ctx, args.cost_steps,
-                                                 args.cost_repeats, fill_cache=name == "sam_group"))
+                res.update(measure_cost_repeated(make_cost, groups, cost_k.get(name, k), batch, cost_ctx,
+                                                 args.cost_steps, args.cost_repeats,
+                                                 fill_cache=name.startswith("sam_group"),
+                                                 history=cost_hist.get(name, 0)))
                 res["cost_batch"] = batch
                 res["cost_context_len"] = cost_ctx
             elif make_cost is None:
@@ -943,7 +1040,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as e:
             methods["sam_group_exchange"] = _null(f"{type(e).__name__}: {e}")
             methods["sam_group_exchange"]["traceback"] = traceback.format_exc(limit=3)
-    for name in ("sam", "sam_group", "sam_group_spread", "sam_group_exchange", "vllm_ngram", "arctic_suffix"):
+    for name in ("sam", "sam_group", "sam_group_spread", "sam_group_exchange", "sam_group_history",
+                 "sam_group_adaptive", "vllm_ngram", "arctic_suffix"):
         methods.setdefault(name, _null("not run"))
     ratios = {}
 
@@ -952,9 +1050,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     for a, b in (("sam", "vllm_ngram"), ("sam_group", "sam"), ("sam_group", "arctic_suffix"),
                  ("sam_group_spread", "sam"), ("sam_group_exchange", "sam_group"),
-                 ("sam_group_exchange", "sam_group_spread")):
+                 ("sam_group_exchange", "sam_group_spread"), ("sam_group_history", "sam_group"),
+                 ("sam_group_adaptive", "sam_group_history"), ("sam_group_history_weighted", "sam_group_history")):
         if ma(a) and ma(b):
             ratios[f"{a}/{b}"] = ma(a) / ma(b)  # type: ignore[operator]
+    for a, b in (("sam_group_history", "sam_group"), ("sam_group_adaptive", "sam_group_history"),
+                 ("sam_group_adaptive", "sam_group")):
+        for part in ("bulk", "tail"):
+            x, y = (methods.get(n, {}).get(f"{part}_mean_accepted") for n in (a, b))
+            if x and y:
+                ratios[f"{a}/{b} ({part})"] = x / y
+    us = {n: m.get("us_per_step") for n, m in methods.items()}
+    for a in ("sam_group_history", "sam_group_adaptive"):
+        if us.get(a) and us.get("vllm_ngram"):
+            ratios[f"vllm_ngram/{a} (us per step)"] = us["vllm_ngram"] / us[a]  # type: ignore[operator]
     return {"corpus": str(args.corpus), "k": k, "prompts": len(groups),
             "responses": sum(len(g) for g in groups),
             "response_tokens": sum(int(s.response.shape[0]) for g in groups for s in g),
@@ -982,6 +1091,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="sam_group_exchange: extra steps before a message is merged (D; the vLLM hook runs D = 1)")
     p.add_argument("--exchange-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
                    help="sam_group_exchange: cap of one rank's message (bytes)")
+    p.add_argument("--history", type=int, default=0,
+                   help="H > 0: lockstep visit replay, samples [0, H) of a prompt = its earlier visit "
+                        "(sam_group without it, sam_group_history with it in the history store)")
+    p.add_argument("--adaptive-k", type=int, default=0, metavar="KMAX",
+                   help="with --history: also sam_group_adaptive (history + adaptive draft length up to KMAX)")
+    p.add_argument("--adaptive-k-min", type=int, default=1, help="floor of an adaptive draft length")
+    p.add_argument("--history-weighted", action="store_true",
+                   help="with --history: also sam_group_history_weighted (reward-weighted history, proxy rewards)")
     p.add_argument("--rule", default="recent", choices=["recent", "earliest"])
     p.add_argument("--budget", type=int, default=SamConfig.recent_budget, help="recent-rule update walk")
     p.add_argument("--min-match", type=int, default=1)
