@@ -232,7 +232,7 @@ class SamRunnerDrafter:
                 d.extend([last] * (lim - c))
             out[i] = d
         if pol is not None:
-            for j, i in enumerate(rows):
+            for i in rows:
                 self._drafted[req_ids[i]] = len(out[i])
         return out
 
