@@ -9,6 +9,7 @@ fixed k = 3 without losing in the bulk.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -152,3 +153,42 @@ def test_tail_gain_on_the_dev_corpus() -> None:
     assert ada["tail_mean_accepted"] >= 1.25 * fixed["tail_mean_accepted"]
     assert ada["bulk_mean_accepted"] >= fixed["bulk_mean_accepted"]
     assert sum(1 for c in ada["k_hist"][1:] if c) >= 5  # many different lengths chosen
+
+
+def test_simulator_per_step_k_and_history(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``simulate rollout --drafting BASE+...``: the verification step costs more with more draft tokens; the
+    adaptive model drafts short in a full batch and long in the tail; history and adaptive k shorten the
+    rollout; a draft token made expensive turns adaptive k down to 1 (positive control of the cost term)."""
+    from qwen3_rl.sim.drafting import TPS, DraftModel, draft_model, parse_drafting
+    from qwen3_rl.sim.simulate import Drafting, SimError, StepModel, main
+
+    sm = StepModel()
+    dm = DraftModel(TPS[("current", "bulk")], TPS[("current", "tail")], fixed_k=None)
+    k_bulk, tau_b, ms_b = dm.pick(sm, 256, 256, 256 * 4000.0)
+    k_tail, tau_t, ms_t = dm.pick(sm, 4, 4, 4 * 4000.0)
+    assert k_bulk < k_tail and k_tail >= 10 and tau_t > tau_b
+    assert ms_b == pytest.approx(sm.step_ms(256, 256 * 4000.0) + 0.4 + 0.0585 * 256 * k_bulk)
+    costly = DraftModel(TPS[("current", "bulk")], TPS[("current", "tail")], fixed_k=None, token_ms=50.0)
+    assert costly.pick(sm, 4, 4, 0.0)[0] == 1
+    assert parse_drafting("sam_group_exchange+history+adaptive") == ("sam_group_exchange",
+                                                                     frozenset({"history", "adaptive"}))
+    for bad in ("sam_group+fast", "none+history", "sam_group"):
+        with pytest.raises(SimError):
+            parse_drafting(bad)
+    spread = draft_model("sam_group_exchange+verify", "both", Drafting())
+    assert spread.layout == pytest.approx(Drafting().exchange / Drafting().together) and spread.fixed_k == 3
+    out = tmp_path / "len.jsonl"
+    assert main(["gen-lengths", "--out", str(out), "--num-prompts", "64", "--n", "8", "--seed", "1"]) == 0
+    capsys.readouterr()
+    names = [f"sam_group_exchange+{m}" for m in ("verify", "adaptive", "history", "history+adaptive")]
+    assert main(["rollout", "--lengths", str(out), "--dp", "8", "--max-num-seqs", "64", "--policy", "both",
+                 "--drafting", ",".join(["none", *names]), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)["results"]
+    ms = {k.split("+", 1)[-1] if "+" in k else "none": v["makespan_s"] for k, v in res.items()}
+    print({k: round(v, 1) for k, v in ms.items()})
+    assert ms["sam_group_exchange+history+adaptive"] < min(ms["sam_group_exchange+history"],
+                                                           ms["sam_group_exchange+adaptive"])
+    assert max(ms["sam_group_exchange+history"], ms["sam_group_exchange+adaptive"]) < \
+        ms["sam_group_exchange+verify"] < ms["none"]
+    ks = res["both+sam_group_exchange+adaptive"]["engine_steps_per_k"]
+    assert len(ks) >= 2 and res["both+sam_group_exchange+verify"]["engine_steps_per_k"] == {"3": sum(ks.values())}
