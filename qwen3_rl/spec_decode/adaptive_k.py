@@ -18,9 +18,10 @@ bonus token. The step keeps the draft tokens that maximise the modelled throughp
 
     (n + sum of kept g) / t(n, kept, C)
 
-Since ``g`` falls with ``j``, the best set is the ``m`` largest ``g`` for some ``m``: sort, cumulative sums,
-argmax; request ``i`` drafts ``k_i`` = its kept positions (never more than the drafter has, never less
-than ``min(k_min, available)``). In the bulk of a rollout (large ``n``) a draft token costs ``token`` ms
+Since ``g`` falls with ``j``, the best set is every ``g`` above a threshold ``token * rate`` where ``rate`` is the
+best throughput itself: found by Dinkelbach's iteration (rate <- throughput of the set above ``token * rate``,
+a few passes over ``n x k_max`` values in one numba kernel); request ``i`` drafts ``k_i`` = its kept positions
+(never more than the drafter has, never less than ``min(k_min, available)``). In the bulk of a rollout (large ``n``) a draft token costs ``token`` ms
 against a step of ``base + seq * n``: drafts stay short. In the tail (few long requests) the step costs
 about ``base`` whatever the draft length: drafts get long.
 
@@ -31,10 +32,91 @@ padded to it, so the step is a uniform decode batch.
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
+
+from qwen3_rl.spec_decode._sam_kernels import CACHE
 
 _FIRST_DECAY = 0.7  # weight of a request's past in its first-token acceptance estimate (per step)
 _POS_DECAY = 0.995  # decay of the batch-wide per-position counts (per step)
 _PRIOR = 2.0  # pseudo-observations of the batch prior in a request's estimate
+
+
+@njit(cache=CACHE)
+def _observe(slots, drafted, accepted, reach, acc, first, pos_decay, first_decay):  # pragma: no cover - numba
+    """Decay the per-position counts once, add each row's reached / accepted positions, update the rows'
+    first-token estimates (a negative estimate starts from the batch's)."""
+    km = reach.shape[0]
+    for j in range(km):
+        reach[j] *= pos_decay
+        acc[j] *= pos_decay
+    for i in range(slots.shape[0]):
+        d = min(drafted[i], km)
+        a = min(accepted[i], d)
+        for j in range(min(a + 1, d)):
+            reach[j] += 1.0
+        for j in range(a):
+            acc[j] += 1.0
+    prior0 = acc[0] / reach[0]
+    for i in range(slots.shape[0]):
+        d = min(drafted[i], km)
+        if d <= 0:
+            continue
+        a = min(accepted[i], d)
+        s = slots[i]
+        prev = first[s] if first[s] >= 0 else prior0
+        first[s] = first_decay * prev + (1.0 - first_decay) * (1.0 if a > 0 else 0.0)
+
+
+@njit(cache=CACHE)
+def _choose(a, tail, avail, runs, base, tok, kmin, uniform, out):  # pragma: no cover - numba
+    """Draft lengths into ``out`` (int64[n]) for gains ``g[i, j] = a[i] * tail[j]`` (j < avail[i]); returns the
+    uniform k (uniform mode) or the longest length."""
+    n = a.shape[0]
+    km = tail.shape[0]
+    if uniform:
+        best_k = kmin
+        best = -1.0
+        gain = 0.0
+        for k in range(1, km + 1):
+            for i in range(n):
+                if k <= avail[i]:
+                    gain += a[i] * tail[k - 1]
+            if k >= kmin:
+                val = (runs + gain) / (base + tok * n * k)
+                if val > best:
+                    best = val
+                    best_k = k
+        for i in range(n):
+            out[i] = min(avail[i], best_k)
+        return best_k
+    rate = runs / base
+    for _ in range(32):  # Dinkelbach: the rate of the set above tok * rate, until it stops growing
+        thr = tok * rate
+        gsum = 0.0
+        cnt = 0
+        for i in range(n):
+            for j in range(min(avail[i], km)):
+                g = a[i] * tail[j]
+                if g <= thr:
+                    break
+                gsum += g
+                cnt += 1
+        new = (runs + gsum) / (base + tok * cnt)
+        if new <= rate * (1.0 + 1e-12):
+            break
+        rate = new
+    thr = tok * rate
+    longest = 0
+    for i in range(n):
+        k = 0
+        for j in range(min(avail[i], km)):
+            if a[i] * tail[j] <= thr:
+                break
+            k += 1
+        k = max(k, min(avail[i], kmin))
+        out[i] = k
+        longest = max(longest, k)
+    return longest
 
 
 class AdaptiveK:
@@ -79,25 +161,12 @@ class AdaptiveK:
     def observe(self, slots: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> None:
         """Verification results of the previous step: request ``slots[i]`` had ``drafted[i]`` draft tokens,
         ``accepted[i]`` of them were accepted (rows with no draft are ignored)."""
-        slots = np.asarray(slots, np.int64)
-        drafted = np.asarray(drafted, np.int64)
-        accepted = np.minimum(np.asarray(accepted, np.int64), drafted)
-        on = drafted > 0
-        if not on.any():
+        slots = np.ascontiguousarray(slots, np.int64)
+        if not slots.shape[0]:
             return
-        slots, drafted, accepted = slots[on], drafted[on], accepted[on]
         self._room(slots)
-        self.reach *= _POS_DECAY
-        self.acc *= _POS_DECAY
-        j = np.arange(self.k_max)
-        # position j (0-based) was reached if j <= accepted and j < drafted; accepted if j < accepted
-        self.reach += ((j[None, :] <= accepted[:, None]) & (j[None, :] < drafted[:, None])).sum(axis=0)
-        self.acc += (j[None, :] < accepted[:, None]).sum(axis=0)
-        hit = (accepted > 0).astype(np.float64)
-        prev = self.first[slots]
-        prior = self.acc[0] / self.reach[0]
-        start = np.where(prev < 0, prior, prev)
-        self.first[slots] = _FIRST_DECAY * start + (1.0 - _FIRST_DECAY) * hit
+        _observe(slots, np.ascontiguousarray(drafted, np.int64), np.ascontiguousarray(accepted, np.int64),
+                 self.reach, self.acc, self.first, _POS_DECAY, _FIRST_DECAY)
 
     # ------------------------------------------------------------------ choice
     def cond(self) -> np.ndarray:
@@ -115,7 +184,7 @@ class AdaptiveK:
             n_running: sequences in the step (default n; requests that cannot draft still run).
         """
         slots = np.asarray(slots, np.int64)
-        avail = np.minimum(np.asarray(avail, np.int64), self.k_max)
+        avail = np.ascontiguousarray(np.minimum(np.asarray(avail, np.int64), self.k_max))
         n = slots.shape[0]
         runs = n if n_running is None else max(int(n_running), n)
         self.steps += 1
@@ -126,33 +195,11 @@ class AdaptiveK:
         prior = c[0]
         a = self.first[slots]
         a = np.where(a < 0, prior, a)
-        a = (a + _PRIOR * prior) / (1.0 + _PRIOR) if _PRIOR else a
-        tail = np.cumprod(np.concatenate([[1.0], c[1:]]))  # P_j = c_2 ... c_j
-        g = a[:, None] * tail[None, :]
-        g[np.arange(self.k_max)[None, :] >= avail[:, None]] = 0.0
+        a = (a + _PRIOR * prior) / (1.0 + _PRIOR)
+        tail = np.cumprod(np.concatenate(([1.0], c[1:])))  # P_j = c_2 ... c_j
         base = self.base_ms + self.seq_ms * runs + self.kctx_ms * ctx_tokens / 1000.0
-        floor = np.minimum(avail, self.k_min)
-        if self.uniform:
-            best_k, best = 0, -1.0
-            for k in range(self.k_min, self.k_max + 1):
-                val = (runs + g[:, :k].sum()) / (base + self.token_ms * n * k)
-                if val > best:
-                    best, best_k = val, k
-            k_out = np.minimum(avail, best_k)
-        else:
-            flat = np.sort(g[g > 0.0])[::-1]
-            if flat.shape[0]:
-                m = np.arange(1, flat.shape[0] + 1)
-                obj = (runs + np.cumsum(flat)) / (base + self.token_ms * m)
-                i = int(np.argmax(obj))
-                keep = i + 1 if obj[i] > runs / base else 0
-                theta = flat[keep - 1] if keep else np.inf
-                k_out = (g >= theta).sum(axis=1)
-            else:
-                k_out = np.zeros(n, np.int64)
-            k_out = np.maximum(k_out, floor)
-        k_out = k_out.astype(np.int64)
-        self.last_k = best_k if self.uniform else int(k_out.max())
+        k_out = np.empty(n, np.int64)
+        self.last_k = int(_choose(a, tail, avail, float(runs), base, self.token_ms, self.k_min, self.uniform, k_out))
         self.k_hist += np.bincount(k_out, minlength=self.k_max + 1)[: self.k_max + 1]
         self.step_hist[self.last_k] += 1
         return k_out

@@ -340,7 +340,7 @@ def warm_cache_main(argv: list[str]) -> int:
               "NUMBA_CACHE_DIR): nothing to warm", file=sys.stderr)
         return 1
     t0 = time.perf_counter()
-    _warm_up(parse_sam_options({"group_mode": True, "group_exchange": True}))
+    _warm_up(parse_sam_options({"group_mode": True, "group_exchange": True, "history_responses": 2, "adaptive_k": True}))
     print(f"sam-warm-cache: every SAM kernel compiled and cached in {time.perf_counter() - t0:.1f} s "
           f"({os.environ.get('NUMBA_CACHE_DIR') or Path(_sam_kernels.__file__).parent / '__pycache__'})")
     return 0
