@@ -27,6 +27,14 @@ min = max = 5, imported from ``--vllm-tree``, default the workspace's vLLM tree,
 missing), ``arctic_suffix`` (arctic-inference 0.1.1
 ``SuffixDecodingCache`` used as vLLM 0.13's ``SuffixDecodingProposer`` does). A baseline that cannot
 run reports null values and the reason.
+
+``--history H`` (with ``--group``): lockstep visit replay (``replay_visits``): samples ``[0, H)`` of each prompt
+are its earlier visit, samples ``[H, n)`` of all prompts run together; ``sam_group`` (current group only, fixed
+k), ``sam_group_history`` (the earlier responses in the history store), with ``--adaptive-k KMAX``
+``sam_group_adaptive`` (history + draft length per step, ``AdaptiveK``) and with ``--history-weighted``
+``sam_group_history_weighted`` (history ordered by a majority-vote reward stand-in). Each reports
+``bulk_mean_accepted`` / ``tail_mean_accepted`` (steps with more than / at most 8 requests running) and
+``tail_steps``; their cost runs with the history store filled (``history_texts``).
 """
 
 from __future__ import annotations
@@ -735,6 +743,8 @@ def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int
     if history:
         h = d.p.history  # type: ignore[attr-defined]
         out.update({"history_store_tokens": hist_tokens, "history_store_bytes": h.nbytes(),
+                    # the automata alone (running texts, history strings, cache), without the store's raw tokens
+                    "bytes_per_token_automata": (nb - h.nbytes()) / max(nt - h.num_tokens(), 1),
                     "history_store_bound_bytes": h.max_bytes, "history_strings": d.p.history_strings,  # type: ignore[attr-defined]
                     "history_store_within_bound": h.nbytes() <= h.max_bytes})
     if isinstance(d, SamAdaptiveDrafter):
