@@ -1056,7 +1056,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ratios = {}
 
     def ma(n: str) -> float | None:
-        return methods[n].get("mean_accepted")
+        return methods.get(n, {}).get("mean_accepted")
 
     for a, b in (("sam", "vllm_ngram"), ("sam_group", "sam"), ("sam_group", "arctic_suffix"),
                  ("sam_group_spread", "sam"), ("sam_group_exchange", "sam_group"),
