@@ -153,3 +153,27 @@ def test_history_raises_bulk_tokens_per_step_on_the_dev_corpus() -> None:
     assert base["response_tokens"] == hist["response_tokens"] > 30000
     assert hist["history_strings"] == 4 * len(groups) and base["history_strings"] == 0
     assert hist["bulk_mean_accepted"] >= 1.10 * base["bulk_mean_accepted"]
+
+
+def test_bench_cli_history_and_adaptive(tmp_path: Path) -> None:
+    """``python -m qwen3_rl.bench.drafters --group --history 4 --adaptive-k 8``, tiny cost run: the three visit
+    methods report bulk / tail figures and their cost with the history store filled and within its bound."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "qwen3_rl.bench.drafters", "--corpus", str(CORPUS), "--k", "3", "--group",
+           "--history", "4", "--adaptive-k", "8", "--limit-prompts", "3", "--batch", "16", "--context-len", "2048",
+           "--cost-steps", "3", "--cost-repeats", "1", "--vllm-tree", str(tmp_path / "no-vllm"),
+           "--methods", "sam_group", "sam_group_history", "sam_group_adaptive", "--json"]
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, check=True)
+    m = json.loads(out.stdout)["methods"]
+    for name in ("sam_group", "sam_group_history", "sam_group_adaptive"):
+        r = m[name]
+        assert r["current_requests"] == 12 and r["tail_steps"] > 0 and r["tail_mean_accepted"] >= 1.0, name
+        assert r["us_per_step"] > 0 and 4 <= r["bytes_per_token"] <= 400, name
+    assert m["sam_group"]["history_strings"] == 0 and m["sam_group_history"]["history_strings"] == 12
+    for name in ("sam_group_history", "sam_group_adaptive"):
+        assert m[name]["history_store_within_bound"] and m[name]["history_store_tokens"] == 2 * 4 * 2048 // 4
+    assert max(i for i, c in enumerate(m["sam_group_adaptive"]["k_hist"]) if c) > 3
+    assert m["vllm_ngram"]["mean_accepted"] is None and m["vllm_ngram"]["unavailable"]

@@ -575,8 +575,8 @@ def replay_visits(groups: list[list[Sample]], cfg: SamConfig, k: int, history: i
     reqsteps = sums["bulk"][1] + sums["tail"][1]
     hist = p.history
     return {"mean_accepted": tokens / max(reqsteps, 1), "acceptance_rate": accepted / max(drafted, 1),
-            "bulk_mean_accepted": sums["bulk"][0] / max(sums["bulk"][1], 1),
-            "tail_mean_accepted": sums["tail"][0] / max(sums["tail"][1], 1),
+            "bulk_mean_accepted": sums["bulk"][0] / sums["bulk"][1] if sums["bulk"][1] else None,
+            "tail_mean_accepted": sums["tail"][0] / sums["tail"][1] if sums["tail"][1] else None,
             "tail_steps": tail_steps, "lockstep_steps": steps, "steps": reqsteps, "drafted": drafted,
             "accepted": accepted, "response_tokens": tokens, "history": history if use_history else 0,
             "current_requests": len(rids), "modeled_ms": modeled, "tokens_per_modeled_ms": tokens / modeled,
@@ -745,7 +745,8 @@ def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int
         out.update({"history_store_tokens": hist_tokens, "history_store_bytes": h.nbytes(),
                     # the automata alone (running texts, history strings, cache), without the store's raw tokens
                     "bytes_per_token_automata": (nb - h.nbytes()) / max(nt - h.num_tokens(), 1),
-                    "history_store_bound_bytes": h.max_bytes, "history_strings": d.p.history_strings,  # type: ignore[attr-defined]
+                    "history_store_bound_bytes": h.max_bytes,
+                    "cost_history_strings": d.p.history_strings,  # type: ignore[attr-defined]
                     "history_store_within_bound": h.nbytes() <= h.max_bytes})
     if isinstance(d, SamAdaptiveDrafter):
         out["k_hist"] = d.pol.k_hist.tolist()
@@ -971,10 +972,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         methods["sam_group"] = _null("group-aware mode not requested (--group)")
         methods["sam_group_spread"] = _null("group-aware mode not requested (--group)")
-    if not (args.group and H):
-        methods["sam_group_history"] = _null("needs --group and --history H")
-    if not (args.group and H and args.adaptive_k):
-        methods["sam_group_adaptive"] = _null("needs --group, --history H and --adaptive-k KMAX")
     try:
         try:
             vllm_tree = str(upstream_tree("vllm", args.vllm_tree))
@@ -1050,8 +1047,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as e:
             methods["sam_group_exchange"] = _null(f"{type(e).__name__}: {e}")
             methods["sam_group_exchange"]["traceback"] = traceback.format_exc(limit=3)
-    for name in ("sam", "sam_group", "sam_group_spread", "sam_group_exchange", "sam_group_history",
-                 "sam_group_adaptive", "vllm_ngram", "arctic_suffix"):
+    for name in ("sam", "sam_group", "sam_group_spread", "sam_group_exchange", "vllm_ngram", "arctic_suffix"):
         methods.setdefault(name, _null("not run"))
     ratios = {}
 
