@@ -59,6 +59,7 @@ def sam_runs(request, engine_ws: Path, tiny_models: dict[str, Path], tmp_path_fa
         {"name": "sam_history_adaptive", "llm": sam(KMAX, group_mode=True, cache_max_responses=0,
                                                     history_responses=4, adaptive_k=True),
          "prompts": GROUP, "phases": WAVES},
+        {"name": "sam_adaptive_pad", "llm": sam(KMAX, adaptive_k=True, pad_drafts=True)},
         {"name": "ngram", "llm": {"speculative_config": {"method": "ngram", "num_speculative_tokens": K,
                                                           "prompt_lookup_max": 3, "prompt_lookup_min": 1}}},
     ]}
@@ -73,7 +74,7 @@ def test_sam_builds_in_the_real_runner(sam_runs: dict[str, dict]) -> None:
 
 
 @pytest.mark.parametrize("name,base", [("sam", "base"), ("sam_group", "base_group"), ("sam_pad", "base"),
-                                       ("ngram", "base")])
+                                       ("sam_adaptive_pad", "base"), ("ngram", "base")])
 def test_greedy_output_is_token_identical(sam_runs: dict[str, dict], name: str, base: str) -> None:
     out, ref = sam_runs[name]["outputs"], sam_runs[base]["outputs"]
     assert len(out) == len(ref) and all(len(o) == 64 for o in out)
@@ -194,3 +195,7 @@ def test_adaptive_k_varies_per_step_and_is_lossless(sam_runs: dict[str, dict]) -
     assert drafted(r)[1] > 0
     assert sum(1 for c in ad["step_hist"][1:] if c) >= 2  # k changes from step to step
     assert max(i for i, c in enumerate(ad["k_hist"]) if c) > K  # and goes beyond the fixed k
+    # pad_drafts (graph mode) with adaptive k: one padded length per step, still lossless (parametrized above)
+    pad = sam_runs["sam_adaptive_pad"]
+    print(f"adaptive + pad_drafts: {drafted(pad)}; k per step {pad['drafter']['adaptive']['step_hist']}")
+    assert drafted(pad)[0] > 0
