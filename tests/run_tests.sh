@@ -7,7 +7,8 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${QWEN3_RL_VENV:-${HOME}/.cache/qwen3_rl/venv}"
 ENGINE_VENV="${QWEN3_RL_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/engine-venv}"
 SAM_BOUNDSCHECK_TESTS=(tests/test_spec_decode_sam.py tests/test_sibling_exchange.py tests/test_sam_warm_up.py
-                       tests/test_sam_exchange_hook.py tests/test_sam_group_key.py tests/test_sam_boundscheck.py)
+                       tests/test_sam_exchange_hook.py tests/test_sam_group_key.py tests/test_sam_boundscheck.py
+                       tests/test_sam_history.py tests/test_sam_adaptive_k.py)
 
 usage() {
   cat <<'USAGE'

@@ -177,12 +177,23 @@ RULE_CASES = [
     (DENSE, {"SAM_ENABLE": "True", "SAM_GROUP": "True", "SAM_GROUP_EXCHANGE": "True"}, DENSE_CTX,
      "SAM_GROUP_EXCHANGE=True requires VLLM_DP > 1 (got VLLM_DP=1): with vLLM DP 1 every engine already holds all "
      "the siblings it serves"),
+    (MOE, {"SAM_ENABLE": "True", "SAM_HISTORY": "4"}, MOE_CTX,
+     "SAM_GROUP=False excludes SAM_HISTORY > 0: the history seeds the group automata of the SAM drafter"),
+    (MOE, {"SAM_ADAPTIVE_K": "True"}, MOE_CTX,
+     "SAM_ADAPTIVE_K=True requires SAM_ENABLE=True (got SAM_ENABLE=False): the draft length is chosen by the SAM "
+     "drafter"),
+    (MOE, {"SAM_ENABLE": "True", "SAM_ADAPTIVE_K": "True", "SAM_K_MAX": "16"}, MOE_CTX,
+     "SAM_ADAPTIVE_K=True excludes SAM_K_MAX > 15: vLLM-Ascend's attention takes k + 1 <= 16 query tokens per "
+     "sequence"),
 ]
+# rules whose switches set no key while the rule is broken (SAM_ENABLE off): preflight has nothing to read back
+NO_KEY_CASES = ({"SAM_GROUP": "True"}, {"SAM_ADAPTIVE_K": "True"})
 
 
 def test_every_rule_is_reported() -> None:
     """The train script's CLI stops at each broken rule with its line; preflight finds the same rule in a command
-    carrying the keys (hand-written), except SAM_GROUP without SAM_ENABLE, which sets no key to read back."""
+    carrying the keys (hand-written), except SAM_GROUP and SAM_ADAPTIVE_K without SAM_ENABLE, which set no key to
+    read back."""
     from qwen3_rl.features import check_command
 
     for setup, env, ctx, msg in RULE_CASES:
@@ -190,7 +201,7 @@ def test_every_rule_is_reported() -> None:
             setup_overrides(setup, env, ctx, REG)
         assert str(err.value) == msg
         keys = _keys_for(setup, env, ctx)
-        assert check_command(keys, setup, REG) == ([] if env == {"SAM_GROUP": "True"} else [msg]), msg
+        assert check_command(keys, setup, REG) == ([] if env in NO_KEY_CASES else [msg]), msg
     rules = [(f.env, r.kind) for f in REG.features.values() for r in (*f.requires, *f.excludes)]
     assert len(RULE_CASES) == len(rules), "a rule without a case (or a case without a rule)"
     assert {(m.split("=")[0], m.split(" ")[1]) for *_, m in RULE_CASES} == set(rules)

@@ -125,6 +125,7 @@ def test_warm_cache_command_fills_numba_cache(tmp_path) -> None:
         assert str(tmp_path) in proc.stdout
     index = sorted(p.name for p in tmp_path.rglob("*.nbi"))
     assert any(n.startswith("_sam_kernels.") for n in index), index
+    assert any(n.startswith("adaptive_k.") for n in index), index  # the adaptive draft-length kernels too
     assert len(list(tmp_path.rglob("*.nbc"))) >= len(index) > 5
 
 

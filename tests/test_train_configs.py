@@ -377,7 +377,7 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
 # lists a one-element list; every other variable (shell sizes and paths, int switches) a distinct number
 _EVERY_VAR_FALSE = ("MOE_ALLTOALLV", "USE_MBRIDGE", "SAM_GROUP_EXCHANGE", "ROLLOUT_REBALANCE",
                     "USE_CURRENT_LOG_PROB_AS_OLD")
-_CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1"}
+_CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1", "SAM_K_MAX": "15"}  # values the rules accept
 _RUNTIME_ENV = ("PWD", "OLDPWD", "SHLVL", "_")
 
 
@@ -614,7 +614,7 @@ def test_compose_every_feature_key(patched_imports: Path) -> None:
         on.update(MOE_ALLTOALLV="False", USE_MBRIDGE="False", USE_CURRENT_LOG_PROB_AS_OLD="False",
                   ROLLOUT_REBALANCE="True" if vllm_dp > 1 else "False",
                   SAM_GROUP_EXCHANGE="True" if vllm_dp > 1 else "False", MOE_ZERO_MEMORY="level1",
-                  MOE_ZERO_MEMORY_NUM_LAYERS="2", MOE_PREFILL_CHUNK_SIZE="4096", SAM_BS_THRESHOLD="8")
+                  MOE_ZERO_MEMORY_NUM_LAYERS="2", MOE_PREFILL_CHUNK_SIZE="4096", SAM_BS_THRESHOLD="8", SAM_HISTORY="4")
         envs = [{}, on, {**on, "NPUGRAPH_EX": "False"}, {"USE_MBRIDGE": "True"}]
         for env in envs:
             cmd = parse_train_script(INTERNAL / name, env={**BASE_ENV, **env})

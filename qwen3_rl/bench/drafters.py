@@ -27,6 +27,14 @@ min = max = 5, imported from ``--vllm-tree``, default the workspace's vLLM tree,
 missing), ``arctic_suffix`` (arctic-inference 0.1.1
 ``SuffixDecodingCache`` used as vLLM 0.13's ``SuffixDecodingProposer`` does). A baseline that cannot
 run reports null values and the reason.
+
+``--history H`` (with ``--group``): lockstep visit replay (``replay_visits``): samples ``[0, H)`` of each prompt
+are its earlier visit, samples ``[H, n)`` of all prompts run together; ``sam_group`` (current group only, fixed
+k), ``sam_group_history`` (the earlier responses in the history store), with ``--adaptive-k KMAX``
+``sam_group_adaptive`` (history + draft length per step, ``AdaptiveK``) and with ``--history-weighted``
+``sam_group_history_weighted`` (history ordered by a majority-vote reward stand-in). Each reports
+``bulk_mean_accepted`` / ``tail_mean_accepted`` (steps with more than / at most 8 requests running) and
+``tail_steps``; their cost runs with the history store filled (``history_texts``).
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ from typing import Any
 import numpy as np
 
 from qwen3_rl.bench.upstream_trees import UpstreamTreeError, upstream_tree
+from qwen3_rl.spec_decode._sam_kernels import M_LEN
+from qwen3_rl.spec_decode.adaptive_k import AdaptiveK
 from qwen3_rl.spec_decode.sam import SamConfig, SamProposer, group_key
 from qwen3_rl.spec_decode.sibling_exchange import (
     DEFAULT_MAX_BYTES,
@@ -161,6 +171,32 @@ class _Drafts:
 
     def __getitem__(self, i: int) -> np.ndarray:
         return self.out[i, : self.cnt[i]]
+
+
+class SamAdaptiveDrafter(SamDrafter):
+    """Ours with the adaptive draft length (``adaptive_k``): a timed step = the policy's observation of the
+    previous step's acceptance + ``step_arrays`` at k_max + the policy's choice (what the runner does)."""
+
+    def __init__(self, cfg: SamConfig) -> None:
+        super().__init__(cfg)
+        self.pol = adaptive_from(cfg)
+        self.kmax = cfg.num_speculative_tokens
+        self.last: np.ndarray | None = None  # draft lengths given last step
+
+    def prepare_step(self, rids: Sequence[str], accepted: Sequence[np.ndarray], k: int) -> Any:
+        slots, toks, offs, _ = super().prepare_step(rids, accepted, k)
+        acc = np.maximum(np.diff(offs) - 1, 0)
+        return slots, toks, offs, acc
+
+    def timed_step(self, prepared: Any) -> Any:
+        slots, toks, offs, acc = prepared
+        ctx = float(self.p._SM[slots, M_LEN].sum())  # context tokens (the runner sums num_tokens_no_spec)
+        if self.last is not None:
+            self.pol.observe(slots, self.last, acc)
+        out, cnt = self.p.step_arrays(slots, toks, offs, self.kmax)
+        kk = self.pol.choose(slots, cnt, ctx)
+        self.last = kk
+        return _Drafts(out, np.minimum(cnt, kk).astype(np.int32))
 
 
 def import_vllm_ngram(vllm_tree: str) -> type:
@@ -403,6 +439,153 @@ def replay_exchange(groups: list[list[Sample]], cfg: SamConfig, k: int, ranks: i
             "bytes_per_token_replay_end": peak_bpt or None}
 
 
+TAIL_MAX = 8  # a lockstep step with at most this many running requests belongs to the tail
+
+
+def adaptive_from(cfg: SamConfig) -> AdaptiveK:
+    """The runner's draft-length policy for ``cfg`` (``adaptive_k``; k_max = ``num_speculative_tokens``)."""
+    return AdaptiveK(cfg.num_speculative_tokens, cfg.adaptive_k_min, cfg.verify_base_ms, cfg.verify_seq_ms,
+                     cfg.verify_token_ms, cfg.verify_kctx_ms, uniform=cfg.pad_drafts)
+
+
+BOXED = (79075, 90)  # Qwen2.5 tokens of "boxed" and "{"
+DIGITS = range(15, 25)  # Qwen2.5 tokens of "0".."9"
+
+
+def proxy_rewards(g: list[Sample]) -> list[float]:
+    """Reward stand-in for one prompt's samples (the corpus has no reference answers): majority vote.
+
+    A response's answer = the digit tokens after its last ``boxed{``; 1.0 when it equals the most common
+    answer among the prompt's samples and at least two samples give it, else 0.0 (no ``boxed{``: 0.0).
+    """
+    answers: list[tuple[int, ...] | None] = []
+    for s in g:
+        r = s.response.tolist()
+        at = [i for i in range(len(r) - 1) if (r[i], r[i + 1]) == BOXED]
+        if not at:
+            answers.append(None)
+            continue
+        j = at[-1] + 2
+        ans = []
+        while j < len(r) and r[j] in DIGITS:
+            ans.append(r[j])
+            j += 1
+        answers.append(tuple(ans) if ans else None)
+    votes = [a for a in answers if a is not None]
+    if not votes:
+        return [0.0] * len(g)
+    best = max(set(votes), key=votes.count)
+    return [1.0 if a == best and votes.count(best) >= 2 else 0.0 for a in answers]
+
+
+def replay_visits(groups: list[list[Sample]], cfg: SamConfig, k: int, history: int, *, use_history: bool,
+                  adaptive: bool = False, weighted: bool = False, tail_max: int = TAIL_MAX,
+                  on_step: Callable[[int, np.ndarray], None] | None = None) -> dict[str, Any]:
+    """Lockstep replay of one rollout step on one engine, with a prompt's earlier visit in the history.
+
+    Per prompt, samples ``[0, history)`` stand for the responses of its previous visit (an earlier rollout
+    step): with ``use_history`` they enter the drafter's history store (``history_add``; ``weighted``: scored
+    with ``proxy_rewards`` through the reward hook), else they are not seen. Samples ``[history, n)`` are the
+    current groups: all of them run together from the first step (siblings on one engine, finished
+    responses enter the finished-response cache). A step verifies every running request's draft (fixed
+    ``k``, or with ``adaptive`` the ``AdaptiveK`` choice at k_max = ``cfg.num_speculative_tokens``), accepts
+    while it equals the real tokens and advances one bonus token.
+
+    Returns ``mean_accepted`` (response tokens / request-steps), ``bulk_mean_accepted`` and
+    ``tail_mean_accepted`` (the same over the lockstep steps with more than / at most ``tail_max`` running
+    requests), ``tail_steps``, ``lockstep_steps``, ``modeled_ms`` (the verification cost model summed over
+    the steps, ``AdaptiveK.step_ms``; drafted tokens counted as verified) and the draft-length histogram.
+    ``on_step(step, k_per_request)`` sees every step's draft lengths (tests).
+    """
+    p = SamProposer(cfg)
+    if weighted and p.history is not None:
+        p.history.weighted = True  # measured, not a product option (docs/sam_decoding.md)
+    pol = adaptive_from(cfg) if adaptive else None
+    costm = pol or AdaptiveK(max(k, 1), 1, cfg.verify_base_ms, cfg.verify_seq_ms, cfg.verify_token_ms,
+                             cfg.verify_kctx_ms)
+    kq = cfg.num_speculative_tokens if adaptive else k
+    scored = 0
+    if use_history:
+        for g in groups:
+            key = group_key(g[0].prompt)
+            for s in g[:history]:
+                p.history_add(key, s.response)
+            if weighted:
+                rw = proxy_rewards(g)[:history]
+                scored += sum(rw)
+                p.history_score(key, [s.response for s in g[:history]], rw)
+    rids, resp, pos, ctx = [], [], [], []
+    for g in groups:
+        key = group_key(g[0].prompt)
+        for s in g[history:]:
+            rid = f"{s.prompt_id}-{s.sample_id}"
+            p.add_request(rid, s.prompt, key)
+            rids.append(rid)
+            resp.append(s.response)
+            pos.append(0)
+            ctx.append(int(s.prompt.shape[0]))
+    seeded_bytes = p.nbytes()
+    live = list(range(len(rids)))
+    sums = {"bulk": [0, 0], "tail": [0, 0]}  # tokens, request-steps
+    drafted = accepted = steps = tail_steps = 0
+    modeled = 0.0
+    khist = np.zeros(kq + 1, np.int64)
+    step = 0
+    while live:
+        slots = p.slots_of([rids[i] for i in live])
+        out, cnt = p.propose_arrays(slots, kq)
+        out, cnt = out.copy(), cnt.astype(np.int64).copy()
+        ctx_tokens = float(sum(ctx[i] + pos[i] for i in live))
+        kk = pol.choose(slots, cnt, ctx_tokens) if pol is not None else np.minimum(cnt, k)
+        if pol is not None and pol.uniform and kk.shape[0]:
+            kk = np.full_like(kk, int(kk.max()))  # padded to the step's k (pad tokens verified, never accepted)
+        if on_step is not None:
+            on_step(step, kk)
+        khist += np.bincount(np.minimum(kk, kq), minlength=kq + 1)[: kq + 1]
+        part = "tail" if len(live) <= tail_max else "bulk"
+        tail_steps += part == "tail"
+        acc_l, adv_l, done = [], [], []
+        accs = np.zeros(len(live), np.int64)
+        for j, i in enumerate(live):
+            d, r, p0 = out[j, : min(kk[j], cnt[j])], resp[i], pos[i]
+            a = 0
+            while a < d.shape[0] and p0 + a < r.shape[0] and d[a] == r[p0 + a]:
+                a += 1
+            adv = min(a + 1, r.shape[0] - p0)
+            accs[j] = a
+            acc_l.append(rids[i])
+            adv_l.append(r[p0: p0 + adv])
+            pos[i] = p0 + adv
+            sums[part][0] += adv
+            sums[part][1] += 1
+            drafted += int(kk[j])
+            accepted += a
+            if pos[i] >= r.shape[0]:
+                done.append(i)
+        modeled += costm.step_ms(len(live), int(kk.sum()), ctx_tokens)
+        if pol is not None:
+            pol.observe(slots, kk, accs)
+        p.extend_batch(acc_l, adv_l)
+        for i in done:
+            p.finish(rids[i])
+        live = [i for i in live if pos[i] < resp[i].shape[0]]
+        steps += 1
+        step += 1
+    tokens = sums["bulk"][0] + sums["tail"][0]
+    reqsteps = sums["bulk"][1] + sums["tail"][1]
+    hist = p.history
+    return {"mean_accepted": tokens / max(reqsteps, 1), "acceptance_rate": accepted / max(drafted, 1),
+            "bulk_mean_accepted": sums["bulk"][0] / sums["bulk"][1] if sums["bulk"][1] else None,
+            "tail_mean_accepted": sums["tail"][0] / sums["tail"][1] if sums["tail"][1] else None,
+            "tail_steps": tail_steps, "lockstep_steps": steps, "steps": reqsteps, "drafted": drafted,
+            "accepted": accepted, "response_tokens": tokens, "history": history if use_history else 0,
+            "current_requests": len(rids), "modeled_ms": modeled, "tokens_per_modeled_ms": tokens / modeled,
+            "k_hist": khist.tolist(), "history_strings": p.history_strings,
+            "history_scored_responses": scored if weighted else None,
+            "history_store_bytes_after": hist.nbytes() if hist is not None else 0,
+            "nbytes_after_seeding": seeded_bytes}
+
+
 def build_contexts(groups: list[list[Sample]], batch: int, context_len: int, extra: int,
                    siblings: int) -> tuple[list[np.ndarray], list[np.ndarray], list[str]]:
     """Cost contexts: one ``context_len``-token text per request, made of corpus samples, plus its continuation.
@@ -459,8 +642,31 @@ def build_contexts(groups: list[list[Sample]], batch: int, context_len: int, ext
     return ctxs, conts, keys
 
 
+def history_texts(groups: list[list[Sample]], keys: Sequence[str], history: int, tokens: int
+                  ) -> dict[str, list[np.ndarray]]:
+    """History of the cost groups (``build_contexts``'s keys ``g<gi>``, corpus prompt ``gi % len(groups)``):
+    ``history`` responses of ``tokens`` tokens per group. Response h starts with the real response
+    ``(tp, h % n)`` of the group's prompt (a sibling's text, as an earlier visit's), followed by further
+    responses of that prompt with token ids shifted by ``m * ROUND_SHIFT`` (no span repeats verbatim)."""
+    out: dict[str, list[np.ndarray]] = {}
+    for key in dict.fromkeys(keys):
+        tp = int(key[1:]) % len(groups)
+        g = groups[tp]
+        resps = []
+        for h in range(history):
+            parts, have, m = [], 0, 0
+            while have < tokens:
+                piece = g[(h + m) % len(g)].response.astype(np.int64) + m * ROUND_SHIFT
+                parts.append(piece.astype(np.int32))
+                have += piece.shape[0]
+                m += 1
+            resps.append(np.concatenate(parts)[:tokens])
+        out[key] = resps
+    return out
+
+
 def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int, batch: int, context_len: int,
-                 steps: int, warmup: int = 3, fill_cache: bool = False) -> dict[str, Any]:
+                 steps: int, warmup: int = 3, fill_cache: bool = False, history: int = 0) -> dict[str, Any]:
     """CPU us per decode step (batch update + propose) and bytes per token at ``batch`` x ``context_len``.
 
     Contexts are built (``add``) before timing; each timed step appends only that step's accepted
@@ -468,10 +674,19 @@ def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int
     one kernel call per step; list conversion is runner-side work done in ``prepare_step``).
     ``fill_cache``: finish every corpus response (reversed) first so the finished-response cache is
     full (group mode's steady state; its matching then costs inside every step).
+    ``history`` > 0: the history store is filled first with ``history`` responses of ``context_len //
+    history`` tokens for every cost group (``history_texts``), so every group automaton starts with them.
     """
     extra = (steps + warmup + 1) * (k + 1) + 2 * min(steps, 10)  # timed steps + the list-API steps
     ctxs, conts, keys = build_contexts(groups, batch, context_len, extra, max(len(g) for g in groups))
     d = make()
+    hist_tokens = 0
+    if history:
+        assert isinstance(d, SamDrafter) and d.p.history is not None, "history cost needs history_responses > 0"
+        for key, resps in history_texts(groups, keys, history, context_len // history).items():
+            for r in resps:
+                d.p.history_add(key, r)
+        hist_tokens = d.p.history.num_tokens()
     if fill_cache:
         for g in groups:
             for s in g:
@@ -525,7 +740,17 @@ def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int
            # tokens a request advances per timed step: compare with the replay's mean_accepted
            "cost_tokens_per_request_step": float(np.mean(tokens)) / batch,
            "bytes_per_token": peak, "build_s": build_s}
-    if isinstance(d, SamDrafter):  # the list-in/list-out API on the same state, for reference
+    if history:
+        h = d.p.history  # type: ignore[attr-defined]
+        out.update({"history_store_tokens": hist_tokens, "history_store_bytes": h.nbytes(),
+                    # the automata alone (running texts, history strings, cache), without the store's raw tokens
+                    "bytes_per_token_automata": (nb - h.nbytes()) / max(nt - h.num_tokens(), 1),
+                    "history_store_bound_bytes": h.max_bytes,
+                    "cost_history_strings": d.p.history_strings,  # type: ignore[attr-defined]
+                    "history_store_within_bound": h.nbytes() <= h.max_bytes})
+    if isinstance(d, SamAdaptiveDrafter):
+        out["k_hist"] = d.pol.k_hist.tolist()
+    if isinstance(d, SamDrafter) and not isinstance(d, SamAdaptiveDrafter):  # the list API, for reference
         lt = []
         for _ in range(min(steps, 10)):
             acc = [conts[r][pos[r]: pos[r] + 2] for r in range(batch)]
@@ -546,7 +771,8 @@ def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int
 
 
 def measure_cost_repeated(make: Callable[[], Drafter], groups: list[list[Sample]], k: int, batch: int,
-                          context_len: int, steps: int, repeats: int, fill_cache: bool = False) -> dict[str, Any]:
+                          context_len: int, steps: int, repeats: int, fill_cache: bool = False, history: int = 0
+                          ) -> dict[str, Any]:
     """``measure_cost`` ``repeats`` times, each with a fresh drafter and freshly built contexts.
 
     The figures of the run with the median ``us_per_step`` are returned (so ``us_per_step`` is the median
@@ -555,7 +781,8 @@ def measure_cost_repeated(make: Callable[[], Drafter], groups: list[list[Sample]
     """
     if repeats < 1:
         raise ValueError(f"--cost-repeats must be >= 1, got {repeats}")
-    runs = [measure_cost(make, groups, k, batch, context_len, steps, fill_cache=fill_cache) for _ in range(repeats)]
+    runs = [measure_cost(make, groups, k, batch, context_len, steps, fill_cache=fill_cache, history=history)
+            for _ in range(repeats)]
     order = sorted(range(repeats), key=lambda i: runs[i]["us_per_step"])
     out = dict(runs[order[(repeats - 1) // 2]])
     out["us_per_step_runs"] = [round(r["us_per_step"], 1) for r in runs]
@@ -715,10 +942,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                            "cache_max_tokens": args.cache_tokens})
     makers: dict[str, tuple[Callable[[], Drafter], Callable[[], Drafter] | None, int]] = {}
     methods: dict[str, Any] = {}
+    H = args.history
+    hist_cfg = SamConfig(**{**grp_cfg.__dict__, "history_responses": max(H, 1)})
+    ada_cfg = SamConfig(**{**hist_cfg.__dict__, "num_speculative_tokens": max(args.adaptive_k, 1), "adaptive_k": True,
+                           "adaptive_k_min": min(args.adaptive_k_min, max(args.adaptive_k, 1))})
+    # --history H: lockstep visit replay (samples [0, H) = the prompt's earlier visit), bulk / tail figures
+    visits: dict[str, Callable[[], dict[str, Any]]] = {}
+    cost_k: dict[str, int] = {}
+    cost_hist: dict[str, int] = {}
     makers["sam"] = (lambda: SamDrafter(sam_cfg), lambda: SamDrafter(sam_cfg), 1)
     if args.group:
         makers["sam_group"] = (lambda: SamDrafter(grp_cfg), lambda: SamDrafter(grp_cfg), 1)
         makers["sam_group_spread"] = (lambda: SamDrafter(grp_cfg), None, args.ranks)
+        if H:
+            visits["sam_group"] = lambda: replay_visits(groups, grp_cfg, k, H, use_history=False)
+            makers["sam_group_history"] = (lambda: SamDrafter(hist_cfg), lambda: SamDrafter(hist_cfg), 1)
+            visits["sam_group_history"] = lambda: replay_visits(groups, hist_cfg, k, H, use_history=True)
+            cost_hist["sam_group_history"] = H
+            if args.history_weighted:
+                makers["sam_group_history_weighted"] = (lambda: SamDrafter(hist_cfg), None, 1)
+                visits["sam_group_history_weighted"] = lambda: replay_visits(groups, hist_cfg, k, H, use_history=True,
+                                                                             weighted=True)
+            if args.adaptive_k:
+                makers["sam_group_adaptive"] = (lambda: SamDrafter(ada_cfg), lambda: SamAdaptiveDrafter(ada_cfg), 1)
+                visits["sam_group_adaptive"] = lambda: replay_visits(groups, ada_cfg, k, H, use_history=True,
+                                                                     adaptive=True)
+                cost_k["sam_group_adaptive"] = args.adaptive_k
+                cost_hist["sam_group_adaptive"] = H
     else:
         methods["sam_group"] = _null("group-aware mode not requested (--group)")
         methods["sam_group_spread"] = _null("group-aware mode not requested (--group)")
@@ -749,7 +999,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             methods[name] = _null("not selected (--methods)")
             continue
         try:
-            res = replay(groups, make, k, ranks)
+            res = visits[name]() if name in visits else replay(groups, make, k, ranks)
             res.setdefault("us_per_step", None)
             res.setdefault("bytes_per_token", None)
             if ranks > 1:
@@ -759,8 +1009,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 cost_ctx = args.context_len
                 if name == "arctic_suffix" and args.arctic_cost_batch:
                     batch = args.arctic_cost_batch
-                res.update(measure_cost_repeated(make_cost, groups, k, batch, cost_ctx, args.cost_steps,
-                                                 args.cost_repeats, fill_cache=name == "sam_group"))
+                res.update(measure_cost_repeated(make_cost, groups, cost_k.get(name, k), batch, cost_ctx,
+                                                 args.cost_steps, args.cost_repeats,
+                                                 fill_cache=name.startswith("sam_group"),
+                                                 history=cost_hist.get(name, 0)))
                 res["cost_batch"] = batch
                 res["cost_context_len"] = cost_ctx
             elif make_cost is None:
@@ -800,13 +1052,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ratios = {}
 
     def ma(n: str) -> float | None:
-        return methods[n].get("mean_accepted")
+        return methods.get(n, {}).get("mean_accepted")
 
     for a, b in (("sam", "vllm_ngram"), ("sam_group", "sam"), ("sam_group", "arctic_suffix"),
                  ("sam_group_spread", "sam"), ("sam_group_exchange", "sam_group"),
-                 ("sam_group_exchange", "sam_group_spread")):
+                 ("sam_group_exchange", "sam_group_spread"), ("sam_group_history", "sam_group"),
+                 ("sam_group_adaptive", "sam_group_history"), ("sam_group_history_weighted", "sam_group_history")):
         if ma(a) and ma(b):
             ratios[f"{a}/{b}"] = ma(a) / ma(b)  # type: ignore[operator]
+    for a, b in (("sam_group_history", "sam_group"), ("sam_group_adaptive", "sam_group_history"),
+                 ("sam_group_adaptive", "sam_group")):
+        for part in ("bulk", "tail"):
+            x, y = (methods.get(n, {}).get(f"{part}_mean_accepted") for n in (a, b))
+            if x and y:
+                ratios[f"{a}/{b} ({part})"] = x / y
+    us = {n: m.get("us_per_step") for n, m in methods.items()}
+    for a in ("sam_group_history", "sam_group_adaptive"):
+        if us.get(a) and us.get("vllm_ngram"):
+            ratios[f"vllm_ngram/{a} (us per step)"] = us["vllm_ngram"] / us[a]  # type: ignore[operator]
     return {"corpus": str(args.corpus), "k": k, "prompts": len(groups),
             "responses": sum(len(g) for g in groups),
             "response_tokens": sum(int(s.response.shape[0]) for g in groups for s in g),
@@ -834,6 +1097,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="sam_group_exchange: extra steps before a message is merged (D; the vLLM hook runs D = 1)")
     p.add_argument("--exchange-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
                    help="sam_group_exchange: cap of one rank's message (bytes)")
+    p.add_argument("--history", type=int, default=0,
+                   help="H > 0: lockstep visit replay, samples [0, H) of a prompt = its earlier visit "
+                        "(sam_group without it, sam_group_history with it in the history store)")
+    p.add_argument("--adaptive-k", type=int, default=0, metavar="KMAX",
+                   help="with --history: also sam_group_adaptive (history + adaptive draft length up to KMAX)")
+    p.add_argument("--adaptive-k-min", type=int, default=1, help="floor of an adaptive draft length")
+    p.add_argument("--history-weighted", action="store_true",
+                   help="with --history: also sam_group_history_weighted (reward-weighted history, proxy rewards)")
     p.add_argument("--rule", default="recent", choices=["recent", "earliest"])
     p.add_argument("--budget", type=int, default=SamConfig.recent_budget, help="recent-rule update walk")
     p.add_argument("--min-match", type=int, default=1)

@@ -60,6 +60,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -390,6 +391,13 @@ def _sum_max_lines(C: np.ndarray, R: np.ndarray, k: int) -> tuple[float, float]:
     return total, peak
 
 
+class DraftModelLike(Protocol):
+    """``sim.drafting.DraftModel``: the time of a lockstep segment run as SAM verification steps."""
+
+    def segment_ms(self, sm: StepModel, nsteps: int, running: int, bucket: int, ctx_sum: float,
+                   prefill_tokens: float) -> float: ...
+
+
 @dataclass
 class _Stats:
     steps: int = 0
@@ -404,8 +412,9 @@ class _Stats:
     tokens: int = 0
 
 
-def _run_lockstep(eng: _Engine, cfg: SimConfig, share: int = 1) -> _Stats:
-    """All ranks step together. ``share > 1`` (one pooled rank) gives the perfect-rebalancing lower bound."""
+def _run_lockstep(eng: _Engine, cfg: SimConfig, share: int = 1, draft: DraftModelLike | None = None) -> _Stats:
+    """All ranks step together. ``share > 1`` (one pooled rank) gives the perfect-rebalancing lower bound.
+    ``draft``: SAM verification steps (``sim/drafting.py``: a segment's time from its draft length)."""
     sm = cfg.step
     buckets = cfg.graph_buckets
     st = _Stats()
@@ -426,6 +435,8 @@ def _run_lockstep(eng: _Engine, cfg: SimConfig, share: int = 1) -> _Stats:
         pre = float(eng.P.max()) / share
         seg_ms = k * (sm.t0_ms + sm.per_seq_ms * bucket) + sm.per_kctx_ms * csum / share / 1000.0 \
             + sm.per_prefill_ktok_ms * pre / 1000.0
+        if draft is not None:
+            seg_ms = draft.segment_ms(sm, k, maxR, bucket, csum / share, pre)
         first_ms = sm.step_ms(bucket, float(eng.C.max()) / share, pre)
         last_ms = sm.step_ms(bucket, cpeak / share)
         st.peak_step_ms = max(st.peak_step_ms, first_ms, last_ms)
@@ -543,10 +554,14 @@ def _run_independent(eng: _Engine, cfg: SimConfig) -> _Stats:
     return st
 
 
-def simulate(lengths: Lengths, cfg: SimConfig, *, record_timeline: bool = False) -> SimResult:
-    """Simulate one rollout of ``lengths`` under ``cfg``; returns makespan, rank finish times, idle share."""
+def simulate(lengths: Lengths, cfg: SimConfig, *, record_timeline: bool = False,
+             draft: DraftModelLike | None = None) -> SimResult:
+    """Simulate one rollout of ``lengths`` under ``cfg``; returns makespan, rank finish times, idle share.
+    ``draft`` (lockstep only): SAM verification steps with per-step k (``sim/drafting.py``)."""
     eng = _Engine(lengths, cfg, _assignment(lengths, cfg.dp, cfg.data_rebalance), record_timeline)
-    st = _run_lockstep(eng, cfg) if cfg.coupling == "lockstep" else _run_independent(eng, cfg)
+    if draft is not None and cfg.coupling != "lockstep":
+        raise SimError("drafting with per-step k (BASE+...) is modelled for --coupling lockstep only")
+    st = _run_lockstep(eng, cfg, draft=draft) if cfg.coupling == "lockstep" else _run_independent(eng, cfg)
     finish = [float(x) for x in eng.finish]
     makespan = max(finish) if finish else 0.0
     idle = (makespan - min(finish)) / makespan if makespan > 0 else 0.0
@@ -819,12 +834,18 @@ def _rollout_main(argv: list[str]) -> int:
     p.add_argument("--tps-exchange", type=float, default=d.exchange,
                    help="tokens per step with siblings spread and the sibling exchange")
     p.add_argument("--drafter-ms", type=float, default=d.drafter_ms, help="drafter host cost per step (ms)")
+    p.add_argument("--verify-token-ms", type=float, default=None,
+                   help="BASE+... drafting: cost of one draft token in a verification step (ms; default 0.0585, "
+                        "sim/drafting.py)")
+    p.add_argument("--fixed-k", type=int, default=3, help="BASE+verify / BASE+history: the draft length")
+    p.add_argument("--k-max", type=int, default=15, help="BASE+adaptive: the longest draft")
     _step_args(p)
     ns = p.parse_args(argv)
     drafts = list(DRAFTING) if ns.drafting == "all" else [x.strip() for x in ns.drafting.split(",") if x.strip()]
     for dr in drafts:
-        if dr not in DRAFTING:
-            raise SimError(f"unknown drafting {dr!r} (choose from {', '.join(DRAFTING)} or 'all')")
+        if dr not in DRAFTING and "+" not in dr:
+            raise SimError(f"unknown drafting {dr!r} (choose from {', '.join(DRAFTING)}, BASE+verify|history|"
+                           "adaptive, or 'all')")
     drafting = Drafting(ns.tps_together, ns.tps_spread, ns.tps_exchange, ns.drafter_ms)
     policies = list(POLICIES) if ns.policy == "all" else [x.strip() for x in ns.policy.split(",") if x.strip()]
     for pol in policies:
@@ -844,15 +865,29 @@ def _rollout_main(argv: list[str]) -> int:
     lb = lower_bound(lengths, base)
     results = []
     tps_of: dict[int, float] = {}
+    ksteps: dict[int, dict[int, int]] = {}
     for dr in drafts:
         for pol in policies:
-            if dr == "sam_group_exchange" and pol not in SPREAD_POLICIES:
+            if dr.split("+")[0] == "sam_group_exchange" and pol not in SPREAD_POLICIES:
                 continue  # the exchange acts only where data rebalance spreads the siblings
-            tps = drafting.tokens_per_step(dr, pol)
-            lens_d, step_d = with_drafting(lengths, step, tps, drafting.drafter_ms)
+            dm = None
+            if "+" in dr:  # verification steps with per-step k (sim/drafting.py)
+                from qwen3_rl.sim.drafting import VERIFY_TOKEN_MS, draft_model
+
+                tok_ms = VERIFY_TOKEN_MS if ns.verify_token_ms is None else ns.verify_token_ms
+                dm = draft_model(dr, pol, drafting, ns.fixed_k, ns.k_max, tok_ms)
+                tps, lens_d, step_d = dm.bulk[2] * dm.layout, lengths, step
+            else:
+                tps = drafting.tokens_per_step(dr, pol)
+                lens_d, step_d = with_drafting(lengths, step, tps, drafting.drafter_ms)
             for link in links if pol in ("rollout-rebalance", "both") else links[:1]:
                 cfg = replace(base, policy=pol, step=replace(step_d, link_gb_s=link))
-                res = simulate(lens_d, cfg, record_timeline=bool(ns.plot) and link == links[0] and dr == drafts[0])
+                if dm is not None:
+                    dm.k_steps.clear()
+                res = simulate(lens_d, cfg, record_timeline=bool(ns.plot) and link == links[0] and dr == drafts[0],
+                               draft=dm)
+                if dm is not None:
+                    ksteps[id(res)] = dict(sorted(dm.k_steps.items()))
                 res.lower_bound_s = lb
                 if dr != "none":
                     res.policy = f"{pol}+{dr}"
@@ -868,8 +903,12 @@ def _rollout_main(argv: list[str]) -> int:
         if len(results) > 1:
             for r in results:
                 out["results"][_label(r, links)]["tokens_per_step"] = tps_of[id(r)]
+                if id(r) in ksteps:
+                    out["results"][_label(r, links)]["engine_steps_per_k"] = ksteps[id(r)]
         else:
             out["tokens_per_step"] = tps_of[id(results[0])]
+            if id(results[0]) in ksteps:
+                out["engine_steps_per_k"] = ksteps[id(results[0])]
         out["config"] = {"dp": ns.dp, "max_num_seqs": ns.max_num_seqs, "samples": lengths.size, "n": lengths.n,
                          "buckets": list(base.graph_buckets), "step_model": asdict(step),
                          "rebalance_interval": ns.rebalance_interval}
@@ -894,6 +933,11 @@ def _rollout_main(argv: list[str]) -> int:
     if tps_col:
         print("with drafting: steps are verification steps (ceil(tokens / tok/step)), charged as decode steps "
               "plus --drafter-ms; /LB against the lower bound without drafting")
+    if ksteps:
+        print("BASE+...: each engine step moves a request one token and costs a verification step / tokens per "
+              "step, the verification step including --verify-token-ms per draft token; tok/step column = the bulk "
+              "figure at k = 3; k used (engine steps): "
+              + "; ".join(f"{_label(r, links)} {ksteps[id(r)]}" for r in results if id(r) in ksteps))
     return 0
 
 

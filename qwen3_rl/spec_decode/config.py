@@ -37,7 +37,8 @@ SAM_TOP_LEVEL_KEYS = frozenset({
 
 #: Keys of ``speculative_config["sam_config"]``: the fields of ``SamConfig`` but k (a top-level key).
 SAM_OPTIONS = tuple(f.name for f in fields(SamConfig) if f.name != "num_speculative_tokens")
-_BOOL_OPTIONS = frozenset({"group_mode", "pad_drafts", "group_exchange"})
+_BOOL_OPTIONS = frozenset({"group_mode", "pad_drafts", "group_exchange", "adaptive_k"})
+_FLOAT_OPTIONS = frozenset({"verify_base_ms", "verify_seq_ms", "verify_token_ms", "verify_kctx_ms"})
 
 
 def _unknown(keys: Iterable[str], known: Iterable[str]) -> list[str]:
@@ -108,8 +109,9 @@ def parse_sam_options(raw: Mapping[str, Any] | None, k: int = SamConfig.num_spec
     if bad:
         raise ValueError(f"speculative_config.sam_config: unknown option(s) {bad}; accepted: {list(SAM_OPTIONS)}")
     for key, val in raw.items():
-        want = bool if key in _BOOL_OPTIONS else str if key == "rule" else int
-        ok = isinstance(val, want) and (want is bool or not isinstance(val, bool))
+        want = bool if key in _BOOL_OPTIONS else str if key == "rule" else float if key in _FLOAT_OPTIONS else int
+        ok = (isinstance(val, (int, float)) and not isinstance(val, bool)) if want is float else (
+            isinstance(val, want) and (want is bool or not isinstance(val, bool)))
         if not ok:
             raise ValueError(f"speculative_config.sam_config.{key} must be {want.__name__}, got {val!r}")
     try:

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from qwen3_rl.spec_decode.adaptive_k import AdaptiveK
 from qwen3_rl.spec_decode.sam import SamConfig, SamProposer, group_key
 from qwen3_rl.spec_decode.sibling_exchange import SiblingExchange
 
@@ -69,6 +70,12 @@ class SamRunnerDrafter:
         # sibling exchange (sam_config.group_exchange): its rank is set by the engine hook (exchange_hook.py)
         self.exchange: SiblingExchange | None = (
             SiblingExchange(self.drafter, rank, config.exchange_max_bytes) if config.group_exchange else None)
+        # adaptive draft length (sam_config.adaptive_k): k = num_speculative_tokens is then k_max
+        self.adaptive: AdaptiveK | None = (
+            AdaptiveK(config.num_speculative_tokens, config.adaptive_k_min, config.verify_base_ms,
+                      config.verify_seq_ms, config.verify_token_ms, config.verify_kctx_ms, uniform=config.pad_drafts)
+            if config.adaptive_k else None)
+        self._drafted: dict[str, int] = {}  # adaptive: draft tokens proposed to each request last step
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -88,6 +95,7 @@ class SamRunnerDrafter:
         self.drafter.finish(req_id)
         del self._fed[req_id]
         self._paused.discard(req_id)
+        self._drafted.pop(req_id, None)
 
     def release_all(self) -> None:
         """Finish every held request (engine reset / sleep)."""
@@ -137,9 +145,11 @@ class SamRunnerDrafter:
         num = np.asarray(input_batch.num_tokens_no_spec[:n], dtype=np.int64)
         fed = np.empty(n, np.int64)
         d = self.drafter
+        fresh: list[str] = []
         for i, r in enumerate(req_ids):
             have = self._fed.get(r)
             if have is None:
+                fresh.append(r)
                 plen = int(input_batch.num_prompt_tokens[i])
                 prompt = tok[i, :plen]
                 gid = group_key(prompt)
@@ -158,6 +168,8 @@ class SamRunnerDrafter:
             fed[i] = have
         slots = np.fromiter((d.slot_of(r) for r in req_ids), np.int32, n)
         delta = num - fed
+        if self.adaptive is not None:
+            self._observe_acceptance(req_ids, slots, delta, fresh)
         if n and int(delta.max()) > 0:
             rows = np.flatnonzero(delta > 0)
             lens = delta[rows]
@@ -170,6 +182,21 @@ class SamRunnerDrafter:
         for i, r in enumerate(req_ids):
             self._fed[r] = int(num[i])
         return slots
+
+    def _observe_acceptance(self, req_ids: Sequence[str], slots: np.ndarray, delta: np.ndarray,
+                            fresh: Sequence[str]) -> None:
+        """Adaptive k: the verification results of last step's drafts. A row that advanced ``delta`` >= 1
+        tokens accepted ``delta - 1`` of its draft tokens (the last one is the bonus token)."""
+        pol = self.adaptive
+        assert pol is not None
+        if fresh:
+            pol.reset(np.fromiter((self.drafter.slot_of(r) for r in fresh), np.int64, len(fresh)))
+        drafted = np.fromiter((self._drafted.get(r, 0) for r in req_ids), np.int64, len(req_ids))
+        on = (drafted > 0) & (delta >= 1)
+        if on.any():
+            pol.observe(slots[on], drafted[on], delta[on] - 1)
+        for r in np.asarray(req_ids, dtype=object)[on].tolist():
+            self._drafted[r] = 0
 
     def propose(self, input_batch: Any, valid_sampled_token_ids: Sequence[Sequence[int]], slots: np.ndarray
                 ) -> list[list[int]]:
@@ -188,14 +215,25 @@ class SamRunnerDrafter:
         drafts, counts = self.drafter.propose_arrays(np.ascontiguousarray(slots[rows_a]), self.k)
         room = self.max_model_len - 1 - np.asarray(num[rows_a], np.int64)  # draft + bonus must fit
         pad = self.config.pad_drafts
+        kk = np.full(len(rows), self.k, np.int64)
+        pol = self.adaptive
+        if pol is not None:
+            avail = np.minimum(counts.astype(np.int64), np.maximum(room, 0))
+            ctx = float(np.asarray(num[:n], np.int64).sum())
+            kk = pol.choose(np.ascontiguousarray(slots[rows_a]), avail, ctx, n_running=n)
+            if pad:
+                kk[:] = pol.last_k  # one k for the step (uniform decode batch), padded below
         for j, i in enumerate(rows):
-            lim = int(min(self.k, room[j]))
+            lim = int(min(kk[j], room[j]))
             c = int(min(counts[j], lim))
             d = drafts[j, :c].tolist()
             if pad and c < lim:
                 last = d[-1] if d else int(input_batch.token_ids_cpu[i, num[i] - 1])
                 d.extend([last] * (lim - c))
             out[i] = d
+        if pol is not None:
+            for i in rows:
+                self._drafted[req_ids[i]] = len(out[i])
         return out
 
     def step(self, input_batch: Any, valid_sampled_token_ids: Sequence[Sequence[int]],
@@ -302,7 +340,7 @@ def warm_cache_main(argv: list[str]) -> int:
               "NUMBA_CACHE_DIR): nothing to warm", file=sys.stderr)
         return 1
     t0 = time.perf_counter()
-    _warm_up(parse_sam_options({"group_mode": True, "group_exchange": True}))
+    _warm_up(parse_sam_options({"group_mode": True, "group_exchange": True, "history_responses": 2, "adaptive_k": True}))
     print(f"sam-warm-cache: every SAM kernel compiled and cached in {time.perf_counter() - t0:.1f} s "
           f"({os.environ.get('NUMBA_CACHE_DIR') or Path(_sam_kernels.__file__).parent / '__pycache__'})")
     return 0

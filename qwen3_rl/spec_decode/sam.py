@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qwen3_rl.spec_decode import _sam_kernels as K
+from qwen3_rl.spec_decode.history import HistoryStore
 
 
 def group_key(prompt_ids: Sequence[int] | np.ndarray) -> str:
@@ -73,6 +74,15 @@ class SamConfig:
             measured configuration (8 samples per prompt, docs/sam_decoding.md).
         exchange_max_shadow_tokens: bound of the tokens held in shadow strings (beyond it, remote tokens
             are skipped).
+        history_responses: group mode: finished responses kept per prompt across rollout steps (0 = no
+            history); a new group of the prompt starts with them in its automaton (``history.py``).
+        history_prompt_tokens: tokens kept per prompt in the history.
+        history_max_bytes: bound of the whole history store (bytes; least recently used prompts leave).
+        adaptive_k: (runner) choose each request's draft length per step, <= ``num_speculative_tokens``
+            (then k_max), from a verification cost model and the recent acceptance (``adaptive_k.py``).
+        adaptive_k_min: floor of an adaptive draft length (1 <= it <= k_max).
+        verify_base_ms, verify_seq_ms, verify_token_ms, verify_kctx_ms: the cost model of one verification
+            step (ms): base + per running sequence + per draft token + per 1000 context tokens.
     """
 
     num_speculative_tokens: int = 3
@@ -89,6 +99,15 @@ class SamConfig:
     exchange_max_bytes: int = 16384
     exchange_max_siblings: int = 7
     exchange_max_shadow_tokens: int = 1 << 25
+    history_responses: int = 0
+    history_prompt_tokens: int = 1 << 17
+    history_max_bytes: int = 1 << 29
+    adaptive_k: bool = False
+    adaptive_k_min: int = 1
+    verify_base_ms: float = 59.64
+    verify_seq_ms: float = 0.3614
+    verify_token_ms: float = 0.0585
+    verify_kctx_ms: float = 0.07064
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
@@ -110,6 +129,17 @@ class SamConfig:
             raise ValueError("exchange_max_siblings and exchange_max_shadow_tokens must be >= 0")
         if self.exchange_max_bytes < 24:
             raise ValueError(f"exchange_max_bytes must be >= 24, got {self.exchange_max_bytes}")
+        if self.history_responses < 0 or self.history_prompt_tokens < 1 or self.history_max_bytes < 1:
+            raise ValueError("history_responses >= 0, history_prompt_tokens >= 1 and history_max_bytes >= 1 "
+                             "are required")
+        if self.history_responses and not self.group_mode:
+            raise ValueError("history_responses > 0 needs group_mode=True (the history feeds the group automata)")
+        if not 1 <= self.adaptive_k_min <= self.num_speculative_tokens:
+            raise ValueError(f"adaptive_k_min must be in [1, num_speculative_tokens={self.num_speculative_tokens}]"
+                             f", got {self.adaptive_k_min}")
+        costs = (self.verify_base_ms, self.verify_seq_ms, self.verify_token_ms, self.verify_kctx_ms)
+        if not all(c >= 0 for c in costs) or self.verify_base_ms + self.verify_token_ms <= 0:
+            raise ValueError("verify_*_ms must be >= 0 (and base + token > 0)")
 
     @property
     def budget(self) -> int:
@@ -238,6 +268,11 @@ class SamProposer:
         self._has_sep = False  # a SEP was appended somewhere: drafts are cut at SEP
         self.max_shadows_per_group = cfg.exchange_max_siblings  # remote siblings kept per group (0 = all)
         self.groups_version = 0  # changes whenever a group automaton is opened or freed
+        # finished responses per prompt across rollout steps (group mode, history_responses > 0)
+        self.history: HistoryStore | None = (
+            HistoryStore(cfg.history_responses, cfg.history_prompt_tokens, cfg.history_max_bytes)
+            if cfg.group_mode and cfg.history_responses else None)
+        self.history_strings = 0  # history responses instantiated into group automata (counter)
 
     # ------------------------------------------------------------------ slot tables (metadata)
     def _grow_autos(self, n: int) -> None:
@@ -472,6 +507,8 @@ class SamProposer:
                 self.groups_version += 1
                 self._autos[a].prompt_len = int(prompt.shape[0])
                 self._autos[a].group = g
+                if self.history is not None:
+                    self._seed_history(a, g, prompt)
         else:
             g = ""
             a = self._new_auto()
@@ -479,6 +516,29 @@ class SamProposer:
         self._autos[a].live += 1
         self._reqs[req_id] = _Req(slot=s, auto=a, group=g, prompt_len=int(prompt.shape[0]))
         self._append_string(s, prompt)
+
+    def _seed_history(self, a: int, group: str, prompt: np.ndarray) -> None:
+        """A new group automaton starts with the prompt's kept responses: one complete string each
+        (prompt + response), appended before any running request's text (so the running siblings, being
+        more recent, win ties under the "recent" rule)."""
+        kept = self.history.get(group)  # type: ignore[union-attr]
+        for resp in kept[-(K.MAX_STRINGS // 2):]:  # the other half stays for requests and shadows
+            s = self._new_string(a)
+            self._append_string(s, np.concatenate([prompt, resp]), complete=True)
+            self._has_sep = self._has_sep or bool((resp == SEP).any())  # a remote response with a gap
+            self.history_strings += 1
+
+    def history_add(self, group_id: str, response_ids: Sequence[int] | np.ndarray) -> None:
+        """Keep a finished response of ``group_id`` for the prompt's next group (what ``finish`` does for
+        a local request; benchmarks and tests use it directly). No-op without history."""
+        if self.history is not None:
+            self.history.add(group_id, np.asarray(response_ids, np.int32))
+
+    def history_score(self, group_id: str, responses: Sequence[Sequence[int] | np.ndarray],
+                      scores: Sequence[float]) -> int:
+        """Score the kept responses of ``group_id`` (matched by content; used when ``history.weighted`` is set,
+        a measured option that is not wired to the trainer: docs/sam_decoding.md); returns how many."""
+        return self.history.score(group_id, responses, scores) if self.history is not None else 0
 
     def extend(self, req_id: str, accepted_ids: Sequence[int] | np.ndarray) -> None:
         """Append the accepted tokens (incl. the bonus token) of one request: shape [n_accepted]."""
@@ -727,10 +787,13 @@ class SamProposer:
         auto.shadow_tokens += int(self._sh[row, 3])  # closed shadows: counted here until the automaton is freed
         self._drop_shadow_row(row)
         slot = int(self._sh[row, 1])
-        if cache and slot >= 0 and self.config.cache_max_responses > 0:
+        if cache and slot >= 0 and (self.config.cache_max_responses > 0 or self.history is not None):
             resp = self._arrT[slot][auto.prompt_len: self._SM[slot, K.M_LEN]]
             if resp.shape[0]:
-                self._cache_insert(resp.copy())
+                if self.config.cache_max_responses > 0:
+                    self._cache_insert(resp.copy())
+                if self.history is not None:  # a remote sibling's response serves this rank's next visit
+                    self.history.add(auto.group, resp)
         self._maybe_free_group(a, auto.group)
 
     def close_shadows(self) -> None:
@@ -774,10 +837,13 @@ class SamProposer:
         """Request done: its response enters the cache (group mode) and its memory is released."""
         req = self._reqs[req_id]
         cfg = self.config
-        if cfg.group_mode and cfg.cache_max_responses > 0:
+        if cfg.group_mode and (cfg.cache_max_responses > 0 or self.history is not None):
             resp = self.tokens(req_id)[req.prompt_len:]
             if resp.shape[0]:
-                self._cache_insert(resp)
+                if cfg.cache_max_responses > 0:
+                    self._cache_insert(resp)
+                if self.history is not None:
+                    self.history.add(req.group, resp)
         self._release(req_id)
 
     def abort(self, req_id: str) -> None:
@@ -851,13 +917,20 @@ class SamProposer:
         self._cache_stamp = 0
 
     def nbytes(self) -> int:
-        """Bytes held by the per-token arrays (tokens, states, edges, root hashes, hub indexes; capacity)."""
-        return self._nbytes
+        """Bytes held by the per-token arrays (tokens, states, edges, root hashes, hub indexes; capacity)
+        and the history store (its counted bytes)."""
+        return self._nbytes + (self.history.nbytes() if self.history is not None else 0)
 
     def num_tokens(self) -> int:
-        """Tokens held: running requests' texts, finished group members kept for siblings, cache."""
+        """Tokens held: running requests' texts, finished group members kept for siblings, history strings,
+        cache, and the history store's responses."""
         live = self._SM[:, K.M_AUTO] >= 0
-        return int(self._SM[live, K.M_LEN].sum())
+        return int(self._SM[live, K.M_LEN].sum()) + (self.history.num_tokens() if self.history is not None else 0)
+
+    def clear_history(self) -> None:
+        """Drop the history store (group automata already seeded keep their strings)."""
+        if self.history is not None:
+            self.history.clear()
 
     def cache_bound_tokens(self) -> int:
         """Upper bound of tokens held by the finished-response cache (2 x ``cache_max_tokens``)."""

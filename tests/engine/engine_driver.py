@@ -58,6 +58,13 @@ def drafter_state(llm) -> dict:
                           "bytes_sent": sam.exchange.stats.bytes_sent,
                           "tokens_sent": sam.exchange.stats.tokens_sent,
                           "tokens_merged": sam.exchange.stats.tokens_merged}
+    if sam is not None and getattr(sam.drafter, "history", None) is not None:
+        h = sam.drafter.history
+        st["history"] = {"strings": sam.drafter.history_strings, "responses": h.num_responses(),
+                         "bytes": h.nbytes(), "bound": h.max_bytes}
+    if sam is not None and getattr(sam, "adaptive", None) is not None:
+        st["adaptive"] = {"step_hist": [int(x) for x in sam.adaptive.step_hist],
+                          "k_hist": [int(x) for x in sam.adaptive.k_hist]}
     gate = getattr(d, "gate", None)
     if gate is not None:
         st["gate"] = {"threshold": gate.threshold, "steps_on": gate.steps_on, "steps_off": gate.steps_off,

@@ -15,6 +15,7 @@ import pytest
 from conftest import run_engine, tree_without
 
 K = 3
+KMAX = 15  # adaptive draft length: vLLM's num_speculative_tokens is k_max
 
 # Four prompts of varied shape (ids < 512, the tiny vocabulary); GROUP repeats each twice, as GRPO's n=2,
 # generated in two waves (first samples, then second samples) so the second wave can draft from the
@@ -24,8 +25,8 @@ GROUP = [p for p in PROMPTS for _ in range(2)]
 WAVES = [[0, 2, 4, 6], [1, 3, 5, 7]]
 
 
-def sam(**sam_config) -> dict:
-    spec = {"method": "sam", "num_speculative_tokens": K}
+def sam(k: int = K, **sam_config) -> dict:
+    spec = {"method": "sam", "num_speculative_tokens": k}
     if sam_config:
         spec["sam_config"] = sam_config
     return {"speculative_config": spec}
@@ -49,6 +50,16 @@ def sam_runs(request, engine_ws: Path, tiny_models: dict[str, Path], tmp_path_fa
         {"name": "sam_group_exchange", "llm": sam(group_mode=True, group_exchange=True), "prompts": GROUP,
          "phases": WAVES},
         {"name": "sam_pad", "llm": sam(pad_drafts=True)},
+        # history across generate calls: wave 2 (the prompts' second samples) drafts from wave 1's responses;
+        # the finished-response cache is off, so without history nothing of wave 1 is left (positive control)
+        {"name": "sam_group_nocache", "llm": sam(group_mode=True, cache_max_responses=0), "prompts": GROUP,
+         "phases": WAVES},
+        {"name": "sam_history", "llm": sam(group_mode=True, cache_max_responses=0, history_responses=4),
+         "prompts": GROUP, "phases": WAVES},
+        {"name": "sam_history_adaptive", "llm": sam(KMAX, group_mode=True, cache_max_responses=0,
+                                                    history_responses=4, adaptive_k=True),
+         "prompts": GROUP, "phases": WAVES},
+        {"name": "sam_adaptive_pad", "llm": sam(KMAX, adaptive_k=True, pad_drafts=True)},
         {"name": "ngram", "llm": {"speculative_config": {"method": "ngram", "num_speculative_tokens": K,
                                                           "prompt_lookup_max": 3, "prompt_lookup_min": 1}}},
     ]}
@@ -63,7 +74,7 @@ def test_sam_builds_in_the_real_runner(sam_runs: dict[str, dict]) -> None:
 
 
 @pytest.mark.parametrize("name,base", [("sam", "base"), ("sam_group", "base_group"), ("sam_pad", "base"),
-                                       ("ngram", "base")])
+                                       ("sam_adaptive_pad", "base"), ("ngram", "base")])
 def test_greedy_output_is_token_identical(sam_runs: dict[str, dict], name: str, base: str) -> None:
     out, ref = sam_runs[name]["outputs"], sam_runs[base]["outputs"]
     assert len(out) == len(ref) and all(len(o) == 64 for o in out)
@@ -158,3 +169,33 @@ def test_inproc_client_drafts_only_with_vllm_0005(engine_ws: Path, tiny_models: 
     assert drafted(without["sam"]) == (0, 0)
     assert drafted(with_fix["sam"])[1] > 0
     assert with_fix["sam"]["outputs"] == without["sam"]["outputs"]
+
+
+def test_history_serves_the_next_generate_call(sam_runs: dict[str, dict]) -> None:
+    # Two generate calls on the same prompts: every group of call 1 is freed when its only member finishes;
+    # with history_responses the group of call 2 starts with call 1's response (greedy: the same text), so
+    # call 2 drafts from it. Lossless against decoding without drafts; the cache-off run is the control.
+    hist, ctrl = sam_runs["sam_history"], sam_runs["sam_group_nocache"]
+    print(f"history: {drafted(hist)} {hist['drafter']['history']}, without: {drafted(ctrl)} (drafted, accepted)")
+    assert hist["outputs"] == ctrl["outputs"] == sam_runs["base_group"]["outputs"]
+    assert hist["drafter"]["history"]["strings"] == len(PROMPTS)  # one seeded response per prompt in call 2
+    assert 0 < hist["drafter"]["history"]["bytes"] <= hist["drafter"]["history"]["bound"]
+    assert drafted(hist)[1] > drafted(ctrl)[1] + 32 * len(PROMPTS) // 2
+    assert "history" not in ctrl["drafter"]
+
+
+def test_adaptive_k_varies_per_step_and_is_lossless(sam_runs: dict[str, dict]) -> None:
+    # k_max 15 with history: the drafter chooses each request's draft length per step from the cost model and
+    # the acceptance it sees; the engine verifies drafts of varying length without changing a token.
+    r = sam_runs["sam_history_adaptive"]
+    ad = r["drafter"]["adaptive"]
+    print(f"adaptive: {drafted(r)} (drafted, accepted); longest draft per step {ad['step_hist']}; "
+          f"per request {ad['k_hist']}")
+    assert r["outputs"] == sam_runs["base_group"]["outputs"]
+    assert drafted(r)[1] > 0
+    assert sum(1 for c in ad["step_hist"][1:] if c) >= 2  # k changes from step to step
+    assert max(i for i, c in enumerate(ad["k_hist"]) if c) > K  # and goes beyond the fixed k
+    # pad_drafts (graph mode) with adaptive k: one padded length per step, still lossless (parametrized above)
+    pad = sam_runs["sam_adaptive_pad"]
+    print(f"adaptive + pad_drafts: {drafted(pad)}; k per step {pad['drafter']['adaptive']['step_hist']}")
+    assert drafted(pad)[0] > 0

@@ -1,0 +1,209 @@
+"""Draft length that follows the batch: per-step k from a verification cost model and recent acceptance.
+
+One verification step of ``n`` running sequences with ``d`` draft tokens in all and ``C`` context tokens
+is modelled as (ms)::
+
+    t(n, d, C) = base + seq * n + token * d + kctx * C / 1000
+
+(``SamConfig.verify_*_ms``; the defaults are the rollout simulator's fitted decode-step model, ``simulate
+fit-step-model``, plus a per-draft-token term: docs/sam_decoding.md states the inputs). A draft token at
+position ``j`` (1-based) of request ``i`` is worth its probability of being accepted::
+
+    g[i, j] = a_i * c_2 * ... * c_j
+
+``a_i`` = the request's recent first-token acceptance (exponential average over its own steps, prior =
+the batch's), ``c_m`` = the batch-wide conditional acceptance of position ``m`` given ``m - 1`` accepted
+(decayed counts; accepted drafts come in runs, so ``c_m`` rises with ``m``). Every request advances its
+bonus token. The step keeps the draft tokens that maximise the modelled throughput::
+
+    (n + sum of kept g) / t(n, kept, C)
+
+Since ``g`` falls with ``j``, the best set is every ``g`` above a threshold ``token * rate`` where ``rate`` is the
+best throughput itself: found by Dinkelbach's iteration (rate <- throughput of the set above ``token * rate``,
+a few passes over ``n x k_max`` values in one numba kernel); request ``i`` drafts ``k_i`` = its kept positions
+(never more than the drafter has, never less than ``min(k_min, available)``). In the bulk of a rollout (large ``n``) a draft token costs ``token`` ms
+against a step of ``base + seq * n``: drafts stay short. In the tail (few long requests) the step costs
+about ``base`` whatever the draft length: drafts get long.
+
+``uniform=True`` (``pad_drafts``, graph mode): one k for the whole step (the best of 1..k_max), every draft
+padded to it, so the step is a uniform decode batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from qwen3_rl.spec_decode._sam_kernels import CACHE
+
+_FIRST_DECAY = 0.7  # weight of a request's past in its first-token acceptance estimate (per step)
+_POS_DECAY = 0.995  # decay of the batch-wide per-position counts (per step)
+_PRIOR = 2.0  # pseudo-observations of the batch prior in a request's estimate
+
+
+@njit(cache=CACHE)
+def _observe(slots, drafted, accepted, reach, acc, first, pos_decay, first_decay):  # pragma: no cover - numba
+    """Decay the per-position counts once, add each row's reached / accepted positions, update the rows'
+    first-token estimates (a negative estimate starts from the batch's)."""
+    km = reach.shape[0]
+    for j in range(km):
+        reach[j] *= pos_decay
+        acc[j] *= pos_decay
+    for i in range(slots.shape[0]):
+        d = min(drafted[i], km)
+        a = min(accepted[i], d)
+        for j in range(min(a + 1, d)):
+            reach[j] += 1.0
+        for j in range(a):
+            acc[j] += 1.0
+    prior0 = acc[0] / reach[0]
+    for i in range(slots.shape[0]):
+        d = min(drafted[i], km)
+        if d <= 0:
+            continue
+        a = min(accepted[i], d)
+        s = slots[i]
+        prev = first[s] if first[s] >= 0 else prior0
+        first[s] = first_decay * prev + (1.0 - first_decay) * (1.0 if a > 0 else 0.0)
+
+
+@njit(cache=CACHE)
+def _choose(a, tail, avail, runs, base, tok, kmin, uniform, out):  # pragma: no cover - numba
+    """Draft lengths into ``out`` (int64[n]) for gains ``g[i, j] = a[i] * tail[j]`` (j < avail[i]); returns the
+    uniform k (uniform mode) or the longest length."""
+    n = a.shape[0]
+    km = tail.shape[0]
+    if uniform:
+        best_k = kmin
+        best = -1.0
+        gain = 0.0
+        for k in range(1, km + 1):
+            for i in range(n):
+                if k <= avail[i]:
+                    gain += a[i] * tail[k - 1]
+            if k >= kmin:
+                val = (runs + gain) / (base + tok * n * k)
+                if val > best:
+                    best = val
+                    best_k = k
+        for i in range(n):
+            out[i] = min(avail[i], best_k)
+        return best_k
+    rate = runs / base
+    for _ in range(32):  # Dinkelbach: the rate of the set above tok * rate, until it stops growing
+        thr = tok * rate
+        gsum = 0.0
+        cnt = 0
+        for i in range(n):
+            for j in range(min(avail[i], km)):
+                g = a[i] * tail[j]
+                if g <= thr:
+                    break
+                gsum += g
+                cnt += 1
+        new = (runs + gsum) / (base + tok * cnt)
+        if new <= rate * (1.0 + 1e-12):
+            break
+        rate = new
+    thr = tok * rate
+    longest = 0
+    for i in range(n):
+        k = 0
+        for j in range(min(avail[i], km)):
+            if a[i] * tail[j] <= thr:
+                break
+            k += 1
+        k = max(k, min(avail[i], kmin))
+        out[i] = k
+        longest = max(longest, k)
+    return longest
+
+
+class AdaptiveK:
+    """Per-request draft lengths, one step at a time.
+
+    Args:
+        k_max: longest draft (vLLM's ``num_speculative_tokens``; vLLM-Ascend's attention takes k + 1 <= 16).
+        k_min: floor of a draft that the drafter has tokens for.
+        base_ms, seq_ms, token_ms, kctx_ms: the verification cost model (module docstring).
+        uniform: one k per step for every request (pad_drafts).
+    """
+
+    def __init__(self, k_max: int, k_min: int = 1, base_ms: float = 59.64, seq_ms: float = 0.3614,
+                 token_ms: float = 0.0585, kctx_ms: float = 0.07064, uniform: bool = False) -> None:
+        if not 1 <= k_min <= k_max:
+            raise ValueError(f"need 1 <= k_min <= k_max, got {k_min}, {k_max}")
+        self.k_max, self.k_min, self.uniform = k_max, k_min, uniform
+        self.base_ms, self.seq_ms, self.token_ms, self.kctx_ms = base_ms, seq_ms, token_ms, kctx_ms
+        # batch-wide per position: drafts that reached position j (j-1 accepted) and accepted it
+        self.reach = np.full(k_max, 2.0)
+        self.acc = np.full(k_max, 1.0)
+        # per drafter slot: first-token acceptance estimate (negative = no observation yet)
+        self.first = np.full(64, -1.0)
+        self.steps = 0
+        self.k_hist = np.zeros(k_max + 1, np.int64)  # draft lengths chosen (counts per length)
+        self.step_hist = np.zeros(k_max + 1, np.int64)  # longest draft length of each step (counts)
+        self.last_k = 0  # longest draft length of the last step (uniform: the step's k)
+
+    # ------------------------------------------------------------------ observations
+    def _room(self, slots: np.ndarray) -> None:
+        if slots.shape[0] and int(slots.max()) >= self.first.shape[0]:
+            grown = np.full(max(2 * self.first.shape[0], int(slots.max()) + 1), -1.0)
+            grown[: self.first.shape[0]] = self.first
+            self.first = grown
+
+    def reset(self, slots: np.ndarray) -> None:
+        """New requests in these drafter slots: forget the previous owner's estimate."""
+        slots = np.asarray(slots, np.int64)
+        self._room(slots)
+        self.first[slots] = -1.0
+
+    def observe(self, slots: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> None:
+        """Verification results of the previous step: request ``slots[i]`` had ``drafted[i]`` draft tokens,
+        ``accepted[i]`` of them were accepted (rows with no draft are ignored)."""
+        slots = np.ascontiguousarray(slots, np.int64)
+        if not slots.shape[0]:
+            return
+        self._room(slots)
+        _observe(slots, np.ascontiguousarray(drafted, np.int64), np.ascontiguousarray(accepted, np.int64),
+                 self.reach, self.acc, self.first, _POS_DECAY, _FIRST_DECAY)
+
+    # ------------------------------------------------------------------ choice
+    def cond(self) -> np.ndarray:
+        """Batch-wide acceptance of position j given j - 1 accepted, float[k_max]."""
+        return self.acc / self.reach
+
+    def choose(self, slots: np.ndarray, avail: np.ndarray, ctx_tokens: float, n_running: int | None = None
+               ) -> np.ndarray:
+        """Draft length per request for this step, int64[n] (0 <= k_i <= min(avail_i, k_max)).
+
+        Args:
+            slots: int[n] drafter slots of the requests that may draft this step.
+            avail: int[n] draft tokens the drafter has for each (its proposal at k_max).
+            ctx_tokens: context tokens of the step's sequences (sum), for the cost model.
+            n_running: sequences in the step (default n; requests that cannot draft still run).
+        """
+        slots = np.asarray(slots, np.int64)
+        avail = np.ascontiguousarray(np.minimum(np.asarray(avail, np.int64), self.k_max))
+        n = slots.shape[0]
+        runs = n if n_running is None else max(int(n_running), n)
+        self.steps += 1
+        if n == 0:
+            return np.zeros(0, np.int64)
+        self._room(slots)
+        c = self.cond()
+        prior = c[0]
+        a = self.first[slots]
+        a = np.where(a < 0, prior, a)
+        a = (a + _PRIOR * prior) / (1.0 + _PRIOR)
+        tail = np.cumprod(np.concatenate(([1.0], c[1:])))  # P_j = c_2 ... c_j
+        base = self.base_ms + self.seq_ms * runs + self.kctx_ms * ctx_tokens / 1000.0
+        k_out = np.empty(n, np.int64)
+        self.last_k = int(_choose(a, tail, avail, float(runs), base, self.token_ms, self.k_min, self.uniform, k_out))
+        self.k_hist += np.bincount(k_out, minlength=self.k_max + 1)[: self.k_max + 1]
+        self.step_hist[self.last_k] += 1
+        return k_out
+
+    def step_ms(self, n: int, drafted: int, ctx_tokens: float) -> float:
+        """The cost model: modelled verification time (ms) of one step."""
+        return self.base_ms + self.seq_ms * n + self.token_ms * drafted + self.kctx_ms * ctx_tokens / 1000.0
