@@ -266,9 +266,10 @@ def test_round_config_combines_the_byte_cap_with_a_configured_block_cap() -> Non
     spec = KVCacheSpec((torch.zeros(8, BLOCK_T, 8),), (0,))
     eng = _Engine(0, 0, 10, spec)
     coord = RebalanceCoordinator(eng, _ThreadComm(0, 1, {}), RebalanceConfig(buckets=(1,), block_size=BLOCK_T),
-                                 RebalanceSettings(enable=True, max_kv_bytes=1000))
+                                 RebalanceSettings(enable=True, max_kv_bytes=1000, kv_link_gb_s=0.5))
     cfg = coord.round_config(128)
     assert cfg.max_kv_blocks_per_rank == 7 and cfg.transfer == TransferCost(128, 0.5e9, 10_000.0)
+    assert cfg.max_round_s == 10.0
     coord.cfg = RebalanceConfig(buckets=(1,), block_size=BLOCK_T, max_kv_blocks_per_rank=3)
     assert coord.round_config(128).max_kv_blocks_per_rank == 3
     coord.settings = RebalanceSettings(enable=True, max_kv_bytes=0)
@@ -277,13 +278,18 @@ def test_round_config_combines_the_byte_cap_with_a_configured_block_cap() -> Non
 
 def test_settings_read_the_new_keys() -> None:
     s, _ = settings_from_rollout_config({"rollout_rebalance": True})
-    assert (s.max_kv_bytes, s.kv_link_gb_s, s.prefill_tokens_per_s) == (4_000_000_000, 0.5, 10_000.0)
-    s, _ = settings_from_rollout_config({"rollout_rebalance": True, "rollout_rebalance_max_kv_bytes": 0,
-                                         "rollout_rebalance_kv_link_gb_s": 25,
+    # defaults: no byte cap, a 10 s round bound, the device path, the link measured at the first round
+    assert (s.max_kv_bytes, s.kv_link_gb_s, s.prefill_tokens_per_s, s.max_round_s, s.kv_path) == (
+        0, 0.0, 10_000.0, 10.0, "device")
+    s, _ = settings_from_rollout_config({"rollout_rebalance": True, "rollout_rebalance_max_kv_bytes": 4_000_000_000,
+                                         "rollout_rebalance_kv_link_gb_s": 25, "rollout_rebalance_max_round_s": 0,
+                                         "rollout_rebalance_kv_path": "host",
                                          "rollout_rebalance_prefill_tokens_per_s": 0})
-    assert (s.max_kv_bytes, s.kv_link_gb_s, s.prefill_tokens_per_s) == (0, 25.0, 0.0)
+    assert (s.max_kv_bytes, s.kv_link_gb_s, s.prefill_tokens_per_s, s.max_round_s, s.kv_path) == (
+        4_000_000_000, 25.0, 0.0, 0.0, "host")
     for bad in ({"rollout_rebalance_max_kv_bytes": -1}, {"rollout_rebalance_max_kv_bytes": 1.5},
-                {"rollout_rebalance_kv_link_gb_s": 0}, {"rollout_rebalance_prefill_tokens_per_s": -1}):
+                {"rollout_rebalance_kv_link_gb_s": -1}, {"rollout_rebalance_prefill_tokens_per_s": -1},
+                {"rollout_rebalance_max_round_s": -1}, {"rollout_rebalance_kv_path": "nvlink"}):
         with pytest.raises(ValueError):
             settings_from_rollout_config({"rollout_rebalance": True, **bad})
 
@@ -293,7 +299,8 @@ def test_settings_read_the_new_keys() -> None:
 
 def test_simulator_bandwidth_recompute_and_cap() -> None:
     lengths = generate_lengths(64, 8, mean_response=700, max_response=4096, seed=0)
-    base = SimConfig(dp=8, max_num_seqs=64, policy="rollout-rebalance", max_kv_bytes=0, recompute=False)
+    base = SimConfig(dp=8, max_num_seqs=64, policy="rollout-rebalance", max_kv_bytes=0, max_round_s=0.0,
+                     recompute=False)
     runs = {}
     for link in (0.05, 25.0):
         step = StepModel(link_gb_s=link)
@@ -364,7 +371,7 @@ def test_train_script_maps_the_byte_cap() -> None:
     def cap(extra: dict[str, str]) -> list[str]:
         return [o for o in parse_train_script(script, env={**env, **extra}).overrides if o.startswith(key)]
 
-    assert cap({}) == [key + "4000000000"]
-    assert cap({"ROLLOUT_REBALANCE_MAX_KV_BYTES": "0"}) == [key + "0"]
+    assert cap({}) == [key + "0"]  # no byte cap by default: the round is bounded by time
+    assert cap({"ROLLOUT_REBALANCE_MAX_KV_BYTES": "4000000000"}) == [key + "4000000000"]
     with pytest.raises(TrainScriptError, match="error: ROLLOUT_REBALANCE_MAX_KV_BYTES='4e9': expected an integer >= 0"):
         cap({"ROLLOUT_REBALANCE_MAX_KV_BYTES": "4e9"})
