@@ -440,10 +440,11 @@ def test_configure_refuses_unsupported_engines(patched_imports: Path) -> None:
 SPEC = {0: [(str(i), 10 + 4 * i, 100 + i) for i in range(7)], 1: [(str(i), 3 + i, 200 + i) for i in range(2)]}
 
 
-def _gloo_worker(rank: int, world: int, store: str, out_dir: str) -> None:
+def _gloo_worker(rank: int, world: int, store: str, out_dir: str, device_group: bool = False) -> None:
     import datetime
 
     import torch.distributed as dist
+    import vllm.distributed.parallel_state as ps
     from vllm.entrypoints.llm import LLM
 
     from qwen3_rl.rollout.migration import RebalanceSettings, TorchDistCommunicator
@@ -453,10 +454,19 @@ def _gloo_worker(rank: int, world: int, store: str, out_dir: str) -> None:
                             timeout=datetime.timedelta(seconds=60))
     try:
         eng = _engine(max_num_seqs=4, num_blocks=96, dp_group=dist.new_group(backend="gloo"))
+        if device_group:
+            # vLLM's DP GroupCoordinator (stand-in namespace): its device group is a gloo group, as on vLLM's CPU
+            # platform (dist_backend "gloo"); an A3 has an HCCL group here
+            dev = dist.new_group(ranks=[0, 1], backend="gloo")
+            ps.get_dp_group = lambda: SimpleNamespace(ranks=[0, 1], device_group=dev)
         hook = eng.qwen3_rl_rebalance_hook
-        # default communicator (a gloo group per vLLM DP group, made collectively) and planner config
+        # default communicator (a gloo group per vLLM DP group, made collectively) and planner config;
+        # default KV path: the device group (host path when the DP group has none)
         hook.configure(RebalanceSettings(enable=True, interval_steps=2, timeout_s=60), 8)
-        assert isinstance(hook.coordinator.comm, TorchDistCommunicator) and hook.coordinator.comm.size == 2
+        coord = hook.coordinator
+        assert isinstance(coord.comm, TorchDistCommunicator) and coord.comm.size == 2
+        assert coord.kv_path == ("device" if device_group else "host")
+        assert (coord.kv_comm is not coord.comm and coord.kv_comm.batched) if device_group else coord.kv_comm is coord.comm
         assert hook.coordinator.cfg == RebalanceConfig(buckets=(1, 2, 4), block_size=BS, max_moves=8)
         for rid, mt, seed in SPEC[rank]:
             _add(eng, rid, _prompt(rank, int(rid)), mt, seed)
@@ -472,26 +482,37 @@ def _gloo_worker(rank: int, world: int, store: str, out_dir: str) -> None:
                "n_outs": len(outs), "moves": moves, "steps": hook.steps, "dummy": core.dummy_steps,
                "free": core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
                "left": sorted(core.scheduler.requests), "kv_checks": core.runner.kv_checks,
-               "kv_in": sum(r.kv_bytes_received for r in hook.coordinator.reports)}
+               "kv_in": sum(r.kv_bytes_received for r in hook.coordinator.reports),
+               "paths": sorted({r.kv_path for r in hook.coordinator.reports}),
+               "links": sorted({r.link_gb_s for r in hook.coordinator.reports}),
+               "backend": hook.coordinator.kv_comm.backend}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
     finally:
         dist.destroy_process_group()
 
 
-def test_gloo_engine_loop_rebalances_with_real_schedulers(patched_imports: Path, tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("device_group", [True, False], ids=["device_path", "host_path"])
+def test_gloo_engine_loop_rebalances_with_real_schedulers(patched_imports: Path, tmp_path: Path, monkeypatch,
+                                                          device_group: bool) -> None:
     """2 processes, each a real scheduler + patched LLMEngine loop (``LLM._run_engine``); rank 0 holds 7
     long requests (max_num_seqs 4), rank 1 two short ones, with the same request ids. Waiting and running
-    requests move (KV by gloo P2P); each rank's ``generate`` returns exactly its own requests, once, with
-    the tokens and logprobs an unmigrated run gives; no block leaked."""
+    requests move; each rank's ``generate`` returns exactly its own requests, once, with the tokens and
+    logprobs an unmigrated run gives (the stand-in forward checks every earlier position's KV at every
+    step); no block leaked. ``device_path``: the KV goes over the DP group's device group (gloo on CPU,
+    batched P2P, staged on the cache's device); ``host_path``: the DP group has no device group, the KV
+    goes through host memory over the gloo coordination group. The link is measured at the first round."""
     import torch.multiprocessing as mp
     import vllm.distributed.parallel_state as ps
     import vllm.v1.worker.gpu_model_runner as gmr
 
     monkeypatch.setattr(gmr, "get_pp_group", lambda: SimpleNamespace(is_last_rank=True))
     monkeypatch.setattr(ps, "get_dp_group", lambda: SimpleNamespace(ranks=[0, 1]))  # vLLM DP group: both ranks
-    mp.start_processes(_gloo_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True,
-                       start_method="fork")
+    mp.start_processes(_gloo_worker, args=(2, str(tmp_path / "store"), str(tmp_path), device_group), nprocs=2,
+                       join=True, start_method="fork")
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    path = "device" if device_group else "host"
+    assert res[0]["paths"] == res[1]["paths"] == [path] and res[0]["backend"] == "gloo"
+    assert res[0]["links"] == res[1]["links"] and len(res[0]["links"]) == 1 and res[0]["links"][0] > 0  # measured
     moves = {tuple(m) for m in res[0]["moves"]}
     assert moves == {tuple(m) for m in res[1]["moves"]}  # same plan on both ranks
     assert {m[3] for m in moves} == {1, 2}, moves  # waiting and running (+KV) moves

@@ -587,7 +587,7 @@ def _timeout_worker(rank: int, world: int, store: str, out_dir: str) -> None:
         msgs.append(str(e))
     eng = _ToyEngine(0, _requests_for(0), num_blocks=96, max_num_seqs=4)
     coord = RebalanceCoordinator(eng, comm, RebalanceConfig(buckets=(1, 2, 4), block_size=BLOCK),
-                                 RebalanceSettings(enable=True, interval_steps=1, timeout_s=1.5))
+                                 RebalanceSettings(enable=True, interval_steps=1, timeout_s=1.5, kv_link_gb_s=0.5))
     try:
         coord.on_step(1)
     except RebalanceTimeoutError as e:

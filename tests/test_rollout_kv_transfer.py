@@ -266,9 +266,10 @@ def test_round_config_combines_the_byte_cap_with_a_configured_block_cap() -> Non
     spec = KVCacheSpec((torch.zeros(8, BLOCK_T, 8),), (0,))
     eng = _Engine(0, 0, 10, spec)
     coord = RebalanceCoordinator(eng, _ThreadComm(0, 1, {}), RebalanceConfig(buckets=(1,), block_size=BLOCK_T),
-                                 RebalanceSettings(enable=True, max_kv_bytes=1000))
+                                 RebalanceSettings(enable=True, max_kv_bytes=1000, kv_link_gb_s=0.5))
     cfg = coord.round_config(128)
     assert cfg.max_kv_blocks_per_rank == 7 and cfg.transfer == TransferCost(128, 0.5e9, 10_000.0)
+    assert cfg.max_round_s == 10.0
     coord.cfg = RebalanceConfig(buckets=(1,), block_size=BLOCK_T, max_kv_blocks_per_rank=3)
     assert coord.round_config(128).max_kv_blocks_per_rank == 3
     coord.settings = RebalanceSettings(enable=True, max_kv_bytes=0)
@@ -277,13 +278,18 @@ def test_round_config_combines_the_byte_cap_with_a_configured_block_cap() -> Non
 
 def test_settings_read_the_new_keys() -> None:
     s, _ = settings_from_rollout_config({"rollout_rebalance": True})
-    assert (s.max_kv_bytes, s.kv_link_gb_s, s.prefill_tokens_per_s) == (4_000_000_000, 0.5, 10_000.0)
-    s, _ = settings_from_rollout_config({"rollout_rebalance": True, "rollout_rebalance_max_kv_bytes": 0,
-                                         "rollout_rebalance_kv_link_gb_s": 25,
+    # defaults: no byte cap, a 10 s round bound, the device path, the link measured at the first round
+    assert (s.max_kv_bytes, s.kv_link_gb_s, s.prefill_tokens_per_s, s.max_round_s, s.kv_path) == (
+        0, 0.0, 10_000.0, 10.0, "device")
+    s, _ = settings_from_rollout_config({"rollout_rebalance": True, "rollout_rebalance_max_kv_bytes": 4_000_000_000,
+                                         "rollout_rebalance_kv_link_gb_s": 25, "rollout_rebalance_max_round_s": 0,
+                                         "rollout_rebalance_kv_path": "host",
                                          "rollout_rebalance_prefill_tokens_per_s": 0})
-    assert (s.max_kv_bytes, s.kv_link_gb_s, s.prefill_tokens_per_s) == (0, 25.0, 0.0)
+    assert (s.max_kv_bytes, s.kv_link_gb_s, s.prefill_tokens_per_s, s.max_round_s, s.kv_path) == (
+        4_000_000_000, 25.0, 0.0, 0.0, "host")
     for bad in ({"rollout_rebalance_max_kv_bytes": -1}, {"rollout_rebalance_max_kv_bytes": 1.5},
-                {"rollout_rebalance_kv_link_gb_s": 0}, {"rollout_rebalance_prefill_tokens_per_s": -1}):
+                {"rollout_rebalance_kv_link_gb_s": -1}, {"rollout_rebalance_prefill_tokens_per_s": -1},
+                {"rollout_rebalance_max_round_s": -1}, {"rollout_rebalance_kv_path": "nvlink"}):
         with pytest.raises(ValueError):
             settings_from_rollout_config({"rollout_rebalance": True, **bad})
 
@@ -293,7 +299,8 @@ def test_settings_read_the_new_keys() -> None:
 
 def test_simulator_bandwidth_recompute_and_cap() -> None:
     lengths = generate_lengths(64, 8, mean_response=700, max_response=4096, seed=0)
-    base = SimConfig(dp=8, max_num_seqs=64, policy="rollout-rebalance", max_kv_bytes=0, recompute=False)
+    base = SimConfig(dp=8, max_num_seqs=64, policy="rollout-rebalance", max_kv_bytes=0, max_round_s=0.0,
+                     recompute=False)
     runs = {}
     for link in (0.05, 25.0):
         step = StepModel(link_gb_s=link)
@@ -337,12 +344,14 @@ def test_simulator_cli_link_list(tmp_path: Any, capsys: pytest.CaptureFixture[st
 
 
 def test_benchmark_moves_real_bytes_over_gloo() -> None:
+    """Both KV paths (device group = a batched gloo group on CPU; host) and the bare wire move the payload
+    (the receiver compares every byte, else the worker fails); the first-round probe reports a link."""
     rows = kv_transfer.measure([0.5, 3.0], reps=1, layers=2)
-    assert [r["blocks"] for r in rows] == [4, 23]  # 2 layers: 128 KiB per block
-    for r in rows:
+    assert [(r["path"], r["blocks"]) for r in rows] == [(p, b) for b in (4, 23) for p in ("device", "host", "wire")]
+    for r in rows:  # 2 layers: 128 KiB per block
         assert r["kv_bytes"] == r["blocks"] * 2 * 2 * 128 * 128 * 2
-        assert r["round_s"] > 0 and r["wire_s"] > 0
-        assert r["round_bytes_per_s"] == pytest.approx(r["kv_bytes"] / r["round_s"])
+        assert r["round_s"] > 0 and r["round_bytes_per_s"] == pytest.approx(r["kv_bytes"] / r["round_s"])
+        assert (r["probe_bytes_per_s"] > 0) == (r["path"] != "wire")
 
 
 def test_benchmark_fit_line() -> None:
@@ -364,7 +373,140 @@ def test_train_script_maps_the_byte_cap() -> None:
     def cap(extra: dict[str, str]) -> list[str]:
         return [o for o in parse_train_script(script, env={**env, **extra}).overrides if o.startswith(key)]
 
-    assert cap({}) == [key + "4000000000"]
-    assert cap({"ROLLOUT_REBALANCE_MAX_KV_BYTES": "0"}) == [key + "0"]
+    assert cap({}) == [key + "0"]  # no byte cap by default: the round is bounded by time
+    assert cap({"ROLLOUT_REBALANCE_MAX_KV_BYTES": "4000000000"}) == [key + "4000000000"]
     with pytest.raises(TrainScriptError, match="error: ROLLOUT_REBALANCE_MAX_KV_BYTES='4e9': expected an integer >= 0"):
         cap({"ROLLOUT_REBALANCE_MAX_KV_BYTES": "4e9"})
+
+
+# ------------------------------------------------------------------------------ time bound
+
+
+def test_time_bound_splits_a_round_between_moving_and_recomputing() -> None:
+    """12 requests of 8 blocks on rank 0 (bucket 16 -> 4 needs 8 moves). Moving one costs 0.06 s at each end,
+    recomputing it 0.1 s on the target: moving is cheaper. A 0.35 s bound lets rank 0 send 5; the other 3
+    are recomputed on targets with time left; nothing is lost and the bucket still drops to 4."""
+    states = _ranks([12, 0, 0, 0])
+    link = 8 * BPB / 0.06
+    cost = TransferCost(BPB, link, 10_000.0)
+    assert not should_recompute(1000, 8, cost)  # 0.06 s move < 0.1 s recompute
+    buckets = (1, 2, 4, 8, 16)
+    free = RebalanceConfig(buckets=buckets, block_size=BLOCK, transfer=cost)
+    plan = plan_rebalance(states, free)
+    assert plan.bucket_after == 4 and len(plan.moves) == 8 and not any(m.recompute for m in plan.moves)
+    bounded = RebalanceConfig(buckets=buckets, block_size=BLOCK, transfer=cost, max_round_s=0.35)
+    plan = plan_rebalance(states, bounded)
+    moved = [m for m in plan.moves if not m.recompute]
+    recomputed = [m for m in plan.moves if m.recompute]
+    assert plan.bucket_after == 4 and (len(moved), len(recomputed)) == (5, 3)
+    assert all(m.kv_blocks == 8 for m in moved) and all(m.kv_blocks == 0 for m in recomputed)
+    validate_plan(states, plan, bounded)  # includes: no rank spends more than 0.35 s, no request lost
+
+
+def test_time_bound_leaves_the_rest_for_the_next_round_when_recompute_is_off() -> None:
+    states = _ranks([12, 0, 0, 0])
+    cost = TransferCost(BPB, 8 * BPB / 0.06, 0.0)  # no recompute: what does not fit waits
+    bounded = RebalanceConfig(buckets=(1, 2, 4, 8, 16), block_size=BLOCK, transfer=cost, max_round_s=0.35)
+    plan1 = plan_rebalance(states, bounded)
+    assert (plan1.bucket_after, len(plan1.moves)) == (8, 4) and not any(m.recompute for m in plan1.moves)
+    validate_plan(states, plan1, bounded)
+    from qwen3_rl.rollout.rebalance import apply_plan
+
+    after = apply_plan(states, plan1)
+    plan2 = plan_rebalance(after, bounded)
+    assert (plan2.bucket_before, plan2.bucket_after, len(plan2.moves)) == (8, 4, 4)
+    validate_plan(after, plan2, bounded)
+    final = apply_plan(after, plan2)
+    assert sorted(r.req_id for s in final for r in s.running) == sorted(r.req_id for s in states for r in s.running)
+
+
+def _run_round_n(settings: RebalanceSettings, ranks: int, n: int = 6, ctx: int = 10) -> tuple[list[Any], list[_Engine]]:
+    """``ranks`` coordinators (threads) run one round; rank 0 holds ``n`` running requests, the others none."""
+    shared: dict[str, Any] = {"lock": threading.Lock(), "barrier": threading.Barrier(ranks),
+                              "objs": [None] * ranks, "wire": defaultdict(list), "bytes": defaultdict(int)}
+    engines = [_Engine(r, n, ctx, KVCacheSpec(tuple(torch.full((64, BLOCK_T, 8), float(r + 1)) for _ in range(2)),
+                                               (0, 0))) for r in range(ranks)]
+    reps: list[Any] = [None] * ranks
+    errors: list[BaseException] = []
+    cfg = RebalanceConfig(buckets=(1, 2, 4, 8), block_size=BLOCK_T)
+
+    def run(r: int) -> None:
+        try:
+            reps[r] = RebalanceCoordinator(engines[r], _ThreadComm(r, ranks, shared), cfg, settings).run_round()
+        except BaseException as e:  # noqa: BLE001 - surfaced below
+            errors.append(e)
+            shared["barrier"].abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    return reps, engines
+
+
+def test_coordinator_round_over_its_time_bound_moves_some_and_recomputes_the_rest() -> None:
+    """3 ranks, 6 requests of 3 blocks (768 B) on rank 0, bucket 8 -> 2 needs 4 moves. Link 1000 B/s: a move
+    costs 0.768 s at each end; prefill 12 tokens/s: recomputing 10 tokens costs 0.833 s on the target. A 1.7 s
+    bound lets rank 0 send 2 (1.536 s); the other 2 are recomputed, one on each target."""
+    st = RebalanceSettings(enable=True, kv_link_gb_s=1e-6, prefill_tokens_per_s=12.0, max_round_s=1.7)
+    reps, engines = _run_round_n(st, 3)
+    plan = reps[0].plan
+    assert all(r.plan == plan for r in reps) and plan.bucket_after == 2 and len(plan.moves) == 4
+    assert len(reps[0].sent) == 4 and len(reps[0].recomputed) == 2
+    assert reps[0].kv_bytes_sent == 2 * 768 == reps[1].kv_bytes_received + reps[2].kv_bytes_received
+    arrived = {s.req_id: (s, b) for e in engines[1:] for s, b in e.imported}
+    assert sorted(arrived) == sorted(reps[0].sent)
+    for rid, (state, blocks) in arrived.items():
+        if rid in reps[0].recomputed:  # no KV: queued like a preempted request, tokens intact
+            assert blocks == [] and state.num_computed_tokens == 0 and state.extra["status"] == "preempted"
+        else:  # KV written into the target's blocks (rank 0's caches hold 1.0)
+            assert len(blocks) == 3 and state.num_computed_tokens == 10
+            eng = next(e for e in engines[1:] if (state, blocks) in e.imported)
+            assert all(float(c[blocks].min()) == float(c[blocks].max()) == 1.0 for c in eng.spec.caches)
+    # nothing lost: what rank 0 still runs plus what arrived is every request
+    assert sorted([*engines[0].running, *arrived]) == [f"r0|{i}" for i in range(6)]
+
+
+# ------------------------------------------------------------------------------ simulator = run-time planner
+
+
+def test_simulator_and_runtime_planner_make_the_same_decisions() -> None:
+    """The simulator's planner config and the coordinator's, from the same figures (block bytes, link, prefill
+    rate, time bound, byte cap), are equal, so both plan the same moves on the same states; checked on the
+    simulator's own rank states at the rounds where a bounded plan moves and recomputes."""
+    from dataclasses import replace
+
+    from qwen3_rl.sim.simulate import _assignment
+    from qwen3_rl.sim.simulate import _Engine as SimEngine
+
+    lengths = generate_lengths(64, 8, mean_response=1500, max_response=8192, seed=3)
+    for link, bound, cap in ((0.5, 1.0, 0), (25.0, 10.0, 0), (2.5, 0.05, 200_000_000)):
+        cfg = SimConfig(dp=8, max_num_seqs=32, policy="rollout-rebalance", step=StepModel(link_gb_s=link),
+                        max_round_s=bound, max_kv_bytes=cap)
+        sim_cfg = cfg.rebalance_config()
+        settings = RebalanceSettings(enable=True, kv_link_gb_s=link, prefill_tokens_per_s=1e6 / cfg.step.per_prefill_ktok_ms,
+                                     max_round_s=bound, max_kv_bytes=cap)
+        base = RebalanceConfig(buckets=cfg.graph_buckets, block_size=cfg.block_size, max_moves=cfg.max_moves,
+                               max_kv_blocks=cfg.max_kv_blocks)
+        coord = RebalanceCoordinator(_Engine(0, 0, 10, KVCacheSpec((torch.zeros(1, 1),), (0,))),
+                                     _ThreadComm(0, 1, {}), base, settings)
+        bpb = int(round(cfg.step.kv_bytes_per_token * cfg.block_size))
+        assert coord.round_config(bpb) == sim_cfg
+        # the simulator's states every 32 steps of a default-layout lockstep run, planned by both configs
+        eng = SimEngine(lengths, replace(cfg, policy="default"), _assignment(lengths, cfg.dp, False), False)
+        kinds: set[str] = set()
+        step = 0
+        while (k := eng.admit_all(step)) is not None:
+            k = min(k, 32 - step % 32)
+            for r in range(eng.ndp):
+                eng.advance(r, k)
+            step += k
+            if step % 32 == 0:
+                states = eng.states()
+                plan = plan_rebalance(states, sim_cfg)
+                assert plan == plan_rebalance(states, coord.round_config(bpb))
+                validate_plan(states, plan, sim_cfg)
+                kinds |= {"recompute" if m.recompute else ("kv" if m.kv_blocks else "wait") for m in plan.moves}
+        assert "kv" in kinds and ("recompute" in kinds or link > 0.5), (link, kinds)

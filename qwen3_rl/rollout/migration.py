@@ -11,15 +11,22 @@ together, ``vllm/v1/engine/llm_engine.py:195-206, 285-288``):
    these small objects (with a timeout) gives every rank the same view;
 2. every rank computes the same :class:`~qwen3_rl.rollout.rebalance.MigrationPlan` (deterministic);
 3. sources export each moving request (:class:`RequestState`: tokens, sampling params, seed and
-   sampler generator state; a target's drafter rebuilds its state from the tokens) and its KV blocks; the
-   state bytes and the KV blocks go point-to-point (``isend``/``irecv``, each waited with a timeout);
-   sources then release the request; targets allocate blocks, write the KV and import the request;
+   sampler generator state; a target's drafter rebuilds its state from the tokens); the state bytes go
+   point-to-point over the (gloo) coordination group; targets allocate blocks; the KV blocks then go
+   point-to-point over the KV path (:func:`move_kv_blocks`, batched ``isend``/``irecv``, each waited with
+   a timeout) straight from the source's cache into the target's; sources release the request, targets
+   import it;
 4. results routed back in step 1 are delivered to the origin's front end, so the caller of
    ``LLM.generate`` on the origin rank gets every one of its requests back.
 
 All engine access goes through :class:`EngineHooks` (implemented by the vLLM-side patch, or by a toy
-engine in the tests); all communication through :class:`Communicator` (torch.distributed; gloo on
-CPU in the tests, the DP group's device group on NPUs). A collective or P2P operation that does not
+engine in the tests); all communication through :class:`Communicator` (torch.distributed). Two paths
+carry the KV (``RebalanceSettings.kv_path``): ``"device"`` (default) sends the blocks over the vLLM DP
+group's device communicator (HCCL on an A3, NCCL on GPUs, gloo on vLLM's CPU platform), gathered on the
+cache's device into bounded staging buffers, never through host memory; ``"host"`` copies them to host
+memory and sends them over the gloo coordination group (the fallback when there is no device group).
+The KV link is measured at the first round (:meth:`RebalanceCoordinator.measure_link`) unless configured,
+and bounds each round by time (``max_round_s``). A collective or P2P operation that does not
 complete within ``timeout_s`` raises :class:`RebalanceTimeoutError` naming the round, the operation
 and the peers, instead of hanging.
 
@@ -32,7 +39,9 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -43,15 +52,26 @@ import torch
 from qwen3_rl.rollout.rebalance import (
     DEFAULT_KV_LINK_GB_S,
     DEFAULT_MAX_KV_BYTES,
+    DEFAULT_MAX_ROUND_S,
     DEFAULT_PREFILL_TOKENS_PER_S,
     MigrationPlan,
     Move,
     RankState,
     RebalanceConfig,
     TransferCost,
-    kv_block_budget,
     plan_rebalance,
+    round_config,
 )
+
+logger = logging.getLogger("qwen3_rl.rollout.rebalance")
+
+#: KV paths: the DP group's device communicator, or host memory over the gloo coordination group
+KV_PATHS = ("device", "host")
+#: bytes of one KV message (one request's blocks of a run of cache tensors); staging holds one message per
+#: moving request and direction at a time
+DEFAULT_KV_CHUNK_BYTES = 64 << 20
+#: bytes each rank sends (and receives) when the first round measures the KV link
+DEFAULT_PROBE_BYTES = 64 << 20
 
 _MAGIC = b"QRRS"
 _VERSION = 2  # 2: no drafter-state section
@@ -193,6 +213,68 @@ def gather_kv_blocks(spec: KVCacheSpec, block_ids: Sequence[int]) -> torch.Tenso
     return torch.cat(parts)
 
 
+def kv_chunks(spec: KVCacheSpec, num_blocks: int, chunk_bytes: int) -> list[KVCacheSpec]:
+    """Split ``spec``'s cache tensors into consecutive runs whose ``num_blocks`` blocks fit ``chunk_bytes``
+    (at least one tensor per run): one KV message per run. Sender and receiver compute the same runs from
+    the same block count (cache shapes are equal on all DP ranks)."""
+    runs: list[KVCacheSpec] = []
+    start, acc = 0, 0
+    n = len(spec.caches)
+    for i in range(n):
+        one = KVCacheSpec((spec.caches[i],), (spec.block_axes[i],)).bytes_per_block * num_blocks
+        if i > start and acc + one > chunk_bytes:
+            runs.append(KVCacheSpec(spec.caches[start:i], spec.block_axes[start:i]))
+            start, acc = i, 0
+        acc += one
+    runs.append(KVCacheSpec(spec.caches[start:n], spec.block_axes[start:n]))
+    return runs
+
+
+def move_kv_blocks(spec: KVCacheSpec, comm: Communicator, sends: Sequence[tuple[int, Sequence[int]]],
+                   recvs: Sequence[tuple[int, Sequence[int]]], *, staging: torch.device | str | None = None,
+                   chunk_bytes: int = DEFAULT_KV_CHUNK_BYTES, recv_spec: KVCacheSpec | None = None,
+                   what: str = "KV blocks (P2P)") -> tuple[int, int]:
+    """Move KV blocks between DP ranks: ``sends`` = ``(dst, my block ids)``, ``recvs`` = ``(src, my block ids
+    to fill)``, each in plan order (both ends list the messages between two ranks in the same order).
+
+    The cache tensors are cut into runs of at most ``chunk_bytes`` per request (:func:`kv_chunks`); step
+    ``k`` gathers the blocks of run ``k`` of every outgoing request, one ``index_select`` per cache tensor,
+    into staging on ``staging`` (None: the cache's device, i.e. no host copy), posts every send and
+    receive of the step at once through ``comm.exchange`` (batched ``isend``/``irecv``: one message per
+    request and cache tensor), waits, and writes what arrived into ``recv_spec`` (default ``spec``) with
+    ``index_copy_``. Staging memory: one run per request and direction. Returns ``(bytes sent, bytes
+    received)``.
+    """
+    rspec = recv_spec or spec
+    dev = torch.device(staging) if staging is not None else spec.caches[0].device
+    out_runs = [(dst, list(ids), kv_chunks(spec, len(ids), chunk_bytes)) for dst, ids in sends if len(ids)]
+    in_runs = [(src, list(ids), kv_chunks(rspec, len(ids), chunk_bytes)) for src, ids in recvs if len(ids)]
+    steps = max((len(r) for _, _, r in (*out_runs, *in_runs)), default=0)
+    sent = received = 0
+    for k in range(steps):
+        # one message per (request, cache tensor): index_select is the only copy on the sending side
+        step_sends: list[tuple[int, torch.Tensor]] = []
+        for dst, ids, runs in out_runs:
+            if k < len(runs):
+                for cache, axis in zip(runs[k].caches, runs[k].block_axes, strict=True):
+                    idx = torch.as_tensor(ids, dtype=torch.long, device=cache.device)
+                    step_sends.append((dst, cache.index_select(axis, idx).to(dev)))
+        step_recvs: list[tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor]] = []
+        for src, ids, runs in in_runs:
+            if k < len(runs):
+                for cache, axis in zip(runs[k].caches, runs[k].block_axes, strict=True):
+                    shape = list(cache.shape)
+                    shape[axis] = len(ids)
+                    step_recvs.append((src, torch.empty(shape, dtype=cache.dtype, device=dev), cache, axis,
+                                       torch.as_tensor(ids, dtype=torch.long, device=cache.device)))
+        comm.exchange(step_sends, [(src, buf) for src, buf, *_ in step_recvs], f"{what}, part {k + 1}/{steps}")
+        for _, buf, cache, axis, idx in step_recvs:
+            cache.index_copy_(axis, idx, buf.to(cache.device))
+        sent += sum(t.numel() * t.element_size() for _, t in step_sends)
+        received += sum(b.numel() * b.element_size() for _, b, *_ in step_recvs)
+    return sent, received
+
+
 def scatter_kv_blocks(spec: KVCacheSpec, block_ids: Sequence[int], flat: torch.Tensor) -> None:
     """Write a :func:`gather_kv_blocks` buffer into ``block_ids`` of every cache (in place)."""
     expect = len(block_ids) * spec.bytes_per_block
@@ -237,7 +319,7 @@ class TorchDistCommunicator:
             so create the group with ``timeout=`` no larger than this (see :func:`new_rebalance_group`).
     """
 
-    def __init__(self, group: Any = None, timeout_s: float = 60.0) -> None:
+    def __init__(self, group: Any = None, timeout_s: float = 60.0, *, batched: bool = False) -> None:
         import torch.distributed as dist
 
         self._dist = dist
@@ -245,7 +327,13 @@ class TorchDistCommunicator:
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.timeout_s = float(timeout_s)
+        self.batched = bool(batched)
         self.round = 0
+
+    @property
+    def backend(self) -> str:
+        """The group's backend (``gloo``, ``hccl``, ``nccl``), for the log."""
+        return str(self._dist.get_backend(self.group))
 
     def _global(self, r: int) -> int:
         return r if self.group is None else self._dist.get_global_rank(self.group, r)
@@ -273,14 +361,23 @@ class TorchDistCommunicator:
             # tag = position among the messages to / from the same peer: sender and receiver walk the
             # plan in the same order, so the k-th message A -> B matches B's k-th receive from A
             seq: dict[tuple[str, int], int] = {}
+            ops: list[tuple[Any, torch.Tensor, int, int]] = []  # (isend | irecv, tensor, peer, tag)
             for dst, t in sends:
                 tag = seq.setdefault(("s", dst), 0)
                 seq["s", dst] = tag + 1
-                works.append((dist.isend(t, dst=self._global(dst), group=self.group, tag=tag), dst))
+                ops.append((dist.isend, t, dst, tag))
             for src, t in recvs:
                 tag = seq.setdefault(("r", src), 0)
                 seq["r", src] = tag + 1
-                works.append((dist.irecv(t, src=self._global(src), group=self.group, tag=tag), src))
+                ops.append((dist.irecv, t, src, tag))
+            if self.batched and ops:  # one batch (device communicators group the P2P calls)
+                reqs = dist.batch_isend_irecv([dist.P2POp(op, t, self._global(peer), self.group, tag)
+                                               for op, t, peer, tag in ops])
+                works = list(zip(reqs, [peer for _, _, peer, _ in ops], strict=True))
+            else:
+                for op, t, peer, tag in ops:
+                    key = "dst" if op is dist.isend else "src"
+                    works.append((op(t, **{key: self._global(peer)}, group=self.group, tag=tag), peer))
             for w, peer in works:
                 if w is not None and not w.wait(timeout=datetime.timedelta(seconds=self.timeout_s)):
                     raise self._fail(what, [peer], None)
@@ -362,10 +459,14 @@ class EngineHooks(Protocol):
 class RebalanceSettings:
     """Run-time switches (``actor_rollout_ref.rollout.rollout_rebalance*``).
 
-    ``max_kv_bytes``: KV bytes one DP rank may send plus receive in one round (0 = no byte cap); moves
-    beyond it wait for a later round. ``kv_link_gb_s``: bandwidth (GB/s = 1e9 B/s) of the KV path, and
-    ``prefill_tokens_per_s``: prefill throughput (tokens/s, 0 = never recompute), the two figures of the
-    per-request move-vs-recompute decision (:func:`qwen3_rl.rollout.rebalance.should_recompute`).
+    ``max_round_s``: seconds one round may cost a DP rank (KV bytes sent + received / link, plus the
+    prefill of prefixes it recomputes; 0 = no bound). ``max_kv_bytes``: optional byte cap per rank and
+    round (0 = none). ``kv_link_gb_s``: KV path bandwidth in GB/s (1e9 B/s, bytes sent + received per
+    second and rank); 0 = measured at the first round. ``prefill_tokens_per_s``: prefill throughput
+    (tokens/s, 0 = never recompute). Together they drive the per-request move-vs-recompute decision
+    (:func:`qwen3_rl.rollout.rebalance.should_recompute`) and the time bound. ``kv_path``: ``"device"`` (the
+    DP group's device communicator; host path when the engine has none) or ``"host"`` (host memory over
+    gloo).
     """
 
     enable: bool = False
@@ -374,6 +475,8 @@ class RebalanceSettings:
     max_kv_bytes: int = DEFAULT_MAX_KV_BYTES
     kv_link_gb_s: float = DEFAULT_KV_LINK_GB_S
     prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
+    max_round_s: float = DEFAULT_MAX_ROUND_S
+    kv_path: str = "device"
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable, bool):
@@ -381,18 +484,24 @@ class RebalanceSettings:
         if self.interval_steps < 1 or self.timeout_s <= 0:
             raise ValueError(f"interval_steps ({self.interval_steps}) must be >= 1 and timeout_s "
                              f"({self.timeout_s}) > 0")
-        if self.max_kv_bytes < 0 or not self.kv_link_gb_s > 0 or self.prefill_tokens_per_s < 0:
-            raise ValueError(f"max_kv_bytes ({self.max_kv_bytes}) and prefill_tokens_per_s "
-                             f"({self.prefill_tokens_per_s}) must be >= 0, kv_link_gb_s ({self.kv_link_gb_s}) > 0")
+        if self.max_kv_bytes < 0 or self.kv_link_gb_s < 0 or self.prefill_tokens_per_s < 0 or self.max_round_s < 0:
+            raise ValueError(f"max_kv_bytes ({self.max_kv_bytes}), kv_link_gb_s ({self.kv_link_gb_s}), "
+                             f"prefill_tokens_per_s ({self.prefill_tokens_per_s}) and max_round_s "
+                             f"({self.max_round_s}) must be >= 0")
+        if self.kv_path not in KV_PATHS:
+            raise ValueError(f"rollout_rebalance_kv_path must be one of {', '.join(KV_PATHS)}, got {self.kv_path!r}")
 
-    def transfer_cost(self, kv_bytes_per_block: int) -> TransferCost:
-        """The planner's move-vs-recompute cost model for KV blocks of ``kv_bytes_per_block`` bytes."""
-        return TransferCost(int(kv_bytes_per_block), self.kv_link_gb_s * 1e9, self.prefill_tokens_per_s)
+    def transfer_cost(self, kv_bytes_per_block: int, link_bytes_per_s: float | None = None) -> TransferCost:
+        """The planner's move-vs-recompute cost model for KV blocks of ``kv_bytes_per_block`` bytes (link:
+        the given bytes/s, else ``kv_link_gb_s``)."""
+        link = link_bytes_per_s if link_bytes_per_s is not None else self.kv_link_gb_s * 1e9
+        return TransferCost(int(kv_bytes_per_block), float(link), self.prefill_tokens_per_s)
 
 
 @dataclass(frozen=True)
 class RoundReport:
-    """What one round did on this rank."""
+    """What one round did on this rank (``kv_path``: the path the KV took; ``link_gb_s``: the link the
+    round planned with)."""
 
     round: int
     plan: MigrationPlan
@@ -402,10 +511,22 @@ class RoundReport:
     kv_bytes_sent: int
     kv_bytes_received: int
     recomputed: tuple[str, ...] = ()
+    kv_path: str = "host"
+    link_gb_s: float = 0.0
 
 
 class RebalanceCoordinator:
     """Runs rebalance rounds for one DP rank (see the module docstring for the protocol).
+
+    Args:
+        hooks: the engine.
+        comm: the coordination group (gloo): load exchange, request sizes and states.
+        cfg: planner config (buckets, block size, move budgets).
+        settings: the switches.
+        kv_comm: the KV path's group (the DP group's device communicator, ``batched``); None = the host path
+            over ``comm``.
+        kv_path: ``"device"`` or ``"host"`` (what the log and the reports name; ``"device"`` needs
+            ``kv_comm``).
 
     Bookkeeping: ``away`` = this rank's own requests currently served elsewhere (their results not back
     yet); :meth:`has_pending` must be OR-ed into the engine's "has unfinished requests" so the DP ranks
@@ -413,12 +534,29 @@ class RebalanceCoordinator:
     """
 
     def __init__(self, hooks: EngineHooks, comm: Communicator, cfg: RebalanceConfig,
-                 settings: RebalanceSettings) -> None:
+                 settings: RebalanceSettings, *, kv_comm: Communicator | None = None,
+                 kv_path: str | None = None, chunk_bytes: int = DEFAULT_KV_CHUNK_BYTES,
+                 probe_bytes: int = DEFAULT_PROBE_BYTES) -> None:
         self.hooks, self.comm, self.cfg, self.settings = hooks, comm, cfg, settings
+        self.kv_path = kv_path or ("device" if kv_comm is not None else "host")
+        if self.kv_path == "device" and kv_comm is None:
+            raise MigrationError("the device KV path needs the DP group's device communicator (kv_comm)")
+        self.kv_comm: Communicator = kv_comm if (kv_comm is not None and self.kv_path == "device") else comm
+        if self.kv_comm.rank != comm.rank or self.kv_comm.size != comm.size:
+            raise MigrationError(f"KV group rank {self.kv_comm.rank}/{self.kv_comm.size} differs from the "
+                                 f"coordination group's {comm.rank}/{comm.size}")
+        self.chunk_bytes, self.probe_bytes = int(chunk_bytes), int(probe_bytes)
         self.rank = comm.rank
         self.rounds = 0
         self.away: set[str] = set()
         self.reports: list[RoundReport] = []
+        #: KV link, bytes sent + received per second and rank (configured, or measured at the first round)
+        self.link_bytes_per_s: float | None = settings.kv_link_gb_s * 1e9 if settings.kv_link_gb_s > 0 else None
+
+    @property
+    def staging(self) -> torch.device | None:
+        """Where KV messages are staged: the cache's device (device path) or host memory."""
+        return None if self.kv_path == "device" else torch.device("cpu")
 
     def has_pending(self) -> bool:
         """True while some of this rank's requests are served by another rank."""
@@ -430,12 +568,50 @@ class RebalanceCoordinator:
             return None
         return self.run_round()
 
+    def measure_link(self) -> float:
+        """Measure the KV path (collective: every DP rank calls it): each rank sends ``probe_bytes`` of its
+        own KV blocks (read only) to the next rank and receives as much from the previous one into a
+        scratch cache, through :func:`move_kv_blocks`, twice; link = bytes sent + received / the slowest
+        rank's faster time. Returns bytes/s (the same on every rank) and logs it."""
+        spec = self.hooks.kv_cache_spec()
+        bpb = spec.bytes_per_block
+        size = self.comm.size
+        if size < 2:
+            return float("inf")
+        avail = min(c.shape[a] for c, a in zip(spec.caches, spec.block_axes, strict=True))
+        nb = max(1, min(avail, -(-self.probe_bytes // max(bpb, 1))))
+        shapes = []
+        for c, a in zip(spec.caches, spec.block_axes, strict=True):
+            shape = list(c.shape)
+            shape[a] = nb
+            shapes.append(torch.zeros(shape, dtype=c.dtype, device=c.device))  # touched before the clock starts
+        scratch = KVCacheSpec(tuple(shapes), spec.block_axes)
+        ids = list(range(nb))
+        nxt, prv = (self.rank + 1) % size, (self.rank - 1) % size
+        times = []
+        for _ in range(2):  # the faster of two: the first pays one-off set-up (buffers, connections)
+            t0 = time.perf_counter()
+            out, inn = move_kv_blocks(spec, self.kv_comm, [(nxt, ids)], [(prv, ids)], staging=self.staging,
+                                      chunk_bytes=self.chunk_bytes, recv_spec=scratch, what="KV link probe (P2P)")
+            times.append(time.perf_counter() - t0)
+        dt = min(times)
+        del scratch, shapes
+        slowest = max(float(x) for x in self.comm.all_gather_object(dt, "KV link probe time (all_gather)"))
+        link = (out + inn) / max(slowest, 1e-9)
+        logger.info("rollout rebalance: DP rank %d, KV path %s (%s): measured %.3f GB/s (bytes sent + received "
+                    "per second; %d + %d bytes in %.3f s, slowest rank)", self.rank, self.kv_path,
+                    getattr(self.kv_comm, "backend", "?"), link / 1e9, out, inn, slowest)
+        return link
+
     def run_round(self) -> RoundReport:
         """One round: gather loads and returns, plan, transfer, import, deliver."""
         me = self.rank
         self.rounds += 1
-        if hasattr(self.comm, "round"):
-            self.comm.round = self.rounds
+        for c in {id(self.comm): self.comm, id(self.kv_comm): self.kv_comm}.values():
+            if hasattr(c, "round"):
+                c.round = self.rounds
+        if self.link_bytes_per_s is None:
+            self.link_bytes_per_s = self.measure_link()
         state = self.hooks.load_state(me)
         if state.rank != me:
             raise MigrationError(f"load_state returned rank {state.rank} on DP rank {me}")
@@ -457,20 +633,20 @@ class RebalanceCoordinator:
         plan = plan_rebalance([g["state"] for g in gathered], cfg)
         sent, received, kv_out, kv_in = self._transfer(plan)
         rep = RoundReport(self.rounds, plan, tuple(sent), tuple(received), tuple(delivered), kv_out, kv_in,
-                          tuple(m.req_id for m in plan.moves if m.recompute and me in (m.src, m.dst)))
+                          tuple(m.req_id for m in plan.moves if m.recompute and me in (m.src, m.dst)),
+                          self.kv_path, (self.link_bytes_per_s or 0.0) / 1e9)
         self.reports.append(rep)
         return rep
 
     def round_config(self, kv_bytes_per_block: int) -> RebalanceConfig:
-        """Planner config of one round: the per-rank KV block budget from ``settings.max_kv_bytes`` (bytes a
-        rank may send + receive) and the move-vs-recompute cost model (unless the configured planner
-        config carries its own)."""
+        """Planner config of one round (:func:`qwen3_rl.rollout.rebalance.round_config`, as the simulator
+        makes it): the time bound ``settings.max_round_s`` on the measured or configured link, the optional
+        byte cap, the move-vs-recompute cost model (unless the configured planner config carries its own)."""
         st = self.settings
-        cap = kv_block_budget(st.max_kv_bytes, kv_bytes_per_block)
-        if self.cfg.max_kv_blocks_per_rank is not None:
-            cap = self.cfg.max_kv_blocks_per_rank if cap is None else min(cap, self.cfg.max_kv_blocks_per_rank)
-        return replace(self.cfg, max_kv_blocks_per_rank=cap,
-                       transfer=self.cfg.transfer or st.transfer_cost(kv_bytes_per_block))
+        link = self.link_bytes_per_s if self.link_bytes_per_s is not None else st.kv_link_gb_s * 1e9
+        return round_config(self.cfg, kv_bytes_per_block=kv_bytes_per_block, link_bytes_per_s=link,
+                            prefill_tokens_per_s=st.prefill_tokens_per_s, max_round_s=st.max_round_s,
+                            max_kv_bytes=st.max_kv_bytes)
 
     def _transfer(self, plan: MigrationPlan) -> tuple[list[str], list[str], int, int]:
         me = self.rank
@@ -478,8 +654,8 @@ class RebalanceCoordinator:
         if not outgoing and not incoming:
             return [], [], 0, 0
         spec = self.hooks.kv_cache_spec()
-        # stage 1: sizes (state bytes, KV bytes) per move
-        packed, kv_bufs, origins = [], [], []
+        # stage 1: request states (sizes first) over the coordination group
+        packed, out_blocks, origins = [], [], []
         for m in outgoing:
             st, blocks = self.hooks.export_request(m.req_id)
             if m.recompute:  # travels without KV: the target queues it to recompute its prefix (as a preemption)
@@ -491,32 +667,34 @@ class RebalanceCoordinator:
                 raise MigrationError(f"DP rank {me}: export of {m.req_id} gave {st.req_id} with {len(blocks)} "
                                      f"blocks, plan says {m.kv_blocks}")
             packed.append(torch.from_numpy(pack_request(st)))
-            kv_bufs.append(gather_kv_blocks(spec, blocks).cpu() if blocks else torch.empty(0, dtype=torch.uint8))
-        sizes_out = [torch.tensor([p.numel(), k.numel()], dtype=torch.int64)
-                     for p, k in zip(packed, kv_bufs, strict=True)]
-        sizes_in = [torch.zeros(2, dtype=torch.int64) for _ in incoming]
+            out_blocks.append(list(blocks))
+        sizes_out = [torch.tensor([p.numel()], dtype=torch.int64) for p in packed]
+        sizes_in = [torch.zeros(1, dtype=torch.int64) for _ in incoming]
         self.comm.exchange([(m.dst, s) for m, s in zip(outgoing, sizes_out, strict=True)],
                            [(m.src, s) for m, s in zip(incoming, sizes_in, strict=True)], "request sizes (P2P)")
-        # stage 2: state bytes and KV payload
         st_in = [torch.empty(int(s[0]), dtype=torch.uint8) for s in sizes_in]
-        kv_in = [torch.empty(int(s[1]), dtype=torch.uint8) for s in sizes_in]
-        sends = [(m.dst, p) for m, p in zip(outgoing, packed, strict=True)]
-        sends += [(m.dst, k) for m, k in zip(outgoing, kv_bufs, strict=True) if k.numel()]
-        recvs = [(m.src, b) for m, b in zip(incoming, st_in, strict=True)]
-        recvs += [(m.src, b) for m, b in zip(incoming, kv_in, strict=True) if b.numel()]
-        self.comm.exchange(sends, recvs, "request state + KV blocks (P2P)")
-        for m in outgoing:
-            self.hooks.release_request(m.req_id)
-        received = []
-        for m, sb, kb in zip(incoming, st_in, kv_in, strict=True):
+        self.comm.exchange([(m.dst, p) for m, p in zip(outgoing, packed, strict=True)],
+                           [(m.src, b) for m, b in zip(incoming, st_in, strict=True)], "request states (P2P)")
+        # stage 2: targets reserve blocks; the KV goes from the source's blocks into the target's
+        states, in_blocks = [], []
+        for m, sb in zip(incoming, st_in, strict=True):
             st = unpack_request(sb.numpy())
-            if st.req_id != m.req_id:
-                raise MigrationError(f"DP rank {me}: expected {m.req_id} from rank {m.src}, got {st.req_id}")
+            if st.req_id != m.req_id or st.num_kv_blocks != m.kv_blocks:
+                raise MigrationError(f"DP rank {me}: expected {m.req_id} with {m.kv_blocks} KV blocks from rank "
+                                     f"{m.src}, got {st.req_id} with {st.num_kv_blocks}")
             blocks = self.hooks.allocate_blocks(st) if st.num_kv_blocks else []
             if len(blocks) != st.num_kv_blocks:
                 raise MigrationError(f"DP rank {me}: got {len(blocks)} blocks for {st.req_id}, need {st.num_kv_blocks}")
-            if blocks:
-                scatter_kv_blocks(spec, blocks, kb)
+            states.append(st)
+            in_blocks.append(blocks)
+        kv_out, kv_in = move_kv_blocks(spec, self.kv_comm, [(m.dst, b) for m, b in zip(outgoing, out_blocks, strict=True)],
+                                       [(m.src, b) for m, b in zip(incoming, in_blocks, strict=True)],
+                                       staging=self.staging, chunk_bytes=self.chunk_bytes,
+                                       what=f"KV blocks over the {self.kv_path} path (P2P)")
+        for m in outgoing:
+            self.hooks.release_request(m.req_id)
+        received = []
+        for st, blocks in zip(states, in_blocks, strict=True):
             self.hooks.import_request(st, blocks)
             received.append(st.req_id)
             if st.origin_rank == me:
@@ -524,8 +702,7 @@ class RebalanceCoordinator:
         for m, origin in zip(outgoing, origins, strict=True):
             if origin == me:  # a foreign request moving on stays in its origin's ledger
                 self.away.add(m.req_id)
-        return ([m.req_id for m in outgoing], received, sum(int(k.numel()) for k in kv_bufs),
-                sum(int(b.numel()) for b in kv_in))
+        return [m.req_id for m in outgoing], received, kv_out, kv_in
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -548,17 +725,13 @@ def settings_from_rollout_config(rollout_cfg: Any) -> tuple[RebalanceSettings, i
 
     Keys: ``rollout_rebalance`` (bool, default False), ``rollout_rebalance_interval_steps`` (32),
     ``rollout_rebalance_max_moves`` (128, requests per round), ``rollout_rebalance_timeout_s`` (60),
-    ``rollout_rebalance_max_kv_bytes`` (KV bytes a rank sends + receives per round, 0 = no cap),
-    ``rollout_rebalance_kv_link_gb_s`` (0.5) and ``rollout_rebalance_prefill_tokens_per_s`` (10000, 0 = never
-    recompute): the move-vs-recompute cost model.
+    ``rollout_rebalance_max_round_s`` (10, seconds a round may cost a rank; 0 = no bound),
+    ``rollout_rebalance_max_kv_bytes`` (optional byte cap per rank and round, 0 = none),
+    ``rollout_rebalance_kv_path`` (``device`` | ``host``), ``rollout_rebalance_kv_link_gb_s`` (0 = measured at
+    the first round) and ``rollout_rebalance_prefill_tokens_per_s`` (10000, 0 = never recompute).
     """
-    enable = _cfg_get(rollout_cfg, "rollout_rebalance", False)
-    interval = _cfg_get(rollout_cfg, "rollout_rebalance_interval_steps", 32)
-    max_moves = _cfg_get(rollout_cfg, "rollout_rebalance_max_moves", 128)
-    timeout = _cfg_get(rollout_cfg, "rollout_rebalance_timeout_s", 60.0)
-    max_kv_bytes = _cfg_get(rollout_cfg, "rollout_rebalance_max_kv_bytes", DEFAULT_MAX_KV_BYTES)
-    link = _cfg_get(rollout_cfg, "rollout_rebalance_kv_link_gb_s", DEFAULT_KV_LINK_GB_S)
-    prefill = _cfg_get(rollout_cfg, "rollout_rebalance_prefill_tokens_per_s", DEFAULT_PREFILL_TOKENS_PER_S)
+    g = lambda key, default: _cfg_get(rollout_cfg, "rollout_rebalance" + key, default)  # noqa: E731
+    enable, max_moves, max_kv_bytes = g("", False), g("_max_moves", 128), g("_max_kv_bytes", DEFAULT_MAX_KV_BYTES)
     if not isinstance(enable, bool):
         raise ValueError(f"actor_rollout_ref.rollout.rollout_rebalance must be a bool, got {enable!r}")
     if isinstance(max_moves, bool) or int(max_moves) < 1:
@@ -566,8 +739,11 @@ def settings_from_rollout_config(rollout_cfg: Any) -> tuple[RebalanceSettings, i
     if isinstance(max_kv_bytes, bool) or int(max_kv_bytes) != max_kv_bytes or int(max_kv_bytes) < 0:
         raise ValueError("actor_rollout_ref.rollout.rollout_rebalance_max_kv_bytes must be an integer >= 0 "
                          f"(bytes per rank and round, 0 = no cap), got {max_kv_bytes!r}")
-    return (RebalanceSettings(enable, int(interval), float(timeout), int(max_kv_bytes), float(link), float(prefill)),
-            int(max_moves))
+    settings = RebalanceSettings(enable, int(g("_interval_steps", 32)), float(g("_timeout_s", 60.0)),
+                                 int(max_kv_bytes), float(g("_kv_link_gb_s", DEFAULT_KV_LINK_GB_S)),
+                                 float(g("_prefill_tokens_per_s", DEFAULT_PREFILL_TOKENS_PER_S)),
+                                 float(g("_max_round_s", DEFAULT_MAX_ROUND_S)), str(g("_kv_path", "device")))
+    return settings, int(max_moves)
 
 
 def configure_rollout_rebalance(rollout_cfg: Any, llm: Any) -> RebalanceSettings:

@@ -30,8 +30,15 @@ Move or recompute (phase 2): a running request can travel with its KV blocks or 
 case the target recomputes its prefix like after a local preemption (the fallback verl's async mode
 uses). :func:`should_recompute` decides per request from :class:`TransferCost`: KV bytes / link
 bandwidth against prefix tokens / prefill throughput. A recomputed move carries no KV bytes, so it
-does not count against the KV budgets (``max_kv_blocks_per_rank`` is the per-round byte cap converted
-to blocks by :func:`kv_block_budget`).
+does not count against the KV budgets (``max_kv_blocks_per_rank`` is the optional per-round byte cap
+converted to blocks by :func:`kv_block_budget`).
+
+Time bound (``max_round_s``): a round may cost each rank at most that many seconds: its KV transfer
+(bytes sent + received / link) plus the prefill of the prefixes it recomputes for requests it receives.
+Each running request takes the cheaper of moving and recomputing that still fits the budgets of both
+ends; when neither fits it stays where it is for a later round (the planner then settles for a larger
+bucket, or moves nothing). :func:`round_config` turns the run-time figures (link, prefill rate, bound,
+optional byte cap) into a round's config: the simulator and the coordinator both call it.
 """
 
 from __future__ import annotations
@@ -82,11 +89,15 @@ class RankState:
         return sum(r.kv_blocks for r in self.running)
 
 
-#: default KV bytes one round may move (all DP ranks together); see docs/rollout_balancing.md
-DEFAULT_MAX_KV_BYTES = 4_000_000_000
-#: default KV path bandwidth the move-vs-recompute model assumes, GB/s (gloo path measured by
-#: ``python -m qwen3_rl.bench.kv_transfer``, rounded)
-DEFAULT_KV_LINK_GB_S = 0.5
+#: default optional byte cap: KV bytes one DP rank may send + receive per round (0 = none; the round is
+#: bounded by time, ``DEFAULT_MAX_ROUND_S``); see docs/rollout_balancing.md
+DEFAULT_MAX_KV_BYTES = 0
+#: default time bound of a round per rank, seconds (KV transfer + recompute); about a sixth of the default
+#: 60 s timeout, the bound the former 4 GB cap gave on the measured 0.44 GB/s host path
+DEFAULT_MAX_ROUND_S = 10.0
+#: default KV path bandwidth, GB/s: 0 = measured by the engine at its first round (the simulator's default
+#: is a device-class figure, ``qwen3_rl.sim.simulate.DEVICE_LINK_GB_S``)
+DEFAULT_KV_LINK_GB_S = 0.0
 #: default prefill throughput of one rollout engine, tokens/s (the simulator's 100 ms per 1000 tokens)
 DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0
 
@@ -141,6 +152,30 @@ def should_recompute(num_tokens: int, kv_blocks: int, cost: TransferCost | None)
     return recompute_seconds(num_tokens, cost) < kv_move_seconds(kv_blocks, cost)
 
 
+def round_config(base: RebalanceConfig, *, kv_bytes_per_block: int, link_bytes_per_s: float,
+                 prefill_tokens_per_s: float, max_round_s: float | None, max_kv_bytes: int = 0,
+                 per_move_s: float = 0.0) -> RebalanceConfig:
+    """The planner config of one round from the run-time figures (shared by the coordinator and the simulator).
+
+    Args:
+        base: buckets, block size, move budgets; a ``transfer`` / ``max_round_s`` / per-rank block cap set
+            here wins over the figures below (a cap is combined with the byte cap by ``min``).
+        kv_bytes_per_block: bytes of one KV block on one rank (all layers, K and V).
+        link_bytes_per_s: KV path bandwidth, bytes sent + received per second and rank.
+        prefill_tokens_per_s: prefill throughput of the receiving engine (0 = never recompute).
+        max_round_s: seconds a round may cost one rank (KV transfer + recompute); None or 0 = no bound.
+        max_kv_bytes: optional byte cap per rank and round (0 = none).
+        per_move_s: fixed cost of one KV transfer, seconds.
+    """
+    cap = kv_block_budget(max_kv_bytes, kv_bytes_per_block)
+    if base.max_kv_blocks_per_rank is not None:
+        cap = base.max_kv_blocks_per_rank if cap is None else min(cap, base.max_kv_blocks_per_rank)
+    cost = base.transfer or TransferCost(int(kv_bytes_per_block), float(link_bytes_per_s),
+                                         float(prefill_tokens_per_s), float(per_move_s))
+    bound = base.max_round_s if base.max_round_s is not None else (float(max_round_s) if max_round_s else None)
+    return replace(base, max_kv_blocks_per_rank=cap, transfer=cost, max_round_s=bound)
+
+
 def kv_block_budget(max_kv_bytes: int, kv_bytes_per_block: int) -> int | None:
     """KV blocks a byte cap allows (whole blocks, rounded down); None = no cap (``max_kv_bytes`` 0, or the
     block size unknown)."""
@@ -162,7 +197,9 @@ class RebalanceConfig:
     ``max_kv_blocks_per_rank``: KV blocks one rank may send plus receive per round (phase 2; None = no
     per-rank cap): the transfer time of a round is set by its busiest rank, and in lockstep every rank
     waits for it. ``transfer``: move-vs-recompute cost model for phase 2 (None: running requests always
-    move their KV).
+    move their KV). ``max_round_s``: seconds one round may cost a rank, KV transfer (bytes sent + received
+    / ``transfer.link_bytes_per_s``) plus the prefill of prefixes it recomputes (None: no bound; needs
+    ``transfer``).
     """
 
     buckets: tuple[int, ...]
@@ -174,8 +211,11 @@ class RebalanceConfig:
     phase2: bool = True
     max_kv_blocks_per_rank: int | None = None
     transfer: TransferCost | None = None
+    max_round_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.max_round_s is not None and not self.max_round_s > 0:
+            raise ValueError(f"max_round_s must be > 0 (or None), got {self.max_round_s}")
         if not self.buckets or any(b < 1 for b in self.buckets) or list(self.buckets) != sorted(set(self.buckets)):
             raise ValueError(f"buckets must be strictly ascending positive ints, got {self.buckets}")
         if self.max_kv_blocks_per_rank is not None and self.max_kv_blocks_per_rank < 0:
@@ -321,6 +361,23 @@ def _phase2(works: list[_Work], cfg: RebalanceConfig, move_budget: int) -> tuple
     return [], before, before
 
 
+#: one way a phase-2 candidate can travel: blocks it needs on the target, KV blocks transferred, whether
+#: it is recomputed, seconds it costs the source and the target (KV transfer; recompute on the target)
+_Option = tuple[int, int, bool, float, float]
+
+
+def _options(r: RunningRequest, cfg: RebalanceConfig) -> list[_Option]:
+    """The ways a running request can travel, cheapest first (move with its KV, or recompute on the target)."""
+    cost = cfg.transfer
+    mv_s = kv_move_seconds(r.kv_blocks, cost) if cost is not None else 0.0
+    move: _Option = (r.kv_blocks, r.kv_blocks, False, mv_s, mv_s)
+    if cost is None or cost.prefill_tokens_per_s <= 0 or cost.kv_bytes_per_block <= 0:
+        return [move]
+    rc: _Option = (max(r.kv_blocks, blocks_needed(r.num_tokens, cfg.block_size)), 0, True, 0.0,
+                   recompute_seconds(r.num_tokens, cost))
+    return [rc, move] if should_recompute(r.num_tokens, r.kv_blocks, cost) else [move, rc]
+
+
 def _try_bucket(works: list[_Work], cfg: RebalanceConfig, b: int, move_budget: int) -> list[_P2Move] | None:
     need_moves = sum(max(0, w.count - min(b, w.cap_seqs)) for w in works)
     if need_moves > move_budget:
@@ -333,40 +390,47 @@ def _try_bucket(works: list[_Work], cfg: RebalanceConfig, b: int, move_budget: i
     kv_total = 0
     per_rank = cfg.max_kv_blocks_per_rank
     kv_io = {w.rank: 0 for w in works}  # blocks sent + received per rank this round
+    bound = cfg.max_round_s if cfg.transfer is not None else None
+    spent = {w.rank: 0.0 for w in works}  # seconds of transfer + recompute per rank this round
+
+    def fits(rank: int, kv: int, secs: float) -> bool:
+        if per_rank is not None and kv and kv_io[rank] + kv > per_rank:
+            return False
+        return bound is None or secs <= 0 or spent[rank] + secs <= bound
+
     for w in sorted(works, key=lambda w: w.rank):
         excess = -head[w.rank]
         if excess <= 0:
             continue
         # Cheapest first: requests admitted this round (no KV yet), then running by KV blocks held.
-        cands: list[tuple[str, int, int, bool, bool]] = [
-            (r.req_id, blocks_needed(r.num_tokens, cfg.block_size), 0, True, False) for r in reversed(w.admitted)
+        cands: list[tuple[str, bool, list[_Option]]] = [
+            (r.req_id, True, [(blocks_needed(r.num_tokens, cfg.block_size), 0, False, 0.0, 0.0)])
+            for r in reversed(w.admitted)
         ]
-        for r in sorted(w.running, key=lambda r: (r.kv_blocks, r.req_id)):
-            if should_recompute(r.num_tokens, r.kv_blocks, cfg.transfer):  # no KV travels; the target prefills
-                cands.append((r.req_id, max(r.kv_blocks, blocks_needed(r.num_tokens, cfg.block_size)), 0, False, True))
-            else:
-                cands.append((r.req_id, r.kv_blocks, r.kv_blocks, False, False))
+        cands += [(r.req_id, False, _options(r, cfg)) for r in sorted(w.running, key=lambda r: (r.kv_blocks, r.req_id))]
         taken = 0
-        for req_id, blocks_at_dst, kv_moved, was_waiting, recompute in cands:
+        for req_id, was_waiting, options in cands:
             if taken == excess:
                 break
-            if kv_total + kv_moved > cfg.max_kv_blocks:
-                continue
-            if per_rank is not None and kv_moved and kv_io[w.rank] + kv_moved > per_rank:
-                continue
-            dsts = [r for r in receivers if r != w.rank and head[r] > 0 and free_blocks[r] >= blocks_at_dst
-                    and (per_rank is None or not kv_moved or kv_io[r] + kv_moved <= per_rank)]
-            if not dsts:
-                continue
-            dst = max(dsts, key=lambda r: (head[r], free_blocks[r], -r))
-            head[dst] -= 1
-            free_blocks[dst] -= blocks_at_dst
-            head[w.rank] += 1
-            kv_total += kv_moved
-            kv_io[w.rank] += kv_moved
-            kv_io[dst] += kv_moved
-            out.append((req_id, w.rank, dst, kv_moved, was_waiting, recompute))
-            taken += 1
+            for blocks_at_dst, kv_moved, recompute, src_s, dst_s in options:
+                if kv_total + kv_moved > cfg.max_kv_blocks or not fits(w.rank, kv_moved, src_s):
+                    continue
+                dsts = [r for r in receivers if r != w.rank and head[r] > 0 and free_blocks[r] >= blocks_at_dst
+                        and fits(r, kv_moved, dst_s)]
+                if not dsts:
+                    continue
+                dst = max(dsts, key=lambda r: (head[r], free_blocks[r], -r))
+                head[dst] -= 1
+                free_blocks[dst] -= blocks_at_dst
+                head[w.rank] += 1
+                kv_total += kv_moved
+                kv_io[w.rank] += kv_moved
+                kv_io[dst] += kv_moved
+                spent[w.rank] += src_s
+                spent[dst] += dst_s
+                out.append((req_id, w.rank, dst, kv_moved, was_waiting, recompute))
+                taken += 1
+                break  # the request travels one way; otherwise it stays for a later round
         if taken < excess:
             return None
     return out
@@ -453,6 +517,15 @@ def validate_plan(states: Sequence[RankState], plan: MigrationPlan, cfg: Rebalan
         assert max(io.values(), default=0) <= cfg.max_kv_blocks_per_rank, f"per-rank KV blocks {io} exceed the cap"
     for m in plan.moves:
         assert not m.recompute or (m.phase == 2 and m.kv_blocks == 0), f"recomputed move {m} carries KV"
+    if cfg.max_round_s is not None and cfg.transfer is not None:
+        tokens = {r.req_id: r.num_tokens for s in states for r in s.running}
+        spent = {s.rank: 0.0 for s in states}
+        for m in plan.moves:
+            mv = kv_move_seconds(m.kv_blocks, cfg.transfer)
+            spent[m.src] += mv
+            spent[m.dst] += recompute_seconds(tokens[m.req_id], cfg.transfer) if m.recompute else mv
+        worst = max(spent.values(), default=0.0)
+        assert worst <= cfg.max_round_s * (1 + 1e-9), f"a rank spends {worst:.3f} s > max_round_s {cfg.max_round_s}"
     new = apply_plan(states, plan)
     before = sorted(r.req_id for s in states for r in (*s.waiting, *s.running))
     after = sorted(r.req_id for s in new for r in (*s.waiting, *s.running))

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,8 @@ from qwen3_rl.rollout.migration import (
     TorchDistCommunicator,
 )
 from qwen3_rl.rollout.rebalance import RankState, RebalanceConfig, RunningRequest, WaitingRequest
+
+logger = logging.getLogger("qwen3_rl.rollout.rebalance")
 
 #: SamplingParams fields msgspec does not encode (leading underscore) but the engine relies on
 _PRIVATE_SP_FIELDS = ("_all_stop_token_ids", "_bad_words_token_ids")
@@ -252,12 +255,15 @@ class VllmRebalanceHook:
 
     # -- configuration ----------------------------------------------------------------------------------
     def configure(self, settings: RebalanceSettings, max_moves: int, *, comm: Any = None,
-                  cfg: RebalanceConfig | None = None) -> None:
+                  cfg: RebalanceConfig | None = None, kv_comm: Any = None) -> None:
         """Switch on (``settings.enable``) with a coordinator over this TP rank's DP group.
 
-        ``comm``: a :class:`~qwen3_rl.rollout.migration.Communicator` (default: a gloo group per vLLM DP
-        group with ``settings.timeout_s``, created collectively by every process); ``cfg``: planner
-        config (default: vLLM's graph capture sizes as buckets, the KV block size, ``max_moves``).
+        ``comm``: a :class:`~qwen3_rl.rollout.migration.Communicator` for the coordination messages
+        (default: a gloo group per vLLM DP group with ``settings.timeout_s``, created collectively by every
+        process); ``cfg``: planner config (default: vLLM's graph capture sizes as buckets, the KV block
+        size, ``max_moves``); ``kv_comm``: the KV path's communicator (default with ``kv_path="device"``:
+        vLLM's DP group's ``device_group`` — HCCL on an A3, NCCL on GPUs, gloo on vLLM's CPU platform —
+        batched; without one the KV takes the host path over ``comm``, and the log says so).
         """
         if not settings.enable:
             self.coordinator = None
@@ -288,8 +294,22 @@ class VllmRebalanceHook:
             raise MigrationError(f"planner block size {cfg.block_size} != KV block size {self.block_size}")
         if comm is None:
             comm = TorchDistCommunicator(_dp_rebalance_group(settings.timeout_s), timeout_s=settings.timeout_s)
+        path = settings.kv_path
+        if path == "device" and kv_comm is None:
+            group = _dp_device_group()
+            if group is None:
+                path = "host"
+                logger.warning("rollout rebalance: the vLLM DP group has no device group; KV moves through host "
+                               "memory over gloo (kv_path=host)")
+            else:
+                kv_comm = TorchDistCommunicator(group, timeout_s=settings.timeout_s, batched=True)
         self.rank = comm.rank
-        self.coordinator = RebalanceCoordinator(self, comm, cfg, settings)
+        self.coordinator = RebalanceCoordinator(self, comm, cfg, settings, kv_comm=kv_comm if path == "device" else None,
+                                                kv_path=path)
+        logger.info("rollout rebalance on: DP rank %d of %d, KV path %s (%s backend), round bound %s s, link %s",
+                    comm.rank, comm.size, path, getattr(self.coordinator.kv_comm, "backend", "?"),
+                    settings.max_round_s or "no", f"{settings.kv_link_gb_s:g} GB/s (configured)"
+                    if settings.kv_link_gb_s else "measured at the first round")
 
     # -- engine-loop calls (vLLM patch 0004) ------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -552,6 +572,17 @@ class VllmRebalanceHook:
         if res.reqs_to_abort:
             self.llm_engine.engine_core.abort_requests(res.reqs_to_abort)
         self._ready.extend(res.request_outputs)
+
+
+def _dp_device_group() -> Any:
+    """The vLLM DP group's device group (``GroupCoordinator.device_group``: HCCL / NCCL / gloo on CPU), or None
+    when vLLM's parallel state has none."""
+    from vllm.distributed.parallel_state import get_dp_group
+
+    try:
+        return getattr(get_dp_group(), "device_group", None)
+    except AssertionError:  # parallel state not initialised
+        return None
 
 
 def _dp_rebalance_group(timeout_s: float) -> Any:

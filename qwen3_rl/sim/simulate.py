@@ -67,14 +67,14 @@ import numpy as np
 from qwen3_rl.rollout.data_rebalance import contiguous_rank_of_rows, rank_sizes, rebalance_permutation
 from qwen3_rl.rollout.rebalance import (
     DEFAULT_MAX_KV_BYTES,
+    DEFAULT_MAX_ROUND_S,
     RankState,
     RebalanceConfig,
     RunningRequest,
-    TransferCost,
     WaitingRequest,
     bucket_for,
-    kv_block_budget,
     plan_rebalance,
+    round_config,
 )
 from qwen3_rl.sim.lengths import (
     REF_DP,
@@ -94,6 +94,12 @@ from qwen3_rl.sim.lengths import (
 POLICIES = ("default", "data-rebalance", "rollout-rebalance", "both")
 COUPLINGS = ("lockstep", "independent")
 KV_BYTES_PER_TOKEN = 1.47e9 / 32768  # [ref 002 §2.1]: one 32K sequence holds 1.47 GB of KV cache
+#: default KV link per rank, GB/s: a device-class figure, one 200 Gb/s RoCE port per NPU (the scale-out
+#: port each NPU of an Atlas 800T A2 / A3 server has) = 25 GB/s; assumed, not measured on an A3 (HCCS
+#: inside a node or super-node is faster; the CPU host path measures 0.4-0.7 GB/s, section 6 of
+#: docs/rollout_balancing.md)
+DEVICE_LINK_GB_S = 25.0
+DEVICE_LINK_SOURCE = "device-class default: one 200 Gb/s RoCE port per NPU (assumed, not measured on an A3)"
 
 
 class SimError(ValueError):
@@ -117,7 +123,7 @@ class StepModel:
     per_kctx_ms: float = 0.07064
     per_prefill_ktok_ms: float = 100.0
     kv_bytes_per_token: float = KV_BYTES_PER_TOKEN
-    link_gb_s: float = 25.0
+    link_gb_s: float = DEVICE_LINK_GB_S
     round_overhead_ms: float = 1.0
 
     def step_ms(self, bucket: float, ctx_tokens: float, prefill_tokens: float = 0.0) -> float:
@@ -142,6 +148,7 @@ class SimConfig:
     block_size: int = 128
     kv_blocks_per_rank: int | None = None
     max_kv_bytes: int = DEFAULT_MAX_KV_BYTES
+    max_round_s: float = DEFAULT_MAX_ROUND_S
     recompute: bool = True
 
     def __post_init__(self) -> None:
@@ -159,16 +166,17 @@ class SimConfig:
             raise SimError("--buckets must be strictly ascending")
 
     def rebalance_config(self) -> RebalanceConfig:
-        """The planner's config: budgets (the byte cap as blocks of ``kv_bytes_per_token * block_size``
-        bytes) and, with ``recompute``, the move-vs-recompute model on ``link_gb_s`` and the prefill cost."""
+        """The planner's config, made by :func:`qwen3_rl.rollout.rebalance.round_config` as the run-time
+        coordinator makes it: blocks of ``kv_bytes_per_token * block_size`` bytes, ``link_gb_s``, the prefill
+        rate ``1e6 / per_prefill_ktok_ms`` tokens/s (0 without ``recompute``), ``max_round_s`` and the
+        optional byte cap ``max_kv_bytes``."""
         sm = self.step
         bpb = int(round(sm.kv_bytes_per_token * self.block_size))
-        cost = None
-        if self.recompute and sm.per_prefill_ktok_ms > 0:
-            cost = TransferCost(bpb, sm.link_gb_s * 1e9, 1e6 / sm.per_prefill_ktok_ms)
-        return RebalanceConfig(buckets=self.graph_buckets, block_size=self.block_size, max_moves=self.max_moves,
-                               max_kv_blocks=self.max_kv_blocks,
-                               max_kv_blocks_per_rank=kv_block_budget(self.max_kv_bytes, bpb), transfer=cost)
+        prefill = 1e6 / sm.per_prefill_ktok_ms if self.recompute and sm.per_prefill_ktok_ms > 0 else 0.0
+        base = RebalanceConfig(buckets=self.graph_buckets, block_size=self.block_size, max_moves=self.max_moves,
+                               max_kv_blocks=self.max_kv_blocks)
+        return round_config(base, kv_bytes_per_block=bpb, link_bytes_per_s=sm.link_gb_s * 1e9,
+                            prefill_tokens_per_s=prefill, max_round_s=self.max_round_s, max_kv_bytes=self.max_kv_bytes)
 
     @property
     def graph_buckets(self) -> tuple[int, ...]:
@@ -818,7 +826,11 @@ def _rollout_main(argv: list[str]) -> int:
     p.add_argument("--block-size", type=int, default=128)
     p.add_argument("--kv-blocks-per-rank", type=int, default=None)
     p.add_argument("--max-kv-bytes", type=int, default=DEFAULT_MAX_KV_BYTES,
-                   help="KV bytes one rank may send + receive per round (0 = no cap; rollout_rebalance_max_kv_bytes)")
+                   help="optional byte cap: KV bytes one rank may send + receive per round (0 = none; "
+                        "rollout_rebalance_max_kv_bytes)")
+    p.add_argument("--max-round-s", type=float, default=DEFAULT_MAX_ROUND_S,
+                   help="seconds a round may cost one rank, KV transfer + recompute (0 = no bound; "
+                        "rollout_rebalance_max_round_s)")
     p.add_argument("--no-recompute", action="store_true",
                    help="always move KV (no per-request move-vs-recompute decision)")
     p.add_argument("--plot", default=None, help="write a per-rank busy/idle PNG")
@@ -853,6 +865,8 @@ def _rollout_main(argv: list[str]) -> int:
             raise SimError(f"unknown policy {pol!r} (choose from {', '.join(POLICIES)} or 'all')")
     if ns.max_moves < 0 or ns.max_kv_blocks < 0 or ns.max_kv_bytes < 0 or ns.block_size < 1:
         raise SimError("--max-moves/--max-kv-blocks/--max-kv-bytes must be >= 0 and --block-size >= 1")
+    if not (ns.max_round_s >= 0) or not math.isfinite(ns.max_round_s):
+        raise SimError("--max-round-s must be a finite number >= 0 (0 = no bound)")
     links = _links(ns.link_gb_s)
     lengths = load_lengths(ns.lengths)
     step = _step_from(ns)
@@ -861,7 +875,7 @@ def _rollout_main(argv: list[str]) -> int:
                      rebalance_interval=ns.rebalance_interval, max_moves=ns.max_moves,
                      max_kv_blocks=ns.max_kv_blocks, block_size=ns.block_size,
                      kv_blocks_per_rank=ns.kv_blocks_per_rank, max_kv_bytes=ns.max_kv_bytes,
-                     recompute=not ns.no_recompute)
+                     max_round_s=ns.max_round_s, recompute=not ns.no_recompute)
     lb = lower_bound(lengths, base)
     results = []
     tps_of: dict[int, float] = {}
@@ -911,11 +925,19 @@ def _rollout_main(argv: list[str]) -> int:
                 out["engine_steps_per_k"] = ksteps[id(results[0])]
         out["config"] = {"dp": ns.dp, "max_num_seqs": ns.max_num_seqs, "samples": lengths.size, "n": lengths.n,
                          "buckets": list(base.graph_buckets), "step_model": asdict(step),
-                         "rebalance_interval": ns.rebalance_interval}
+                         "rebalance_interval": ns.rebalance_interval, "max_round_s": ns.max_round_s,
+                         "max_kv_bytes": ns.max_kv_bytes,
+                         "link_source": DEVICE_LINK_SOURCE if ns.link_gb_s == str(DEVICE_LINK_GB_S) else "--link-gb-s"}
         print(json.dumps(out, indent=1))
         return 0
     print(f"{lengths.size} samples ({lengths.num_prompts} prompts x {lengths.n}), dp {ns.dp}, "
           f"max-num-seqs {ns.max_num_seqs}, coupling {ns.coupling}; lower bound {lb:.1f} s")
+    link_src = DEVICE_LINK_SOURCE if ns.link_gb_s == str(DEVICE_LINK_GB_S) else "--link-gb-s"
+    print(f"KV link {', '.join(f'{x:g}' for x in links)} GB/s per rank ({link_src}); round bound "
+          + (f"{ns.max_round_s:g} s" if ns.max_round_s else "none")
+          + (f", byte cap {ns.max_kv_bytes} B" if ns.max_kv_bytes else ", no byte cap")
+          + ("" if ns.no_recompute else f", recompute at {1e6 / step.per_prefill_ktok_ms:g} tokens/s"
+             if step.per_prefill_ktok_ms > 0 else ""))
     base_ms = {r.policy: r.makespan_s for r in results}
     ref = base_ms.get("default")
     tps_col = any(v != 1.0 for v in tps_of.values())
