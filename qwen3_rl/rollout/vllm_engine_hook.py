@@ -6,7 +6,9 @@ vLLM patch 0004 attaches one :class:`VllmRebalanceHook` to every ``LLMEngine`` a
 
 * ``has_unfinished_requests``: ``hook.has_unfinished()`` is OR-ed into the local flag *before* vLLM's DP
   all-reduce, so a rank that only hosts other ranks' requests runs real steps (not dummy batches) and
-  every rank keeps stepping until all migrated results are home;
+  every rank keeps stepping until all migrated results are home; after the all-reduce, a rank whose
+  scheduler is empty (``hook.idle_in_lockstep()``: its own requests are away) runs a dummy batch, so it
+  still joins vLLM's per-step DP batch coordination;
 * ``step``: ``hook.filter_outputs(engine_core.get_output())`` takes the per-step outputs of requests
   hosted for another rank out of the batch (this rank's ``OutputProcessor`` does not know them) and
   accumulates their tokens / logprobs / finish reason;
@@ -318,6 +320,13 @@ class VllmRebalanceHook:
             return False
         return bool(self.coordinator.has_pending() or self._foreign or self._finished or self._ready
                     or self.scheduler.has_requests())
+
+    def idle_in_lockstep(self) -> bool:
+        """True when this rank's scheduler holds nothing while the DP loop goes on (its requests are away, or it
+        only waits for results): ``LLMEngine.step`` must then run a dummy batch, or the other ranks' forward
+        waits for this rank in vLLM's DP batch coordination (``coordinate_batch_across_dp``) forever.
+        ``EngineCore.step`` skips the model when the scheduler is empty, so nothing else joins for it."""
+        return self.coordinator is not None and not self.scheduler.has_requests()
 
     def filter_outputs(self, outputs: Any) -> Any:
         """Take hosted (foreign) requests' outputs out of ``EngineCoreOutputs`` and accumulate them."""
