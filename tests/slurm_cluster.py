@@ -180,6 +180,22 @@ class SlurmCluster:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=10)
 
+    def helper_pids(self) -> set[int]:
+        """Helper processes the daemons fork for themselves (slurmctld's ``slurmscriptd``): not a job's."""
+        ours = {p.pid for p in self.procs}
+        out = set()
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit():
+                continue
+            try:
+                comm = (d / "comm").read_text().strip()
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if comm == "slurmscriptd" and ppid in ours:
+                out.add(int(d.name))
+        return out
+
     def job_state(self, job_id: str) -> str:
         p = self.client("scontrol", "show", "job", job_id, "-o", check=False)
         for tok in p.stdout.split():

@@ -14,6 +14,9 @@ node advertises a count-only GRES ``npu:1``.
    left in either namespace and both nodes' ``ray_current_cluster`` are gone.
 2. ``scancel`` during a step: the same command with two steps is cancelled once the rollout of step 1 started; the
    job ends CANCELLED within a bound and nothing of it is left running in either namespace.
+3. A failed node: the NPU env file given exists on the first node only; the second node's launcher stops with
+   its one-line error, the head's bounded cluster wait fails, the job is FAILED with both errors in its log
+   under their task numbers, and nothing is left.
 
 Only loopback and the test's own namespaces carry traffic.
 """
@@ -78,18 +81,19 @@ def _ray_version() -> str:
 
 def _job_left(cluster: SlurmCluster, net: TwoNodes, marks: list[str]) -> list[int]:
     """PIDs of the job still running: any process in the two namespaces but the Slurm daemons, or naming ``marks``."""
-    daemons = {p.pid for p in cluster.procs}
+    daemons = {p.pid for p in cluster.procs} | cluster.helper_pids()
     left = [p for p in ns_pids(net.head_ns) + ns_pids(net.worker_ns) if p not in daemons]
     for m in marks:
         left += [p for p in pids_mentioning(m) if p not in daemons and p not in left]
     return left
 
 
-def _submit(cluster: SlurmCluster, run_dir: Path, env: dict[str, str], ray_tmp: Path) -> str:
+def _submit(cluster: SlurmCluster, run_dir: Path, env: dict[str, str], ray_tmp: Path, *extra: str) -> str:
+    run_dir.mkdir(parents=True, exist_ok=True)  # Slurm does not create the output file's folder
     args = ["sbatch", "--parsable", "-N", "2", "--gres=npu:1", "-o", str(run_dir / "slurm-%j.out"), "-D", str(REPO),
             str(REPO / "launch_slurm.sbatch"), "internal/train_grpo_tiny_cpu.sh", "--device", "cpu",
             "--temp-dir", str(ray_tmp), "--log-dir", str(run_dir / "logs"), "--timeout", "180",
-            "--join-interval", "2", "--watch-interval", "2", "--watch-misses", "2"]
+            "--join-interval", "2", "--watch-interval", "2", "--watch-misses", "2", *extra]
     return cluster.client(*args, env=env).stdout.strip().split(";")[0]
 
 
@@ -159,3 +163,20 @@ def test_slurm_two_nodes_one_step_then_scancel(slurm: SlurmCluster, two_nodes: T
     print(f"slurm: scancel during step 1: job {job} CANCELLED {t_end - t_cancel:.0f} s after scancel, nothing left "
           f"{time.monotonic() - t_cancel:.0f} s after it; job log tail:\n" + "\n".join(out.splitlines()[-12:]))
     print(json.dumps({"one_step_job_s": round(took), "cancel_to_cancelled_s": round(t_end - t_cancel)}))
+
+    # 3. a failed node fails the job, with its error in the job log: the NPU env file exists on the first node
+    #    only (in its node-local directory), so the second node's launcher stops at its option check
+    (node_tmp["a"] / "npu_env.sh").write_text((REPO / "internal" / "npu_env.sh").read_text())
+    run_dir = tmp_path / "failed_node"
+    env = launch_env(engine_ws, tiny_root, run_dir, run_dir / "ckpt")
+    t0 = time.monotonic()
+    job = _submit(slurm, run_dir, env, ray_tmp, "--npu-env", str(ray_tmp / "npu_env.sh"), "--timeout", "20")
+    state = slurm.wait_job(job, 300)
+    out = (run_dir / f"slurm-{job}.out").read_text(errors="replace")
+    assert state == "FAILED", f"job {job} {state}:\n{out[-4000:]}"
+    assert f"1: error: NPU environment file not found: {ray_tmp / 'npu_env.sh'}" in out, out[-4000:]
+    assert "0: error: cluster did not assemble within 20 s: 1/2 nodes" in out, out[-4000:]
+    assert f"[slurm] job {job}: srun exited with code 1" in out or "srun exited with code 2" in out, out[-2000:]
+    left = _job_left(slurm, net, [str(run_dir), str(ray_tmp)])
+    assert left == [], f"processes of failed job {job} left:\n{describe(left)}"
+    print(f"slurm: failed node: job {job} FAILED in {time.monotonic() - t0:.0f} s with the node's error in its log")
