@@ -22,6 +22,7 @@ from qwen3_rl.launch.netinfo import NetError, parse_addr_show, parse_route_get
 from qwen3_rl.launch.ray_status import ClusterError, ClusterStatus, parse_ray_status, wait_for_cluster
 
 from conftest import free_port
+from netns import pids_mentioning
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = REPO / "tests" / "data"
@@ -585,18 +586,6 @@ def _netns_prefix() -> list[str] | None:
     return [unshare, "--net", "--map-root-user"]
 
 
-def _pids_mentioning(text: str) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if text in (d / "cmdline").read_bytes().decode(errors="replace"):
-                    out.append(int(d.name))
-            except OSError:
-                continue
-    return out
-
-
 def test_real_ray_head_in_loopback_namespace(tmp_path: Path):
     """ray_start_npu.sh with the real ray (pins.toml runtime.ray): head with a fake NPU resource inside a fresh
     network namespace (only lo), waits, runs a stand-in train script that runs an NPU task, exits with its code,
@@ -649,11 +638,11 @@ def test_real_ray_head_in_loopback_namespace(tmp_path: Path):
         assert "cluster ready: 1 node(s), 16 NPU" in p.stdout
         assert "training exited with code 7" in p.stdout
         time.sleep(0.5)
-        left = _pids_mentioning(str(temp_dir))
+        left = pids_mentioning(str(temp_dir))
         assert left == [], f"Ray processes left behind: {left}"
         print(f"real-ray launch took {took:.1f} s")
     finally:
-        for pid in _pids_mentioning(str(root / "ray")):
+        for pid in pids_mentioning(str(root / "ray")):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -30,10 +30,11 @@ import time
 from pathlib import Path
 
 import pytest
-from netns import TwoNodes, describe, ns_pids, pids_mentioning, two_nodes  # noqa: F401 (fixture)
 from test_launch import REPO, VENV_BIN, make_cann, make_standin, make_stubs, stub_env
 
 from qwen3_rl.pins import load_pins
+
+from netns import TwoNodes, describe, ns_pids, pids_mentioning, two_nodes  # noqa: F401 (fixture)
 
 NPUS = 16
 EXIT_CODE = 5

@@ -37,10 +37,10 @@ from test_e2e_training import Run, _events, check_step_log_and_ckpt, launch_env,
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/: the Slurm and namespace harnesses
 
+from qwen3_rl.pins import load_pins  # noqa: E402
+
 from netns import TwoNodes, describe, ns_pids, pids_mentioning, two_nodes  # noqa: E402,F401
 from slurm_cluster import Node, SlurmCluster, missing_tools  # noqa: E402
-
-from qwen3_rl.pins import load_pins  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
