@@ -98,7 +98,8 @@ class NpuOnHost(TorchFunctionMode):
         if func is torch.Tensor.record_stream:
             return None
         placed = False
-        if "device" in kwargs and _is_npu(kwargs["device"]):
+        dev = kwargs.get("device")
+        if _is_npu(dev) or (isinstance(dev, int) and not isinstance(dev, bool)):  # an index: the current NPU
             kwargs["device"] = torch.device("cpu")
             placed = True
         if kwargs.get("pin_memory"):
@@ -279,6 +280,7 @@ def build_npu_module() -> types.ModuleType:
     m.set_option = lambda *a, **k: None
     m.config = types.SimpleNamespace(allow_internal_format=False)
     m.utils = types.SimpleNamespace(_get_device_index=lambda d=None, optional=False: 0)
-    m.memory = types.SimpleNamespace(_set_allocator_settings=lambda *a, **k: None)
+    m.memory = types.SimpleNamespace(_set_allocator_settings=lambda *a, **k: None,
+                                     NPUPluggableAllocator=_GraphNotOnHost, MemPool=_GraphNotOnHost)
     m._lazy_init = lambda: None
     return m

@@ -24,11 +24,15 @@ kernels, ``_npu_paged_attention`` (graph mode), MC2 / all-to-all dispatch kernel
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 from typing import Any
 
 _INSTALLED = False
+#: torch_npu kernels other libraries import by name but the stand-in's path never calls (calling one raises):
+#: transformers' NPU flash-attention integration imports ``npu_fusion_attention`` when torch_npu is present.
+IMPORTED_ONLY = ("npu_fusion_attention",)
 
 
 class _StandInModule(types.ModuleType):
@@ -47,6 +51,7 @@ def _module(name: str, **attrs: Any) -> types.ModuleType:
         m = _StandInModule(name)
         m.__file__ = __file__
         m.__path__ = []  # a package, so submodules import
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
         sys.modules[name] = m
         parent, _, child = name.rpartition(".")
         if parent and parent in sys.modules:
@@ -123,6 +128,9 @@ def install() -> None:
     torch.Tensor.npu = lambda self, device=None, non_blocking=False, **kw: self.to("npu")  # type: ignore[attr-defined]
 
     tnpu = _module("torch_npu", npu=npu, __version__="2.8.0.post2", **ops.TORCH_NPU_OPS)
+    for name in IMPORTED_ONLY:
+        setattr(tnpu, name, _not_on_host(f"torch_npu.{name}"))
+    npu.__spec__ = importlib.machinery.ModuleSpec("torch_npu.npu", None, is_package=True)
     sys.modules["torch_npu.npu"] = npu
     _module("torch_npu.npu.streams", Event=runtime.Event, Stream=runtime.Stream)
     _module("torch_npu.op_plugin")
@@ -131,7 +139,7 @@ def install() -> None:
     prof = _module("torch_npu.profiler", profile=_not_on_host("torch_npu.profiler.profile"))
     _module("torch_npu.profiler.dynamic_profile", step=lambda: None, init=lambda *a, **k: None)
     prof.dynamic_profile = sys.modules["torch_npu.profiler.dynamic_profile"]
-    _module("torch_npu._C")
+    _module("torch_npu._C", _NPUTaskGroupHandle=runtime._GraphNotOnHost)  # a type annotation (acl_graph.py:589)
     _module("torch_npu._C._distributed_c10d", ProcessGroupHCCL=hccl.ProcessGroupHCCL)
     tnpu._C = sys.modules["torch_npu._C"]
     _module("acl", init=lambda *a, **k: 0)
