@@ -24,6 +24,8 @@ kernels, ``_npu_paged_attention`` (graph mode), MC2 / all-to-all dispatch kernel
 
 from __future__ import annotations
 
+import collections
+import functools
 import importlib.machinery
 import sys
 import types
@@ -43,6 +45,20 @@ class _StandInModule(types.ModuleType):
             raise AttributeError(name)
         raise AttributeError(f"{self.__name__}.{name}: not provided by the qwen3_rl CPU stand-in "
                              "(qwen3_rl/cpu_device/npu): no host reference for it yet")
+
+
+#: Calls of each stand-in kernel in this process (``torch_npu.<name>`` and ``_C_ascend.<name>``): tests read it to
+#: show which kernels vLLM-Ascend really called.
+CALLS: collections.Counter[str] = collections.Counter()
+
+
+def _counted(name: str, fn: Any) -> Any:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        CALLS[name] += 1
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def _module(name: str, **attrs: Any) -> types.ModuleType:
@@ -79,7 +95,7 @@ def _register_c_ascend_ops() -> None:
     _C_ASCEND_LIB = torch.library.Library("_C_ascend", "DEF")
     for name, (schema, fn) in C_ASCEND_OPS.items():
         _C_ASCEND_LIB.define(schema)
-        _C_ASCEND_LIB.impl(name, fn, "CPU")
+        _C_ASCEND_LIB.impl(name, _counted(f"_C_ascend.{name}", fn), "CPU")
 
 
 _C_ASCEND_LIB = None
@@ -127,7 +143,8 @@ def install() -> None:
     torch._register_device_module("npu", npu)
     torch.Tensor.npu = lambda self, device=None, non_blocking=False, **kw: self.to("npu")  # type: ignore[attr-defined]
 
-    tnpu = _module("torch_npu", npu=npu, __version__="2.8.0.post2", **ops.TORCH_NPU_OPS)
+    tnpu = _module("torch_npu", npu=npu, __version__="2.8.0.post2",
+                   **{n: _counted(f"torch_npu.{n}", f) for n, f in ops.TORCH_NPU_OPS.items()})
     for name in IMPORTED_ONLY:
         setattr(tnpu, name, _not_on_host(f"torch_npu.{name}"))
     npu.__spec__ = importlib.machinery.ModuleSpec("torch_npu.npu", None, is_package=True)
