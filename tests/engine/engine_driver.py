@@ -62,11 +62,45 @@ def drafter_state(llm) -> dict:
                           "bytes_sent": sam.exchange.stats.bytes_sent,
                           "tokens_sent": sam.exchange.stats.tokens_sent,
                           "tokens_merged": sam.exchange.stats.tokens_merged}
-    gate = getattr(d, "gate", None)
+    gate = getattr(d, "gate", None) or getattr(runner, "spec_decode_gate", None)  # vLLM-CPU / NPUModelRunner
     if gate is not None:
         st["gate"] = {"threshold": gate.threshold, "steps_on": gate.steps_on, "steps_off": gate.steps_off,
                       "switches": gate.switches}
     return st
+
+
+class _Calls(list):
+    def pop(self) -> int:  # calls since the last pop
+        n = len(self)
+        self.clear()
+        return n
+
+
+def _count_calls(cls, name: str) -> _Calls:
+    """Count calls of ``cls.name`` (a test probe: the method itself runs unchanged)."""
+    calls, orig = _Calls(), getattr(cls, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return orig(*args, **kwargs)
+
+    setattr(cls, name, counted)
+    return calls
+
+
+def hccl_groups() -> dict:
+    """vLLM's device groups -> the ``hccl_config`` their "hccl" process group was created with (stand-in record)."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state as ps
+
+    from qwen3_rl.cpu_device.npu import hccl
+
+    out = {}
+    for name in ("_TP", "_DP", "_EP", "_PP"):
+        g = getattr(ps, name, None)
+        if g is not None:
+            out[name[1:].lower()] = hccl.GROUP_OPTIONS.get(dist._get_process_group_name(g.device_group), "absent")
+    return out
 
 
 def main() -> int:
@@ -80,6 +114,9 @@ def main() -> int:
         from qwen3_rl.cpu_device.npu import stand_in
 
         ascend_run.prepare([str(Path(spec["workspace"]) / "vllm-ascend")])
+        import qwen3_rl.spec_decode.runner_drafter as runner_drafter
+
+        sam_builds = _count_calls(runner_drafter.SamRunnerDrafter, "__init__")
     else:
         import shims
 
@@ -122,7 +159,8 @@ def main() -> int:
         results.append({"name": run["name"], "outputs": outs, "metrics": counters(llm),
                         "drafter": drafter_state(llm), "gc_enabled_in_step": seen_gc,
                         "gc_enabled_after": gc.isenabled(),
-                        **({"npu_calls": dict(stand_in.CALLS)} if ascend else {})})
+                        **({"npu_calls": dict(stand_in.CALLS), "sam_builds": sam_builds.pop(),
+                            "hccl_groups": hccl_groups()} if ascend else {})})
         del llm
         gc.collect()
     print("ENGINE_RESULT " + json.dumps(results))
