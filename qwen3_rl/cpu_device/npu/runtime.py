@@ -283,4 +283,7 @@ def build_npu_module() -> types.ModuleType:
     m.memory = types.SimpleNamespace(_set_allocator_settings=lambda *a, **k: None,
                                      NPUPluggableAllocator=_GraphNotOnHost, MemPool=_GraphNotOnHost)
     m._lazy_init = lambda: None
+    # profiler range markers (verl/utils/profiler/mstx_profile.py:23 imports them on an NPU): nothing to mark
+    m.mstx = types.SimpleNamespace(range_start=lambda message=None, *a, **k: 0, range_end=lambda *a, **k: None,
+                                   mark=lambda *a, **k: None, mstx_range=lambda *a, **k: (lambda f: f))
     return m

@@ -33,8 +33,9 @@ from typing import Any
 
 _INSTALLED = False
 #: torch_npu kernels other libraries import by name but the stand-in's path never calls (calling one raises):
-#: transformers' NPU flash-attention integration imports ``npu_fusion_attention`` when torch_npu is present.
-IMPORTED_ONLY = ("npu_fusion_attention",)
+#: transformers' NPU flash-attention integration imports ``npu_fusion_attention`` and verl's NPU model patches
+#: (``verl/models/transformers/npu_patch.py:24``, imported by ``verl/__init__.py`` on an NPU) ``npu_rotary_mul``.
+IMPORTED_ONLY = ("npu_fusion_attention", "npu_rotary_mul")
 
 
 class _StandInModule(types.ModuleType):
