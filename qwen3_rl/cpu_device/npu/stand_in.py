@@ -6,6 +6,7 @@ the reason it exists (vLLM-Ascend 0.13.0 file:line):
 | item | what it does on the host | why |
 |---|---|---|
 | PrivateUse1 renamed ``"npu"`` | ``torch.device("npu:0")`` parses | vLLM-Ascend names its device ``npu`` everywhere (``worker/worker.py:220``) |
+| ``torch._C._get_accelerator`` -> host | torch's accelerator query answers "cpu" | a renamed PrivateUse1 without C++ hooks makes it raise (``torch.distributed.barrier``, ``distributed_c10d.py:4860``) |
 | ``torch.npu`` (``runtime.py``) | device, memory, streams, events, RNG, SoC as host calls | ``worker/worker.py:219-300``, ``worker/model_runner_v1.py:3108-3134``, ``utils.py:696`` |
 | ``NpuOnHost`` function mode | ``device="npu"``, ``.to("npu")``, ``pin_memory`` -> host | the engine's tensors must exist somewhere; pinning changes no value |
 | ``torch_npu`` module | the 12 kernels of ``ops.py`` + ``torch_npu.npu`` = ``torch.npu`` | ``import torch_npu`` at module level (``worker/worker.py:27`` and 18 others) |
@@ -140,6 +141,9 @@ def install() -> None:
 
     if torch._C._get_privateuse1_backend_name() != "npu":
         torch.utils.rename_privateuse1_backend("npu")
+    # torch asks the accelerator's C++ hooks (e.g. torch.distributed.barrier, distributed_c10d.py:4860); a renamed
+    # PrivateUse1 backend has none (they can only be registered from C++): the accelerator is the host
+    torch._C._get_accelerator = lambda check=False: torch.device("cpu")
     npu = runtime.build_npu_module()
     torch._register_device_module("npu", npu)
     torch.Tensor.npu = lambda self, device=None, non_blocking=False, **kw: self.to("npu")  # type: ignore[attr-defined]

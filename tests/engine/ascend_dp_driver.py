@@ -1,0 +1,64 @@
+"""One rank of vLLM data parallelism on vLLM-Ascend's own engine over the CPU stand-in (qwen3_rl.cpu_device.npu),
+as verl's sync rollout launches it: ``distributed_executor_backend="external_launcher"``, the torchrun-style
+environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), each rank generating its own share of the
+prompts; prints one JSON line.
+
+    RANK=r WORLD_SIZE=2 ... python tests/engine/ascend_dp_driver.py SPEC.json
+
+SPEC: {"workspace": DIR, "model": DIR, "prompts": [[ids], ...] (rank r takes its contiguous share),
+       "max_tokens": int, "enable_expert_parallel": bool}
+Result: {"rank", "outputs": [[ids] per own prompt], "dp": (rank, size) of vLLM's DP group, "ep": EP group size,
+"npu_calls": stand-in kernel calls, "routing_ranges": the expert ranges the routing kernel was asked for}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import workspace  # noqa: E402
+
+
+def main() -> int:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    ws = Path(spec["workspace"])
+    os.environ["VLLM_PLUGINS"] = "ascend"
+    workspace.activate(ws)
+    from qwen3_rl.cpu_device.npu import ops, stand_in
+    from qwen3_rl.cpu_device.npu import run as ascend_run
+
+    ranges: set[tuple[int, int]] = set()
+    routing = ops.npu_moe_init_routing_custom
+
+    def probe(*args, **kwargs):  # records the expert range each EP rank routes to (then runs the kernel)
+        ranges.add(tuple(kwargs.get("active_expert_range") or ()))
+        return routing(*args, **kwargs)
+
+    ops.C_ASCEND_OPS["npu_moe_init_routing_custom"] = (ops.C_ASCEND_OPS["npu_moe_init_routing_custom"][0], probe)
+    ascend_run.prepare([str(ws / "vllm-ascend")])
+    from vllm import LLM, SamplingParams
+    from vllm.distributed import parallel_state as ps
+    from vllm.inputs import TokensPrompt
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+              num_gpu_blocks_override=256, data_parallel_size=world, distributed_executor_backend="external_launcher",
+              enable_expert_parallel=bool(spec.get("enable_expert_parallel")))
+    share = len(spec["prompts"]) // world
+    mine = spec["prompts"][rank * share:(rank + 1) * share]
+    sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in mine], sp, use_tqdm=False)
+    print("ENGINE_RESULT " + json.dumps({
+        "rank": rank, "outputs": [list(r.outputs[0].token_ids) for r in res],
+        "dp": [ps.get_dp_group().rank_in_group, ps.get_dp_group().world_size], "ep": ps.get_ep_group().world_size,
+        "npu_calls": dict(stand_in.CALLS), "routing_ranges": sorted(ranges)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
