@@ -24,6 +24,32 @@ sys.path.insert(0, str(HERE))
 import workspace  # noqa: E402
 
 
+def eplb_type4(llm, loads: list) -> dict | None:
+    """vLLM-Ascend's EPLB policy factory (patched: vllm_ascend 0004) asked for policy type 4 on the load this
+    engine's routing recorded: per layer (routing calls cycle through the layers), per EP rank, tokens per expert
+    slot, gathered over the EP ranks; rank 0 rebalances and returns the placement."""
+    import torch
+    import torch.distributed as dist
+    from vllm_ascend.eplb.core.policy.policy_abstract import DynamicConfig
+    from vllm_ascend.eplb.core.policy.policy_factory import PolicyFactory
+
+    layers = llm.llm_engine.model_config.hf_config.num_hidden_layers
+    per_layer = [[0] * len(loads[0]) for _ in range(layers)]
+    for i, counts in enumerate(loads):
+        per_layer[i % layers] = [a + b for a, b in zip(per_layer[i % layers], counts, strict=True)]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, per_layer)
+    if dist.get_rank() != 0:
+        return None
+    workload = torch.tensor(gathered).permute(1, 0, 2)  # [layers, ranks, slots]
+    ranks, slots = workload.shape[1], workload.shape[2]
+    table = torch.arange(ranks * slots).view(1, ranks, slots).repeat(layers, 1, 1)
+    policy = PolicyFactory.generate_policy(4, DynamicConfig())
+    changed, priority, new_table = policy.rebalance_experts(table, workload)
+    return {"policy": type(policy).__name__, "workload": workload.tolist(), "table": table.tolist(),
+            "changed": int(changed), "new_table": torch.as_tensor(new_table).tolist()}
+
+
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     ws = Path(spec["workspace"])
@@ -33,11 +59,14 @@ def main() -> int:
     from qwen3_rl.cpu_device.npu import run as ascend_run
 
     ranges: set[tuple[int, int]] = set()
+    loads: list = []  # per routing call: tokens per local expert (the kernel's counts output)
     routing = ops.npu_moe_init_routing_custom
 
-    def probe(*args, **kwargs):  # records the expert range each EP rank routes to (then runs the kernel)
+    def probe(*args, **kwargs):  # records the expert range and the per-expert counts (the kernel runs unchanged)
         ranges.add(tuple(kwargs.get("active_expert_range") or ()))
-        return routing(*args, **kwargs)
+        out = routing(*args, **kwargs)
+        loads.append(out[2].tolist())
+        return out
 
     ops.C_ASCEND_OPS["npu_moe_init_routing_custom"] = (ops.C_ASCEND_OPS["npu_moe_init_routing_custom"][0], probe)
     ascend_run.prepare([str(ws / "vllm-ascend")])
@@ -49,11 +78,13 @@ def main() -> int:
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
               num_gpu_blocks_override=256, data_parallel_size=world, distributed_executor_backend="external_launcher",
               enable_expert_parallel=bool(spec.get("enable_expert_parallel")))
+    loads.clear()  # the load of the generation below only (not the profiling and warm-up runs)
     share = len(spec["prompts"]) // world
     mine = spec["prompts"][rank * share:(rank + 1) * share]
     sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in mine], sp, use_tqdm=False)
-    print("ENGINE_RESULT " + json.dumps({
+    eplb = eplb_type4(llm, loads) if spec.get("enable_expert_parallel") else None
+    print("ENGINE_RESULT " + json.dumps({"eplb": eplb,
         "rank": rank, "outputs": [list(r.outputs[0].token_ids) for r in res],
         "dp": [ps.get_dp_group().rank_in_group, ps.get_dp_group().world_size], "ep": ps.get_ep_group().world_size,
         "npu_calls": dict(stand_in.CALLS), "routing_ranges": sorted(ranges)}))

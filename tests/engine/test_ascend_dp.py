@@ -52,3 +52,18 @@ def test_dp2_on_vllm_ascend_equals_transformers(engine_ws: Path, tiny_models: di
     if ep:  # EP 2 over 4 experts: each rank routes to its own 2 experts
         assert r0["ep"] == r1["ep"] == 2
         assert r0["routing_ranges"] == [[0, 2]] and r1["routing_ranges"] == [[2, 4]]
+        _check_eplb_type4(r0["eplb"])
+
+
+def _check_eplb_type4(e: dict) -> None:
+    """vllm_ascend 0004: policy type 4 is ours; its placement of the load recorded by the two EP ranks' routing is a
+    valid expert map (every expert once per layer, same shape) whose busiest rank carries no more than before."""
+    print(f"EPLB type 4: workload {e['workload']} table {e['table']} -> changed {e['changed']}, {e['new_table']}")
+    assert e["policy"] == "PackingAwareAscendPolicy"
+    work, old, new = e["workload"], e["table"], e["new_table"]
+    assert sum(map(sum, work[0])) > 0
+    for layer in range(len(old)):
+        assert sorted(x for rank in new[layer] for x in rank) == sorted(x for rank in old[layer] for x in rank)
+        per_expert = {old[layer][r][s]: work[layer][r][s] for r in range(len(old[layer])) for s in range(len(old[layer][r]))}
+        peak = max(sum(per_expert[x] for x in rank) for rank in new[layer])
+        assert peak <= max(sum(rank) for rank in work[layer])
