@@ -24,6 +24,19 @@ sys.path.insert(0, str(HERE))
 import workspace  # noqa: E402
 
 
+def rebalance_report(llm) -> dict | None:
+    """Requests the rebalance hook sent / received / delivered home on this rank, over all rounds."""
+    hook = getattr(llm.llm_engine, "qwen3_rl_rebalance_hook", None)
+    coord = getattr(hook, "coordinator", None)
+    if coord is None:
+        return None
+    return {"rounds": coord.rounds, "sent": [r for rep in coord.reports for r in rep.sent],
+            "received": [r for rep in coord.reports for r in rep.received],
+            "delivered": [r for rep in coord.reports for r in rep.delivered],
+            "kv_out": sum(rep.kv_bytes_sent for rep in coord.reports),
+            "kv_in": sum(rep.kv_bytes_received for rep in coord.reports)}
+
+
 def eplb_type4(llm, loads: list) -> dict | None:
     """vLLM-Ascend's EPLB policy factory (patched: vllm_ascend 0004) asked for policy type 4 on the load this
     engine's routing recorded: per layer (routing calls cycle through the layers), per EP rank, tokens per expert
@@ -81,13 +94,18 @@ def main() -> int:
     loads.clear()  # the load of the generation below only (not the profiling and warm-up runs)
     share = len(spec["prompts"]) // world
     mine = spec["prompts"][rank * share:(rank + 1) * share]
+    if spec.get("rebalance"):  # vllm 0004 / verl 0007: rollout rebalance between the DP engines, as verl sets it
+        from qwen3_rl.rollout.migration import configure_rollout_rebalance
+
+        configure_rollout_rebalance(spec["rebalance"], llm)
+        mine = [spec["prompts"][i] for i in spec["rebalance_split"][rank]]
     sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in mine], sp, use_tqdm=False)
     eplb = eplb_type4(llm, loads) if spec.get("enable_expert_parallel") else None
     print("ENGINE_RESULT " + json.dumps({"eplb": eplb,
         "rank": rank, "outputs": [list(r.outputs[0].token_ids) for r in res],
         "dp": [ps.get_dp_group().rank_in_group, ps.get_dp_group().world_size], "ep": ps.get_ep_group().world_size,
-        "npu_calls": dict(stand_in.CALLS), "routing_ranges": sorted(ranges)}))
+        "npu_calls": dict(stand_in.CALLS), "routing_ranges": sorted(ranges), "rebalance": rebalance_report(llm)}))
     return 0
 
 

@@ -21,10 +21,10 @@ pytestmark = pytest.mark.ascend
 TOKENS = 24
 
 
-def run_dp(ws: Path, model: Path, tmp_path: Path, ep: bool) -> list[dict]:
+def run_dp(ws: Path, model: Path, tmp_path: Path, ep: bool, **extra) -> list[dict]:
     spec = tmp_path / "dp-spec.json"
     spec.write_text(json.dumps({"workspace": str(ws), "model": str(model), "prompts": PROMPTS, "max_tokens": TOKENS,
-                                "enable_expert_parallel": ep}))
+                                "enable_expert_parallel": ep, **extra}))
     port = str(gloo_port())
     procs = []
     for rank in (0, 1):
@@ -67,3 +67,17 @@ def _check_eplb_type4(e: dict) -> None:
         per_expert = {old[layer][r][s]: work[layer][r][s] for r in range(len(old[layer])) for s in range(len(old[layer][r]))}
         peak = max(sum(per_expert[x] for x in rank) for rank in new[layer])
         assert peak <= max(sum(rank) for rank in work[layer])
+
+
+def test_rollout_rebalance_moves_a_running_request_between_the_dp_engines(engine_ws: Path, tiny_models: dict[str, Path],
+                                                                          tmp_path: Path) -> None:
+    """vllm 0004 + qwen3_rl.rollout (as verl 0007 configures it): rank 0 starts with 3 requests, rank 1 with 1; a
+    rebalance round every 4 engine steps moves running requests (their KV blocks) to rank 1, which decodes them on
+    and returns the results; every request's output equals HF transformers'."""
+    rb = {"rollout_rebalance": True, "rollout_rebalance_interval_steps": 4, "rollout_rebalance_prefill_tokens_per_s": 0}
+    r0, r1 = run_dp(engine_ws, tiny_models["dense"], tmp_path, False, rebalance=rb, rebalance_split=[[0, 1, 2], [3]])
+    print(f"rebalance: rank 0 {r0['rebalance']}, rank 1 {r1['rebalance']}")
+    assert r0["rebalance"]["sent"] and r0["rebalance"]["sent"] == r1["rebalance"]["received"]
+    assert r0["rebalance"]["kv_out"] > 0 and sorted(r0["rebalance"]["delivered"]) == sorted(r0["rebalance"]["sent"])
+    ref = hf_greedy(tiny_models["dense"], PROMPTS, TOKENS)
+    assert r0["outputs"] == ref[:3] and r1["outputs"] == ref[3:]
