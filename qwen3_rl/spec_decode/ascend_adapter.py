@@ -27,19 +27,23 @@ class SamAscendProposer(Proposer):
         vllm_config: engine config; ``speculative_config.method`` must be "sam" (validated again).
         device: the runner's device (unused: drafting runs on the host).
         runner: the ``NPUModelRunner``; its ``input_batch`` and ``requests`` are read, never written.
+        sam: a ``SamRunnerDrafter`` already built for this engine (``NPUModelRunner._set_up_drafter`` hands over
+            the one ``GPUModelRunner.__init__`` built through vllm patch 0003); None builds one.
     """
 
     name = "sam"
 
-    def __init__(self, vllm_config: Any, device: Any = None, runner: Any = None) -> None:
+    def __init__(self, vllm_config: Any, device: Any = None, runner: Any = None,
+                 sam: SamRunnerDrafter | None = None) -> None:
         super().__init__(vllm_config, device, runner)
         config = config_from_vllm_config(vllm_config)
         self.vllm_config = vllm_config
         self.device = device
         self.runner = runner
         self.k = config.num_speculative_tokens
-        # builds the drafter and compiles its kernels (the first decode step compiles nothing)
-        self.sam = SamRunnerDrafter(config, vllm_config.model_config.max_model_len)
+        # builds the drafter and compiles its kernels (the first decode step compiles nothing), unless the engine
+        # already holds one (vLLM's constructor builds it first: one build and warm-up per engine)
+        self.sam = sam if sam is not None else SamRunnerDrafter(config, vllm_config.model_config.max_model_len)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """No model to load."""

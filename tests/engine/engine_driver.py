@@ -8,6 +8,9 @@ RUN:  {"name": str, "llm": {LLM kwargs}, "sampling": {SamplingParams kwargs},
        "prompts": optional override, "phases": optional [[prompt indices], ...] (one generate call per
        phase), "max_tokens": optional [per prompt] (requests that finish early shrink the batch),
        "gc_policy": optional bool (qwen3_rl.rollout.gc_control's per-step gc switch, vllm 0001)}
+SPEC "ascend": true runs vLLM-Ascend's own engine (NPUWorker -> NPUModelRunner) on the CPU stand-in
+(qwen3_rl.cpu_device.npu) instead of vLLM's CPU runner: Ascend's custom ops on (no "custom_ops": ["none"]),
+a fixed KV-cache size; each result then also has "npu_calls" (the stand-in kernels called so far).
 Each result: {"name", "outputs": [[token ids] per prompt (per phase, flattened in order)],
 "metrics": vLLM's own counters from LLM.get_metrics(), "drafter": the runner's drafter state,
 "gc_enabled_in_step": [gc.isenabled() seen inside each LLMEngine.step called by LLM._run_engine]}.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -65,19 +69,65 @@ def drafter_state(llm) -> dict:
     if sam is not None and getattr(sam, "adaptive", None) is not None:
         st["adaptive"] = {"step_hist": [int(x) for x in sam.adaptive.step_hist],
                           "k_hist": [int(x) for x in sam.adaptive.k_hist]}
-    gate = getattr(d, "gate", None)
+    gate = getattr(d, "gate", None) or getattr(runner, "spec_decode_gate", None)  # vLLM-CPU / NPUModelRunner
     if gate is not None:
         st["gate"] = {"threshold": gate.threshold, "steps_on": gate.steps_on, "steps_off": gate.steps_off,
                       "switches": gate.switches}
     return st
 
 
+class _Calls(list):
+    def pop(self) -> int:  # calls since the last pop
+        n = len(self)
+        self.clear()
+        return n
+
+
+def _count_calls(cls, name: str) -> _Calls:
+    """Count calls of ``cls.name`` (a test probe: the method itself runs unchanged)."""
+    calls, orig = _Calls(), getattr(cls, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return orig(*args, **kwargs)
+
+    setattr(cls, name, counted)
+    return calls
+
+
+def hccl_groups() -> dict:
+    """vLLM's device groups -> the ``hccl_config`` their "hccl" process group was created with (stand-in record)."""
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state as ps
+
+    from qwen3_rl.cpu_device.npu import hccl
+
+    out = {}
+    for name in ("_TP", "_DP", "_EP", "_PP"):
+        g = getattr(ps, name, None)
+        if g is not None:
+            out[name[1:].lower()] = hccl.GROUP_OPTIONS.get(dist._get_process_group_name(g.device_group), "absent")
+    return out
+
+
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
+    ascend = bool(spec.get("ascend"))
+    if ascend:
+        os.environ["VLLM_PLUGINS"] = "ascend"
     workspace.activate(Path(spec["workspace"]))
-    import shims
+    if ascend:
+        from qwen3_rl.cpu_device.npu import run as ascend_run
+        from qwen3_rl.cpu_device.npu import stand_in
 
-    shims.install_ascend_pytorch_rejection_sampler(Path(spec["workspace"]) / "vllm-ascend")
+        ascend_run.prepare([str(Path(spec["workspace"]) / "vllm-ascend")])
+        import qwen3_rl.spec_decode.runner_drafter as runner_drafter
+
+        sam_builds = _count_calls(runner_drafter.SamRunnerDrafter, "__init__")
+    else:
+        import shims
+
+        shims.install_ascend_pytorch_rejection_sampler(Path(spec["workspace"]) / "vllm-ascend")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -89,6 +139,9 @@ def main() -> int:
         kwargs = dict(model=spec["model"], dtype="float32", enforce_eager=True, seed=0,
                       compilation_config={"custom_ops": ["none"]}, max_model_len=512,
                       gpu_memory_utilization=0.5, disable_log_stats=False)
+        if ascend:
+            del kwargs["compilation_config"]
+            kwargs["num_gpu_blocks_override"] = 256
         kwargs.update(run.get("llm", {}))
         llm = LLM(**kwargs)
         base = {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True, **run.get("sampling", {})}
@@ -112,7 +165,9 @@ def main() -> int:
         gc_control.set_decode_gc_disabled(False)
         results.append({"name": run["name"], "outputs": outs, "metrics": counters(llm),
                         "drafter": drafter_state(llm), "gc_enabled_in_step": seen_gc,
-                        "gc_enabled_after": gc.isenabled()})
+                        "gc_enabled_after": gc.isenabled(),
+                        **({"npu_calls": dict(stand_in.CALLS), "sam_builds": sam_builds.pop(),
+                            "hccl_groups": hccl_groups()} if ascend else {})})
         del llm
         gc.collect()
     print("ENGINE_RESULT " + json.dumps(results))

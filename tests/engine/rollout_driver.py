@@ -6,7 +6,8 @@ rollout config composed by Hydra from a real train script; prints one JSON line.
 SPEC: {"workspace": DIR, "script": "internal/train_....sh", "env": {VAR: value},
        "overrides": [Hydra overrides appended to the script's, as a user would pass them],
        "prompts": [[token ids], ...], "n": samples per prompt, "do_sample": [bool, ...] (one
-       generate_sequences call each, in order), "port": a free TCP port for the gloo world of 1}
+       generate_sequences call each, in order), "port": a free TCP port for the gloo world of 1,
+       "ascend": optional bool (vLLM-Ascend's NPUWorker/NPUModelRunner on the CPU stand-in)}
 Result: {"rollout": the resolved rollout config's spec-decode keys, "logprobs": the requests'
 SamplingParams.logprobs, "generations": [{"do_sample", "responses": [[ids]], "metrics": vLLM's
 spec-decode counters accrued by that call, "meta_info": the returned DataProto's meta_info (verl 0016:
@@ -48,10 +49,18 @@ def compose_config(spec: dict):
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     ws = Path(spec["workspace"])
+    ascend = bool(spec.get("ascend"))  # vLLM-Ascend's own engine on the CPU stand-in (qwen3_rl.cpu_device.npu)
+    if ascend:
+        os.environ["VLLM_PLUGINS"] = "ascend"
     workspace.activate(ws)
-    import shims
+    if ascend:
+        from qwen3_rl.cpu_device.npu import run as ascend_run
 
-    shims.install_ascend_pytorch_rejection_sampler(ws / "vllm-ascend")
+        ascend_run.prepare([str(ws / "vllm-ascend")])
+    else:
+        import shims
+
+        shims.install_ascend_pytorch_rejection_sampler(ws / "vllm-ascend")
     import torch
     import torch.distributed as dist
     from omegaconf import OmegaConf

@@ -1,0 +1,174 @@
+"""Install the CPU stand-in for ``torch_npu``, ``torch.npu``, ``acl`` and ``torchair`` in this process.
+
+Device and kernel layer only: vLLM, vLLM-Ascend, verl and our patches run above it unchanged. Each item, with
+the reason it exists (vLLM-Ascend 0.13.0 file:line):
+
+| item | what it does on the host | why |
+|---|---|---|
+| PrivateUse1 renamed ``"npu"`` | ``torch.device("npu:0")`` parses | vLLM-Ascend names its device ``npu`` everywhere (``worker/worker.py:220``) |
+| ``torch._C._get_accelerator`` -> host | torch's accelerator query answers "cpu" | a renamed PrivateUse1 without C++ hooks makes it raise (``torch.distributed.barrier``, ``distributed_c10d.py:4860``) |
+| ``torch.npu`` (``runtime.py``) | device, memory, streams, events, RNG, SoC as host calls | ``worker/worker.py:219-300``, ``worker/model_runner_v1.py:3108-3134``, ``utils.py:696`` |
+| ``NpuOnHost`` function mode | ``device="npu"``, ``.to("npu")``, ``pin_memory`` -> host | the engine's tensors must exist somewhere; pinning changes no value |
+| ``torch_npu`` module | the 12 kernels of ``ops.py`` + ``torch_npu.npu`` = ``torch.npu`` | ``import torch_npu`` at module level (``worker/worker.py:27`` and 18 others) |
+| ``torch_npu.op_plugin.atb._atb_ops._register_atb_extensions`` | no-op | ATB extensions load at worker init (``worker/worker.py:29,112``) |
+| ``torch_npu.profiler`` | ``dynamic_profile.step`` no-op | imported at ``worker/worker.py:30`` (used only with MSMONITOR) |
+| ``torch_npu._C._distributed_c10d.ProcessGroupHCCL`` (``hccl.py``) | ``Options`` with ``hccl_config`` | ``utils.py:932`` |
+| ``"hccl"`` backend (``hccl.py``) | gloo with ``get_hccl_comm_name`` | ``worker/worker.py:487``; ``ops/fused_moe/token_dispatcher.py:107,416`` |
+| ``torch.ops._C_ascend.moe_gating_top_k`` / ``npu_moe_init_routing_custom`` | ``ops.py`` references | called unconditionally (``experts_selector.py:242``, ``token_dispatcher.py:338``); ``vllm_ascend_C`` is a device library |
+| vLLM custom ops also for the CPU key | each op registered for ``PrivateUse1`` is registered for ``CPU`` too, same function | ``unified_attention_with_output``, ``moe_forward``, ``maybe_chunk_residual`` (``ops/register_custom_ops.py:315,339,345``) are NPU-key only; host tensors dispatch to CPU |
+| ``acl`` | ``acl.rt.memcpy`` raising | imported unguarded by ``device_allocator/camem.py:25`` (used only in sleep mode) |
+| ``torchair`` | empty module raising on use | imported by the npugraph_ex compiler backend only (``compilation/compiler_interface.py:96``) |
+
+Not stood in (the stand-in runs eager mode on one host): NPU graphs, sleep mode's ``CaMemAllocator``, quantised
+kernels, ``_npu_paged_attention`` (graph mode), MC2 / all-to-all dispatch kernels (EP > 1 on one host).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import importlib.machinery
+import sys
+import types
+from typing import Any
+
+_INSTALLED = False
+#: torch_npu kernels other libraries import by name but the stand-in's path never calls (calling one raises):
+#: transformers' NPU flash-attention integration imports ``npu_fusion_attention`` and verl's NPU model patches
+#: (``verl/models/transformers/npu_patch.py:24``, imported by ``verl/__init__.py`` on an NPU) ``npu_rotary_mul``.
+IMPORTED_ONLY = ("npu_fusion_attention", "npu_rotary_mul")
+
+
+class _StandInModule(types.ModuleType):
+    """A stand-in module whose missing names fail with the name and the reason (``hasattr`` stays False)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"{self.__name__}.{name}: not provided by the qwen3_rl CPU stand-in "
+                             "(qwen3_rl/cpu_device/npu): no host reference for it yet")
+
+
+#: Calls of each stand-in kernel in this process (``torch_npu.<name>`` and ``_C_ascend.<name>``): tests read it to
+#: show which kernels vLLM-Ascend really called.
+CALLS: collections.Counter[str] = collections.Counter()
+
+
+def _counted(name: str, fn: Any) -> Any:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        CALLS[name] += 1
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def _module(name: str, **attrs: Any) -> types.ModuleType:
+    m = sys.modules.get(name)
+    if m is None:
+        m = _StandInModule(name)
+        m.__file__ = __file__
+        m.__path__ = []  # a package, so submodules import
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        sys.modules[name] = m
+        parent, _, child = name.rpartition(".")
+        if parent and parent in sys.modules:
+            setattr(sys.modules[parent], child, m)
+    for k, v in attrs.items():
+        setattr(m, k, v)
+    return m
+
+
+def _not_on_host(what: str):
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(f"{what}: needs the Ascend device runtime; not available on the CPU stand-in")
+
+    return fail
+
+
+def _register_c_ascend_ops() -> None:
+    import torch
+
+    from qwen3_rl.cpu_device.npu.ops import C_ASCEND_OPS
+
+    global _C_ASCEND_LIB
+    if hasattr(torch.ops, "_C_ascend") and all(hasattr(torch.ops._C_ascend, n) for n in C_ASCEND_OPS):
+        return
+    _C_ASCEND_LIB = torch.library.Library("_C_ascend", "DEF")
+    for name, (schema, fn) in C_ASCEND_OPS.items():
+        _C_ASCEND_LIB.define(schema)
+        _C_ASCEND_LIB.impl(name, _counted(f"_C_ascend.{name}", fn), "CPU")
+
+
+_C_ASCEND_LIB = None
+
+
+def _also_register_for_cpu() -> None:
+    """Wrap ``vllm.utils.torch_utils.direct_register_custom_op`` so an op registered for the NPU key
+    (``PrivateUse1``) is registered for ``CPU`` too, with the same function."""
+    try:
+        import vllm.utils.torch_utils as tu
+    except ImportError:
+        return
+    if getattr(tu.direct_register_custom_op, "_qwen3_rl_cpu_too", False):
+        return
+    orig = tu.direct_register_custom_op
+
+    def direct_register_custom_op(op_name: str, op_func: Any, mutates_args: Any = None, fake_impl: Any = None,
+                                  target_lib: Any = None, dispatch_key: str | None = None,
+                                  tags: tuple = ()) -> None:
+        if dispatch_key is None:
+            from vllm.platforms import current_platform
+
+            dispatch_key = current_platform.dispatch_key
+        orig(op_name, op_func, mutates_args=mutates_args, fake_impl=fake_impl, target_lib=target_lib,
+             dispatch_key=dispatch_key, tags=tags)
+        if dispatch_key == "PrivateUse1":
+            (target_lib or tu.vllm_lib).impl(op_name, op_func, dispatch_key="CPU")
+
+    direct_register_custom_op._qwen3_rl_cpu_too = True  # type: ignore[attr-defined]
+    tu.direct_register_custom_op = direct_register_custom_op
+
+
+def install() -> None:
+    """Install every stand-in item (idempotent). Call before ``vllm_ascend`` is imported."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    import torch
+
+    from qwen3_rl.cpu_device.npu import hccl, ops, runtime
+
+    if torch._C._get_privateuse1_backend_name() != "npu":
+        torch.utils.rename_privateuse1_backend("npu")
+    # torch asks the accelerator's C++ hooks (e.g. torch.distributed.barrier, distributed_c10d.py:4860); a renamed
+    # PrivateUse1 backend has none (they can only be registered from C++): the accelerator is the host
+    torch._C._get_accelerator = lambda check=False: torch.device("cpu")
+    npu = runtime.build_npu_module()
+    torch._register_device_module("npu", npu)
+    torch.Tensor.npu = lambda self, device=None, non_blocking=False, **kw: self.to("npu")  # type: ignore[attr-defined]
+
+    tnpu = _module("torch_npu", npu=npu, __version__="2.8.0.post2",
+                   **{n: _counted(f"torch_npu.{n}", f) for n, f in ops.TORCH_NPU_OPS.items()})
+    for name in IMPORTED_ONLY:
+        setattr(tnpu, name, _not_on_host(f"torch_npu.{name}"))
+    npu.__spec__ = importlib.machinery.ModuleSpec("torch_npu.npu", None, is_package=True)
+    sys.modules["torch_npu.npu"] = npu
+    _module("torch_npu.npu.streams", Event=runtime.Event, Stream=runtime.Stream)
+    _module("torch_npu.op_plugin")
+    _module("torch_npu.op_plugin.atb")
+    _module("torch_npu.op_plugin.atb._atb_ops", _register_atb_extensions=lambda: None)
+    prof = _module("torch_npu.profiler", profile=_not_on_host("torch_npu.profiler.profile"))
+    _module("torch_npu.profiler.dynamic_profile", step=lambda: None, init=lambda *a, **k: None)
+    prof.dynamic_profile = sys.modules["torch_npu.profiler.dynamic_profile"]
+    _module("torch_npu._C", _NPUTaskGroupHandle=runtime._GraphNotOnHost)  # a type annotation (acl_graph.py:589)
+    _module("torch_npu._C._distributed_c10d", ProcessGroupHCCL=hccl.ProcessGroupHCCL)
+    tnpu._C = sys.modules["torch_npu._C"]
+    _module("acl", init=lambda *a, **k: 0)
+    _module("acl.rt", memcpy=_not_on_host("acl.rt.memcpy"))
+    _module("torchair")
+    _register_c_ascend_ops()
+    hccl.install()
+    _also_register_for_cpu()
+    runtime.enter_host_mode()
+    _INSTALLED = True
