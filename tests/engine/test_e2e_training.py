@@ -4,13 +4,13 @@
 SPMD rollout, our math-verify reward, the update, the weight sync, a checkpoint per step, resume.
 
 What is checked, per run: the launcher's exit status; after every weight sync each engine's parameters equal the
-actor's exported weights exactly (``cpu_device/probe.py``), the export carries the HF checkpoint's names and shapes,
+actor's exported weights exactly (``qwen3_rl/cpu_device/probe.py``), the export carries the HF checkpoint's names and shapes,
 and the last sync differs from the first (the rollout sees the update); ``python -m qwen3_rl report`` parses the
 log with two steps; checkpoints ``global_step_1`` and ``global_step_2``. Faults: a worker killed by pid during step 2 stops
 the run with an error inside a bound, and the same command then resumes from step 1's checkpoint and finishes
 step 2 on the same prompts as an uninterrupted run.
 
-Device-layer shims only (``cpu_device/``); ``bash tests/run_tests.sh -m e2e`` runs these tests alone.
+Device-layer shims only (``qwen3_rl/cpu_device/``); ``bash tests/run_tests.sh -m e2e`` runs these tests alone.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def launch(engine_ws: Path, tiny_root: Path, script: str, run_dir: Path, env: di
     probe = run_dir / "probe"
     ckpt = ckpt or run_dir / "ckpt"
     venv_bin = str(Path(sys.executable).parent)
-    pypath = [str(HERE / "cpu_device"), *(str(engine_ws / d) for d in workspace.PATH_TREES), str(REPO),
+    pypath = [str(workspace.CPU_DEVICE), *(str(engine_ws / d) for d in workspace.PATH_TREES), str(REPO),
               str(engine_ws / ".dist-info")]
     full = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VLLM_", "QWEN3_RL_"))}
     full.update({

@@ -7,7 +7,7 @@ float32 with native ops, ``free_cache_engine=False`` since sleep mode needs a de
 the layout given through the script's own env vars (ACTOR_TP/EP/PP). Each rank runs ``megatron_driver.py``
 (``init_model`` -> ``generate_sequences`` -> ``compute_log_prob`` -> ``update_actor`` -> ``rollout_mode``
 weight sync) with the environment Ray gives verl's workers. Device-layer shims only
-(``cpu_device/megatron_shims.py``).
+(``qwen3_rl/cpu_device/megatron_shims.py``).
 """
 
 from __future__ import annotations

