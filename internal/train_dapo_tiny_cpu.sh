@@ -3,9 +3,8 @@
 # vLLM CPU engine per process), dynamic sampling and the overlong buffer on, 2 steps, a checkpoint per step.
 # Run by our entry qwen3_rl.trainer.dapo like the cluster DAPO setups, from the same internal/lib/ groups.
 #
-#   python -m qwen3_rl tiny-model --out workspace/tiny/qwen3_moe_tiny --moe
-#   python -m qwen3_rl tiny-data --out workspace/tiny/data
-#   bash ray_start_npu.sh internal/train_dapo_tiny_cpu.sh --device cpu --npus-per-node 2
+#   bash setup_cpu.sh
+#   bash ray_start_npu.sh internal/train_dapo_tiny_cpu.sh --device cpu
 #
 # A random model never answers right, so "acc" and "score" are the same in every group and dynamic sampling would
 # keep none: the tiny run filters on "seq_reward" (the score plus the overlong penalty, which varies with the
@@ -22,6 +21,8 @@ ACTOR_PP=${ACTOR_PP:-2}
 ACTOR_EP=${ACTOR_EP:-1}
 ACTOR_PP_FIRST_STAGE_LAYERS=${ACTOR_PP_FIRST_STAGE_LAYERS:-}
 ACTOR_PP_LAST_STAGE_LAYERS=${ACTOR_PP_LAST_STAGE_LAYERS:-}
+TINY_MODEL=${TINY_MODEL:-qwen3_moe_tiny}
+TINY_DATA=${TINY_DATA:-data}
 GEN_BATCH_SIZE=${GEN_BATCH_SIZE:-16}
 FILTER_METRIC=${FILTER_METRIC:-seq_reward}
 MAX_NUM_GEN_BATCHES=${MAX_NUM_GEN_BATCHES:-4}

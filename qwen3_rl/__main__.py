@@ -24,6 +24,9 @@ def _usage() -> str:
         "  eval       after training: merge a checkpoint to HF, score AIME/gsm8k accuracy, compare before/after\n"
         "  tiny-model tiny random-weight Qwen3 / Qwen3-MoE with a local tokenizer (tiny-model --out DIR [--moe])\n"
         "  tiny-data  generated gsm8k-style problems as verl parquet for the tiny CPU run (tiny-data --out DIR)\n"
+        "  tiny-sft   short seeded supervised warm-up of the tiny model (the answer format) before GRPO\n"
+        "  cpu-setup  everything the tiny CPU run needs: patched trees, tiny models, data, warm-up (setup_cpu.sh)\n"
+        "  cpu-env    the CPU profile's environment for ray_start_npu.sh --device cpu (or the set-up command)\n"
         "  sam-warm-cache  compile every SAM drafter kernel into numba's disk cache (run at image build)\n"
     )
 
@@ -98,6 +101,14 @@ def main(argv: list[str] | None = None) -> int:
         from qwen3_rl.tools.tiny_data import main as tiny_data_main
 
         return tiny_data_main(rest)
+    if cmd == "tiny-sft":
+        from qwen3_rl.tools.tiny_sft import main as tiny_sft_main
+
+        return tiny_sft_main(rest)
+    if cmd in ("cpu-setup", "cpu-env"):
+        from qwen3_rl.tools import cpu_setup
+
+        return (cpu_setup.setup_main if cmd == "cpu-setup" else cpu_setup.env_main)(rest)
     print(f"error: unknown command '{cmd}'\n\n{_usage()}", file=sys.stderr)
     return 2
 
