@@ -290,6 +290,7 @@ def check_resume_state(faulty: Run, resumed: Run) -> None:
         print(f"rank {rank}: {len(saved)} optimizer tensors loaded equal to the step-1 save")
 
 
+@pytest.mark.timeout(2400)  # set-up, then three launcher runs
 def test_grpo_learns_then_fault_and_resume(cpu_ws: Path, tmp_path: Path) -> None:
     """GRPO from the warmed-up model, GRPO_STEPS steps, with SAM (group mode), data rebalance and the current log-prob as
     old: validation accuracy rises by LEARNING_MARGIN; the last checkpoint merged by verl's merger equals the engine.
@@ -353,6 +354,7 @@ def test_grpo_learns_then_fault_and_resume(cpu_ws: Path, tmp_path: Path) -> None
     print("stage seconds (GRPO, switches off, resumed step 2):", json.dumps(stage_seconds(doc, resumed)))
 
 
+@pytest.mark.timeout(1500)
 def test_dapo(cpu_ws: Path, tmp_path: Path) -> None:
     """Our DAPO trainer, 2 steps, dynamic sampling and the overlong buffer on: groups are filtered out (count > 0)
     and the overlong penalty lowers the reward of responses that run into the buffer."""
