@@ -23,6 +23,15 @@ ACTOR_PP_FIRST_STAGE_LAYERS=${ACTOR_PP_FIRST_STAGE_LAYERS:-}
 ACTOR_PP_LAST_STAGE_LAYERS=${ACTOR_PP_LAST_STAGE_LAYERS:-}
 TINY_MODEL=${TINY_MODEL:-qwen3_moe_tiny}
 TINY_DATA=${TINY_DATA:-data}
+# 8 prompts x 4 samples, 64 response tokens
+TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-8}
+N_SAMPLES=${N_SAMPLES:-4}
+MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-64}
+LR=${LR:-1e-3}
+# a random model never answers right: every group scores the same and its advantages are 0; the entropy bonus keeps
+# the update (and so the weight sync the run checks) non-trivial
+ENTROPY_COEFF=${ENTROPY_COEFF:-0.01}
+TOTAL_TRAINING_STEPS=${TOTAL_TRAINING_STEPS:-2}
 GEN_BATCH_SIZE=${GEN_BATCH_SIZE:-16}
 FILTER_METRIC=${FILTER_METRIC:-seq_reward}
 MAX_NUM_GEN_BATCHES=${MAX_NUM_GEN_BATCHES:-4}

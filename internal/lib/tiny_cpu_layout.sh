@@ -7,23 +7,16 @@
 [[ "${BASH_SOURCE[0]}" != "$0" ]] || { echo "${BASH_SOURCE[0]}: source it from a train script" >&2; exit 2; }
 
 TINY_HOME=${TINY_HOME:-${QWEN3_RL_WORKSPACE:-${QWEN3_RL_HOME}/workspace}/tiny}
-MODEL_PATH=${MODEL_PATH:-${TINY_HOME}/${TINY_MODEL:-qwen3_moe_tiny}}
-DATA_DIR=${DATA_DIR:-${TINY_HOME}/${TINY_DATA:-data}}
+MODEL_PATH=${MODEL_PATH:-${TINY_HOME}/${TINY_MODEL}}
+DATA_DIR=${DATA_DIR:-${TINY_HOME}/${TINY_DATA}}
 VAL_FILE=${VAL_FILE:-${DATA_DIR}/gsm8k/test.parquet}
 NNODES=${NNODES:-1}
 NPUS_PER_NODE=${NPUS_PER_NODE:-2}
 
-# ---- batch and lengths (DAPO's; the GRPO script sets its own): 8 prompts x 4 samples, 64 response tokens -----
-TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-8}
-N_SAMPLES=${N_SAMPLES:-4}
+# ---- batch, lengths, steps: each tiny script sets TRAIN_BATCH_SIZE, N_SAMPLES, MAX_RESPONSE_LENGTH, LR,
+# ENTROPY_COEFF, TOTAL_TRAINING_STEPS
 MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-128}
-MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-64}
-LR=${LR:-1e-3}
-# DAPO's random model never answers right: every group scores the same and its advantages are 0; the entropy bonus
-# keeps the update (and so the weight sync the run checks) non-trivial
-ENTROPY_COEFF=${ENTROPY_COEFF:-0.01}
 TOTAL_EPOCHS=${TOTAL_EPOCHS:-4}
-TOTAL_TRAINING_STEPS=${TOTAL_TRAINING_STEPS:-2}
 SAVE_FREQ=${SAVE_FREQ:-1}
 
 # ---- actor (Megatron) over the 2 processes: TP / PP / EP and the stage sizes are each script's own ----------
