@@ -49,7 +49,8 @@ def _integer_steps(ax) -> None:  # noqa: ANN001 (matplotlib Axes)
 
 
 def _line_plot(
-    log: StepLog, keys: Sequence[str], title: str, ylabel: str, out: Path, published: Sequence[Figure]
+    log: StepLog, keys: Sequence[str], title: str, ylabel: str, out: Path, published: Sequence[Figure],
+    ylim: tuple[float, float] | None = None,
 ) -> Path | None:
     present = [k for k in keys if log.series(k)[0]]
     if not present:
@@ -66,6 +67,8 @@ def _line_plot(
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     _integer_steps(ax)
+    if ylim is not None:
+        ax.set_ylim(*ylim)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -85,7 +88,7 @@ def _timing_plot(log: StepLog, out: Path) -> Path | None:
     if not phases and not has_total:
         return None
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    fig, ax = plt.subplots(figsize=(8, 5.5), dpi=110)
     bottom = [0.0] * len(steps)
     for p in phases:
         vals = [log.steps[s].get(f"timing_s/{p}", 0.0) for s in steps]
@@ -109,7 +112,7 @@ def _timing_plot(log: StepLog, out: Path) -> Path | None:
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.13))
     fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
@@ -136,8 +139,8 @@ def write_plots(log: StepLog, out_dir: str | Path, published: Sequence[Figure] =
         "val_accuracy": _line_plot(log, sorted({k for m in log.steps.values() for k in m if k.startswith(VAL_PREFIX)
                                                 and "/mean@" in k}),
                                    "validation (verl val-core; step 0 = before training)", "mean over the test split",
-                                   d / "val_accuracy.png", published),
+                                   d / "val_accuracy.png", published, ylim=(-0.02, 1.02)),
         "sam_acceptance": _line_plot(log, SPEC_KEYS, "SAM speculative decoding: accepted / drafted tokens",
-                                     "acceptance rate", d / "sam_acceptance.png", published),
+                                     "acceptance rate", d / "sam_acceptance.png", published, ylim=(-0.02, 1.02)),
     }
     return {k: v for k, v in made.items() if v is not None}
