@@ -152,7 +152,8 @@ def _wrap_rollout(mod, rec: _Recorder) -> None:
 
 def optimizer_tensors(opt) -> dict:
     """Every tensor of a megatron-core optimizer (chained or not): ``c<k>/g<i>/p<j>/param`` (the main parameter the
-    optimizer steps) and ``c<k>/g<i>/p<j>/<state name>``, in parameter-group order (the same model and optimizer
+    optimizer steps), ``c<k>/g<i>/p<j>/<state name>`` and the group's own tensors ``c<k>/g<i>/<name>``, in
+    parameter-group order (the same model and optimizer
     construction gives the same order)."""
     import torch
 
@@ -161,6 +162,9 @@ def optimizer_tensors(opt) -> dict:
     for k, sub in enumerate(subs):
         inner = getattr(sub, "optimizer", sub)
         for i, group in enumerate(inner.param_groups):
+            for name, v in group.items():  # e.g. the group's step count (the fused AdamW keeps it here)
+                if name != "params" and torch.is_tensor(v):
+                    out[f"c{k}/g{i}/{name}"] = v.detach().to("cpu", copy=True)
             for j, p in enumerate(group["params"]):
                 out[f"c{k}/g{i}/p{j}/param"] = p.detach().to("cpu", copy=True)
                 for name, v in inner.state.get(p, {}).items():
