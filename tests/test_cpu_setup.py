@@ -38,6 +38,10 @@ def test_cpu_env_names_the_setup_command(tmp_path: Path) -> None:
     assert str(tmp_path / "venv" / "bin" / "python") in proc.stderr  # the first missing part: the engine env
     proc = _cpu_env(tmp_path, "--launcher-args", "internal/train_grpo_tiny_cpu.sh")
     assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == ""
+    # the launcher's own arguments pass verbatim, Hydra overrides after "--" included
+    proc = _cpu_env(tmp_path, "--launcher-args", "internal/train_grpo_tiny_cpu.sh", "--device", "cpu", "--",
+                    "data.seed=1")
+    assert proc.returncode == 1 and proc.stderr.strip().endswith("run bash setup_cpu.sh"), proc.stderr
 
 
 def test_launcher_cpu_profile_stops_with_one_line(tmp_path: Path) -> None:

@@ -155,10 +155,16 @@ def env_main(argv: list[str] | None = None) -> int:
     unless they select the CPU profile (``--device cpu`` or ``LAUNCH_DEVICE=cpu``)."""
     ap = argparse.ArgumentParser(prog="python -m qwen3_rl cpu-env", description=env_main.__doc__.splitlines()[0])
     ap.add_argument("--workspace", type=Path, default=None, help="default: $QWEN3_RL_WORKSPACE or ./workspace")
-    ap.add_argument("--launcher-args", nargs=argparse.REMAINDER, default=None,
-                    help="ray_start_npu.sh's arguments: act only when they select the CPU profile")
+    ap.add_argument("--launcher-args", nargs="*", default=None, metavar="ARG",
+                    help="(last) ray_start_npu.sh's arguments, taken verbatim: act only when they select the CPU "
+                         "profile")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    launcher_args = None
+    if "--launcher-args" in argv:  # verbatim, "--" and Hydra overrides included (argparse would eat them)
+        i = argv.index("--launcher-args")
+        argv, launcher_args = argv[:i], argv[i + 1:]
     a = ap.parse_args(argv)
-    if a.launcher_args is not None and launcher_device(a.launcher_args) != "cpu":
+    if launcher_args is not None and launcher_device(launcher_args) != "cpu":
         return 0
     ws = workspace_dir(a.workspace)
     gone = missing(ws)
