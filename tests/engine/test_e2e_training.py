@@ -19,7 +19,7 @@ What is checked:
   prompts as an uninterrupted run;
 * switches, each with a positive control: SAM drafts tokens (on) / no draft metrics (off); the old-log-prob pass is
   skipped (on) / timed (off); DAPO's dynamic sampling filters groups (and keeps some) and its overlong penalty
-  lowers rewards below the lowest answer score.
+  lowers rewards below the lowest answer score (-1).
 
 Device-layer shims only (``qwen3_rl/cpu_device/``); ``bash tests/run_tests.sh -m e2e`` runs these tests alone.
 """
@@ -364,11 +364,12 @@ def test_dapo(cpu_ws: Path, tmp_path: Path) -> None:
         assert filtered > 0, f"step {s}: dynamic sampling filtered no group ({m['dapo/generated_groups']} generated)"
         # positive control: groups were kept too (the step trained on something)
         assert m["dapo/kept_group_ratio"] > 0
-    # the answer scores are 0 / 1 (qwen3_rl/data/reward.py defaults); only verl's overlong penalty (between
-    # -OVERLONG_PENALTY_FACTOR = -1 and 0) can make a sequence reward negative
+    # DAPO's answer scores are +1 / -1 (custom_reward_function.reward_kwargs in qwen3_rl/trainer/config/
+    # dapo_megatron_trainer.yaml); only verl's overlong penalty (between -OVERLONG_PENALTY_FACTOR = -1 and 0) can take
+    # a sequence reward below -1
     mins = [doc["steps"][s]["critic/score/min"] for s in ("1", "2")]
-    assert min(mins) < 0, f"no sequence reward below 0 (min per step {mins}): the overlong penalty was not applied"
-    assert min(mins) >= -1.0 - 1e-6, mins
+    assert min(mins) < -1.0, f"no sequence reward below -1 (min per step {mins}): the overlong penalty was not applied"
+    assert min(mins) >= -2.0 - 1e-6, mins
     filtered = [doc["steps"][s]["dapo/generated_groups"] * (1 - doc["steps"][s]["dapo/kept_group_ratio"])
                 for s in ("1", "2")]
     print(f"dapo: filtered groups per step {filtered}, min sequence reward per step {mins}")
