@@ -75,6 +75,12 @@ trap 'exit 130' INT
 trap 'exit 143' TERM
 trap 'exit 129' HUP
 
+# 0. CPU profile (--device cpu): the engine environment and the patched trees `bash setup_cpu.sh` made (PATH,
+#    PYTHONPATH, the device layer), or one line naming that command
+q3 cpu-env --launcher-args "$@" > "$PLAN_DIR/cpu.env" || exit 1
+while IFS= read -r -d '' kv; do export "${kv%%=*}=${kv#*=}"; done < "$PLAN_DIR/cpu.env"
+PY=${QWEN3_RL_PYTHON:-python3}
+
 # 1. options -> plan (one-line errors for every bad input)
 q3 launch resolve --plan-dir "$PLAN_DIR" "$@" || exit $?
 declare -A P=()
@@ -167,10 +173,24 @@ if [[ "${P[ROLE]}" == head ]]; then
   setsid bash -c 'log=$1; shift; "$@" 2>&1 | tee -a "$log"; exit "${PIPESTATUS[0]}"' _ \
     "${P[LOG_FILE]}" "${TRAIN_CMD[@]}" &
   TRAIN_PID=$!
+  if [[ "${P[DEVICE]}" == cpu ]]; then  # CPU profile: "step N of M" with each step's time, from the log
+    q3 report "${P[LOG_FILE]}" --follow "$TRAIN_PID" &
+    WATCH_PID=$!
+  fi
   rc=0
   wait "$TRAIN_PID" || rc=$?
   TRAIN_PID=""
   say "training exited with code ${rc}"
+  if [[ -n "$WATCH_PID" ]]; then
+    wait "$WATCH_PID" 2>/dev/null || true
+    WATCH_PID=""
+    plots="${P[LOG_DIR]}/plots"
+    if q3 report "${P[LOG_FILE]}" --plot "$plots" > "${P[LOG_DIR]}/report.txt" 2>&1; then
+      say "plots: ${plots} (reward, val accuracy, response length, step time; table: ${P[LOG_DIR]}/report.txt)"
+    else
+      say "no plots: $(tail -n 1 "${P[LOG_DIR]}/report.txt")"
+    fi
+  fi
   exit "$rc"
 fi
 

@@ -3,9 +3,8 @@
 # vLLM CPU engine per process), dynamic sampling and the overlong buffer on, 2 steps, a checkpoint per step.
 # Run by our entry qwen3_rl.trainer.dapo like the cluster DAPO setups, from the same internal/lib/ groups.
 #
-#   python -m qwen3_rl tiny-model --out workspace/tiny/qwen3_moe_tiny --moe
-#   python -m qwen3_rl tiny-data --out workspace/tiny/data
-#   bash ray_start_npu.sh internal/train_dapo_tiny_cpu.sh --device cpu --npus-per-node 2
+#   bash setup_cpu.sh
+#   bash ray_start_npu.sh internal/train_dapo_tiny_cpu.sh --device cpu
 #
 # A random model never answers right, so "acc" and "score" are the same in every group and dynamic sampling would
 # keep none: the tiny run filters on "seq_reward" (the score plus the overlong penalty, which varies with the
@@ -22,6 +21,17 @@ ACTOR_PP=${ACTOR_PP:-2}
 ACTOR_EP=${ACTOR_EP:-1}
 ACTOR_PP_FIRST_STAGE_LAYERS=${ACTOR_PP_FIRST_STAGE_LAYERS:-}
 ACTOR_PP_LAST_STAGE_LAYERS=${ACTOR_PP_LAST_STAGE_LAYERS:-}
+TINY_MODEL=${TINY_MODEL:-qwen3_moe_tiny}
+TINY_DATA=${TINY_DATA:-data}
+# 8 prompts x 4 samples, 64 response tokens
+TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-8}
+N_SAMPLES=${N_SAMPLES:-4}
+MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-64}
+LR=${LR:-1e-3}
+# a random model never answers right: every group scores the same and its advantages are 0; the entropy bonus keeps
+# the update (and so the weight sync the run checks) non-trivial
+ENTROPY_COEFF=${ENTROPY_COEFF:-0.01}
+TOTAL_TRAINING_STEPS=${TOTAL_TRAINING_STEPS:-2}
 GEN_BATCH_SIZE=${GEN_BATCH_SIZE:-16}
 FILTER_METRIC=${FILTER_METRIC:-seq_reward}
 MAX_NUM_GEN_BATCHES=${MAX_NUM_GEN_BATCHES:-4}

@@ -39,6 +39,12 @@ COMMANDS: dict[str, Command] = {
                           "tiny random-weight Qwen3 / Qwen3-MoE with a local tokenizer (tiny-model --out DIR [--moe])"),
     "tiny-data": Command("qwen3_rl.tools.tiny_data:main",
                          "generated gsm8k-style problems as verl parquet for the tiny CPU run (tiny-data --out DIR)"),
+    "tiny-sft": Command("qwen3_rl.tools.tiny_sft:main",
+                        "short seeded supervised warm-up of the tiny model (the answer format) before GRPO"),
+    "cpu-setup": Command("qwen3_rl.tools.cpu_setup:setup_main",
+                         "everything the tiny CPU run needs: patched trees, tiny models, data, warm-up (setup_cpu.sh)"),
+    "cpu-env": Command("qwen3_rl.tools.cpu_setup:env_main",
+                       "the CPU profile's environment for ray_start_npu.sh --device cpu (or the set-up command)"),
     "sam-warm-cache": Command("qwen3_rl.spec_decode.runner_drafter:warm_cache_main",
                               "compile every SAM drafter kernel into numba's disk cache (run at image build)"),
 }

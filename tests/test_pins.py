@@ -115,8 +115,14 @@ def test_readme_generated_sections_are_current():
 
 
 def test_readme_quick_start_is_what_ci_runs():
+    """The quick start's set-up (setup_cpu.sh = the engine environment + cpu-setup) and test commands are what CI
+    runs: CI makes both environments and runs the tests, whose e2e fixture runs cpu-setup."""
     ci = (REPO / ".ci" / "run").read_text()
+    assert "tests/setup_engine_env.sh" in (REPO / "setup_cpu.sh").read_text()
+    for cmd in ("bash tests/setup_env.sh", "bash tests/setup_engine_env.sh", "bash tests/run_tests.sh"):
+        assert cmd in ci, cmd
     for name in ("README.md", "README.zh-CN.md"):
         readme = (REPO / name).read_text()
-        for cmd in ("bash tests/setup_env.sh", "bash tests/setup_engine_env.sh", "bash tests/run_tests.sh"):
-            assert cmd in readme and cmd in ci, (name, cmd)
+        for cmd in ("bash setup_cpu.sh", "bash tests/setup_env.sh && bash tests/run_tests.sh",
+                    "bash ray_start_npu.sh internal/train_grpo_tiny_cpu.sh --device cpu"):
+            assert cmd in readme, (name, cmd)

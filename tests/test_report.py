@@ -254,3 +254,65 @@ def test_spec_decode_columns_when_the_log_carries_them(tmp_path, capsys):
     assert report_main([str(write_sample_log(tmp_path / "plain.log", steps=2))]) == 0
     plain = capsys.readouterr().out
     assert "sd/" not in plain and "speculative decoding" not in plain
+
+
+def test_plots_val_accuracy_sam_and_integer_step_ticks(tmp_path):
+    """A run with validation before step 1 (step 0) and after step 3, SAM counters, testing and checkpoint timers:
+    val_accuracy.png and sam_acceptance.png are drawn; every plot's x ticks are whole steps; the timing plot stacks
+    validation and checkpoint above the step total, not inside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from qwen3_rl.report import plots
+
+    lines = ["step:0 - val-core/openai/gsm8k/acc/mean@1:0.125"]
+    for s in (1, 2, 3):
+        val = " - val-core/openai/gsm8k/acc/mean@1:0.5" if s == 3 else ""
+        lines.append(f"step:{s} - critic/score/mean:{0.1 * s} - response_length/mean:12.0 - timing_s/gen:2.0"
+                     f" - timing_s/update_actor:5.0 - timing_s/step:8.0 - timing_s/save_checkpoint:3.0"
+                     f" - rollout/spec_decode/acceptance_rate:{0.2 * s}{val}")
+    log = parse_lines(lines)
+    ticks: dict[str, list[float]] = {}
+    real_savefig = plt.Figure.savefig
+
+    def savefig(fig, out, *a, **k):
+        ax = fig.axes[0]
+        ticks[Path(out).stem] = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        if Path(out).stem == "timing":
+            tops = sorted({round(p.get_y() + p.get_height(), 6) for p in ax.patches})
+            ticks["timing_tops"] = tops
+        return real_savefig(fig, out, *a, **k)
+
+    plt.Figure.savefig = savefig
+    try:
+        made = plots.write_plots(log, tmp_path)
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert {"val_accuracy", "sam_acceptance", "timing", "reward"} <= set(made)
+    for name in ("val_accuracy", "sam_acceptance", "timing", "reward"):
+        assert ticks[name] and all(float(t).is_integer() for t in ticks[name]), (name, ticks[name])
+    # gen 2 + update 5 + other 1 = the step total 8; the checkpoint (3 s) sits on top of it: 11
+    assert ticks["timing_tops"][-1] == pytest.approx(11.0) and 8.0 in ticks["timing_tops"]
+
+
+def test_progress_lines(tmp_path):
+    """``report LOG --follow PID``: one line per step, "step N of M" with the step time and its stages, the
+    validation accuracy where a step has it; returns once PID is gone."""
+    from qwen3_rl.report.progress import follow, step_line
+
+    assert step_line(2, 6, {"timing_s/step": 21.04, "timing_s/gen": 2.0, "timing_s/update_actor": 13.2}) == \
+        "[ray_start_npu] progress: step 2 of 6: 21.0 s (gen 2.0 s, update_actor 13.2 s)"
+    assert step_line(0, 6, {"val-core/x/acc/mean@1": 0.25}) == \
+        "[ray_start_npu] progress: validation before step 1 of 6; val-core/x/acc/mean@1 0.250"
+    log = tmp_path / "train.log"
+    log.write_text("(TaskRunner pid=1) Total training steps: 2\nstep:1 - timing_s/step:3.0\nstep:2 - timing_s/step:4.0\n")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    import io
+
+    out = io.StringIO()
+    assert follow(log, dead.pid, poll_s=0.01, out=out) == 2
+    assert out.getvalue().splitlines() == ["[ray_start_npu] progress: step 1 of 2: 3.0 s ()",
+                                           "[ray_start_npu] progress: step 2 of 2: 4.0 s ()"]

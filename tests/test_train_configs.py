@@ -62,7 +62,7 @@ SETUPS = {
     "train_grpo_qwen3_30b_a3b_32die.sh": ("verl.trainer.main_ppo", "ppo_megatron_trainer", 32, 128,
                                           16, 2048, (2, 2, 1, 8), 2, 16),
     # the tiny CPU setups (tests/engine/test_e2e_training.py runs them): one vLLM engine per process
-    "train_grpo_tiny_cpu.sh": ("verl.trainer.main_ppo", "ppo_megatron_trainer", 2, 8, 4, 64, (2, 1, 1, 2), 1, 1),
+    "train_grpo_tiny_cpu.sh": ("verl.trainer.main_ppo", "ppo_megatron_trainer", 2, 16, 8, 32, (2, 1, 1, 1), 1, None),
     "train_dapo_tiny_cpu.sh": ("qwen3_rl.trainer.dapo", "dapo_megatron_trainer", 2, 8, 4, 64, (1, 2, 1, 1), 1, 1),
 }
 # prompt length where it is not 2048 ([ref 001]: Qwen3-30B-A3B, gsm8k, 1024 / 2048)
@@ -207,7 +207,10 @@ def test_compose_every_setup_with_patched_verl(patched_imports: Path) -> None:
         # sync mode: verl's own rollout DP stays 1, vLLM gets DP x EP through engine_kwargs
         assert rollout_cfg.mode == "sync" and rollout_cfg.data_parallel_size == 1
         vllm_kwargs = rollout_cfg.engine_kwargs["vllm"]
-        if vdp is None:
+        if vdp is None and tiny:  # dense tiny: no vLLM DP key; vLLM's native PyTorch ops in float32 on CPU
+            assert vllm_kwargs == {"compilation_config": {"custom_ops": ["none"]}}
+            assert rollout_cfg.dtype == "float32"
+        elif vdp is None:
             assert vllm_kwargs == {}
         elif tiny:  # independent engines (vLLM DP 1), vLLM's native PyTorch ops in float32 on CPU
             assert vllm_kwargs == {"data_parallel_size": 1, "enable_expert_parallel": False,

@@ -1,29 +1,22 @@
 # shellcheck shell=bash
-# The tiny CPU setups (internal/train_*_tiny_cpu.sh): one node, 2 worker processes, a tiny random-weight
-# Qwen3-MoE (`python -m qwen3_rl tiny-model --moe`), generated gsm8k-style data (`python -m qwen3_rl tiny-data`).
+# The tiny CPU setups (internal/train_*_tiny_cpu.sh): one node, 2 worker processes, a tiny model and generated
+# gsm8k-style data from `bash setup_cpu.sh` (workspace/tiny/: TINY_MODEL and TINY_DATA name the folders).
 # Same override groups as the cluster setups; this file holds the layout and the settings a CPU needs.
-# Launched with `bash ray_start_npu.sh internal/train_grpo_tiny_cpu.sh --device cpu --npus-per-node 2`
-# (docs/tiny_cpu_run.md). Sourced by the tiny train scripts before lib/train_common.sh.
+# Launched with `bash ray_start_npu.sh internal/train_grpo_tiny_cpu.sh --device cpu` (docs/tiny_cpu_run.md).
+# Sourced by the tiny train scripts before lib/train_common.sh.
 [[ "${BASH_SOURCE[0]}" != "$0" ]] || { echo "${BASH_SOURCE[0]}: source it from a train script" >&2; exit 2; }
 
 TINY_HOME=${TINY_HOME:-${QWEN3_RL_WORKSPACE:-${QWEN3_RL_HOME}/workspace}/tiny}
-MODEL_PATH=${MODEL_PATH:-${TINY_HOME}/qwen3_moe_tiny}
-DATA_DIR=${DATA_DIR:-${TINY_HOME}/data}
+MODEL_PATH=${MODEL_PATH:-${TINY_HOME}/${TINY_MODEL}}
+DATA_DIR=${DATA_DIR:-${TINY_HOME}/${TINY_DATA}}
 VAL_FILE=${VAL_FILE:-${DATA_DIR}/gsm8k/test.parquet}
 NNODES=${NNODES:-1}
 NPUS_PER_NODE=${NPUS_PER_NODE:-2}
 
-# ---- batch and lengths: 8 prompts x 4 samples, 64 response tokens ---------------------------------
-TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-8}
-N_SAMPLES=${N_SAMPLES:-4}
+# ---- batch, lengths, steps: each tiny script sets TRAIN_BATCH_SIZE, N_SAMPLES, MAX_RESPONSE_LENGTH, LR,
+# ENTROPY_COEFF, TOTAL_TRAINING_STEPS
 MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-128}
-MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-64}
-LR=${LR:-1e-3}
-# a random model never answers right: every GRPO group scores 0 and its advantages are 0; the entropy bonus keeps
-# the update (and so the weight sync the run checks) non-trivial
-ENTROPY_COEFF=${ENTROPY_COEFF:-0.01}
 TOTAL_EPOCHS=${TOTAL_EPOCHS:-4}
-TOTAL_TRAINING_STEPS=${TOTAL_TRAINING_STEPS:-2}
 SAVE_FREQ=${SAVE_FREQ:-1}
 
 # ---- actor (Megatron) over the 2 processes: TP / PP / EP and the stage sizes are each script's own ----------

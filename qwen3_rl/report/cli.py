@@ -148,12 +148,21 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--setup", help=f"compare with published figures: {', '.join(sorted(PUBLISHED))}")
     p.add_argument("--keys", help="comma-separated metric keys for the table (default: a fixed selection)")
     p.add_argument("--json", action="store_true", help="print a JSON document instead of text")
+    p.add_argument("--follow", metavar="PID", type=int,
+                   help="print one progress line per new step while process PID runs, then exit")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: 0 on success, 1 on a report error (one line on stderr), 2 on usage errors."""
     args = _build_parser().parse_args(argv)
+    if args.follow is not None:
+        from pathlib import Path
+
+        from qwen3_rl.report.progress import follow
+
+        follow(Path(args.log), args.follow)
+        return 0
     try:
         setup = None
         if args.setup:

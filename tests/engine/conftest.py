@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
 import workspace  # noqa: E402
@@ -83,3 +84,19 @@ def tree_without(engine_ws: Path, dst: Path, framework: str, number: int) -> Pat
     for patch in reversed([p for p in series if int(p.name[:4]) >= number]):
         subprocess.run(["git", "apply", "-R", str(patch)], cwd=dst / folder, check=True)
     return dst
+
+
+@pytest.fixture(scope="session")
+def cpu_ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``python -m qwen3_rl cpu-setup --workspace WS``: the user's set-up command (after the engine environment);
+    run twice, the second run must build nothing (idempotent)."""
+    ws = tmp_path_factory.mktemp("cpu-ws")
+    cmd = [sys.executable, "-m", "qwen3_rl", "cpu-setup", "--workspace", str(ws)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QWEN3_RL_WORKSPACE")}
+    first = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+    print(first.stdout.strip().splitlines()[-1])
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "building" not in again.stdout and "wrote" not in again.stdout, again.stdout
+    return ws

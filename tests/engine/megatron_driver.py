@@ -6,7 +6,7 @@ megatron-core 0.12.1 on gloo, rollout = vLLM 0.13.0's real CPU engine. Prints on
 The parent starts ``world`` of these with the environment Ray gives verl's workers (RANK, WORLD_SIZE,
 LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT). The worker's config is composed by Hydra from a
 real train script (``rollout_driver.compose_config``); only device-layer shims are installed
-(``cpu_device/megatron_shims.py``). ``free_cache_engine=False``: vLLM's sleep mode needs a device allocator.
+(``qwen3_rl/cpu_device/megatron_shims.py``). ``free_cache_engine=False``: vLLM's sleep mode needs a device allocator.
 
 SPEC: {"workspace": DIR, "script": "internal/train_....sh", "env": {VAR: value}, "overrides": [Hydra
 overrides], "prompts": [[token ids], ...] (the whole batch; each rank generates its rollout-DP piece, as
@@ -30,7 +30,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE / "cpu_device"))
 
 import workspace  # noqa: E402
 

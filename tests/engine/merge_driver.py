@@ -15,7 +15,7 @@ SPEC: {"workspace": DIR, "model": tiny HF dir, "out": DIR}. Writes ``DIR/global_
 * and ``DIR/latest_checkpointed_iteration.txt`` = 1, as verl's trainer writes it.
 
 Also ``DIR/reference.pt``: the model's own parameters by megatron name, to compare with the merged HF weights.
-Result: {"params": n, "seconds": s}. Device-layer shims only (``cpu_device/megatron_shims.py``).
+Result: {"params": n, "seconds": s}. Device-layer shims only (``qwen3_rl/cpu_device/megatron_shims.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE / "cpu_device"))
 
 import workspace  # noqa: E402
 

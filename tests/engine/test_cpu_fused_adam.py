@@ -1,4 +1,4 @@
-"""The ``FUSED_ADAM`` device shim (``cpu_device/megatron_shims.py`` item 8): the CPU stand-in for the fused AdamW
+"""The ``FUSED_ADAM`` device shim (``qwen3_rl/cpu_device/megatron_shims.py`` item 8): the CPU stand-in for the fused AdamW
 MindSpeed registers as ``apex.optimizers.FusedAdam`` on an A3 must update like ``torch.optim.AdamW`` and keep
 MindSpeed's state layout (step in the param group, ``exp_avg``/``exp_avg_sq`` per parameter), which is what
 megatron-core's Apex/TE optimizer branch saves and resumes."""
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "cpu_device"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "qwen3_rl" / "cpu_device"))
 from megatron_shims import CpuFusedAdam  # noqa: E402
 
 

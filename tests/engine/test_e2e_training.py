@@ -1,16 +1,27 @@
-"""Whole training runs on CPU (marker ``e2e``): ``ray_start_npu.sh --device cpu`` starts Ray on 127.0.0.1 and runs
-``internal/train_{grpo,dapo}_tiny_cpu.sh`` as it would on a cluster: verl's trainer, the Megatron actor
-(megatron-core 0.12.1 on gloo, TP 2 + EP 2 for GRPO, PP 2 for DAPO), the real vLLM 0.13 CPU engine in verl's sync
-SPMD rollout, our math-verify reward, the update, the weight sync, a checkpoint per step, resume.
+"""Whole training runs on CPU (marker ``e2e``), driven by the product commands a user types: ``python -m qwen3_rl
+cpu-setup`` (what ``bash setup_cpu.sh`` runs once the engine environment exists) makes the patched trees, the tiny
+models, the data and the supervised warm-up in a workspace; ``ray_start_npu.sh internal/train_{grpo,dapo}_tiny_cpu.sh
+--device cpu`` finds them (its CPU profile) and runs verl's trainer, the Megatron actor (megatron-core 0.12.1 on
+gloo, TP 2 for GRPO, PP 2 for DAPO), the real vLLM 0.13 CPU engine in verl's sync SPMD rollout, our math-verify
+reward, the update, the weight sync, a checkpoint per step, resume.
 
-What is checked, per run: the launcher's exit status; after every weight sync each engine's parameters equal the
-actor's exported weights exactly (``cpu_device/probe.py``), the export carries the HF checkpoint's names and shapes,
-and the last sync differs from the first (the rollout sees the update); ``python -m qwen3_rl report`` parses the
-log with two steps; checkpoints ``global_step_1`` and ``global_step_2``. Faults: a worker killed by pid during step 2 stops
-the run with an error inside a bound, and the same command then resumes from step 1's checkpoint and finishes
-step 2 on the same prompts as an uninterrupted run.
+What is checked:
 
-Device-layer shims only (``cpu_device/``); ``bash tests/run_tests.sh -m e2e`` runs these tests alone.
+* learning: the GRPO run's validation accuracy (verl's ``val-core`` on the test split, greedy) after 6 steps is at
+  least 0.10 above the accuracy before the first step;
+* weight sync, every sync: each engine's parameters equal the actor's export exactly (``qwen3_rl/cpu_device/
+  probe.py``), the export carries the HF checkpoint's names and shapes, the update reaches the rollout; and,
+  independently of the actor's exporter, the last step's Megatron checkpoint merged to HF by verl's model merger
+  (``python -m qwen3_rl eval merge``) equals what the engine holds after that step's sync (vLLM's fused layout);
+* faults: a worker killed by pid during step 2 stops the run with an error inside a bound; the same command then
+  resumes from step 1's checkpoint: its first weight sync equals the killed run's step-1 weights bitwise, the
+  optimizer state it loads equals the one saved at step 1 tensor by tensor, and it trains step 2 on the same
+  prompts as an uninterrupted run;
+* switches, each with a positive control: SAM drafts tokens (on) / no draft metrics (off); the old-log-prob pass is
+  skipped (on) / timed (off); DAPO's dynamic sampling filters groups (and keeps some) and its overlong penalty
+  lowers rewards below the lowest answer score (-1).
+
+Device-layer shims only (``qwen3_rl/cpu_device/``); ``bash tests/run_tests.sh -m e2e`` runs these tests alone.
 """
 
 from __future__ import annotations
@@ -28,7 +39,6 @@ from pathlib import Path
 
 import pytest
 
-import workspace
 from conftest import gloo_port
 
 pytestmark = pytest.mark.e2e
@@ -37,9 +47,13 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 RUN_TIMEOUT_S = 1500  # one launcher run, start to exit
 KILL_EXIT_TIMEOUT_S = 180  # a killed worker must end the run within this (verl 0018: the driver stops at once)
+LEARNING_MARGIN = 0.10  # validation accuracy after training >= before + this
+GRPO_STEPS = 6  # internal/train_grpo_tiny_cpu.sh's default
 
 SWITCHES_ON = {"SAM_ENABLE": "True", "SAM_GROUP": "True", "DATA_REBALANCE": "True",
                "USE_CURRENT_LOG_PROB_AS_OLD": "True"}
+#: the fault / resume runs: 2 steps, no validation (what they check is the checkpoint, not learning)
+SHORT = {"TOTAL_TRAINING_STEPS": "2", "VAL_BEFORE_TRAIN": "False", "TEST_FREQ": "-1"}
 
 
 @dataclass
@@ -55,16 +69,11 @@ class Run:
         return [e for e in self.events if e["event"] == event]
 
 
-@pytest.fixture(scope="module")
-def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tiny Qwen3-MoE (4 experts, top-2) + 48/16 generated gsm8k-style problems, as the README's commands make."""
-    from qwen3_rl.tools.tiny_data import make_tiny_data
-    from qwen3_rl.tools.tiny_model import TinySpec, make_tiny_model
+def engine_venv() -> Path:
+    """The environment these tests run in (the engine venv): the launcher's CPU profile is pointed at it."""
+    return Path(sys.executable).parent.parent
 
-    root = tmp_path_factory.mktemp("tiny")
-    make_tiny_model(root / "qwen3_moe_tiny", TinySpec(moe=True))
-    make_tiny_data(root / "data")
-    return root
+
 
 
 def _events(probe: Path) -> list[dict]:
@@ -74,40 +83,34 @@ def _events(probe: Path) -> list[dict]:
     return sorted(out, key=lambda e: e["time"])
 
 
-def launch_env(engine_ws: Path, tiny_root: Path, run_dir: Path, ckpt: Path,
-               env: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment of a tiny CPU run: the engine workspace and the CPU device shims on PYTHONPATH, the tiny
-    model and data, the probe, checkpoint and rollout-dump directories under ``run_dir``."""
-    venv_bin = str(Path(sys.executable).parent)
-    pypath = [str(HERE / "cpu_device"), *(str(engine_ws / d) for d in workspace.PATH_TREES), str(REPO),
-              str(engine_ws / ".dist-info")]
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VLLM_", "QWEN3_RL_"))}
+def launch_env(ws: Path, run_dir: Path, ckpt: Path, env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a tiny CPU run (also the Slurm test's): the workspace ``cpu-setup`` made and the engine
+    environment, which the launcher's CPU profile turns into PATH / PYTHONPATH itself; the probe, checkpoint and
+    rollout-dump directories under ``run_dir``."""
+    full = {k: v for k, v in os.environ.items()
+            if not k.startswith(("RAY_", "VLLM_", "QWEN3_RL_")) and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     full.update({
-        "PATH": f"{venv_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}", "QWEN3_RL_PYTHON": sys.executable,
-        "PYTHONPATH": ":".join(pypath), "QWEN3_RL_CPU_SHIMS": "1", "QWEN3_RL_ENGINE_WS": str(engine_ws),
+        "QWEN3_RL_WORKSPACE": str(ws), "QWEN3_RL_ENGINE_VENV": str(engine_venv()),
         "QWEN3_RL_E2E_PROBE_DIR": str(run_dir / "probe"),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": "none", "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "MODEL_PATH": str(tiny_root / "qwen3_moe_tiny"), "DATA_DIR": str(tiny_root / "data"),
         "CKPT_DIR": str(ckpt), "ROLLOUT_DATA_DIR": str(run_dir / "rollout_data"),
-        "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
     })
     full.update(env or {})
     return full
 
 
-def launch(engine_ws: Path, tiny_root: Path, script: str, run_dir: Path, env: dict[str, str] | None = None,
-           ckpt: Path | None = None, on_event=None, timeout_s: float = RUN_TIMEOUT_S) -> Run:
-    """``bash ray_start_npu.sh <script> --device cpu --npus-per-node 2`` with the engine workspace on PYTHONPATH.
+def launch(ws: Path, script: str, run_dir: Path, env: dict[str, str] | None = None, ckpt: Path | None = None,
+           on_event=None, timeout_s: float = RUN_TIMEOUT_S) -> Run:
+    """``bash ray_start_npu.sh <script> --device cpu`` with ``QWEN3_RL_WORKSPACE=ws``: the launcher's CPU profile
+    finds the engine environment and the patched trees itself (``python -m qwen3_rl cpu-env``).
 
     ``on_event(events, proc)`` is called every second while the run is alive (the fault test kills from it).
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     probe = run_dir / "probe"
     ckpt = ckpt or run_dir / "ckpt"
-    full = launch_env(engine_ws, tiny_root, run_dir, ckpt, env)
+    full = launch_env(ws, run_dir, ckpt, env)
     ray_tmp = tempfile.mkdtemp(prefix="q3r", dir="/tmp")  # Ray's socket paths must stay under 107 characters
-    cmd = ["bash", str(REPO / "ray_start_npu.sh"), str(REPO / script), "--device", "cpu", "--npus-per-node", "2",
+    cmd = ["bash", str(REPO / "ray_start_npu.sh"), str(REPO / script), "--device", "cpu",
            "--port", str(gloo_port()), "--temp-dir", ray_tmp, "--log-dir", str(run_dir / "logs"),
            "--timeout", "180"]
     t0 = time.monotonic()
@@ -143,7 +146,7 @@ def _tail(run: Run, n: int = 80) -> str:
     return "\n".join(run.log.splitlines()[-n:])
 
 
-def check_weight_sync(run: Run, tiny_root: Path) -> None:
+def check_weight_sync(run: Run, model_dir: Path) -> None:
     """Every sync: engine == actor export exactly, on both ranks; the export has the HF checkpoint's names and shapes;
     the last sync differs from the first (the update reached the rollout)."""
     import torch
@@ -156,33 +159,47 @@ def check_weight_sync(run: Run, tiny_root: Path) -> None:
         assert e["compared"] == e["engine_params"] > 0 and not e["unused"], e
     first, later = load_file(str(run.probe / "sync-1.safetensors")), sorted(run.probe.glob("sync-*.safetensors"))
     assert len(later) >= 2, f"rank 0 synced {len(later)} time(s); two steps need two"
-    hf = load_file(str(tiny_root / "qwen3_moe_tiny" / "model.safetensors"))
+    hf = load_file(str(model_dir / "model.safetensors"))
     assert set(first) == set(hf), f"exported names differ from the HF checkpoint's: {sorted(set(first) ^ set(hf))[:6]}"
     assert all(first[n].shape == hf[n].shape for n in hf)
-    last = load_file(str(later[-1]))
+    last = load_file(str(run.probe / f"sync-{len(later)}.safetensors"))
     changed = [n for n in first if not torch.equal(first[n], last[n])]
     assert changed, "the last sync sent the initial weights: the update never reached the rollout"
 
 
-def check_step_log_and_ckpt(run: Run, steps: list[int]) -> dict:
-    """``qwen3_rl report --json`` parses the log with exactly ``steps``; checkpoints exist for the last of them."""
+def report(run: Run) -> dict:
+    """``python -m qwen3_rl report LOG --json`` of the run's training log."""
     log_files = sorted((run.probe.parent / "logs").glob("train_*_head_*.log"))
     assert log_files, f"no training log under {run.probe.parent / 'logs'}"
     rep = subprocess.run([sys.executable, "-m", "qwen3_rl", "report", str(log_files[0]), "--json"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert rep.returncode == 0, rep.stderr
-    doc = json.loads(rep.stdout)
-    got = sorted(int(s) for s in doc["steps"])
+    return json.loads(rep.stdout)
+
+
+def check_step_log_and_ckpt(run: Run, steps: list[int]) -> dict:
+    """``qwen3_rl report --json`` finds exactly ``steps`` trained (a step record with ``timing_s/step``; a
+    validation before training is step 0); the checkpoints of the last two exist (verl keeps two)."""
+    doc = report(run)
+    got = sorted(int(s) for s, m in doc["steps"].items() if "timing_s/step" in m)
     assert got == steps, f"report found steps {got}, expected {steps}"
-    for s in steps:
+    for s in steps[-2:]:
         assert (run.ckpt / f"global_step_{s}" / "actor").is_dir(), f"no checkpoint global_step_{s}/actor"
     assert (run.ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(steps[-1])
     return doc
 
 
+def val_accuracy(doc: dict, step: int) -> float:
+    """verl's ``val-core/<data source>/acc/mean@1`` at ``step`` (0 = before training)."""
+    m = doc["steps"].get(str(step), {})
+    keys = [k for k in m if k.startswith("val-core/") and "/acc/mean@" in k]
+    assert len(keys) == 1, f"step {step}: val-core accuracy keys {keys} (all val keys: {[k for k in m if 'val' in k]})"
+    return float(m[keys[0]])
+
+
 def stage_seconds(doc: dict, run: Run) -> dict[str, float]:
     """Per-stage seconds of the last step (verl's timing_s/*) and the mean weight sync (probe)."""
-    last = doc["steps"][str(max(int(s) for s in doc["steps"]))]
+    last = doc["steps"][str(max(int(s) for s, m in doc["steps"].items() if "timing_s/step" in m))]
     keys = {"generate": "timing_s/gen", "reward": "timing_s/reward", "old_log_prob": "timing_s/old_log_prob",
             "update": "timing_s/update_actor", "step": "timing_s/step"}
     out = {k: float(last[v]) for k, v in keys.items() if v in last}
@@ -198,18 +215,92 @@ def _prompts_of_step(run_dir: Path, step: int) -> list[str]:
     return sorted(json.loads(line)["input"] for line in f.read_text().splitlines() if line.strip())
 
 
-def test_grpo_switches_on_then_off_with_fault_and_resume(engine_ws: Path, tiny_root: Path, tmp_path: Path) -> None:
-    """GRPO, 2 steps, with SAM (group mode), data rebalance and the current log-prob as old. Then the same setup
-    with every switch off: a worker is killed during step 2, which must stop the run with an error; the same
-    command again resumes from step 1 and finishes step 2 on the first run's step-2 prompts (the prompts a step
-    trains on come from the seeded dataloader; the switches only reorder and decode them)."""
-    on = launch(engine_ws, tiny_root, "internal/train_grpo_tiny_cpu.sh", tmp_path / "on", env=SWITCHES_ON)
+def merge_checkpoint(ws: Path, ckpt: Path, step: int, out: Path) -> dict:
+    """``python -m qwen3_rl eval merge CKPT --step N --target OUT`` (verl's own model merger) in the CPU profile's
+    environment; returns the merged HF tensors."""
+    from safetensors.torch import load_file
+
+    env_proc = subprocess.run([sys.executable, "-m", "qwen3_rl", "cpu-env", "--workspace", str(ws)], cwd=REPO,
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, "QWEN3_RL_ENGINE_VENV": str(engine_venv())})
+    assert env_proc.returncode == 0, env_proc.stderr
+    env = dict(os.environ)
+    env.update(kv.split("=", 1) for kv in env_proc.stdout.split("\0") if kv)
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(gloo_port()))
+    proc = subprocess.run([sys.executable, "-m", "qwen3_rl", "eval", "merge", str(ckpt), "--step", str(step),
+                           "--target", str(out)], capture_output=True, text=True, env=env, cwd=REPO, timeout=900)
+    assert proc.returncode == 0, "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+    merged: dict = {}
+    for f in sorted(out.glob("*.safetensors")):
+        merged.update(load_file(str(f)))
+    return merged
+
+
+def check_independent_conversion(ws: Path, run: Run, step: int, sync: int, tmp: Path) -> None:
+    """The step's saved Megatron checkpoint merged to HF by verl's model merger, laid out as vLLM fuses it, equals
+    the engine's parameters after sync ``sync`` (rank 0), exactly: the actor's exporter is not on this path."""
+    import torch
+    from safetensors.torch import load_file
+
+    from probe import expected_vllm_params
+
+    merged = merge_checkpoint(ws, run.ckpt, step, tmp / f"merged-{step}")
+    engine = load_file(str(run.probe / f"engine-{sync}.safetensors"))
+    want = expected_vllm_params(merged)
+    assert set(want) == set(engine), f"names differ: {sorted(set(want) ^ set(engine))[:6]}"
+    bad = [n for n in engine if want[n].shape != engine[n].shape or not torch.equal(want[n].to(engine[n].dtype),
+                                                                                   engine[n])]
+    assert not bad, f"merged global_step_{step} differs from the engine after sync {sync}: {bad[:6]}"
+    print(f"independent conversion: merged global_step_{step} == engine after sync {sync}, {len(engine)} tensors")
+
+
+def check_resume_state(faulty: Run, resumed: Run) -> None:
+    """The resumed run's first weight sync equals the killed run's step-1 weights (its step-2 sync, the weights
+    after update 1), bitwise; the optimizer state it loaded equals the one the killed run saved at step 1, tensor
+    by tensor, on each rank."""
+    import torch
+    from safetensors.torch import load_file
+
+    saved_w = load_file(str(faulty.probe / "sync-2.safetensors"))
+    first = load_file(str(resumed.probe / "sync-1.safetensors"))
+    initial = load_file(str(faulty.probe / "sync-1.safetensors"))
+    assert set(saved_w) == set(first)
+    assert [n for n in first if not torch.equal(first[n], saved_w[n])] == [], \
+        "the resumed run's first sync differs from the killed run's step-1 weights"
+    # positive control: the saved step-1 weights are not the initial ones (a reload of the initial weights fails)
+    assert any(not torch.equal(initial[n], saved_w[n]) for n in initial), "step 1 did not change the weights"
+    for rank in (0, 1):
+        saved = torch.load(faulty.probe / f"optim-save-step1-rank{rank}.pt")
+        loaded = torch.load(resumed.probe / f"optim-load-rank{rank}.pt")
+        assert saved and set(saved) == set(loaded), f"rank {rank}: optimizer tensors differ in names"
+        assert any(k.endswith(("exp_avg", "exp_avg_sq")) for k in saved), sorted(saved)[:8]
+        bad = [k for k in saved if saved[k].shape != loaded[k].shape or not torch.equal(saved[k], loaded[k])]
+        assert not bad, f"rank {rank}: loaded optimizer state differs from the saved one: {bad[:6]}"
+        print(f"rank {rank}: {len(saved)} optimizer tensors loaded equal to the step-1 save")
+
+
+@pytest.mark.timeout(2400)  # set-up, then three launcher runs
+def test_grpo_learns_then_fault_and_resume(cpu_ws: Path, tmp_path: Path) -> None:
+    """GRPO from the warmed-up model, GRPO_STEPS steps, with SAM (group mode), data rebalance and the current log-prob as
+    old: validation accuracy rises by LEARNING_MARGIN; the last checkpoint merged by verl's merger equals the engine.
+    Then 2 steps with every switch off: a worker is killed during step 2, which must stop the run with an error;
+    the same command again resumes from step 1 (weights and optimizer state restored, checked) and finishes
+    step 2 on the first run's step-2 prompts (the prompts a step trains on come from the seeded dataloader; the
+    switches only reorder and decode them)."""
+    model = cpu_ws / "tiny" / "qwen3_tiny"
+    on = launch(cpu_ws, "internal/train_grpo_tiny_cpu.sh", tmp_path / "on", env=SWITCHES_ON)
     assert on.rc == 0, _tail(on)
-    check_weight_sync(on, tiny_root)
-    doc = check_step_log_and_ckpt(on, [1, 2])
-    last = doc["steps"]["2"]
-    assert last.get("rollout/spec_decode/num_drafts", 0) > 0, "SAM drafted nothing in step 2"
+    check_weight_sync(on, model)
+    doc = check_step_log_and_ckpt(on, list(range(1, GRPO_STEPS + 1)))
+    before, after = val_accuracy(doc, 0), val_accuracy(doc, GRPO_STEPS)
+    print(f"GRPO val-core accuracy: before {before:.3f}, after {GRPO_STEPS} steps {after:.3f} ({on.seconds:.0f} s)")
+    assert after >= before + LEARNING_MARGIN, f"no learning: val accuracy {before:.3f} -> {after:.3f}"
+    last = doc["steps"][str(GRPO_STEPS)]
+    assert last.get("rollout/spec_decode/num_drafts", 0) > 0, "SAM drafted nothing in the last step"
     assert "timing_s/old_log_prob" not in last, "USE_CURRENT_LOG_PROB_AS_OLD=True still ran the old-log-prob pass"
+    # the last sync (the final validation's, after the last update) holds the last checkpoint's weights
+    check_independent_conversion(cpu_ws, on, GRPO_STEPS, len(on.of("weight_sync")) // 2, tmp_path)
+    assert "[ray_start_npu] plots:" in on.log, _tail(on)
     print("stage seconds (GRPO, switches on):", json.dumps(stage_seconds(doc, on)))
 
     killed: dict[str, float] = {}
@@ -225,32 +316,55 @@ def test_grpo_switches_on_then_off_with_fault_and_resume(engine_ws: Path, tiny_r
             killed.update(at=time.monotonic(), pid=starts[0]["pid"])
 
     run_dir = tmp_path / "off"
-    faulty = launch(engine_ws, tiny_root, "internal/train_grpo_tiny_cpu.sh", run_dir, on_event=kill_in_step_2)
+    faulty = launch(cpu_ws, "internal/train_grpo_tiny_cpu.sh", run_dir, env=SHORT, on_event=kill_in_step_2)
     assert killed, "step 2 never started on rank 1"
     assert faulty.rc != 0, "the run exited 0 although a worker was killed"
     assert "ActorDiedError" in faulty.log or "actor died" in faulty.log.lower(), _tail(faulty)
-    check_weight_sync(faulty, tiny_root)
+    check_weight_sync(faulty, model)
     assert (faulty.ckpt / "global_step_1" / "actor").is_dir() and not (faulty.ckpt / "global_step_2").exists()
+    # positive control of the switches-on run's skip: with USE_CURRENT_LOG_PROB_AS_OLD off the pass is timed
+    step1 = report(faulty)["steps"]["1"]
+    assert step1.get("timing_s/old_log_prob", 0) > 0, "switch off, yet no old-log-prob pass was timed"
+    assert step1.get("rollout/spec_decode/num_drafts", 0) == 0, "SAM off, yet drafts were counted"
     print(f"killed worker pid {killed['pid']}: the launcher exited {faulty.rc}, "
           f"{time.monotonic() - killed['at']:.0f} s after the kill")
 
     (run_dir / "logs").rename(run_dir / "logs.faulty")
     (run_dir / "probe").rename(run_dir / "probe.faulty")
-    resumed = launch(engine_ws, tiny_root, "internal/train_grpo_tiny_cpu.sh", run_dir)
+    faulty.probe = run_dir / "probe.faulty"
+    resumed = launch(cpu_ws, "internal/train_grpo_tiny_cpu.sh", run_dir, env=SHORT)
     assert resumed.rc == 0, _tail(resumed)
     assert "global_step_1" in resumed.log, "the rerun did not say it loaded global_step_1"
-    doc = check_step_log_and_ckpt(resumed, [2])
+    doc = check_step_log_and_ckpt(resumed, [2])  # positive control of "no global_step_2" above: now it exists
     assert all(e["all_equal"] for e in resumed.of("weight_sync")) and resumed.of("weight_sync")
+    check_resume_state(faulty, resumed)
     assert _prompts_of_step(run_dir, 2) == _prompts_of_step(tmp_path / "on", 2), \
         "the resumed step 2 trained on other prompts than the uninterrupted run's step 2"
     print("stage seconds (GRPO, switches off, resumed step 2):", json.dumps(stage_seconds(doc, resumed)))
 
 
-def test_dapo(engine_ws: Path, tiny_root: Path, tmp_path: Path) -> None:
-    """Our DAPO trainer, 2 steps, dynamic sampling and the overlong buffer on."""
-    run = launch(engine_ws, tiny_root, "internal/train_dapo_tiny_cpu.sh", tmp_path)
+@pytest.mark.timeout(1500)
+def test_dapo(cpu_ws: Path, tmp_path: Path) -> None:
+    """Our DAPO trainer, 2 steps, dynamic sampling and the overlong buffer on: groups are filtered out (count > 0)
+    and the overlong penalty lowers the reward of responses that run into the buffer (a sequence reward below the
+    lowest answer score)."""
+    run = launch(cpu_ws, "internal/train_dapo_tiny_cpu.sh", tmp_path)
     assert run.rc == 0, _tail(run)
-    check_weight_sync(run, tiny_root)
+    check_weight_sync(run, cpu_ws / "tiny" / "qwen3_moe_tiny")
     doc = check_step_log_and_ckpt(run, [1, 2])
+    for s in ("1", "2"):
+        m = doc["steps"][s]
+        filtered = m["dapo/generated_groups"] * (1.0 - m["dapo/kept_group_ratio"])
+        assert filtered > 0, f"step {s}: dynamic sampling filtered no group ({m['dapo/generated_groups']} generated)"
+        # positive control: groups were kept too (the step trained on something)
+        assert m["dapo/kept_group_ratio"] > 0
+    # DAPO's answer scores are +1 / -1 (custom_reward_function.reward_kwargs in qwen3_rl/trainer/config/
+    # dapo_megatron_trainer.yaml); only verl's overlong penalty (between -OVERLONG_PENALTY_FACTOR = -1 and 0) can take
+    # a sequence reward below -1
+    mins = [doc["steps"][s]["critic/score/min"] for s in ("1", "2")]
+    assert min(mins) < -1.0, f"no sequence reward below -1 (min per step {mins}): the overlong penalty was not applied"
+    assert min(mins) >= -2.0 - 1e-6, mins
+    filtered = [doc["steps"][s]["dapo/generated_groups"] * (1 - doc["steps"][s]["dapo/kept_group_ratio"])
+                for s in ("1", "2")]
+    print(f"dapo: filtered groups per step {filtered}, min sequence reward per step {mins}")
     print("stage seconds (dapo):", json.dumps(stage_seconds(doc, run)))
-

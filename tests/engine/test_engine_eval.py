@@ -4,7 +4,7 @@ model merger through ``eval merge``; the merged weights equal the Megatron model
 vLLM 0.13.0's real CPU engine (offline ``LLM``) on gsm8k-style problems over 2 rounds; ``--rejudge`` reproduces
 the score from the saved generations; ``eval compare`` puts the base model and the merged one side by side.
 
-Device-layer shims only (``cpu_device/``: gloo for nccl, CPU stand-ins for TE / CUDA calls). A random model
+Device-layer shims only (``qwen3_rl/cpu_device/``: gloo for nccl, CPU stand-ins for TE / CUDA calls). A random model
 answers about nothing right: the judge itself is tested on known answers in tests/test_eval.py.
 """
 
@@ -26,7 +26,7 @@ CPU_LLM_KWARGS = {"dtype": "float32", "enforce_eager": True, "compilation_config
 
 def _env(ws: Path, shims: bool) -> dict[str, str]:
     """The engine tree first on PYTHONPATH (as workspace.activate does in-process), the CPU shims when asked."""
-    paths = ([str(HERE / "cpu_device")] if shims else []) + [str(ws / d) for d in workspace.PATH_TREES]
+    paths = ([str(workspace.CPU_DEVICE)] if shims else []) + [str(ws / d) for d in workspace.PATH_TREES]
     env = dict(os.environ, PYTHONPATH=":".join([*paths, str(REPO), str(ws / ".dist-info")]),
                VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_PLUGINS="none", VLLM_TARGET_DEVICE="cpu",
                VLLM_CPU_KVCACHE_SPACE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(gloo_port()))

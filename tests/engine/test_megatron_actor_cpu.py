@@ -2,12 +2,12 @@
 0.12.1 on gloo, 2 processes, the tiny random-weight Qwen3-MoE, actor TP2 + EP2 and PP2, rollout = vLLM
 0.13.0's real CPU engine (rollout TP 1 per process).
 
-The worker's config is composed by Hydra from ``internal/train_grpo_tiny_cpu.sh`` (its CPU settings: vLLM
+The worker's config is composed by Hydra from ``internal/train_dapo_tiny_cpu.sh`` (the tiny MoE setup) (its CPU settings: vLLM
 float32 with native ops, ``free_cache_engine=False`` since sleep mode needs a device allocator, no offload),
 the layout given through the script's own env vars (ACTOR_TP/EP/PP). Each rank runs ``megatron_driver.py``
 (``init_model`` -> ``generate_sequences`` -> ``compute_log_prob`` -> ``update_actor`` -> ``rollout_mode``
 weight sync) with the environment Ray gives verl's workers. Device-layer shims only
-(``cpu_device/megatron_shims.py``).
+(``qwen3_rl/cpu_device/megatron_shims.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import pytest
 from conftest import gloo_port
 
 HERE = Path(__file__).resolve().parent
-SCRIPT = "internal/train_grpo_tiny_cpu.sh"
+# the tiny MoE setup (Megatron random init; the GRPO tiny script is dense and loads HF weights)
+SCRIPT = "internal/train_dapo_tiny_cpu.sh"
 RANK_TIMEOUT_S = 1200
 PROMPTS = [[5, 6, 7, 8, 9, 10], [20, 21, 22, 23], [30, 31, 30, 31, 30], [40, 41, 42]]
 RESPONSE_LENGTH = 12
@@ -40,7 +41,9 @@ OVERRIDES = [
 def layout_env(tp: int, ep: int, pp: int) -> dict[str, str]:
     """The tiny script's env vars: the actor layout over the 2 processes and a 4-prompt batch."""
     return {"ACTOR_TP": str(tp), "ACTOR_PP": str(pp), "ACTOR_EP": str(ep), "TRAIN_BATCH_SIZE": str(len(PROMPTS)),
-            "N_SAMPLES": "1", "MAX_PROMPT_LENGTH": "8", "MAX_RESPONSE_LENGTH": str(RESPONSE_LENGTH), "ROLLOUT_MAX_NUM_SEQS": "4", "LR": "1e-2"}
+            "N_SAMPLES": "1", "MAX_PROMPT_LENGTH": "8", "MAX_RESPONSE_LENGTH": str(RESPONSE_LENGTH), "ROLLOUT_MAX_NUM_SEQS": "4", "LR": "1e-2",
+            # DAPO's own sizes, consistent with the 4-prompt batch and the 12-token responses
+            "GEN_BATCH_SIZE": str(len(PROMPTS)), "OVERLONG_BUFFER_LEN": "4"}
 
 
 def run_ranks(spec: dict, tmp_path: Path, world: int = 2) -> list[dict]:

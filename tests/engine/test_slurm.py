@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_e2e_training import Run, _events, check_step_log_and_ckpt, launch_env, tiny_root  # noqa: F401
+from test_e2e_training import Run, _events, check_step_log_and_ckpt, launch_env
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/: the Slurm and namespace harnesses
@@ -98,7 +98,7 @@ def _submit(cluster: SlurmCluster, run_dir: Path, env: dict[str, str], ray_tmp: 
 
 
 def test_slurm_two_nodes_one_step_then_scancel(slurm: SlurmCluster, two_nodes: TwoNodes,  # noqa: F811
-                                               engine_ws: Path, tiny_root: Path, tmp_path: Path,  # noqa: F811
+                                               cpu_ws: Path, tmp_path: Path,  # noqa: F811
                                                ray_tmp: Path) -> None:
     pinned = load_pins().runtime["ray"]
     assert _ray_version() == pinned, f"ray {_ray_version()} here, the image runs {pinned} (pins.toml runtime.ray)"
@@ -107,7 +107,7 @@ def test_slurm_two_nodes_one_step_then_scancel(slurm: SlurmCluster, two_nodes: T
 
     # 1. one training step on two nodes
     run_dir = tmp_path / "one_step"
-    env = launch_env(engine_ws, tiny_root, run_dir, run_dir / "ckpt", {"TOTAL_TRAINING_STEPS": "1"})
+    env = launch_env(cpu_ws, run_dir, run_dir / "ckpt", {"TOTAL_TRAINING_STEPS": "1"})
     t0 = time.monotonic()
     job = _submit(slurm, run_dir, env, ray_tmp)
     state = slurm.wait_job(job, JOB_TIMEOUT_S)
@@ -141,7 +141,7 @@ def test_slurm_two_nodes_one_step_then_scancel(slurm: SlurmCluster, two_nodes: T
 
     # 2. scancel during a step: nothing of the job is left
     run_dir = tmp_path / "cancelled"
-    env = launch_env(engine_ws, tiny_root, run_dir, run_dir / "ckpt", {"TOTAL_TRAINING_STEPS": "2"})
+    env = launch_env(cpu_ws, run_dir, run_dir / "ckpt", {"TOTAL_TRAINING_STEPS": "2"})
     job = _submit(slurm, run_dir, env, ray_tmp)
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while not [e for e in _events(run_dir / "probe") if e["event"] == "generate_start"]:
@@ -168,7 +168,7 @@ def test_slurm_two_nodes_one_step_then_scancel(slurm: SlurmCluster, two_nodes: T
     #    only (in its node-local directory), so the second node's launcher stops at its option check
     (node_tmp["a"] / "npu_env.sh").write_text((REPO / "internal" / "npu_env.sh").read_text())
     run_dir = tmp_path / "failed_node"
-    env = launch_env(engine_ws, tiny_root, run_dir, run_dir / "ckpt")
+    env = launch_env(cpu_ws, run_dir, run_dir / "ckpt")
     t0 = time.monotonic()
     job = _submit(slurm, run_dir, env, ray_tmp, "--npu-env", str(ray_tmp / "npu_env.sh"), "--timeout", "20")
     state = slurm.wait_job(job, 300)

@@ -9,7 +9,13 @@ sync SPMD rollout (``verl/workers/rollout/vllm_rollout/vllm_rollout_spmd.py`` ``
   (:func:`expected_vllm_params`: vLLM's fused q/k/v, gate/up and per-expert w13/w2 layouts). One JSON record per
   sync; rank 0 also saves the stream as ``sync-<n>.safetensors`` so the test can compare syncs with each other and
   with the checkpoint on disk.
+  Rank 0 also saves what the engine holds after the sync (its named parameters, vLLM's fused layout) as
+  ``engine-<n>.safetensors``: the test compares it with an independent conversion of the saved checkpoint.
 * ``generate_sequences``: a start and an end record per call (the fault test kills a worker between them).
+* verl's ``MegatronCheckpointManager`` (``verl/utils/checkpoint/megatron_checkpoint_manager.py``): after each
+  ``save_checkpoint`` and after ``load_checkpoint``, every tensor of the optimizer (each sub-optimizer's main
+  parameters and their state: Adam moments, step) is saved as ``optim-<save-step N|load>-rank<r>.pt`` (the resume
+  test compares the loaded state with the saved one, tensor by tensor).
 
 Records: ``<probe dir>/events-<pid>.jsonl``, one JSON object per line.
 """
@@ -127,6 +133,8 @@ def _wrap_rollout(mod, rec: _Recorder) -> None:
             from safetensors.torch import save_file
 
             save_file({k: v.contiguous() for k, v in received.items()}, str(rec.root / f"sync-{rec.syncs}.safetensors"))
+            save_file({k: v.detach().to("cpu", copy=True).contiguous() for k, v in model.named_parameters()},
+                      str(rec.root / f"engine-{rec.syncs}.safetensors"))
         rec.write("weight_sync", n=rec.syncs, seconds=seconds, tensors=len(received), **summary)
 
     def generate_sequences(self, prompts, **kwargs):
@@ -142,7 +150,61 @@ def _wrap_rollout(mod, rec: _Recorder) -> None:
     cls.generate_sequences = generate_sequences
 
 
+def optimizer_tensors(opt) -> dict:
+    """Every tensor of a megatron-core optimizer (chained or not): ``c<k>/g<i>/p<j>/param`` (the main parameter the
+    optimizer steps), ``c<k>/g<i>/p<j>/<state name>`` and the group's own tensors ``c<k>/g<i>/<name>``, in
+    parameter-group order (the same model and optimizer
+    construction gives the same order)."""
+    import torch
+
+    subs = list(getattr(opt, "chained_optimizers", None) or [opt])
+    out: dict = {}
+    for k, sub in enumerate(subs):
+        inner = getattr(sub, "optimizer", sub)
+        for i, group in enumerate(inner.param_groups):
+            for name, v in group.items():  # e.g. the group's step count (the fused AdamW keeps it here)
+                if name != "params" and torch.is_tensor(v):
+                    out[f"c{k}/g{i}/{name}"] = v.detach().to("cpu", copy=True)
+            for j, p in enumerate(group["params"]):
+                out[f"c{k}/g{i}/p{j}/param"] = p.detach().to("cpu", copy=True)
+                for name, v in inner.state.get(p, {}).items():
+                    if torch.is_tensor(v):
+                        out[f"c{k}/g{i}/p{j}/{name}"] = v.detach().to("cpu", copy=True)
+                    else:
+                        out[f"c{k}/g{i}/p{j}/{name}"] = torch.tensor(float(v))
+    return out
+
+
+def _wrap_checkpoint_manager(mod, rec: _Recorder) -> None:
+    import torch
+
+    cls = mod.MegatronCheckpointManager
+    orig_save, orig_load = cls.save_checkpoint, cls.load_checkpoint
+    rank = int(os.environ.get("RANK", "-1"))
+
+    def save_checkpoint(self, local_path, *args, **kwargs):
+        out = orig_save(self, local_path, *args, **kwargs)
+        if getattr(self, "optimizer", None) is not None:
+            step = kwargs.get("global_step", args[1] if len(args) > 1 else 0)
+            torch.save(optimizer_tensors(self.optimizer), rec.root / f"optim-save-step{step}-rank{rank}.pt")
+            rec.write("checkpoint_save", step=step, path=str(local_path))
+        return out
+
+    def load_checkpoint(self, local_path, *args, **kwargs):
+        out = orig_load(self, local_path, *args, **kwargs)
+        if getattr(self, "optimizer", None) is not None and local_path is not None:
+            torch.save(optimizer_tensors(self.optimizer), rec.root / f"optim-load-rank{rank}.pt")
+            rec.write("checkpoint_load", path=str(local_path))
+        return out
+
+    cls.save_checkpoint = save_checkpoint
+    cls.load_checkpoint = load_checkpoint
+
+
 def install(probe_dir: str) -> None:
-    """Wrap verl's SPMD rollout once it is imported in this process; records go to ``probe_dir``."""
+    """Wrap verl's SPMD rollout and Megatron checkpoint manager once imported in this process; records go to
+    ``probe_dir``."""
     rec = _Recorder(Path(probe_dir))
     post_import.after_import("verl.workers.rollout.vllm_rollout.vllm_rollout_spmd", lambda m: _wrap_rollout(m, rec))
+    post_import.after_import("verl.utils.checkpoint.megatron_checkpoint_manager",
+                             lambda m: _wrap_checkpoint_manager(m, rec))

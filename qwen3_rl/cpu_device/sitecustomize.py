@@ -7,7 +7,7 @@ untouched):
 * ``megatron_shims.install()`` once ``torch`` is imported: the device calls and fused kernels megatron-core / verl's workers need on a CPU
   (each shim and its reason in ``megatron_shims.py``);
 * ``gloo_shims.install()``: collective shapes gloo refuses (0-d all_gather);
-* the rejection-sampling kernels of ``tests/engine/shims.py`` (vLLM-Ascend's PyTorch implementations in place of
+* the rejection-sampling kernels of ``shims.py`` (vLLM-Ascend's PyTorch implementations in place of
   vLLM's Triton kernels), installed when ``vllm.v1.sample.rejection_sampler`` is first imported, from the engine
   workspace ``QWEN3_RL_ENGINE_WS``;
 * the observation probes of ``probe.py`` when ``QWEN3_RL_E2E_PROBE_DIR`` is set.
@@ -20,9 +20,8 @@ if os.environ.get("QWEN3_RL_CPU_SHIMS") == "1":
     from pathlib import Path
 
     _here = Path(__file__).resolve().parent
-    for _p in (_here, _here.parent):  # this folder and tests/engine (shims.py)
-        if str(_p) not in sys.path:
-            sys.path.insert(0, str(_p))
+    if str(_here) not in sys.path:
+        sys.path.insert(0, str(_here))
     import post_import
 
     def _device_shims(_torch):  # noqa: ANN001 (only processes that import torch pay for the shims; Ray's own don't)

