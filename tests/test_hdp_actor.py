@@ -259,7 +259,7 @@ def _rank_main(rank: int, port: int, results) -> None:
     except BaseException:  # noqa: BLE001 - report to the parent instead of hanging it
         out["error"] = traceback.format_exc(limit=6)
     results[rank] = out
-    os._exit(0)  # forked: no interpreter teardown (gloo threads)
+    os._exit(0)  # no interpreter teardown (gloo threads)
 
 
 def run_ranks() -> dict[int, dict]:
@@ -268,7 +268,7 @@ def run_ranks() -> dict[int, dict]:
     port = free_port()
     with mp.Manager() as manager:
         results = manager.dict()
-        ctx = mp.start_processes(_rank_main, args=(port, results), nprocs=WORLD, join=False, start_method="fork")
+        ctx = mp.start_processes(_rank_main, args=(port, results), nprocs=WORLD, join=False, start_method="spawn")
         deadline = time.monotonic() + 300
         while not ctx.join(timeout=2):
             if time.monotonic() > deadline:
@@ -279,7 +279,8 @@ def run_ranks() -> dict[int, dict]:
 
 
 def test_unequal_dp_groups_run_the_same_micro_batches(patched_imports: Path) -> None:
-    # the patched modules are imported here, once; the forked ranks inherit them
+    # the patched modules are imported here from the patched tree; the spawned ranks import them from the same
+    # sys.path (spawn, not fork: a fork copies locks that threads of earlier tests in this process may hold)
     import verl.models.mcore.model_forward  # noqa: F401
     import verl.workers.actor.megatron_actor as ma
 
