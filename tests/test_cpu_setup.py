@@ -42,6 +42,11 @@ def test_cpu_env_names_the_setup_command(tmp_path: Path) -> None:
     proc = _cpu_env(tmp_path, "--launcher-args", "internal/train_grpo_tiny_cpu.sh", "--device", "cpu", "--",
                     "data.seed=1")
     assert proc.returncode == 1 and proc.stderr.strip().endswith("run bash setup_cpu.sh"), proc.stderr
+    # a dry run still shows the plan: the missing set-up is a one-line warning, and no environment is printed
+    proc = _cpu_env(tmp_path, "--launcher-args", "internal/train_grpo_tiny_cpu.sh", "--device", "cpu", "--dry-run")
+    assert proc.returncode == 0 and proc.stdout == "", proc.stderr
+    assert proc.stderr.startswith("warning: ") and proc.stderr.strip().endswith("run bash setup_cpu.sh")
+    assert len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_launcher_cpu_profile_stops_with_one_line(tmp_path: Path) -> None:

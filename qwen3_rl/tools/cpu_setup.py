@@ -169,8 +169,12 @@ def env_main(argv: list[str] | None = None) -> int:
     ws = workspace_dir(a.workspace)
     gone = missing(ws)
     if gone:
-        print(f"error: the CPU profile needs the engine environment and the patched trees ({gone[0]} is missing): "
-              f"run {SETUP_COMMAND}", file=sys.stderr)
+        what = (f"the CPU profile needs the engine environment and the patched trees ({gone[0]} is missing): "
+                f"run {SETUP_COMMAND}")
+        if launcher_args is not None and "--dry-run" in launcher_args:  # a dry run shows the plan all the same
+            print(f"warning: {what}", file=sys.stderr)
+            return 0
+        print(f"error: {what}", file=sys.stderr)
         return 1
     venv_bin = engine_venv() / "bin"
     env = {"PATH": f"{venv_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}", "QWEN3_RL_PYTHON": str(venv_bin / "python"),
