@@ -8,27 +8,17 @@ profile of ``ray_start_npu.sh``.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 import time
 from pathlib import Path
 
+from qwen3_rl.launch.cpu_binding import pid_alive
 from qwen3_rl.report.parse import parse_lines
 
 _TOTAL_RE = re.compile(r"Total training steps: (\d+)")
 #: stages shown after the step time (verl's timer names; the step total covers them)
 STAGES = ("gen", "reward", "old_log_prob", "ref", "adv", "update_actor")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def step_line(step: int, total: int | None, metrics: dict[str, float]) -> str:
@@ -50,7 +40,7 @@ def follow(log: Path, pid: int, poll_s: float = 2.0, out=sys.stdout) -> int:
     seen: set[int] = set()
     total: int | None = None
     while True:
-        alive = _alive(pid)
+        alive = pid_alive(pid)
         text = log.read_text(errors="replace") if log.is_file() else ""
         if total is None and (m := _TOTAL_RE.search(text)):
             total = int(m.group(1))

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_engine
+from test_engine_spec_decode import drafted, sam
 
 pytestmark = pytest.mark.ascend
 
@@ -33,18 +34,6 @@ DENSE_KERNELS = {"torch_npu.npu_rms_norm", "torch_npu.npu_add_rms_norm", "torch_
                  "torch_npu.npu_fused_infer_attention_score", "torch_npu._npu_matmul_add_fp32"}
 MOE_KERNELS = {"_C_ascend.moe_gating_top_k", "_C_ascend.npu_moe_init_routing_custom",
                "torch_npu.npu_grouped_matmul", "torch_npu.npu_moe_token_unpermute"}
-
-
-def sam(**sam_config) -> dict:
-    spec = {"method": "sam", "num_speculative_tokens": K}
-    if sam_config:
-        spec["sam_config"] = sam_config
-    return {"speculative_config": spec}
-
-
-def drafted(r: dict) -> tuple[int, int]:
-    m = r["metrics"]
-    return int(m.get("spec_decode_num_draft_tokens", 0)), int(m.get("spec_decode_num_accepted_tokens", 0))
 
 
 def hf_greedy(model: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
