@@ -1,4 +1,4 @@
-"""Chunked MoE in prefill (qwen3_rl.rollout.moe_chunking, vllm_ascend patch 0005).
+"""Chunked MoE in prefill (qwen3_rl.moe.chunking, vllm_ascend patch 0005).
 
 * plan / run logic: equal chunk counts across ranks, exact coverage, outputs equal to the unchunked
   forward of a toy MoE on CPU (hypothesis), validation errors, the memory model's figures.
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # worker mode (python tests/test_moe_chunking.py --worker ...)
     sys.path.insert(0, str(REPO))
 
-from qwen3_rl.rollout.moe_chunking import (  # noqa: E402
+from qwen3_rl.moe.chunking import (  # noqa: E402
     CONFIG_KEY,
     QWEN3_235B,
     MoeShape,

@@ -36,7 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen3_rl.rollout.moe_weight_loader import (
+from qwen3_rl.moe.weight_loader import (
     ExpertDims,
     ExpertLayout,
     ExpertLayoutError,

@@ -1,4 +1,4 @@
-"""vLLM's spec-decode counters per rollout as verl step metrics (qwen3_rl.rollout.spec_decode_metrics, verl 0016).
+"""vLLM's spec-decode counters per rollout as verl step metrics (qwen3_rl.spec_decode.metrics, verl 0016).
 
 * the pure module: counts from ``LLM.get_metrics()`` items, deltas, sums, step metrics, stats-off warning;
 * the names and types against vLLM 0.13's own ``SpecDecodingProm`` + ``get_metrics_snapshot`` (patched tree);
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from qwen3_rl.compat.meta_info import merge_meta_value
-from qwen3_rl.rollout import spec_decode_metrics as sdm
+from qwen3_rl.spec_decode import metrics as sdm
 
 SAM_ROLLOUT = {"engine_kwargs": {"vllm": {"speculative_config": {"method": "sam", "num_speculative_tokens": 3}}}}
 

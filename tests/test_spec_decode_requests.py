@@ -1,11 +1,11 @@
-"""qwen3_rl.rollout.spec_decode_requests: which rollout requests vLLM 0.13 can draft for (verl 0015)."""
+"""qwen3_rl.spec_decode.requests: which rollout requests vLLM 0.13 can draft for (verl 0015)."""
 
 from __future__ import annotations
 
 import pytest
 from omegaconf import OmegaConf
 
-from qwen3_rl.rollout.spec_decode_requests import (
+from qwen3_rl.spec_decode.requests import (
     SpecDecodeLogprobsError,
     request_logprobs,
     speculative_method,

@@ -8,7 +8,7 @@ averaged floats can differ in the last bits between ranks, so concat fails with
 
 Rule: keys listed in :data:`TOLERANT_KEYS` are merged with their merge function; every other key
 keeps upstream's behaviour (equal or ``AssertionError``). Besides ``timing``: the rollout's
-speculative-decoding counts (``qwen3_rl.rollout.spec_decode_metrics.META_KEY``, verl 0016), one record
+speculative-decoding counts (``qwen3_rl.spec_decode.metrics.META_KEY``, verl 0016), one record
 per engine, are summed.
 """
 
@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from numbers import Real
 from typing import Any
 
-from qwen3_rl.rollout.spec_decode_metrics import META_KEY as SPEC_DECODE_KEY
-from qwen3_rl.rollout.spec_decode_metrics import merge_counts
+from qwen3_rl.spec_decode.metrics import META_KEY as SPEC_DECODE_KEY
+from qwen3_rl.spec_decode.metrics import merge_counts
 
 
 def merge_timing(a: Any, b: Any) -> Any:

@@ -26,8 +26,8 @@ import hydra
 import numpy as np
 
 from qwen3_rl.rollout.data_rebalance import permute_for_rollout, restore_after_rollout
-from qwen3_rl.rollout.spec_decode_metrics import add_counts as add_spec_decode_counts
-from qwen3_rl.rollout.spec_decode_metrics import step_metrics as spec_decode_step_metrics
+from qwen3_rl.spec_decode.metrics import add_counts as add_spec_decode_counts
+from qwen3_rl.spec_decode.metrics import step_metrics as spec_decode_step_metrics
 from qwen3_rl.trainer.dynamic_sampling import GroupAccumulator
 
 CONFIG_NAME = "dapo_megatron_trainer"

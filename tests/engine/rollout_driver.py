@@ -74,7 +74,7 @@ def main() -> int:
     from verl.workers.config import HFModelConfig, RolloutConfig
     from verl.workers.rollout.vllm_rollout.vllm_rollout_spmd import vLLMRollout
 
-    from qwen3_rl.rollout.spec_decode_metrics import pop_step_metrics
+    from qwen3_rl.spec_decode.metrics import pop_step_metrics
 
     rollout_cfg = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout, dataclass_type=RolloutConfig)
     model_cfg = omega_conf_to_dataclass(cfg.actor_rollout_ref.model, dataclass_type=HFModelConfig)

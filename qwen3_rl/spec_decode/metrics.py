@@ -38,7 +38,7 @@ import logging
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
-from qwen3_rl.rollout.spec_decode_requests import speculative_method
+from qwen3_rl.spec_decode.requests import speculative_method
 
 logger = logging.getLogger(__name__)
 
