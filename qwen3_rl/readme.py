@@ -1,7 +1,8 @@
 """Generated sections of the docs: the counts in README.md / README.zh-CN.md, the feature index and switch table
-(docs/features.md), pins and patches (docs/patches.md), the environment contract (docs/environment.md), each
-switch's default per setup and each setup's flat command (docs/setups.md): ``python -m qwen3_rl readme
---write|--check``.
+(docs/features.md), pins, patches and the reference recipe's patch table mapped to this repository
+(docs/patches.md), the environment contract (docs/environment.md), each switch's default per setup
+(docs/setups.md), the CPU shims (docs/real_engine_tests.md) and each setup's flat command (internal/COMMANDS.md,
+data rather than prose): ``python -m qwen3_rl readme --write|--check``.
 
 A section sits between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->``; ``--check``
 exits 1 when a file differs from what the pin file, the patch headers, features.toml and the golden
@@ -174,6 +175,113 @@ def _feature_defaults() -> str:
     return "\n".join(out)
 
 
+def _patch_ref(rel: str) -> str:
+    """``verl/0007-verl-feature-x.patch`` as a link ``[verl 0007](../patches/verl/0007-...)``."""
+    fw, name = rel.split("/")
+    return f"[{fw} {name[:4]}](../patches/{rel})"
+
+
+def _find_fix(name: str) -> str:
+    """The bug-fix patch whose file name ends in ``-bugfix-<name>.patch`` (any framework), as ``fw/file``."""
+    from qwen3_rl.upstream.patches import series
+
+    hits = [f"{k}/{p.path.name}" for k in load_pins().frameworks for p in series(k)
+            if p.path.name.endswith(f"-bugfix-{name}.patch")]
+    if len(hits) != 1:
+        raise ValueError(f"features.toml [reference]: fix {name!r} matches {len(hits)} bug-fix patches")
+    return hits[0]
+
+
+def _reference() -> str:
+    """The reference recipe's patch table [ref 000] mapped to this repository, from features.toml ``[reference]``:
+    each item is a feature (its switch, our patches and modules, read from the feature's entry), a bug-fix patch
+    (found by name, so renumbering follows), or handled by the pinned upstream (with the test that shows it)."""
+    import tomllib
+
+    data = tomllib.loads((REPO_ROOT / "features.toml").read_text()).get("reference", {})
+    if not data:
+        raise ValueError("features.toml has no [reference] table")
+    reg = _registry()
+    out = ["| reference patch | what it does | here |", "|---|---|---|"]
+    for ref, item in data.items():
+        if "feature" in item:
+            envs = item["feature"] if isinstance(item["feature"], list) else [item["feature"]]
+            parts = []
+            for env in envs:
+                if env not in reg.features:
+                    raise ValueError(f"features.toml [reference] {ref}: unknown switch {env!r}")
+                f = reg.features[env]
+                patches = ", ".join(_patch_ref(p) for p in f.patches) or "no patch"
+                doc = f.doc.removeprefix("docs/")
+                parts.append(f"`{env}` ([{doc}]({doc})); {patches}")
+            here = "<br>".join(parts)
+        elif "fix" in item:
+            here = f"bug fix {_patch_ref(_find_fix(item['fix']))}"
+        elif "pin" in item:
+            test = item.get("test", "")
+            if test and not (REPO_ROOT / test.split("::")[0]).exists():
+                raise ValueError(f"features.toml [reference] {ref}: test {test} does not exist")
+            here = f"not needed: {item['pin']}" + (f" (`{test}`)" if test else "")
+        else:
+            raise ValueError(f"features.toml [reference] {ref}: needs feature, fix or pin")
+        out.append(f"| `{ref}` | {item.get('what', '')} | {here} |")
+    return "\n".join(out)
+
+
+#: the CPU shim modules, each listing its items in its docstring (numbered ``N. ``NAME``: ...`` items, a single
+#: ````NAME``: ...`` paragraph, or a markdown table whose first column is the item)
+SHIM_MODULES = ("qwen3_rl/cpu_device/shims.py", "qwen3_rl/cpu_device/gloo_shims.py",
+                "qwen3_rl/cpu_device/megatron_shims.py", "qwen3_rl/cpu_device/npu/stand_in.py")
+_SHIM_ITEM_RE = re.compile(r"^(?:\d+\. )?``([A-Z][A-Z0-9_]+)``: (.*)$")
+
+
+def _first_sentence(text: str, limit: int = 240) -> str:
+    """The first sentence of ``text`` (not cut at "e.g." / "i.e."), at most ``limit`` characters."""
+    s = re.split(r"(?<!e\.g)(?<!i\.e)\.(?:\s|$)", text.strip())[0].rstrip(":;")
+    return s + "." if len(s) <= limit else s[:limit].rsplit(" ", 1)[0] + " …"
+
+
+def shim_items(rel: str) -> list[tuple[str, str]]:
+    """The items a shim module's docstring lists: (name, what it stands in for, first sentence)."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse((REPO_ROOT / rel).read_text())) or ""
+    items: list[tuple[str, str]] = []
+    para: list[str] = []
+    for line in [*doc.splitlines(), ""]:
+        m = _SHIM_ITEM_RE.match(line)
+        row = re.match(r"^\| (.+?) \| (.+?) \| (.+?) \|$", line)
+        if m or row or not line.strip():
+            if para:
+                name, text = para[0], " ".join(para[1:])
+                items.append((name, _first_sentence(text)))
+                para = []
+        if m:
+            para = [m.group(1), m.group(2)]
+        elif row:
+            if row.group(1) not in ("item", "---") and not row.group(1).startswith("---"):
+                items.append((row.group(1), f"{row.group(2)}: {row.group(3)}"))
+        elif para and line.startswith("   "):
+            para.append(line.strip())
+        elif para and line.strip():
+            para.append(line.strip())
+    return items
+
+
+def _shims() -> str:
+    """Every CPU shim, from the docstrings of the shim modules (the list the code keeps)."""
+    out = ["| module | shim | what it stands in for, and why |", "|---|---|---|"]
+    for rel in SHIM_MODULES:
+        items = shim_items(rel)
+        if not items:
+            raise ValueError(f"{rel}: its docstring lists no shim item")
+        mod = rel.removeprefix("qwen3_rl/cpu_device/")
+        for name, text in items:
+            shown = name if "`" in name else f"`{name}`"
+            out.append(f"| `{mod}` | {shown} | {text.replace('|', '/')} |")
+    return "\n".join(out)
+
+
 def _env_contract() -> str:
     from qwen3_rl.launch.env_contract import markdown_table as contract_table
 
@@ -185,9 +293,11 @@ DOC_SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"counts": _counts},
     "README.zh-CN.md": {"counts": _counts_zh},
     DOC_FEATURES: {"feature-index": _feature_index, "switches": _switches},
-    "docs/patches.md": {"pins": _pins, "patches": _patches},
     "docs/environment.md": {"env-contract": _env_contract},
-    "docs/setups.md": {"feature-defaults": _feature_defaults, "setup-commands": _setup_commands},
+    "docs/patches.md": {"pins": _pins, "patches": _patches, "reference": _reference},
+    "docs/setups.md": {"feature-defaults": _feature_defaults},
+    "docs/real_engine_tests.md": {"shims": _shims},
+    "internal/COMMANDS.md": {"setup-commands": _setup_commands},
 }
 
 
