@@ -1,0 +1,147 @@
+"""docs/: size, one shape per feature doc, no development diary, counts in prose that match the sources, and the
+CPU shim list equal to what the shim modules install."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from qwen3_rl import readme
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+MAX_DOCS_BYTES = 150 * 1024
+#: the sections of a feature doc, in this order
+FEATURE_SHAPE = ("## What it does", "## Switches", "## Measured", "## Limits", "## Upstream status", "## Design")
+#: docs named by features.toml that are not one feature's page (tables, setups, weights)
+NOT_FEATURE_DOCS = {"docs/features.md", "docs/setups.md", "docs/weights.md"}
+DIARY = re.compile(r"previous commit|the old code|before this change|machine was shared|\(before\)|commit [0-9a-f]{7}\b"
+                   r"|used to |no longer ", re.I)
+WORDS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8, "nine": 9, "ten": 10}
+
+
+def _prose(path: Path) -> str:
+    """The text of a doc without its generated sections."""
+    return re.sub(r"<!-- generated:(\S+) -->.*?<!-- /generated:\1 -->", "", path.read_text(), flags=re.S)
+
+
+def _feature_docs() -> list[str]:
+    from qwen3_rl.features import load_registry
+
+    return sorted({f.doc for f in load_registry().features.values()} - NOT_FEATURE_DOCS)
+
+
+def test_docs_fit_the_size_limit():
+    total = sum(p.stat().st_size for p in DOCS.rglob("*") if p.is_file())
+    assert total <= MAX_DOCS_BYTES, f"docs/ is {total} bytes (limit {MAX_DOCS_BYTES})"
+
+
+@pytest.mark.parametrize("doc", _feature_docs())
+def test_feature_doc_has_the_shape(doc):
+    heads = [ln.split(" (")[0].rstrip() for ln in (REPO / doc).read_text().splitlines() if ln.startswith("## ")]
+    found = [h for h in heads if h in FEATURE_SHAPE]
+    assert found == list(FEATURE_SHAPE), f"{doc}: sections {heads}"
+
+
+@pytest.mark.parametrize("path", sorted(DOCS.glob("*.md")), ids=lambda p: p.name)
+def test_no_development_diary(path):
+    hits = [m.group(0) for m in DIARY.finditer(_prose(path))]
+    assert not hits, f"{path.name}: {hits}"
+
+
+def test_counts_in_prose_match_the_sources():
+    """"N switches", "N patches", "N bug fixes", "N cluster setups", "N tiny ... setups" in any doc or README must be
+    the registry's and the patch series' numbers (the counts line of the READMEs is generated)."""
+    c = readme._count_values()
+    want = {"switches": c["switches"], "patches": c["patches"], "bug fixes": c["fixes"],
+            "cluster setups": c["cluster"], "tiny CPU setups": c["tiny"], "tiny setups": c["tiny"],
+            "setups": c["cluster"] + c["tiny"]}
+    num = r"(\d+|" + "|".join(WORDS) + r")"
+    pat = re.compile(rf"\b{num} ({'|'.join(sorted(want, key=len, reverse=True))})\b", re.I)
+    wrong, seen = [], 0
+    for path in [*sorted(DOCS.glob("*.md")), REPO / "README.md"]:
+        for m in pat.finditer(_prose(path)):
+            seen += 1
+            n = int(m.group(1)) if m.group(1).isdigit() else WORDS[m.group(1).lower()]
+            if n != want[m.group(2).lower()]:
+                wrong.append(f"{path.name}: '{m.group(0)}' (is {want[m.group(2).lower()]})")
+    assert not wrong
+    assert seen, "no count found in the docs: the pattern is broken"
+
+
+def _install_calls(rel: str) -> list[str]:
+    """The module-level functions ``install()`` of a shim module calls."""
+    tree = ast.parse((REPO / rel).read_text())
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "install"]
+    return [n.func.id for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+
+
+def test_shim_list_equals_what_the_megatron_shims_install():
+    """Each numbered item NAME of megatron_shims.py is the function ``_name`` that install() calls, and install()
+    calls no other shim."""
+    names = [n for n, _ in readme.shim_items("qwen3_rl/cpu_device/megatron_shims.py")]
+    calls = [c for c in _install_calls("qwen3_rl/cpu_device/megatron_shims.py") if c.startswith("_")]
+    assert sorted(f"_{n.lower()}" for n in names) == sorted(calls)
+    assert {"FUSED_ADAM", "TE_MODULES", "FP8_CAST"} <= set(names)
+
+
+def test_shim_list_of_the_vllm_cpu_shims_names_their_code():
+    import qwen3_rl.cpu_device.shims as shims
+
+    names = [n for n, _ in readme.shim_items("qwen3_rl/cpu_device/shims.py")]
+    assert names == ["CPU_RUNNER_SPEC_ASSERT", "REJECTION_KERNELS"]
+    assert all(hasattr(shims, n) for n in names)
+
+
+def test_gloo_shim_list_is_the_wrapped_collective():
+    """gloo_shims.py's one item is the all_gather wrapper install() puts in torch.distributed, and it is listed."""
+    import torch.distributed as dist
+
+    from qwen3_rl.cpu_device import gloo_shims
+
+    assert [n for n, _ in readme.shim_items("qwen3_rl/cpu_device/gloo_shims.py")] == ["GLOO_SCALAR_ALL_GATHER"]
+    orig = dist.all_gather
+    try:
+        gloo_shims._INSTALLED = False
+        gloo_shims.install()
+        assert dist.all_gather is not orig and dist.all_gather.__module__ == gloo_shims.__name__
+    finally:
+        dist.all_gather = dist.distributed_c10d.all_gather = orig
+        gloo_shims._INSTALLED = False
+
+
+def test_every_shim_module_is_in_the_list():
+    """Every module under qwen3_rl/cpu_device with an install() is a listed shim module, or a part a listed module
+    installs and names in its list (the stand-in's hccl.py)."""
+    listed = set(readme.SHIM_MODULES)
+    parts = {"qwen3_rl/cpu_device/npu/hccl.py": "qwen3_rl/cpu_device/npu/stand_in.py"}
+    for path in sorted((REPO / "qwen3_rl" / "cpu_device").rglob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        if "def install(" not in path.read_text() or rel in listed:
+            continue
+        assert rel in parts, f"{rel} has install() but is not in readme.SHIM_MODULES"
+        owner_items = " ".join(n for n, _ in readme.shim_items(parts[rel]))
+        assert path.name in owner_items
+    stand_in = [n for n, _ in readme.shim_items("qwen3_rl/cpu_device/npu/stand_in.py")]
+    assert len(stand_in) >= 10 and any("torch_npu" in n for n in stand_in)
+
+
+def test_shim_section_is_generated_in_the_doc():
+    text = (DOCS / "real_engine_tests.md").read_text()
+    assert readme._shims() in text
+    for rel in readme.SHIM_MODULES:
+        for name, _ in readme.shim_items(rel):
+            assert name in text
+
+
+def test_reference_table_maps_every_reference_patch():
+    """Every reference patch maps to a switch, a bug-fix patch that exists, or a pinned-upstream note with a test;
+    the generated table is in docs/patches.md."""
+    table = readme._reference()
+    rows = [ln for ln in table.splitlines()[2:]]
+    assert len(rows) >= 30
+    assert all(("`" in r.split(" | ")[2]) or "bug fix [" in r or "not needed:" in r for r in rows)
+    assert table in (DOCS / "patches.md").read_text()
