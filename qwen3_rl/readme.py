@@ -104,6 +104,24 @@ def _when_text(when: dict) -> str:
     return " and ".join(_cond_text(n, v) for n, v in when.items())
 
 
+#: key prefixes the switch table abbreviates (its legend says so)
+KEY_PREFIXES = (("actor_rollout_ref.rollout.engine_kwargs.vllm.", "VLLM."), ("actor_rollout_ref.", "ARR."))
+
+
+def _short_key(key: str) -> str:
+    """A Hydra key with its common prefix abbreviated (``+`` kept): ``+ARR.actor.x`` for
+    ``+actor_rollout_ref.actor.x``."""
+    plus = "+" if key.startswith("+") else ""
+    for long, short in KEY_PREFIXES:
+        if key.lstrip("+").startswith(long):
+            return plus + short + key.lstrip("+").removeprefix(long)
+    return key
+
+
+def _stem(doc: str) -> str:
+    return doc.removeprefix("docs/").removesuffix(".md")
+
+
 def _switches() -> str:
     """The feature switches of the train scripts, from features.toml: env var, type, default, allowed values,
     the keys each sets (and when), the setups it applies to, its requires / excludes rules."""
@@ -114,7 +132,7 @@ def _switches() -> str:
         keys = []
         for st in f.sets:
             cond = f" when {_when_text(st.when)}" if st.when else ""
-            keys.append(f"`{st.key}={st.value}`{cond}")
+            keys.append(f"`{_short_key(st.key)}={st.value}`{cond}")
         rules = [f"{'/'.join(r.when)}: {r.kind} {r.describe()}" for r in (*f.requires, *f.excludes)]
         out.append(f"| `{f.env}` | {f.type} | {_default_text(reg, f)} | {_allowed_text(f)} | "
                    f"{'<br>'.join(keys) or '(read by the keys of another switch)'} | {_setup_label(reg, f.setups)} | "
@@ -130,7 +148,7 @@ def _feature_index() -> str:
         patches = ", ".join(f"[{p.split('/')[0]} {p.split('/')[1][:4]}](../patches/{p})" for p in f.patches) or "–"
         modules = ", ".join(f"`{m.removeprefix('qwen3_rl/')}`" for m in f.modules) or "–"
         tests = ", ".join(f"`{t.removeprefix('tests/')}`" for t in f.tests)
-        doc = "this page" if f.doc == DOC_FEATURES else f"[{f.doc}]({f.doc.removeprefix('docs/')})"
+        doc = "this page" if f.doc == DOC_FEATURES else f"[{_stem(f.doc)}]({f.doc.removeprefix('docs/')})"
         out.append(f"| {f.name} | `{f.env}` | {patches} | {modules} | {tests} | {doc} |")
     return "\n".join(out)
 
