@@ -1,6 +1,6 @@
 """Generated sections of the docs: the counts in README.md / README.zh-CN.md, the feature index and switch table
 (docs/features.md), pins, patches and the reference recipe's patch table mapped to this repository
-(docs/patches.md), the environment contract (docs/environment.md), each switch's default per setup
+(docs/patches.md), the bug fixes with their upstream status (docs/upstream_checks.md), the environment contract (docs/environment.md), each switch's default per setup
 (docs/setups.md), the CPU shims (docs/real_engine_tests.md) and each setup's flat command (internal/COMMANDS.md,
 data rather than prose): ``python -m qwen3_rl readme --write|--check``.
 
@@ -246,6 +246,23 @@ def _reference() -> str:
     return "\n".join(out)
 
 
+def _fixes() -> str:
+    """Every bug-fix patch with its subject and the first sentence of its ``Upstream:`` header (the rest of the
+    evidence, upstream file:line and the tests, is in the patch header)."""
+    from qwen3_rl.upstream.patches import series
+
+    out = ["| patch | what it fixes | upstream status |", "|---|---|---|"]
+    for k in load_pins().frameworks:
+        for p in series(k):
+            if p.kind != "bugfix":
+                continue
+            head = p.header()
+            up = " ".join(head.get("Upstream", "").split())
+            out.append(f"| {_patch_ref(f'{k}/{p.path.name}')} | {head.get('Subject', '').replace('|', '/')} | "
+                       f"{_first_sentence(up, 200).replace('|', '/')} |")
+    return "\n".join(out)
+
+
 #: the CPU shim modules, each listing its items in its docstring (numbered ``N. ``NAME``: ...`` items, a single
 #: ````NAME``: ...`` paragraph, or a markdown table whose first column is the item)
 SHIM_MODULES = ("qwen3_rl/cpu_device/shims.py", "qwen3_rl/cpu_device/gloo_shims.py",
@@ -315,6 +332,7 @@ DOC_SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
     "docs/patches.md": {"pins": _pins, "patches": _patches, "reference": _reference},
     "docs/setups.md": {"feature-defaults": _feature_defaults},
     "docs/real_engine_tests.md": {"shims": _shims},
+    "docs/upstream_checks.md": {"fixes": _fixes},
     "internal/COMMANDS.md": {"setup-commands": _setup_commands},
 }
 
