@@ -60,7 +60,10 @@ def _pins() -> str:
 
 
 def _patches() -> str:
-    return markdown_table(list(load_pins().frameworks))
+    """The patch table of ``upstream.patches.markdown_table``, each link named ``NNNN kind name`` (the framework is
+    the row's first column)."""
+    return re.sub(r"\[(\d{4})-[a-z_]+-(feature|bugfix)-([a-z0-9_]+)\.patch\]", r"[\1 \2 \3]",
+                  markdown_table(list(load_pins().frameworks)))
 
 
 @functools.cache
@@ -145,7 +148,7 @@ def _feature_index() -> str:
     reg = _registry()
     out = ["| feature | switch | patch(es) | module(s) | test(s) | doc |", "|---|---|---|---|---|---|"]
     for f in reg.features.values():
-        patches = ", ".join(f"[{p.split('/')[0]} {p.split('/')[1][:4]}](../patches/{p})" for p in f.patches) or "–"
+        patches = ", ".join(_patch_name(p) for p in f.patches) or "–"
         modules = ", ".join(f"`{m.removeprefix('qwen3_rl/')}`" for m in f.modules) or "–"
         tests = ", ".join(f"`{t.removeprefix('tests/')}`" for t in f.tests)
         doc = "this page" if f.doc == DOC_FEATURES else f"[{_stem(f.doc)}]({f.doc.removeprefix('docs/')})"
@@ -193,10 +196,10 @@ def _feature_defaults() -> str:
     return "\n".join(out)
 
 
-def _patch_ref(rel: str) -> str:
-    """``verl/0007-verl-feature-x.patch`` as a link ``[verl 0007](../patches/verl/0007-...)``."""
+def _patch_name(rel: str) -> str:
+    """``verl/0007-verl-feature-x.patch`` as ``verl 0007`` (the patch table of docs/patches.md links the files)."""
     fw, name = rel.split("/")
-    return f"[{fw} {name[:4]}](../patches/{rel})"
+    return f"{fw} {name[:4]}"
 
 
 def _find_fix(name: str) -> str:
@@ -229,12 +232,11 @@ def _reference() -> str:
                 if env not in reg.features:
                     raise ValueError(f"features.toml [reference] {ref}: unknown switch {env!r}")
                 f = reg.features[env]
-                patches = ", ".join(_patch_ref(p) for p in f.patches) or "no patch"
-                doc = f.doc.removeprefix("docs/")
-                parts.append(f"`{env}` ([{doc}]({doc})); {patches}")
+                patches = ", ".join(_patch_name(p) for p in f.patches) or "no patch"
+                parts.append(f"`{env}`; {patches}")
             here = "<br>".join(parts)
         elif "fix" in item:
-            here = f"bug fix {_patch_ref(_find_fix(item['fix']))}"
+            here = f"bug fix {_patch_name(_find_fix(item['fix']))}"
         elif "pin" in item:
             test = item.get("test", "")
             if test and not (REPO_ROOT / test.split("::")[0]).exists():
@@ -251,14 +253,14 @@ def _fixes() -> str:
     evidence, upstream file:line and the tests, is in the patch header)."""
     from qwen3_rl.upstream.patches import series
 
-    out = ["| patch | what it fixes | upstream status |", "|---|---|---|"]
+    out = ["| patch | upstream status |", "|---|---|"]
     for k in load_pins().frameworks:
         for p in series(k):
             if p.kind != "bugfix":
                 continue
             head = p.header()
             up = " ".join(head.get("Upstream", "").split())
-            out.append(f"| {_patch_ref(f'{k}/{p.path.name}')} | {head.get('Subject', '').replace('|', '/')} | "
+            out.append(f"| [{k} {p.path.name[:4]} {p.name}](../patches/{k}/{p.path.name}) | "
                        f"{_first_sentence(up, 200).replace('|', '/')} |")
     return "\n".join(out)
 
@@ -270,7 +272,7 @@ SHIM_MODULES = ("qwen3_rl/cpu_device/shims.py", "qwen3_rl/cpu_device/gloo_shims.
 _SHIM_ITEM_RE = re.compile(r"^(?:\d+\. )?``([A-Z][A-Z0-9_]+)``: (.*)$")
 
 
-def _first_sentence(text: str, limit: int = 240) -> str:
+def _first_sentence(text: str, limit: int = 150) -> str:
     """The first sentence of ``text`` (not cut at "e.g." / "i.e."), at most ``limit`` characters."""
     s = re.split(r"(?<!e\.g)(?<!i\.e)\.(?:\s|$)", text.strip())[0].rstrip(":;")
     return s + "." if len(s) <= limit else s[:limit].rsplit(" ", 1)[0] + " …"
