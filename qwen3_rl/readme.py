@@ -61,9 +61,12 @@ def _pins() -> str:
 
 def _patches() -> str:
     """The patch table of ``upstream.patches.markdown_table``, each link named ``NNNN kind name`` (the framework is
-    the row's first column)."""
-    return re.sub(r"\[(\d{4})-[a-z_]+-(feature|bugfix)-([a-z0-9_]+)\.patch\]", r"[\1 \2 \3]",
-                  markdown_table(list(load_pins().frameworks)))
+    the row's first column), the common key prefixes abbreviated as in the switch table."""
+    table = re.sub(r"\[(\d{4})-[a-z_]+-(feature|bugfix)-([a-z0-9_]+)\.patch\]", r"[\1 \2 \3]",
+                   markdown_table(list(load_pins().frameworks)))
+    for long, short in KEY_PREFIXES:
+        table = table.replace(long, short)
+    return table
 
 
 @functools.cache
