@@ -151,3 +151,11 @@ def test_reference_table_maps_every_reference_patch():
     heres = [r.split(" | ")[2] for r in rows]
     assert all(h.startswith(("`", "bug fix ", "not needed: ")) for h in heres), heres
     assert table in (DOCS / "patches.md").read_text()
+
+
+@pytest.mark.parametrize("path", sorted(DOCS.glob("*.md")), ids=lambda p: p.name)
+def test_doc_links_resolve(path):
+    """Every relative link of a doc names a file of the checkout (removed or renamed pages show up here)."""
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text())
+    missing = [ln for ln in links if not ln.startswith("http") and not (path.parent / ln).exists()]
+    assert not missing, f"{path.name}: {missing}"
