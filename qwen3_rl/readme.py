@@ -236,7 +236,8 @@ def _reference() -> str:
                     raise ValueError(f"features.toml [reference] {ref}: unknown switch {env!r}")
                 f = reg.features[env]
                 patches = ", ".join(_patch_name(p) for p in f.patches) or "no patch"
-                parts.append(f"`{env}`; {patches}")
+                mod = f"; `{f.modules[0].removeprefix('qwen3_rl/')}`" if f.modules else ""
+                parts.append(f"`{env}`; {patches}{mod}")
             here = "<br>".join(parts)
         elif "fix" in item:
             here = f"bug fix {_patch_name(_find_fix(item['fix']))}"
