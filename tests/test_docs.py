@@ -159,3 +159,29 @@ def test_doc_links_resolve(path):
     links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text())
     missing = [ln for ln in links if not ln.startswith("http") and not (path.parent / ln).exists()]
     assert not missing, f"{path.name}: {missing}"
+
+
+def test_named_tests_exist():
+    """Every ``tests/...py::name`` a doc or README cites is a test function of that file; ``::name`` right after a
+    cited file (``path::a``, ``::b``) belongs to the same file."""
+    cited, missing = 0, []
+    for path in [*sorted(DOCS.glob("*.md")), REPO / "README.md", REPO / "README.zh-CN.md"]:
+        current = None
+        for m in re.finditer(r"`(tests/[\w/]+\.py)?::(\w+)`", path.read_text()):
+            current = m.group(1) or current
+            assert current, f"{path.name}: '::{m.group(2)}' follows no test file"
+            cited += 1
+            if not re.search(rf"^def {m.group(2)}\(", (REPO / current).read_text(), re.M):
+                missing.append(f"{path.name}: {current}::{m.group(2)}")
+    assert cited > 20
+    assert not missing
+
+
+def test_named_test_files_exist():
+    """Every ``tests/...py`` file a doc names exists (a glob such as ``test_ascend_*.py`` must match one)."""
+    missing = []
+    for path in sorted(DOCS.glob("*.md")):
+        for rel in set(re.findall(r"\b(tests/[\w/*]+\.py)\b", path.read_text())):
+            if not list(REPO.glob(rel)):
+                missing.append(f"{path.name}: {rel}")
+    assert not missing
