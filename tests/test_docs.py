@@ -18,8 +18,9 @@ MAX_DOCS_BYTES = 150 * 1024
 FEATURE_SHAPE = ("## What it does", "## Switches", "## Measured", "## Limits", "## Upstream status", "## Design")
 #: docs named by features.toml that are not one feature's page (tables, setups, weights)
 NOT_FEATURE_DOCS = {"docs/features.md", "docs/setups.md", "docs/weights.md"}
+#: phrases of a development diary (git log holds the history)
 DIARY = re.compile(r"previous commit|the old code|before this change|machine was shared|\(before\)|commit [0-9a-f]{7}\b"
-                   r"|used to |no longer ", re.I)
+                   r"|no longer (?!than)|the former |was changed to", re.I)
 WORDS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8, "nine": 9, "ten": 10}
 
 
