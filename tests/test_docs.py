@@ -108,14 +108,13 @@ def test_gloo_shim_list_is_the_wrapped_collective():
     from qwen3_rl.cpu_device import gloo_shims
 
     assert [n for n, _ in readme.shim_items("qwen3_rl/cpu_device/gloo_shims.py")] == ["GLOO_SCALAR_ALL_GATHER"]
-    orig = dist.all_gather
+    orig, orig_c10d, was = dist.all_gather, dist.distributed_c10d.all_gather, gloo_shims._INSTALLED
     try:
         gloo_shims._INSTALLED = False
         gloo_shims.install()
         assert dist.all_gather is not orig and dist.all_gather.__module__ == gloo_shims.__name__
     finally:
-        dist.all_gather = dist.distributed_c10d.all_gather = orig
-        gloo_shims._INSTALLED = False
+        dist.all_gather, dist.distributed_c10d.all_gather, gloo_shims._INSTALLED = orig, orig_c10d, was
 
 
 def test_every_shim_module_is_in_the_list():
