@@ -162,13 +162,15 @@ def test_doc_links_resolve(path):
 
 
 def test_named_tests_exist():
-    """Every ``tests/...py::name`` a doc or README cites is a test function of that file; ``::name`` right after a
-    cited file (``path::a``, ``::b``) belongs to the same file."""
+    """Every ``tests/...py::name`` a doc or README cites is a test function of that file; a bare ``::name`` belongs to
+    the test file named last before it."""
     cited, missing = 0, []
     for path in [*sorted(DOCS.glob("*.md")), REPO / "README.md", REPO / "README.zh-CN.md"]:
         current = None
-        for m in re.finditer(r"`(tests/[\w/]+\.py)?::(\w+)`", path.read_text()):
+        for m in re.finditer(r"`(tests/[\w/]+\.py)?(?:::(\w+))?`", path.read_text()):
             current = m.group(1) or current
+            if not m.group(2):
+                continue
             assert current, f"{path.name}: '::{m.group(2)}' follows no test file"
             cited += 1
             if not re.search(rf"^def {m.group(2)}\(", (REPO / current).read_text(), re.M):
