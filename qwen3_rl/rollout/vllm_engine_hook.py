@@ -51,6 +51,7 @@ Speculative decoding: a migrated request's pending draft tokens are dropped and 
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import logging
 from collections.abc import Sequence
@@ -313,7 +314,11 @@ class VllmRebalanceHook:
                     settings.max_round_s or "no", f"{settings.kv_link_gb_s:g} GB/s (configured)"
                     if settings.kv_link_gb_s else "measured at the first round")
 
-    # -- engine-loop calls (vLLM patch 0004) ------------------------------------------------------------
+    # -- engine-step hook interface (vllm.plugins.extensions.EngineStepHook, vLLM seam patch) ------------
+    def step_context(self) -> contextlib.AbstractContextManager:
+        """Nothing around the step."""
+        return contextlib.nullcontext()
+
     def has_unfinished(self) -> bool:
         """OR-ed into ``LLMEngine.has_unfinished_requests`` before the DP all-reduce."""
         if self.coordinator is None:

@@ -74,6 +74,13 @@ class BatchSizeGate:
         return on
 
 
+def gate_factory(vllm_config: Any) -> BatchSizeGate | None:
+    """Factory of vLLM-Ascend's ``spec_decode_gate`` extension point: the gate when
+    ``speculative_config.disable_by_batch_size`` is set, else None (drafting always on)."""
+    gate = BatchSizeGate.from_vllm_config(vllm_config)
+    return gate if gate.enabled else None
+
+
 def propose_or_skip(gate: BatchSizeGate, drafter: Any, num_running: int, valid_sampled_token_ids: list[list[int]],
                     scheduler_output: Any, generate: Any) -> list[list[int]]:
     """One step of a gated model-free drafter.

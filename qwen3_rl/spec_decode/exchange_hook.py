@@ -17,6 +17,7 @@ Inert (one attribute check per step) unless ``speculative_config.method == "sam"
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from qwen3_rl.spec_decode.runner_drafter import SamRunnerDrafter
@@ -28,7 +29,7 @@ def exchange_enabled(vllm_config: Any) -> bool:
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None or getattr(spec, "method", None) != "sam":
         return False
-    sc = getattr(spec, "sam_config", None) or {}
+    sc = getattr(spec, "drafter_config", None) or {}
     return bool(sc.get("group_exchange", False)) if isinstance(sc, dict) else bool(getattr(sc, "group_exchange",
                                                                                             False))
 
@@ -85,16 +86,32 @@ class SiblingExchangeHook:
             self._resolve()
         return self._sam is not None
 
-    def after_step(self) -> None:
-        """Called by the patched ``LLMEngine.step`` after real and dummy steps on every DP rank."""
+    # -- engine-step hook interface (vllm.plugins.extensions.EngineStepHook; only after_step acts) --------------
+    def step_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    def idle_in_lockstep(self) -> bool:
+        return False
+
+    def filter_outputs(self, outputs: Any) -> Any:
+        return outputs
+
+    def after_step(self, request_outputs: list[Any] | None = None) -> list[Any]:
+        """Called by ``LLMEngine.step`` after real and dummy steps on every DP rank; returns ``request_outputs``
+        unchanged (``[]`` for None)."""
+        outs = request_outputs if request_outputs is not None else []
         if not self._resolved:
             self._resolve()
         sam = self._sam
         if sam is None:
-            return
+            return outs
         self.steps += 1
         if self.steps % sam.config.exchange_every:
-            return
+            return outs
         assert self._comm is not None
         sam.exchange_round(self._comm)
         self.exchanges += 1
+        return outs

@@ -114,7 +114,7 @@ def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     ascend = bool(spec.get("ascend"))
     if ascend:
-        os.environ["VLLM_PLUGINS"] = "ascend"
+        os.environ["VLLM_PLUGINS"] = "ascend,qwen3_rl"
     workspace.activate(Path(spec["workspace"]))
     if ascend:
         from qwen3_rl.cpu_device.npu import run as ascend_run
