@@ -102,7 +102,7 @@ def test_patched_utils_compiles_and_routes_pg_options(pristine_workspace: Path,
     patched = patched_workspace / ASCEND / "utils.py"
     text = patched.read_text()
     compile(text, str(patched), "exec")  # byte-compiles
-    assert "qwen3_rl." not in text  # self-contained: imports nothing of ours
+    assert "from qwen3_rl" not in text and "import qwen3_rl" not in text  # self-contained
 
     fn = _function(patched, "get_hccl_config_for_pg_options")
     returns = sorted((n for n in ast.walk(fn) if isinstance(n, ast.Return)), key=lambda n: n.lineno)
