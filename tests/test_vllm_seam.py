@@ -183,24 +183,24 @@ try:
     SpeculativeConfig(method="sam", num_speculative_tokens=3)
     out["sam"] = "accepted"
 except Exception as exc:
-    out["sam"] = str(exc).splitlines()[0][:200]
+    out["sam"] = str(exc)[:600]
 out["qwen3_rl_loaded"] = sorted(m for m in sys.modules if m.split(".")[0] == "qwen3_rl")
 print("RESULT", json.dumps(out))
 """
 
 
-def test_patched_vllm_imports_without_the_package(patched_imports: Path) -> None:
+def test_patched_vllm_imports_without_the_package(patched_imports: Path, tmp_path: Path) -> None:
     """``qwen3_rl`` blocked (and the plugin allowed, so vLLM tries to load it): the patched modules import, the
     registries stay empty, ``SpeculativeConfig`` behaves as pristine."""
     proc = run_python(f"import os; os.environ['VLLM_PLUGINS'] = 'qwen3_rl'\n{_NO_PACKAGE_PROBE}",
-                      path=(patched_imports / "vllm", patched_imports / ".dist-info"), cwd=patched_imports)
+                      path=(patched_imports / "vllm", patched_imports / ".dist-info"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
     assert out["llm_engine"].startswith(str(patched_imports)) and out["gpu_model_runner"].startswith(
         str(patched_imports))
     assert out["hooks"] == 0 and out["drafters"] == [] and out["qwen3_rl_loaded"] == []
     assert out["ngram"] == ["ngram", 5, 5]
-    assert "Unknown speculative decoding method 'sam'" in out["sam"] or "Input should be" in out["sam"]
+    assert "Unknown speculative decoding method 'sam'" in out["sam"]
     assert "Failed to load plugin qwen3_rl" in proc.stdout + proc.stderr  # vLLM tried and carried on
 
 
