@@ -80,9 +80,11 @@ import torch
 __all__ = [
     "CONFIG_KEY",
     "ChunkPlan",
+    "ChunkedForwardImpl",
     "MoeShape",
     "QWEN3_235B",
     "chunk_plan_for_step",
+    "forward_impl_hook",
     "forward_in_chunks",
     "moe_prefill_chunk_size_from_config",
     "moe_routed_peak_bytes",
@@ -91,7 +93,7 @@ __all__ = [
     "run_chunked",
 ]
 
-#: vLLM ``additional_config`` key (read by the patched ``vllm_ascend/ascend_config.py``); 0 / absent = off.
+#: vLLM ``additional_config`` key (read by :func:`forward_impl_hook`, the plugin's factory); 0 / absent = off.
 CONFIG_KEY = "moe_prefill_chunk_size"
 #: the communication method whose prepare/dispatch/combine/finalize are per call (chunkable)
 CHUNKABLE_COMM_TYPE = "ALLTOALL"

@@ -1,4 +1,5 @@
-"""Batch-size threshold for model-free speculative decoding (called by vllm_ascend patch 0002).
+"""Batch-size threshold for model-free speculative decoding (the SAM drafter's own gate; for ngram/suffix on
+vLLM-Ascend the ``spec_decode_gate`` factory of the vLLM-Ascend seam, registered by :mod:`qwen3_rl.vllm_plugin`).
 
 At large batches a decode step is compute-bound and verifying k draft tokens per request costs more
 than the accepted tokens save. The gate turns drafting off while the number of running requests in

@@ -1,4 +1,5 @@
-"""Engine-loop hook of the SAM sibling exchange (vllm patch 0006 attaches it to every ``LLMEngine``).
+"""Engine-loop hook of the SAM sibling exchange (engine-step hook ``sam_sibling_exchange``, order 20, of the vLLM
+seam; :mod:`qwen3_rl.vllm_plugin` builds it for an ``LLMEngine`` whose ``sam_config.group_exchange`` is on).
 
 verl's sync SPMD rollout drives vLLM's in-process engine through ``LLM._run_engine``: every loop iteration
 all-reduces "unfinished requests" over the vLLM DP group (``LLMEngine.has_unfinished_requests_dp``) and
@@ -11,8 +12,8 @@ created once by vLLM; never device memory) and merges the other ranks' tokens in
 strings. Tokens accepted in step t therefore reach the siblings' drafts proposed in step t + 1
 (``--exchange-delay-steps 1`` in ``python -m qwen3_rl.bench.drafters``).
 
-Inert (one attribute check per step) unless ``speculative_config.method == "sam"`` with
-``sam_config.group_exchange=True``.
+Not built unless ``speculative_config.method == "sam"`` with ``sam_config.group_exchange=True`` (inert, one
+attribute check per step, when built without it).
 """
 
 from __future__ import annotations
