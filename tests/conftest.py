@@ -29,8 +29,9 @@ from qwen3_rl.pins import load_pins  # noqa: E402
 from qwen3_rl.upstream.common import default_cache  # noqa: E402
 from qwen3_rl.upstream.download import download_pypi  # noqa: E402
 
-# vllm-ascend's platform plugin would be picked by every vllm import and fail on torch_npu.
-os.environ.setdefault("VLLM_PLUGINS", "none")
+# vllm-ascend's platform plugin would be picked by every vllm import and fail on torch_npu: load only the
+# recipe's general plugin (qwen3_rl/vllm_plugin.py; its entry point is written beside the patched trees).
+os.environ.setdefault("VLLM_PLUGINS", "qwen3_rl")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 PINS = load_pins(REPO / "pins.toml")
@@ -189,6 +190,9 @@ def patched_imports(patched_workspace: Path) -> Path:
         d = meta / f"{fw.pypi.replace('-', '_')}-{fw.version}.dist-info"
         d.mkdir(parents=True, exist_ok=True)
         (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {fw.pypi}\nVersion: {fw.version}\n")
+    from qwen3_rl.vllm_plugin import write_entry_point_metadata
+
+    write_entry_point_metadata(meta)  # the recipe's vllm.general_plugins entry point (this checkout's qwen3_rl)
     if str(meta) not in sys.path:
         sys.path.append(str(meta))
     loaded = [m for m in ("verl", "vllm", "megatron") if m in sys.modules]

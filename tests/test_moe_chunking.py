@@ -1,13 +1,13 @@
-"""Chunked MoE in prefill (qwen3_rl.moe.chunking, vllm_ascend patch 0005).
+"""Chunked MoE in prefill (qwen3_rl.moe.chunking, the ``ascend_moe_forward_impl`` point of the vLLM-Ascend seam).
 
 * plan / run logic: equal chunk counts across ranks, exact coverage, outputs equal to the unchunked
   forward of a toy MoE on CPU (hypothesis), validation errors, the memory model's figures.
-* the PATCHED vLLM-Ascend 0.13 code: ``AscendConfig`` parses the key (vllm_ascend imported on CPU with
-  ``vllm_ascend.utils`` stood in, as tests/test_eplb_wiring.py does); the patched
-  ``vllm_ascend/ops/fused_moe/fused_moe.py`` is imported for real (torch_npu, ``torch.npu`` and
-  ``vllm_ascend.utils`` stood in) in two gloo processes, and the real ``AscendFusedMoE.forward_impl``
-  (patched wrapper + the upstream body) runs with the real ``PrepareAndFinalizeWithAll2All`` and a toy
-  expert method that dispatches/combines rows with real ``all_to_all_single`` across the two ranks.
+* the PATCHED vLLM-Ascend 0.13 code: the patched ``vllm_ascend/ops/fused_moe/fused_moe.py`` is imported for
+  real (torch_npu, ``torch.npu`` and ``vllm_ascend.utils`` stood in) in two gloo processes; the layer's hook
+  comes from the seam's ``build_from_factory("ascend_moe_forward_impl", ...)`` as in ``AscendFusedMoE.__init__``
+  (the plugin's factory), and the real ``AscendFusedMoE.forward_impl`` (seam + the upstream body) runs with the
+  real ``PrepareAndFinalizeWithAll2All`` and a toy expert method that dispatches/combines rows with real
+  ``all_to_all_single`` across the two ranks.
 * the train script's switch composed with the patched verl config lands in
   ``engine_kwargs.vllm.additional_config``.
 """
@@ -255,9 +255,17 @@ def test_memory_model_qwen3_235b_figures() -> None:
         moe_routed_peak_bytes(10, QWEN3_235B, imbalance=0)
 
 
-# ---- patched vLLM-Ascend: AscendConfig -------------------------------------------------------------------
+# ---- the switch: train script -> additional_config -> the plugin's factory --------------------------------
 
-def test_train_switch_reaches_patchedascend_config(ascend_config, rollout_engine_kwargs) -> None:
+def _hook_chunk(additional_config) -> int:
+    """Chunk size of the hook the plugin's ``ascend_moe_forward_impl`` factory builds (0: no hook)."""
+    from qwen3_rl.vllm_plugin import _moe_forward_impl
+
+    hook = _moe_forward_impl(None, types.SimpleNamespace(additional_config=additional_config))
+    return 0 if hook is None else hook.chunk_tokens
+
+
+def test_train_switch_reaches_the_forward_hook(rollout_engine_kwargs) -> None:
     from qwen3_rl.launch import TrainScriptError, parse_train_script
 
     def _engine_kwargs(**env: str) -> dict:
@@ -266,21 +274,21 @@ def test_train_switch_reaches_patchedascend_config(ascend_config, rollout_engine
     kwargs = _engine_kwargs(MOE_PREFILL_CHUNK_SIZE="4096")
     add = kwargs["additional_config"]
     assert dict(add) == {"moe_prefill_chunk_size": 4096}
-    assert ascend_config(add).moe_prefill_chunk_size == 4096
+    assert _hook_chunk(add) == 4096
     # with EPLB on both sets of keys share additional_config
     both = _engine_kwargs(MOE_PREFILL_CHUNK_SIZE="2048", ROLLOUT_EPLB="True")["additional_config"]
     assert both["moe_prefill_chunk_size"] == 2048 and both["eplb_config"]["eplb_policy_type"] == 4
-    assert ascend_config(both).moe_prefill_chunk_size == 2048
-    # default 0: no key at all -> the patched AscendConfig reports off
+    assert _hook_chunk(both) == 2048
+    # default 0: no key at all -> no hook, the upstream forward alone
     off = _engine_kwargs()
     assert "additional_config" not in off
-    assert ascend_config(off.get("additional_config")).moe_prefill_chunk_size == 0
-    assert ascend_config({"moe_prefill_chunk_size": 0}).moe_prefill_chunk_size == 0
-    # the patched AscendConfig refuses what the package refuses
+    assert _hook_chunk(off.get("additional_config")) == 0
+    assert _hook_chunk({"moe_prefill_chunk_size": 0}) == 0
+    # the factory refuses what the package refuses (when the layers are built)
     with pytest.raises(ValueError, match="must be >= 0"):
-        ascend_config({"moe_prefill_chunk_size": -8})
+        _hook_chunk({"moe_prefill_chunk_size": -8})
     with pytest.raises(ValueError, match="multistream_overlap_gate"):
-        ascend_config({"moe_prefill_chunk_size": 1024, "multistream_overlap_gate": True})
+        _hook_chunk({"moe_prefill_chunk_size": 1024, "multistream_overlap_gate": True})
     # script side: only for values > 0, only the MoE setups, integers only
     assert not any(o.startswith(KEY) for o in parse_train_script(SCRIPT_235B, env=BASE_ENV).overrides)
     assert f"{KEY}=100" in parse_train_script(SCRIPT_235B, env=dict(BASE_ENV, MOE_PREFILL_CHUNK_SIZE="0100")).overrides
@@ -396,15 +404,23 @@ def _worker(rank: int, world: int, port: int, ws: Path) -> dict:
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     fm = _import_patched_fused_moe(ws)
+    import vllm.distributed
+    import vllm.forward_context
     from vllm_ascend.ascend_forward_context import MoECommType
+
+    from qwen3_rl.vllm_plugin import register
+
+    register()  # what the entry point does (VLLM_PLUGINS names no plugin in this worker)
     from vllm_ascend.ops.fused_moe.moe_comm_method import AlltoAllCommImpl, FusedExpertsResult
     from vllm_ascend.ops.fused_moe.prepare_finalize import PrepareAndFinalizeWithAll2All, QuantType
 
     w = _toy_weights(EXPERTS, HIDDEN)
     ctx = types.SimpleNamespace()
     tp = types.SimpleNamespace(world_size=1)
-    fm.get_forward_context = lambda: ctx  # the name the patched module calls
+    fm.get_forward_context = lambda: ctx  # the names the patched module calls
     fm.get_tp_group = lambda: tp
+    vllm.forward_context.get_forward_context = lambda: ctx  # and those the hook calls
+    vllm.distributed.get_tp_group = lambda: tp
 
     def layer_with(chunk: int, tp_size: int):
         experts = _ToyExpertMethod(w, world, FusedExpertsResult)
@@ -416,9 +432,13 @@ def _worker(rank: int, world: int, port: int, ws: Path) -> dict:
                 global_num_experts=EXPERTS, _expert_map=None, topk_group=None, num_expert_group=None,
                 custom_routing_function=None, scoring_func="softmax", routed_scaling_factor=1.0,
                 e_score_correction_bias=None, activation="silu", apply_router_weight_on_input=False,
-                log2phy=None, global_redundant_expert_num=0, dynamic_eplb=False, reduce_results=True,
-                moe_prefill_chunk_size=chunk).items():
+                log2phy=None, global_redundant_expert_num=0, dynamic_eplb=False, reduce_results=True).items():
             setattr(layer, name, value)
+        # as AscendFusedMoE.__init__ (seam): the plugin's hook when the chunk size is > 0, else None
+        layer.forward_impl_hook = fm.build_from_factory(
+            "ascend_moe_forward_impl", layer,
+            types.SimpleNamespace(additional_config={"moe_prefill_chunk_size": chunk} if chunk else {}))
+        assert (layer.forward_impl_hook is None) == (chunk == 0)
         pf = PrepareAndFinalizeWithAll2All.__new__(PrepareAndFinalizeWithAll2All)
         pf.moe_config = types.SimpleNamespace(tp_group=types.SimpleNamespace(device_group=dist.group.WORLD))
         pf.multistream_overlap_gate = False
@@ -496,7 +516,7 @@ def test_patched_forward_impl_chunks_on_two_ranks(patched_workspace: Path) -> No
 
 
 def test_patched_forward_keeps_upstream_body(patched_workspace: Path, pristine_workspace: Path) -> None:
-    """The renamed ``_forward_impl_one_chunk`` is the pinned ``forward_impl`` body statement for statement,
+    """The renamed ``_forward_impl_body`` is the pinned ``forward_impl`` body statement for statement,
     and AscendSharedFusedMoE still enters through the (patched) ``AscendFusedMoE.forward_impl``."""
     import ast
 
@@ -507,7 +527,8 @@ def test_patched_forward_keeps_upstream_body(patched_workspace: Path, pristine_w
 
     rel = Path("vllm-ascend/vllm_ascend/ops/fused_moe/fused_moe.py")
     pristine = method(pristine_workspace / rel, "AscendFusedMoE", "forward_impl")
-    body = method(patched_workspace / rel, "AscendFusedMoE", "_forward_impl_one_chunk")
+    body = method(patched_workspace / rel, "AscendFusedMoE", "_forward_impl_body")
+    assert "qwen3_rl" not in (patched_workspace / rel).read_text()
     assert [ast.dump(s) for s in body.body] == [ast.dump(s) for s in pristine.body]
     assert ast.dump(body.args) == ast.dump(pristine.args)
     shared = ast.unparse(method(patched_workspace / rel, "AscendSharedFusedMoE", "forward_impl"))

@@ -1,10 +1,11 @@
-"""vLLM patches: 0001 disable_gc (executed on the patched tree) and 0002 rope_registry.
+"""vLLM: the gc_guard engine-step hook (seam patch 0003 + ``qwen3_rl.rollout.gc_control``) and bug fix 0001
+rope_registry.
 
-* 0001: the patched ``LLM._run_engine`` is run on CPU with a stand-in engine (the ``LLM`` object is
-  made with ``object.__new__`` and given only the attribute ``_run_engine`` reads). The collector
-  must be off inside each step while the policy is on, untouched while it is off, and its enabled
-  state and thresholds must come back exactly, also when a step raises.
-* 0002: a planted ``flash_attn`` whose Triton rotary module does not import (as a CUDA build does
+* gc_guard: vLLM's own ``LLM._run_engine`` drives the patched ``LLMEngine.step`` (the engine made with
+  ``object.__new__``; its hooks built by the seam from the plugin's entry point, its ``_step`` body a stand-in).
+  The collector must be off inside each step while the policy is on, untouched while it is off, and its
+  enabled state and thresholds must come back exactly, also when a step raises.
+* 0001: a planted ``flash_attn`` whose Triton rotary module does not import (as a CUDA build does
   on an NPU host) breaks RoPE construction in the pristine pin and not in the patched tree.
 """
 
@@ -22,10 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from qwen3_rl.rollout import gc_control, rope_flash_attn
+from qwen3_rl.rollout import gc_control
 from qwen3_rl.rollout.gc_control import (
     CONFIG_KEY,
     GcState,
+    GcStepHook,
     configure_from_rollout_config,
     decode_gc_disabled,
     engine_step_gc_guard,
@@ -98,7 +100,7 @@ def test_configure_from_rollout_config(gc_sandbox: None) -> None:
         set_decode_gc_disabled(1)  # type: ignore[arg-type]
 
 
-# ------------------------------------------------ 0001: the patched LLM._run_engine, executed
+# ------------------------------------- gc_guard: LLM._run_engine -> the patched LLMEngine.step, executed
 
 @dataclass
 class _Out:
@@ -126,7 +128,7 @@ class _StandInEngine:
         self.between.append(gc.isenabled())
         return bool(self.pending)
 
-    def step(self) -> list[_Out]:
+    def _step(self) -> list[_Out]:
         self.inside.append((gc.isenabled(), tuple(gc.get_threshold())))
         if self.raise_at is not None and len(self.inside) == self.raise_at:
             raise RuntimeError("step failed")
@@ -134,9 +136,20 @@ class _StandInEngine:
         return [_Out(str(self.pending.pop(0)), True), _Out("999", False)]
 
 
-def _llm_with(engine: _StandInEngine):
+def _llm_with(stand_in: _StandInEngine):
+    """An ``LLM`` around a patched ``LLMEngine`` whose hooks the seam builds and whose step body is the
+    stand-in's."""
     from vllm.entrypoints.llm import LLM
+    from vllm.plugins.extensions import build_engine_step_hooks
+    from vllm.v1.engine.llm_engine import LLMEngine
 
+    engine = object.__new__(LLMEngine)
+    engine.vllm_config = None  # the SAM exchange factory: no speculative config -> no hook
+    engine.step_hooks = build_engine_step_hooks(engine)
+    assert any(isinstance(h, GcStepHook) for h in engine.step_hooks)
+    engine.get_num_unfinished_requests = stand_in.get_num_unfinished_requests
+    engine.has_unfinished_requests = stand_in.has_unfinished_requests
+    engine._step = stand_in._step
     llm = object.__new__(LLM)
     llm.llm_engine = engine
     return llm
@@ -145,9 +158,9 @@ def _llm_with(engine: _StandInEngine):
 def test_patched_run_engine_gc_off_in_steps_and_restored(patched_imports: Path,
                                                          gc_sandbox: None) -> None:
     import vllm.entrypoints.llm as llm_mod
+    import vllm.v1.engine.llm_engine as engine_mod
 
-    assert str(patched_imports) in llm_mod.__file__
-    assert llm_mod.engine_step_gc_guard is engine_step_gc_guard
+    assert str(patched_imports) in llm_mod.__file__ and str(patched_imports) in engine_mod.__file__
 
     # policy off (default): nothing changes, the step's own threshold change stays
     gc.enable()
@@ -190,13 +203,14 @@ def test_patched_run_engine_restores_when_step_raises(patched_imports: Path, gc_
 
 
 def test_pristine_run_engine_has_no_gc_control(pristine_workspace: Path) -> None:
-    """What the patch adds is absent upstream (checked, not assumed)."""
+    """What the hook adds is absent upstream (checked, not assumed)."""
     src = (pristine_workspace / "vllm/vllm/entrypoints/llm.py").read_text()
     assert "step_outputs = self.llm_engine.step()" in src
     assert "gc.disable" not in src and "import gc" not in src
+    assert "step_hooks" not in (pristine_workspace / "vllm/vllm/v1/engine/llm_engine.py").read_text()
 
 
-# ------------------------------------------------------------------------ 0002: rope_registry
+# ------------------------------------------------------------------------ 0001: rope_registry
 
 def _plant_flash_attn(root: Path, rotary_body: str) -> Path:
     """A ``flash_attn`` package under ``root`` whose ``ops/triton/rotary.py`` holds rotary_body."""
@@ -216,20 +230,27 @@ def _forget_flash_attn() -> None:
         del sys.modules[name]
 
 
-def test_load_flash_attn_rotary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_patched_rope_on_rocm_treats_a_broken_build_as_absent(patched_imports: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The patched ``ApplyRotaryEmb.__init__`` on a stand-in ROCm platform (``current_platform.is_rocm``
+    answers True): a build that does not import is treated as absent, a working one is used."""
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import common
+
+    assert str(patched_imports) in common.__file__
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    monkeypatch.setattr(common.current_platform, "is_rocm", lambda: True)
     broken = _plant_flash_attn(tmp_path / "broken", _BROKEN)
     working = _plant_flash_attn(tmp_path / "working", "def apply_rotary(x, cos, sin, interleaved=False):\n"
                                                       "    return ('flash', x)\n")
     monkeypatch.syspath_prepend(str(broken))
     _forget_flash_attn()
-    # not ROCm: flash_attn is not even imported
-    assert rope_flash_attn.load_flash_attn_rotary(False) is None
-    assert "flash_attn.ops.triton.rotary" not in sys.modules
-    # ROCm with a build that does not import: treated as absent
-    assert rope_flash_attn.load_flash_attn_rotary(True) is None
+    with set_current_vllm_config(config):
+        assert common.ApplyRotaryEmb(is_neox_style=True).apply_rotary_emb_flash_attn is None
     _forget_flash_attn()
     monkeypatch.syspath_prepend(str(working))
-    fn = rope_flash_attn.load_flash_attn_rotary(True)
+    with set_current_vllm_config(config):
+        fn = common.ApplyRotaryEmb(is_neox_style=True).apply_rotary_emb_flash_attn
     assert fn is not None and fn(1, None, None) == ("flash", 1)
     _forget_flash_attn()
 
@@ -293,6 +314,9 @@ def test_rope_patch_replaces_the_unguarded_import(pristine_workspace: Path,
         return [n.module or "" for n in ast.walk(init) if isinstance(n, ast.ImportFrom)]
 
     assert init_imports(pristine_workspace / rel) == ["flash_attn.ops.triton.rotary"]
-    assert init_imports(patched_workspace / rel) == []
-    assert "load_flash_attn_rotary(current_platform.is_rocm())" in (patched_workspace / rel).read_text()
+    # the same import, now only on ROCm and inside a try (a broken build is absent); nothing of ours imported
+    assert init_imports(patched_workspace / rel) == ["flash_attn.ops.triton.rotary"]
+    text = (patched_workspace / rel).read_text()
+    assert 'if current_platform.is_rocm() and find_spec("flash_attn") is not None:' in text
+    assert "qwen3_rl" not in text
     assert gc_control.__name__ == "qwen3_rl.rollout.gc_control"

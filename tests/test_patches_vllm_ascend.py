@@ -1,9 +1,9 @@
 """vLLM-Ascend: patch 0001 (per-group HCCL op-expansion mode) and the two upstream checks.
 
-vLLM-Ascend does not import without torch_npu, so the patched source is compiled and inspected,
-and the logic it calls (``qwen3_rl.compat.vllm_ascend_*``) is executed here.
+vLLM-Ascend does not import without torch_npu, so the patched source is compiled and inspected, and the
+patch's own parser (self-contained in the patched utils.py) is executed here.
 
-* 0001 set_hccl_op_expansion_mode: shipped; helper behaviour + patched call site.
+* 0001 set_hccl_op_expansion_mode: shipped; the patched parser + the patched call site.
 * npugraph_ex_static_kernel_typo: NOT shipped; the typo (``num_speculative_token``,
   ``max_num_seq``, ``cudagraph_capture_size``) came with vllm-ascend PR #5775 after v0.13.0. The pin
   sets the correct torchair attribute and has none of the misspelled reads.
@@ -17,20 +17,16 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 
 from qwen3_rl.compat.vllm_ascend_fia import TND_SAFE_CUDAGRAPH_MODES, check_cudagraph_mode_for_tnd
-from qwen3_rl.compat.vllm_ascend_hccl import (
-    ADDITIONAL_CONFIG_KEY,
-    MODES,
-    OPTION_KEY,
-    op_expansion_modes,
-    parse_mode,
-    with_op_expansion_mode,
-)
 
 ASCEND = "vllm-ascend/vllm_ascend"
+OPTION_KEY = "hccl_op_expansion_mode"
+SECTION = "qwen3_rl"  # additional_config section the patch reads
 
 
 def _function(path: Path, name: str) -> ast.FunctionDef:
@@ -41,56 +37,62 @@ def _function(path: Path, name: str) -> ast.FunctionDef:
     raise AssertionError(f"{name} not found in {path}")
 
 
-# ------------------------------------------------------------- 0001: helper (executed here)
+@pytest.fixture(scope="module")
+def patched_hccl(patched_workspace: Path) -> SimpleNamespace:
+    """The patched file's own parser (``_hccl_op_expansion_modes`` and its mode table), executed here:
+    vllm_ascend/utils.py does not import without torch_npu, and the parser needs nothing of it."""
+    path = patched_workspace / ASCEND / "utils.py"
+    tree = ast.parse(path.read_text(), filename=str(path))
+    keep = [n for n in tree.body if (isinstance(n, ast.FunctionDef) and n.name == "_hccl_op_expansion_modes")
+            or (isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "_HCCL_OP_EXPANSION_MODES"
+                                                   for t in n.targets))]
+    assert len(keep) == 2, "parser or mode table missing in the patched utils.py"
+    ns: dict = {"Optional": Optional}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), str(path), "exec"), ns)  # noqa: S102
+    return SimpleNamespace(modes=ns["_HCCL_OP_EXPANSION_MODES"], parse=ns["_hccl_op_expansion_modes"])
 
-def test_parse_mode_names_and_values() -> None:
+
+# ---------------------------------------------- 0001: the patched file's parser (executed here)
+
+def test_parse_mode_names_and_values(patched_hccl: SimpleNamespace) -> None:
     # HcclCommConfig.hcclOpExpansionMode: 0 default, 1 host, 2 aicpu, 3 aiv (hccl_types.h)
-    assert MODES == {"default": 0, "host": 1, "aicpu": 2, "aiv": 3}
-    assert parse_mode("AIV") == 3
-    assert parse_mode("ai_cpu") == 2
-    assert parse_mode(" Host ") == 1
-    assert parse_mode(0) == 0
-    for bad in ("fast", 4, -1, True, None, 2.0):
+    assert patched_hccl.modes == {"default": 0, "host": 1, "aicpu": 2, "aiv": 3}
+    cfg = lambda mode: {SECTION: {OPTION_KEY: {"tp": mode}}}  # noqa: E731
+    assert patched_hccl.parse(cfg("AIV")) == {"tp": 3}
+    assert patched_hccl.parse(cfg("ai_cpu")) == {"tp": 2}
+    assert patched_hccl.parse(cfg(" Host ")) == {"tp": 1}
+    assert patched_hccl.parse(cfg(0)) == {"tp": 0}
+    for bad in ("fast", 4, -1, True, 2.0):
         with pytest.raises(ValueError, match=OPTION_KEY):
-            parse_mode(bad)
+            patched_hccl.parse(cfg(bad))
 
 
-def test_unset_config_changes_nothing() -> None:
-    cfg = {"hccl_buffer_size": 200}
-    for additional in (None, {}, {"other": 1}, {ADDITIONAL_CONFIG_KEY: {}},
-                       {ADDITIONAL_CONFIG_KEY: {OPTION_KEY: {"dp": "aiv"}}}):
-        assert with_op_expansion_mode("tp", cfg, additional) is cfg
-    assert cfg == {"hccl_buffer_size": 200}
+def test_unset_config_changes_nothing(patched_hccl: SimpleNamespace) -> None:
+    for additional in (None, {}, {"other": 1}, {SECTION: {}}, {SECTION: {OPTION_KEY: {}}}):
+        assert patched_hccl.parse(additional) == {}
 
 
-def test_tp_group_gets_its_mode_and_others_keep_theirs() -> None:
-    additional = {ADDITIONAL_CONFIG_KEY: {OPTION_KEY: {"tp": "aicpu", "ep": 3}}}
-    assert op_expansion_modes(additional) == {"tp": 2, "ep": 3}
-    base = {"hccl_buffer_size": 200}
-    tp = with_op_expansion_mode("tp", base, additional)
-    assert tp == {"hccl_buffer_size": 200, OPTION_KEY: 2}
-    assert tp is not base and base == {"hccl_buffer_size": 200}
-    assert isinstance(tp[OPTION_KEY], int)  # torch_npu requires an int (uint32) value
-    assert with_op_expansion_mode("dp", {"hccl_buffer_size": 1}, additional) == {"hccl_buffer_size": 1}
-    # groups vLLM-Ascend gives no options (mc2 -> None) stay without options
-    assert with_op_expansion_mode("mc2", None, {ADDITIONAL_CONFIG_KEY: {OPTION_KEY: {"mc2": "aiv"}}}) is None
-    assert with_op_expansion_mode(None, base, additional) is base
+def test_groups_get_their_modes(patched_hccl: SimpleNamespace) -> None:
+    modes = patched_hccl.parse({SECTION: {OPTION_KEY: {"tp": "aicpu", "ep": 3}}})
+    assert modes == {"tp": 2, "ep": 3}
+    assert all(isinstance(v, int) for v in modes.values())  # torch_npu requires an int (uint32) value
 
 
-def test_bad_config_is_rejected_when_groups_are_built() -> None:
+def test_bad_config_is_rejected_when_groups_are_built(patched_hccl: SimpleNamespace) -> None:
     with pytest.raises(ValueError, match="must be a mapping"):
-        op_expansion_modes({ADDITIONAL_CONFIG_KEY: "tp=aiv"})
+        patched_hccl.parse({SECTION: "tp=aiv"})
     with pytest.raises(ValueError, match="must map group names"):
-        op_expansion_modes({ADDITIONAL_CONFIG_KEY: {OPTION_KEY: "aiv"}})
+        patched_hccl.parse({SECTION: {OPTION_KEY: "aiv"}})
     with pytest.raises(ValueError, match="unknown mode"):
-        with_op_expansion_mode("tp", {}, {ADDITIONAL_CONFIG_KEY: {OPTION_KEY: {"tp": "fastest"}}})
+        patched_hccl.parse({SECTION: {OPTION_KEY: {"tp": "fastest"}}})
 
 
-def test_hydra_style_config_is_accepted() -> None:
+def test_hydra_style_config_is_accepted(patched_hccl: SimpleNamespace) -> None:
+    """verl hands additional_config over as a plain dict (OmegaConf.to_container); the parser works on that."""
     from omegaconf import OmegaConf
 
-    additional = OmegaConf.create({ADDITIONAL_CONFIG_KEY: {OPTION_KEY: {"tp": "aiv"}}})
-    assert with_op_expansion_mode("tp", {"hccl_buffer_size": 200}, additional)[OPTION_KEY] == 3
+    additional = OmegaConf.to_container(OmegaConf.create({SECTION: {OPTION_KEY: {"tp": "aiv"}}}))
+    assert patched_hccl.parse(additional) == {"tp": 3}
 
 
 # ------------------------------------------------------- 0001: the patched call site (parsed)
@@ -98,18 +100,18 @@ def test_hydra_style_config_is_accepted() -> None:
 def test_patched_utils_compiles_and_routes_pg_options(pristine_workspace: Path,
                                                       patched_workspace: Path) -> None:
     patched = patched_workspace / ASCEND / "utils.py"
-    compile(patched.read_text(), str(patched), "exec")  # byte-compiles
+    text = patched.read_text()
+    compile(text, str(patched), "exec")  # byte-compiles
+    assert "from qwen3_rl" not in text and "import qwen3_rl" not in text  # self-contained
 
     fn = _function(patched, "get_hccl_config_for_pg_options")
     returns = sorted((n for n in ast.walk(fn) if isinstance(n, ast.Return)), key=lambda n: n.lineno)
-    # the mc2 early exit (None) is kept, the final return goes through our helper
+    # the mc2 early exit (None) is kept, the final return is the config with the mode added
     assert isinstance(returns[0].value, ast.Constant) and returns[0].value.value is None
-    call = returns[-1].value
-    assert isinstance(call, ast.Call) and ast.unparse(call.func) == "with_op_expansion_mode"
-    assert [ast.unparse(a) for a in call.args] == [
-        "group_name", "hccl_config", "get_current_vllm_config().additional_config"]
-    imports = {(n.module, a.name) for n in ast.walk(fn) if isinstance(n, ast.ImportFrom) for a in n.names}
-    assert ("qwen3_rl.compat.vllm_ascend_hccl", "with_op_expansion_mode") in imports
+    body = ast.unparse(fn)
+    assert "_hccl_op_expansion_modes(get_current_vllm_config().additional_config).get(group_name)" in body
+    assert "hccl_config = {**hccl_config, 'hccl_op_expansion_mode': mode}" in body
+    assert ast.unparse(returns[-1].value) == "hccl_config"
 
     # the pristine function never sets an op-expansion mode, and the options still come from it
     pristine_fn = ast.unparse(_function(pristine_workspace / ASCEND / "utils.py",

@@ -203,11 +203,11 @@ class _Client:
 
 def _engine(max_num_seqs: int = 4, num_blocks: int = 64, dp_group=None):
     """Patched ``LLMEngine`` object (``object.__new__``) around the stand-in core, with its hook."""
+    from vllm.plugins.extensions import build_engine_step_hooks
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.engine.output_processor import OutputProcessor
 
     from qwen3_rl.rollout.vllm_engine_hook import VllmRebalanceHook
-    from qwen3_rl.spec_decode.exchange_hook import SiblingExchangeHook
 
     vc = _vllm_config(max_num_seqs, num_blocks)
     eng = object.__new__(LLMEngine)
@@ -218,8 +218,10 @@ def _engine(max_num_seqs: int = 4, num_blocks: int = 64, dp_group=None):
     eng.dp_group = dp_group
     eng.output_processor = OutputProcessor(None, log_stats=False)
     eng.engine_core = _Client(_Core(vc, num_blocks))
-    eng.qwen3_rl_rebalance_hook = VllmRebalanceHook(eng)  # what the patched LLMEngine.__init__ does
-    eng.qwen3_rl_sibling_exchange = SiblingExchangeHook(eng)  # vllm 0006 (inert: no SAM drafter here)
+    # what the patched LLMEngine.__init__ does: the hooks the plugin registered (entry point), in order
+    eng.step_hooks = build_engine_step_hooks(eng)
+    assert isinstance(eng.qwen3_rl_rebalance_hook, VllmRebalanceHook)
+    assert eng.step_hooks[-1] is eng.qwen3_rl_rebalance_hook  # no SAM here: no exchange hook
     return eng
 
 
@@ -426,12 +428,14 @@ def test_configure_refuses_unsupported_engines(patched_imports: Path) -> None:
     eng.vllm_config.scheduler_config.async_scheduling = True
     with pytest.raises(MigrationError, match="async scheduling"):
         hook.configure(RebalanceSettings(enable=True), 8, comm=SimpleNamespace(rank=0, size=2))
-    # the patched LLMEngine sources: hook attached in __init__, called in step / has_unfinished_requests
+    # the patched LLMEngine sources: hooks built in __init__ by the seam (nothing of ours named upstream)
     import inspect
 
-    from vllm.v1.engine.llm_engine import LLMEngine
+    from vllm.v1.engine import llm_engine
 
-    assert "self.qwen3_rl_rebalance_hook = VllmRebalanceHook(self)" in inspect.getsource(LLMEngine.__init__)
+    assert "self.step_hooks: list[EngineStepHook] = build_engine_step_hooks(self)" in inspect.getsource(
+        llm_engine.LLMEngine.__init__)
+    assert "qwen3_rl" not in inspect.getsource(llm_engine)
 
 
 # ---------------------------------------------------------------------------------------------------

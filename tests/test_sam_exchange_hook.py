@@ -31,7 +31,7 @@ R = "actor_rollout_ref.rollout."
 
 
 def _engine(sam: SamRunnerDrafter | None, sam_config: dict | None) -> SimpleNamespace:
-    spec = SimpleNamespace(method="sam", sam_config=sam_config) if sam_config is not None else None
+    spec = SimpleNamespace(method="sam", drafter_config=sam_config) if sam_config is not None else None
     runner = SimpleNamespace(drafter=SimpleNamespace(sam=sam) if sam is not None else None)
     core = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(
         worker=SimpleNamespace(model_runner=runner))))
@@ -91,33 +91,48 @@ def test_preflight_refuses_group_exchange_without_group_mode_or_dp() -> None:
 def test_patched_engine_step_calls_the_hook_after_dummy_and_real_steps(patched_imports: Path) -> None:
     import inspect
 
+    from vllm.plugins.extensions import build_engine_step_hooks
     from vllm.v1.engine import EngineCoreOutputs
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.engine.output_processor import OutputProcessor
 
+    from qwen3_rl.rollout.gc_control import GcStepHook
     from qwen3_rl.rollout.vllm_engine_hook import VllmRebalanceHook
 
-    assert "self.qwen3_rl_sibling_exchange = SiblingExchangeHook(self)" in inspect.getsource(LLMEngine.__init__)
+    assert "qwen3_rl" not in inspect.getsource(LLMEngine)  # the seam names nothing of ours
     calls = []
     eng = object.__new__(LLMEngine)
-    eng.vllm_config = SimpleNamespace(speculative_config=None)
     eng.log_stats = False
     eng.logger_manager = None
     eng.output_processor = OutputProcessor(None, log_stats=False)
     eng.engine_core = SimpleNamespace(execute_dummy_batch=lambda: calls.append("dummy"),
                                       get_output=lambda: calls.append("real") or EngineCoreOutputs(),
                                       abort_requests=lambda ids: None)
-    eng.qwen3_rl_rebalance_hook = VllmRebalanceHook(eng)
-    eng.qwen3_rl_sibling_exchange = SimpleNamespace(after_step=lambda: calls.append("exchange"))
+    # the plugin's factories: the exchange hook only with sam_config.group_exchange, between gc and rebalance
+    eng.vllm_config = SimpleNamespace(speculative_config=None)
+    assert [type(h) for h in build_engine_step_hooks(eng)] == [GcStepHook, VllmRebalanceHook]
+    eng.vllm_config = SimpleNamespace(speculative_config=SimpleNamespace(
+        method="sam", drafter_config={"group_mode": True, "group_exchange": True}))
+    hooks = build_engine_step_hooks(eng)
+    assert [type(h) for h in hooks] == [GcStepHook, SiblingExchangeHook, VllmRebalanceHook]
+    assert hooks[1] is eng.qwen3_rl_sibling_exchange
+
+    class Recorder(SiblingExchangeHook):
+        def after_step(self, request_outputs=None):
+            calls.append("exchange")
+            return request_outputs
+
+    eng.step_hooks = [hooks[0], Recorder(eng), hooks[2]]
     eng.should_execute_dummy_batch = True
     assert eng.step() == []
     eng.should_execute_dummy_batch = False
     assert eng.step() == []
     assert calls == ["dummy", "exchange", "real", "exchange"]
-    # the real hook is inert on this engine (no SAM): one attribute check per step
-    eng.qwen3_rl_sibling_exchange = SiblingExchangeHook(eng)
+    # the real hook is inert on an engine without SAM: one attribute check per step
+    eng.vllm_config = SimpleNamespace(speculative_config=None)
+    eng.step_hooks = [SiblingExchangeHook(eng)]
     eng.step()
-    assert not eng.qwen3_rl_sibling_exchange.enabled
+    assert not eng.step_hooks[0].enabled
 
 
 def _hook_rank(rank: int, world: int, store: str, out_dir: str) -> None:

@@ -1,13 +1,14 @@
-"""SAM speculative decoding selected end to end on the patched pins (vllm 0003, vllm_ascend 0002/0003).
+"""SAM speculative decoding selected end to end on the patched pins (the vLLM and vLLM-Ascend seam patches, the
+"sam" drafter registered by the plugin's ``vllm.general_plugins`` entry point).
 
 * The patched vLLM ``SpeculativeConfig`` (built on CPU, also from the dict ``LLM(speculative_config=...)``
-  passes) keeps ``method == "sam"``; bad k, unknown or foreign options raise.
+  passes) keeps ``method == "sam"`` (a registered drafter); bad k, unknown or foreign options raise.
 * The patched vLLM-Ascend ``spec_decode`` package is imported with stand-in ``torch_npu`` / ``torchair`` /
   ``acl`` modules; the patched ``NPUModelRunner._set_up_drafter`` / ``_get_drafter`` /
   ``propose_draft_token_ids`` are compiled from the patched file and run on a stand-in runner that
-  holds vLLM's real ``InputBatch``: "sam" selects our adapter (not n-gram), and a replay of a batch
-  (chunked prefill, finished, preempted and resumed requests, batch-size threshold crossings) runs
-  our adapter beside vLLM-Ascend's own n-gram adapter as the reference.
+  holds vLLM's real ``InputBatch`` and the drafter ``GPUModelRunner.__init__`` builds from the registry: "sam"
+  keeps that drafter (built once), and a replay of a batch (chunked prefill, finished, preempted and resumed
+  requests, batch-size threshold crossings) runs it beside vLLM-Ascend's own n-gram adapter as the reference.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def test_patched_speculative_config_keeps_sam(patched_imports: Path) -> None:
     assert isinstance(spec, SpeculativeConfig)
     assert spec.method == "sam" and spec.method != "ngram"  # never rewritten
     assert (spec.num_speculative_tokens, spec.disable_by_batch_size) == (4, 64)
-    assert spec.sam_config == {"group_mode": True} and spec.prompt_lookup_max is None
+    # the drafter's options key (sam_config) lands in the seam's generic drafter_config field
+    assert spec.drafter_config == {"group_mode": True} and spec.prompt_lookup_max is None
     assert not spec.use_eagle() and "method='sam'" in repr(spec)
     assert dataclasses.replace(spec, num_speculative_tokens=2).method == "sam"
     # ngram is untouched by the patch
@@ -104,6 +106,10 @@ def test_patched_speculative_config_keeps_sam(patched_imports: Path) -> None:
             SpeculativeConfig(method="sam", **extra)
     with pytest.raises(Exception, match="only used with method='sam'"):
         SpeculativeConfig(method="ngram", num_speculative_tokens=3, sam_config={"group_mode": True})
+    with pytest.raises(Exception, match="only used with a plugin-registered method"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=3, drafter_config={"group_mode": True})
+    with pytest.raises(Exception, match="Unknown speculative decoding method 'sam2'"):
+        SpeculativeConfig(method="sam2", num_speculative_tokens=3)
 
 
 # ----------------------------------------------------------------------------- vLLM-Ascend with stand-ins
@@ -175,8 +181,7 @@ def _runner_methods(tree: Path, sd: types.ModuleType) -> types.SimpleNamespace:
     """Compile NPUModelRunner._set_up_drafter / _get_drafter / propose_draft_token_ids from the patched
     model_runner_v1.py (the module itself needs the NPU stack) with the names they use on our path."""
     import torch
-
-    from qwen3_rl.spec_decode import bs_threshold
+    from vllm.plugins.extensions import build_from_factory, get_drafter
 
     src = (tree / "vllm_ascend" / "worker" / "model_runner_v1.py").read_text()
     module = ast.parse(src)
@@ -184,12 +189,13 @@ def _runner_methods(tree: Path, sd: types.ModuleType) -> types.SimpleNamespace:
     wanted = {"_set_up_drafter", "_get_drafter", "propose_draft_token_ids"}
     funcs = [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name in wanted]
     assert {f.name for f in funcs} == wanted
-    imports = [n for n in module.body if isinstance(n, ast.ImportFrom) and n.module == "qwen3_rl.spec_decode.bs_threshold"]
-    assert imports, "patch 0002 import missing"
+    imports = {n.module for n in module.body if isinstance(n, ast.ImportFrom)}
+    assert "vllm.plugins.extensions" in imports, "seam import missing"
+    assert not any(m and m.startswith("qwen3_rl") for m in imports)  # upstream imports nothing of ours
     code = ast.Module(body=[ast.ImportFrom(module="__future__", names=[ast.alias("annotations")], level=0), *funcs],
                       type_ignores=[])
-    ns = {"get_spec_decode_method": sd.get_spec_decode_method, "BatchSizeGate": bs_threshold.BatchSizeGate,
-          "propose_or_skip": bs_threshold.propose_or_skip, "torch": torch,
+    ns = {"get_spec_decode_method": sd.get_spec_decode_method, "get_drafter": get_drafter,
+          "build_from_factory": build_from_factory, "torch": torch,
           "get_pp_group": lambda: types.SimpleNamespace(is_last_rank=True),
           "RejectionSampler": lambda sampler: ("rejection-sampler", sampler)}
     exec(compile(ast.fix_missing_locations(code), str(tree / "model_runner_v1.py"), "exec"), ns)
@@ -203,22 +209,37 @@ def _vllm_config(spec):
         parallel_config=types.SimpleNamespace(tensor_parallel_size=1), additional_config={})
 
 
+class _NPUModelRunnerStandIn(types.SimpleNamespace):
+    """Stands in for vLLM-Ascend's NPUModelRunner (the plugin's drafter factory keys on the runner's module)."""
+
+
+_NPUModelRunnerStandIn.__module__ = "vllm_ascend.worker.model_runner_v1"
+
+
 def _make_runner(ascend, spec_kwargs: dict, max_num_reqs: int = 8):
-    """A stand-in NPUModelRunner set up by the patched _set_up_drafter, with vLLM's real InputBatch."""
+    """A stand-in NPUModelRunner set up by the patched _set_up_drafter, with vLLM's real InputBatch; its drafter
+    built first from vLLM's registry, as the patched GPUModelRunner.__init__ does for a registered method."""
     import torch
     from vllm.config import SpeculativeConfig
+    from vllm.plugins.extensions import get_drafter
     from vllm.v1.worker.gpu_input_batch import InputBatch
 
     spec = SpeculativeConfig(**spec_kwargs)
     batch = InputBatch(max_num_reqs=max_num_reqs, max_model_len=L, max_num_batched_tokens=4096,
                        device=torch.device("cpu"), pin_memory=False, vocab_size=1000, block_sizes=[16],
                        kernel_block_sizes=[16], is_spec_decode=True, num_speculative_tokens=spec.num_speculative_tokens)
-    runner = types.SimpleNamespace(
+    runner = _NPUModelRunnerStandIn(
         speculative_config=spec, vllm_config=_vllm_config(spec), device=torch.device("cpu"),
         max_num_reqs=max_num_reqs, max_num_tokens=4096, sampler=object(), input_batch=batch, requests={},
         _make_buffer=lambda n, dtype: types.SimpleNamespace(np=np.zeros(n, np.int64)))
+    registered = get_drafter(spec.method)
+    if registered is not None:  # GPUModelRunner.__init__ (vLLM seam patch)
+        runner.drafter = registered.build(runner.vllm_config, runner)
+    prebuilt = getattr(runner, "drafter", None)
     runner._get_drafter = types.MethodType(ascend.runner._get_drafter, runner)
     ascend.runner._set_up_drafter(runner)
+    if registered is not None:
+        assert runner.drafter is prebuilt  # kept: one drafter per engine
     return runner
 
 
@@ -229,21 +250,21 @@ def test_patched_get_spec_decode_method_selects_sam(ascend) -> None:
     spec = EngineArgs(model="stand-in", speculative_config={"method": "sam", "num_speculative_tokens": K}
                       ).create_speculative_config(None, None)
     runner = types.SimpleNamespace(input_batch=None, requests={})
-    drafter = ascend.sd.get_spec_decode_method(spec.method, _vllm_config(spec), "cpu", runner)
-    assert type(drafter) is ascend.SamAscendProposer and isinstance(drafter, ascend.Proposer)
-    assert not isinstance(drafter, ascend.NgramProposer) and drafter.k == K and drafter.runner is runner
+    # vLLM-Ascend's own method table is unchanged: "sam" comes from vLLM's registry, not from it
+    with pytest.raises(ValueError, match="Unknown speculative decoding method"):
+        ascend.sd.get_spec_decode_method("sam", _vllm_config(spec), "cpu", runner)
     ngram_spec = SpeculativeConfig(method="ngram", num_speculative_tokens=K)
     assert isinstance(ascend.sd.get_spec_decode_method("ngram", _vllm_config(ngram_spec), "cpu", runner),
                       ascend.NgramProposer)
-    with pytest.raises(ValueError, match="Unknown speculative decoding method"):
-        ascend.sd.get_spec_decode_method("sam2", _vllm_config(spec), "cpu", runner)
-    # MoE: "sam" keeps dispatch_gmm_combine_decode like the other model-free methods
+    # MoE: "sam" keeps dispatch_gmm_combine_decode like the other model-free methods (a registered drafter)
     assert ascend.gmm(types.SimpleNamespace(speculative_config=spec)) is True
-    # the patched runner: _set_up_drafter -> _get_drafter -> our adapter, gate from the config
+    # the patched runner keeps the registry's drafter (the Proposer subclass on an NPU runner), built once
     r = _make_runner(ascend, {"method": "sam", "num_speculative_tokens": K, "disable_by_batch_size": 6})
-    assert type(r.drafter) is ascend.SamAscendProposer and r.decode_token_per_req == K + 1
-    assert r.spec_decode_gate.threshold == 6
-    assert _make_runner(ascend, {"method": "sam", "num_speculative_tokens": K}).spec_decode_gate.threshold is None
+    assert type(r.drafter) is ascend.SamAscendProposer and isinstance(r.drafter, ascend.Proposer)
+    assert not isinstance(r.drafter, ascend.NgramProposer) and r.drafter.k == K and r.drafter.runner is r
+    assert r.decode_token_per_req == K + 1
+    assert r.drafter.gate.threshold == 6 and r.spec_decode_gate.threshold == 6
+    assert _make_runner(ascend, {"method": "sam", "num_speculative_tokens": K}).spec_decode_gate is None
 
 
 # ----------------------------------------------------------------------------- replay harness
@@ -441,7 +462,7 @@ def test_sam_adapter_replay_lifecycle_threshold_beside_ngram(ascend) -> None:
                             ref.add_request("x", b.token_ids_cpu[i, :b.num_prompt_tokens[i]])
                             ref.extend("x", b.token_ids_cpu[i, b.num_prompt_tokens[i]:b.num_tokens_no_spec[i]])
                             assert out[i] == ref.propose(["x"])[0][: len(out[i])]
-        gate = runner.spec_decode_gate
+        gate = runner.drafter.gate if method == "sam" else runner.spec_decode_gate  # SAM gates itself
         assert gate.switches >= 2 and off_steps > 0 and on_steps > 0  # crossed both ways
         assert (gate.steps_on, gate.steps_off) == (on_steps, off_steps)
         assert rep.drafted > 0  # drafting happened while on

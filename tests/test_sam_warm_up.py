@@ -82,7 +82,7 @@ def _batch(texts: list[np.ndarray], ids: list[str], nums: list[int], plen: int) 
 def test_warm_up_leaves_no_state(monkeypatch: pytest.MonkeyPatch, sam_config: dict) -> None:
     opts = parse_sam_options(sam_config)
     warm = SamRunnerDrafter(opts, 512)
-    monkeypatch.setattr(runner_drafter, "_WARM_UP", False)
+    monkeypatch.setattr(runner_drafter, "_warm_up", lambda config: None)  # a drafter built without warm-up
     cold = SamRunnerDrafter(opts, 512)
     assert warm.request_ids == cold.request_ids == set()
     assert warm.drafter.nbytes() == cold.drafter.nbytes() and warm.drafter.num_groups() == 0

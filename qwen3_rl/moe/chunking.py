@@ -1,5 +1,5 @@
-"""Chunked MoE in prefill for vLLM-Ascend 0.13 ([ref 002 §2.1]; patch
-``vllm_ascend/0005-vllm_ascend-feature-chunked_moe_prefill``).
+"""Chunked MoE in prefill for vLLM-Ascend 0.13 ([ref 002 §2.1]; the ``ascend_moe_forward_impl`` point of
+the vLLM-Ascend seam patch, registered by :mod:`qwen3_rl.vllm_plugin`).
 
 What it does
 ------------
@@ -68,6 +68,7 @@ balanced) the combine stage dominates: ``3 * n * k * H * 2`` bytes = 192 KiB per
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -79,9 +80,11 @@ import torch
 __all__ = [
     "CONFIG_KEY",
     "ChunkPlan",
+    "ChunkedForwardImpl",
     "MoeShape",
     "QWEN3_235B",
     "chunk_plan_for_step",
+    "forward_impl_hook",
     "forward_in_chunks",
     "moe_prefill_chunk_size_from_config",
     "moe_routed_peak_bytes",
@@ -90,7 +93,7 @@ __all__ = [
     "run_chunked",
 ]
 
-#: vLLM ``additional_config`` key (read by the patched ``vllm_ascend/ascend_config.py``); 0 / absent = off.
+#: vLLM ``additional_config`` key (read by :func:`forward_impl_hook`, the plugin's factory); 0 / absent = off.
 CONFIG_KEY = "moe_prefill_chunk_size"
 #: the communication method whose prepare/dispatch/combine/finalize are per call (chunkable)
 CHUNKABLE_COMM_TYPE = "ALLTOALL"
@@ -254,6 +257,47 @@ def forward_in_chunks(forward_one: Callable[[torch.Tensor, torch.Tensor], Any], 
         last = result
     assert out is not None  # plan is non-empty
     return out, first, last
+
+
+class ChunkedForwardImpl:
+    """The ``ascend_moe_forward_impl`` hook of one ``AscendFusedMoE`` layer (vLLM-Ascend seam patch).
+
+    Called as ``hook(forward_impl_body, hidden_states [N, H], router_logits [N, E], return_with_event)``
+    in place of the layer's ``forward_impl``: with a plan from :func:`chunk_plan_for_step` it runs the
+    upstream body once per token chunk through :func:`forward_in_chunks` (events: the first chunk's
+    ``before_dispatch_evt``, the last chunk's ``before_combine_evt``); without one, the body once.
+    """
+
+    def __init__(self, chunk_tokens: int) -> None:
+        self.chunk_tokens = chunk_tokens
+
+    def __call__(self, forward_impl_body: Callable[..., Any], hidden_states: torch.Tensor,
+                 router_logits: torch.Tensor, return_with_event: bool = False) -> Any:
+        from vllm.distributed import get_tp_group
+        from vllm.forward_context import get_forward_context
+
+        forward_context = get_forward_context()
+        plan = chunk_plan_for_step(hidden_states.shape[0], self.chunk_tokens,
+                                   max_tokens_across_dp=forward_context.max_tokens_across_dp,
+                                   comm_type=forward_context.moe_comm_type,
+                                   sp_enabled=forward_context.sp_enabled,
+                                   tp_size=get_tp_group().world_size)
+        if plan is None:
+            return forward_impl_body(hidden_states, router_logits, return_with_event)
+        routed_out, first, last = forward_in_chunks(
+            lambda h, r: forward_impl_body(h, r, return_with_event), hidden_states, router_logits, plan,
+            routed_out_of=(lambda res: res.routed_out) if return_with_event else None)
+        if not return_with_event:
+            return routed_out
+        return dataclasses.replace(first, routed_out=routed_out, before_combine_evt=last.before_combine_evt)
+
+
+def forward_impl_hook(layer: Any, vllm_config: Any) -> ChunkedForwardImpl | None:
+    """Factory of the ``ascend_moe_forward_impl`` extension point: the chunking hook of ``layer`` when
+    ``additional_config`` sets :data:`CONFIG_KEY` > 0 (validated by :func:`moe_prefill_chunk_size_from_config`),
+    else None (the upstream forward runs alone)."""
+    chunk = moe_prefill_chunk_size_from_config(getattr(vllm_config, "additional_config", None))
+    return ChunkedForwardImpl(chunk) if chunk > 0 else None
 
 
 def run_chunked(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], hidden_states: torch.Tensor,

@@ -1,4 +1,4 @@
-"""Python garbage collection off during each vLLM engine step (patch ``vllm/0001-...-disable_gc``).
+"""Python garbage collection off during each vLLM engine step (engine-step hook ``gc_guard`` of the vLLM seam).
 
 Why: during long decodes (34K tokens) every engine step allocates many short-lived Python objects
 (request outputs, scheduler bookkeeping). CPython's generational collector then runs at arbitrary
@@ -10,8 +10,8 @@ How it is switched (default: off):
 
 * The policy lives in this module, per process. It is off until someone calls
   :func:`set_decode_gc_disabled` with ``True``.
-* The patched ``vllm.entrypoints.llm.LLM._run_engine`` wraps each ``self.llm_engine.step()`` in
-  :func:`engine_step_gc_guard`, which does nothing while the policy is off.
+* :class:`GcStepHook`, registered by :mod:`qwen3_rl.vllm_plugin` as the engine-step hook ``gc_guard``, wraps
+  each ``LLMEngine.step()`` in :func:`engine_step_gc_guard`, which does nothing while the policy is off.
 * The verl side turns it on from its Hydra config: the rollout worker, in the process that owns
   the ``vllm.LLM`` object, calls ``configure_from_rollout_config(config)`` (or
   ``set_decode_gc_disabled(bool(...))`` directly) before generating. The config key is
@@ -27,12 +27,14 @@ from __future__ import annotations
 import gc
 import threading
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "CONFIG_KEY",
     "GcState",
+    "GcStepHook",
     "configure_from_rollout_config",
     "decode_gc_disabled",
     "engine_step_gc_guard",
@@ -121,3 +123,24 @@ def engine_step_gc_guard() -> Iterator[bool]:
         yield True
     finally:
         saved.restore()
+
+
+class GcStepHook:
+    """Engine-step hook (``vllm.plugins.extensions.EngineStepHook`` interface, vLLM seam patch) whose
+    ``step_context`` is :func:`engine_step_gc_guard`; every other call leaves the step unchanged. The policy is
+    read at each step, so verl may switch it after the engine is built."""
+
+    def step_context(self) -> AbstractContextManager[bool]:
+        return engine_step_gc_guard()
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    def idle_in_lockstep(self) -> bool:
+        return False
+
+    def filter_outputs(self, outputs: Any) -> Any:
+        return outputs
+
+    def after_step(self, request_outputs: list[Any]) -> list[Any]:
+        return request_outputs

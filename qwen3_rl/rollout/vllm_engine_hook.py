@@ -1,8 +1,9 @@
 """vLLM 0.13 engine-loop hook for rollout rebalance (sync SPMD rollout, external-launcher DP).
 
-vLLM patch 0004 attaches one :class:`VllmRebalanceHook` to every ``LLMEngine`` as
-``llm_engine.qwen3_rl_rebalance_hook`` and calls it at four points of the engine loop
-(``vllm/v1/engine/llm_engine.py``):
+The plugin (:mod:`qwen3_rl.vllm_plugin`) registers the engine-step hook ``rollout_rebalance`` (order 30) with the
+vLLM seam patch: every ``LLMEngine`` gets one :class:`VllmRebalanceHook` (also set as
+``llm_engine.qwen3_rl_rebalance_hook``, where ``migration.configure_rollout_rebalance`` finds it), called at the
+seam's points of the engine loop (``vllm/v1/engine/llm_engine.py``):
 
 * ``has_unfinished_requests``: ``hook.has_unfinished()`` is OR-ed into the local flag *before* vLLM's DP
   all-reduce, so a rank that only hosts other ranks' requests runs real steps (not dummy batches) and
@@ -51,6 +52,7 @@ Speculative decoding: a migrated request's pending draft tokens are dropped and 
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import logging
 from collections.abc import Sequence
@@ -313,7 +315,11 @@ class VllmRebalanceHook:
                     settings.max_round_s or "no", f"{settings.kv_link_gb_s:g} GB/s (configured)"
                     if settings.kv_link_gb_s else "measured at the first round")
 
-    # -- engine-loop calls (vLLM patch 0004) ------------------------------------------------------------
+    # -- engine-step hook interface (vllm.plugins.extensions.EngineStepHook, vLLM seam patch) ------------
+    def step_context(self) -> contextlib.AbstractContextManager:
+        """Nothing around the step."""
+        return contextlib.nullcontext()
+
     def has_unfinished(self) -> bool:
         """OR-ed into ``LLMEngine.has_unfinished_requests`` before the DP all-reduce."""
         if self.coordinator is None:

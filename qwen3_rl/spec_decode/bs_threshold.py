@@ -1,4 +1,5 @@
-"""Batch-size threshold for model-free speculative decoding (called by vllm_ascend patch 0002).
+"""Batch-size threshold for model-free speculative decoding (the SAM drafter's own gate; for ngram/suffix on
+vLLM-Ascend the ``spec_decode_gate`` factory of the vLLM-Ascend seam, registered by :mod:`qwen3_rl.vllm_plugin`).
 
 At large batches a decode step is compute-bound and verifying k draft tokens per request costs more
 than the accepted tokens save. The gate turns drafting off while the number of running requests in
@@ -72,6 +73,13 @@ class BatchSizeGate:
         else:
             self.steps_off += 1
         return on
+
+
+def gate_factory(vllm_config: Any) -> BatchSizeGate | None:
+    """Factory of vLLM-Ascend's ``spec_decode_gate`` extension point: the gate when
+    ``speculative_config.disable_by_batch_size`` is set, else None (drafting always on)."""
+    gate = BatchSizeGate.from_vllm_config(vllm_config)
+    return gate if gate.enabled else None
 
 
 def propose_or_skip(gate: BatchSizeGate, drafter: Any, num_running: int, valid_sampled_token_ids: list[list[int]],

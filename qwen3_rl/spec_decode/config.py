@@ -1,4 +1,5 @@
-"""Validation of ``speculative_config={"method": "sam", ...}`` for vLLM 0.13 (called by vllm patch 0003).
+"""Validation of ``speculative_config={"method": "sam", ...}`` for vLLM 0.13 (the "sam" entry of vLLM's drafter
+registry, ``vllm.plugins.extensions``, registered by :mod:`qwen3_rl.vllm_plugin`).
 
 User-facing form (``LLM(speculative_config=...)``, verl ``rollout.engine_kwargs.vllm.speculative_config``)::
 
@@ -9,9 +10,10 @@ User-facing form (``LLM(speculative_config=...)``, verl ``rollout.engine_kwargs.
 
 The drafter's configuration is one ``sam.SamConfig`` (k + the ``sam_config`` options).
 
-Everything here is pure Python (no vLLM import) so it can be unit-tested alone. The vLLM patch calls
-``check_sam_keys`` from a ``mode="before"`` validator (pydantic drops unknown keyword arguments of
-``SpeculativeConfig`` silently, so a misspelled option would otherwise vanish) and
+Everything here is pure Python (no vLLM import) so it can be unit-tested alone. vLLM's seam moves
+``sam_config`` into ``SpeculativeConfig.drafter_config`` (the registry entry's ``options_key``) and refuses it
+with another method, then calls ``check_sam_keys`` from its ``mode="before"`` validator (pydantic drops unknown
+keyword arguments of ``SpeculativeConfig`` silently, so a misspelled option would otherwise vanish) and
 ``validate_sam_speculative_config`` from ``SpeculativeConfig.__post_init__``.
 """
 
@@ -29,7 +31,7 @@ MAX_SPECULATIVE_TOKENS = 128
 
 #: ``SpeculativeConfig`` keys used by ``method="sam"``; any other field must keep its default.
 SAM_TOP_LEVEL_KEYS = frozenset({
-    "method", "num_speculative_tokens", "sam_config", "disable_by_batch_size", "enforce_eager",
+    "method", "num_speculative_tokens", "drafter_config", "disable_by_batch_size", "enforce_eager",
     # filled in by vLLM itself (EngineArgs.create_speculative_config, __post_init__)
     "target_model_config", "target_parallel_config", "draft_model_config", "draft_parallel_config", "model",
 })
@@ -133,16 +135,9 @@ def validate_sam_speculative_config(spec: Any) -> SamConfig:
     if model not in (None, METHOD):
         raise ValueError(f"method='sam' is model-free: drop model={model!r}")
     try:
-        return parse_sam_options(getattr(spec, "sam_config", None), k)
+        return parse_sam_options(getattr(spec, "drafter_config", None), k)
     except ValueError as exc:
         raise ValueError(str(exc)) from None
-
-
-def reject_sam_config_for_other_methods(spec: Any) -> None:
-    """``sam_config`` given with another method is a mistake (it would be ignored): raise."""
-    if getattr(spec, "sam_config", None) is not None and getattr(spec, "method", None) != METHOD:
-        raise ValueError(f"speculative_config.sam_config is only used with method='sam' "
-                         f"(method={getattr(spec, 'method', None)!r})")
 
 
 def config_from_vllm_config(vllm_config: Any) -> SamConfig:

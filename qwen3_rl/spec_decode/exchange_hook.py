@@ -1,4 +1,5 @@
-"""Engine-loop hook of the SAM sibling exchange (vllm patch 0006 attaches it to every ``LLMEngine``).
+"""Engine-loop hook of the SAM sibling exchange (engine-step hook ``sam_sibling_exchange``, order 20, of the vLLM
+seam; :mod:`qwen3_rl.vllm_plugin` builds it for an ``LLMEngine`` whose ``sam_config.group_exchange`` is on).
 
 verl's sync SPMD rollout drives vLLM's in-process engine through ``LLM._run_engine``: every loop iteration
 all-reduces "unfinished requests" over the vLLM DP group (``LLMEngine.has_unfinished_requests_dp``) and
@@ -11,12 +12,13 @@ created once by vLLM; never device memory) and merges the other ranks' tokens in
 strings. Tokens accepted in step t therefore reach the siblings' drafts proposed in step t + 1
 (``--exchange-delay-steps 1`` in ``python -m qwen3_rl.bench.drafters``).
 
-Inert (one attribute check per step) unless ``speculative_config.method == "sam"`` with
-``sam_config.group_exchange=True``.
+Not built unless ``speculative_config.method == "sam"`` with ``sam_config.group_exchange=True`` (inert, one
+attribute check per step, when built without it).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from qwen3_rl.spec_decode.runner_drafter import SamRunnerDrafter
@@ -28,7 +30,7 @@ def exchange_enabled(vllm_config: Any) -> bool:
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None or getattr(spec, "method", None) != "sam":
         return False
-    sc = getattr(spec, "sam_config", None) or {}
+    sc = getattr(spec, "drafter_config", None) or {}
     return bool(sc.get("group_exchange", False)) if isinstance(sc, dict) else bool(getattr(sc, "group_exchange",
                                                                                             False))
 
@@ -85,16 +87,32 @@ class SiblingExchangeHook:
             self._resolve()
         return self._sam is not None
 
-    def after_step(self) -> None:
-        """Called by the patched ``LLMEngine.step`` after real and dummy steps on every DP rank."""
+    # -- engine-step hook interface (vllm.plugins.extensions.EngineStepHook; only after_step acts) --------------
+    def step_context(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def has_unfinished(self) -> bool:
+        return False
+
+    def idle_in_lockstep(self) -> bool:
+        return False
+
+    def filter_outputs(self, outputs: Any) -> Any:
+        return outputs
+
+    def after_step(self, request_outputs: list[Any] | None = None) -> list[Any]:
+        """Called by ``LLMEngine.step`` after real and dummy steps on every DP rank; returns ``request_outputs``
+        unchanged (``[]`` for None)."""
+        outs = request_outputs if request_outputs is not None else []
         if not self._resolved:
             self._resolve()
         sam = self._sam
         if sam is None:
-            return
+            return outs
         self.steps += 1
         if self.steps % sam.config.exchange_every:
-            return
+            return outs
         assert self._comm is not None
         sam.exchange_round(self._comm)
         self.exchanges += 1
+        return outs

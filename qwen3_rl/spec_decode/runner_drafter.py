@@ -27,10 +27,7 @@ The drafter reads the runner's buffers and writes none of them.
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -40,15 +37,12 @@ from qwen3_rl.spec_decode.adaptive_k import AdaptiveK
 from qwen3_rl.spec_decode.sam import SamConfig, SamProposer, group_key
 from qwen3_rl.spec_decode.sibling_exchange import SiblingExchange
 
-#: Private switch of the load-time warm-up (benchmarks turn it off to measure the cold first step).
-_WARM_UP = True
-
 
 class SamRunnerDrafter:
     """SAM drafting over a runner's persistent batch.
 
-    Builds the drafter and, unless switched off (``_WARM_UP``), compiles every kernel it will call
-    (``_warm_up``) so the engine's first decode step compiles nothing.
+    Builds the drafter and compiles every kernel it will call (``_warm_up``) so the engine's first decode step
+    compiles nothing.
 
     Args:
         config: the drafter's config (``config.parse_sam_options``; k = ``num_speculative_tokens``).
@@ -57,8 +51,7 @@ class SamRunnerDrafter:
 
     def __init__(self, config: SamConfig, max_model_len: int) -> None:
         self._setup(config, max_model_len, rank=-1)
-        if _WARM_UP:
-            _warm_up(config)
+        _warm_up(config)
 
     def _setup(self, config: SamConfig, max_model_len: int, rank: int) -> None:
         self.config = config
@@ -318,29 +311,3 @@ def _warm_up(config: SamConfig) -> None:
     exchange()
     for d in drafters:
         d.release_all()
-
-
-def warm_cache_main(argv: list[str]) -> int:
-    """``python -m qwen3_rl sam-warm-cache``: compile every SAM kernel into numba's disk cache.
-
-    Run once at image build (``Dockerfile.vllm_ascend.mindspeed.qwen3``) so that every engine process of a run
-    loads the machine code instead of compiling it while it constructs its drafter (~14 s per process with a cold
-    cache, ~0.1 s with a warm one: docs/sam_decoding.md). Exits 1 when numba has no cache to write to.
-    """
-    import argparse
-    import time
-
-    from qwen3_rl.spec_decode import _sam_kernels
-    from qwen3_rl.spec_decode.config import parse_sam_options
-
-    ap = argparse.ArgumentParser(prog="python -m qwen3_rl sam-warm-cache", description=warm_cache_main.__doc__)
-    ap.parse_args(argv)
-    if not _sam_kernels.CACHE:
-        print("error: numba's disk cache is off here (NUMBA_BOUNDSCHECK=1, or no writable __pycache__ / "
-              "NUMBA_CACHE_DIR): nothing to warm", file=sys.stderr)
-        return 1
-    t0 = time.perf_counter()
-    _warm_up(parse_sam_options({"group_mode": True, "group_exchange": True, "history_responses": 2, "adaptive_k": True}))
-    print(f"sam-warm-cache: every SAM kernel compiled and cached in {time.perf_counter() - t0:.1f} s "
-          f"({os.environ.get('NUMBA_CACHE_DIR') or Path(_sam_kernels.__file__).parent / '__pycache__'})")
-    return 0

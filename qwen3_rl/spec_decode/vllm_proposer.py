@@ -1,18 +1,15 @@
-"""vLLM 0.13 drafter for ``speculative_config={"method": "sam", ...}`` (built by vllm patch 0003).
+"""vLLM 0.13 drafter for ``speculative_config={"method": "sam", ...}`` (the "sam" entry of vLLM's drafter
+registry, ``vllm.plugins.extensions``, registered by :mod:`qwen3_rl.vllm_plugin`).
 
-vLLM's ``GPUModelRunner.__init__`` picks the drafter from ``speculative_config.method``
-(``vllm/v1/worker/gpu_model_runner.py:383-405``) and raises for a method it does not know. That
-constructor runs in every engine that builds a runner: vLLM's GPU runner, vLLM-CPU's
-``CPUModelRunner`` and vLLM-Ascend's ``NPUModelRunner`` (``vllm_ascend/worker/model_runner_v1.py:205``,
-which then replaces the drafter with its own adapter, ``ascend_adapter.SamAscendProposer``). vllm
-patch 0003 adds a ``"sam"`` branch there that builds this class, and routes ``"sam"`` in
-``GPUModelRunner.propose_draft_token_ids`` to :meth:`SamVllmProposer.propose`.
+vLLM's ``GPUModelRunner.__init__`` builds the registered drafter of ``speculative_config.method``; that
+constructor runs in every engine that builds a runner: vLLM's GPU runner, vLLM-CPU's ``CPUModelRunner`` and
+vLLM-Ascend's ``NPUModelRunner`` (which keeps it: one build per engine; there the class is the ``Proposer``
+subclass ``ascend_adapter.SamAscendProposer``). ``propose_draft_token_ids`` calls :meth:`SamVllmProposer.propose`.
 
 Like vLLM's ``NgramProposer`` it drafts on the host from the runner's persistent batch
 (``input_batch.token_ids_cpu`` up to ``num_tokens_no_spec``), after ``_bookkeeping_sync`` has
-appended this step's accepted tokens. The logic is ``SamRunnerDrafter``'s, shared with the Ascend
-adapter; the batch-size threshold (``speculative_config.disable_by_batch_size``) is the same
-``BatchSizeGate`` vllm_ascend patch 0002 puts into the NPU runner.
+appended this step's accepted tokens. The logic is ``SamRunnerDrafter``'s; the batch-size threshold
+(``speculative_config.disable_by_batch_size``) is applied here by a ``BatchSizeGate``.
 """
 
 from __future__ import annotations
@@ -47,6 +44,9 @@ class SamVllmProposer:
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """No model to load (vLLM's GPU runner calls this after loading the target model)."""
+
+    def dummy_run(self, *args: Any, **kwargs: Any) -> None:
+        """Nothing runs on the device (vLLM-Ascend's ``NPUModelRunner._dummy_run`` calls this)."""
 
     def propose(self, scheduler_output: Any, valid_sampled_token_ids: Sequence[Sequence[int]]
                 ) -> list[list[int]]:

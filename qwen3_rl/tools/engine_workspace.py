@@ -92,6 +92,10 @@ def build(ws: Path, pristine: Path) -> Path:
         d = meta / f"{name.replace('-', '_')}-{version}.dist-info"
         d.mkdir(parents=True, exist_ok=True)
         (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    # the recipe's vLLM plugin (entry point vllm.general_plugins: qwen3_rl), for this checkout on PYTHONPATH
+    from qwen3_rl.vllm_plugin import write_entry_point_metadata
+
+    write_entry_point_metadata(meta)
     return ws
 
 
@@ -124,7 +128,7 @@ def run_env(ws: Path) -> dict[str, str]:
     on (``QWEN3_RL_CPU_SHIMS``), vLLM's CPU platform in-process, the trees on ``PYTHONPATH``."""
     return {
         "PYTHONPATH": ":".join(pythonpath(ws)), "QWEN3_RL_CPU_SHIMS": "1", "QWEN3_RL_ENGINE_WS": str(ws),
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": "none", "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": "qwen3_rl", "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
     }
 
@@ -141,6 +145,6 @@ def activate(ws: Path) -> None:
     sys.path.insert(0, str(REPO))
     sys.path.append(str(ws / ".dist-info"))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_PLUGINS", "none")
+    os.environ.setdefault("VLLM_PLUGINS", "qwen3_rl")  # the recipe's plugin only (not vLLM-Ascend's platform)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache (default 4: tiny models need kB)

@@ -77,6 +77,17 @@ def _editable_target(python: str, dist: str) -> str:
     return url[len("file://"):] if url.startswith("file://") else ""
 
 
+def _declares_vllm_plugin(python: str) -> bool:
+    """True when the installed ``qwen3_rl`` metadata declares the ``vllm.general_plugins`` entry point (an
+    editable install made before pyproject.toml declared it has none: vLLM would then run without the recipe's
+    hooks and drafter)."""
+    code = ("import importlib.metadata as m\n"
+            "print(any(e.name == 'qwen3_rl' for e in m.distribution('qwen3_rl').entry_points "
+            "if e.group == 'vllm.general_plugins'))\n")
+    proc = subprocess.run([python, "-c", code], text=True, capture_output=True)
+    return proc.stdout.strip() == "True"
+
+
 def npu_ready(python: str) -> tuple[bool, str]:
     """(True, '') when CANN is sourced and torch_npu imports; else (False, reason)."""
     if not os.environ.get("ASCEND_TOOLKIT_HOME"):
@@ -141,7 +152,7 @@ def plan_steps(
                           done=done, note="already installed editable" if done else ""))
     if with_package:
         target = _editable_target(python, "qwen3_rl")
-        done = bool(target) and Path(target).resolve() == REPO_ROOT.resolve()
+        done = bool(target) and Path(target).resolve() == REPO_ROOT.resolve() and _declares_vllm_plugin(python)
         steps.append(Step("qwen3_rl", pip + ["--no-deps", "-e", str(REPO_ROOT)], done=done,
                           note="already installed editable" if done else ""))
     return steps

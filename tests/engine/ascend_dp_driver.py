@@ -66,7 +66,7 @@ def eplb_type4(llm, loads: list) -> dict | None:
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     ws = Path(spec["workspace"])
-    os.environ["VLLM_PLUGINS"] = "ascend"
+    os.environ["VLLM_PLUGINS"] = "ascend,qwen3_rl"
     workspace.activate(ws)
     from qwen3_rl.cpu_device.npu import ops, stand_in
     from qwen3_rl.cpu_device.npu import run as ascend_run

@@ -7,7 +7,7 @@ Builds the patched engine tree and the tiny dense model as the engine tests do (
 ``speculative_config={"method": "sam", "num_speculative_tokens": 3, "sam_config": {"group_mode": True}}``:
 
 * ``cold, no warm-up``: empty numba cache (``NUMBA_CACHE_DIR`` = a new directory), the load-time warm-up
-  switched off (``runner_drafter._WARM_UP = False``): the kernels compile inside the first decode step
+  replaced by a no-op in the bench process (``runner_drafter._warm_up``): the kernels compile inside the first decode step
   (the behaviour before the warm-up existed);
 * ``cold, warm-up``: empty numba cache, warm-up on: the kernels compile in the engine constructor;
 * ``cached, no warm-up`` / ``cached, warm-up``: the same with the numba cache the cold warm-up run filled.
@@ -49,7 +49,8 @@ def child(spec: dict) -> None:
 
     from qwen3_rl.spec_decode import runner_drafter
 
-    runner_drafter._WARM_UP = spec["warm_up"]
+    if not spec["warm_up"]:  # the cold first step: the drafter's constructor compiles nothing
+        runner_drafter._warm_up = lambda config: None
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, seed=0,
               compilation_config={"custom_ops": ["none"]}, max_model_len=512, gpu_memory_utilization=0.5,

@@ -73,15 +73,16 @@ def run_engine(spec: dict, tmp_path: Path, env: dict[str, str] | None = None, dr
     return {r["name"]: r for r in result} if isinstance(result, list) else result
 
 
-def tree_without(engine_ws: Path, dst: Path, framework: str, number: int) -> Path:
+def tree_without(engine_ws: Path, dst: Path, framework: str, number: int, only: bool = False) -> Path:
     """A copy of the engine workspace with ``patches/<framework>`` reversed from the last patch down to
-    ``number`` (the patches after it may touch the same lines); returns the copy."""
+    ``number`` (the patches after it may touch the same lines), or (``only``) just patch ``number`` (when no
+    later patch touches its files); returns the copy."""
     import shutil
 
     shutil.copytree(engine_ws, dst, symlinks=True)
     folder = {"verl": "verl", "vllm": "vllm", "vllm_ascend": "vllm-ascend"}[framework]
     series = sorted((workspace.REPO / "patches" / framework).glob("*.patch"))
-    for patch in reversed([p for p in series if int(p.name[:4]) >= number]):
+    for patch in reversed([p for p in series if int(p.name[:4]) == number or (not only and int(p.name[:4]) > number)]):
         subprocess.run(["git", "apply", "-R", str(patch)], cwd=dst / folder, check=True)
     return dst
 

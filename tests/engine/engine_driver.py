@@ -7,13 +7,14 @@ SPEC: {"workspace": DIR, "model": DIR, "prompts": [[token ids], ...], "runs": [R
 RUN:  {"name": str, "llm": {LLM kwargs}, "sampling": {SamplingParams kwargs},
        "prompts": optional override, "phases": optional [[prompt indices], ...] (one generate call per
        phase), "max_tokens": optional [per prompt] (requests that finish early shrink the batch),
-       "gc_policy": optional bool (qwen3_rl.rollout.gc_control's per-step gc switch, vllm 0001)}
+       "gc_policy": optional bool (qwen3_rl.rollout.gc_control's per-step gc switch, the gc_guard hook)}
 SPEC "ascend": true runs vLLM-Ascend's own engine (NPUWorker -> NPUModelRunner) on the CPU stand-in
 (qwen3_rl.cpu_device.npu) instead of vLLM's CPU runner: Ascend's custom ops on (no "custom_ops": ["none"]),
 a fixed KV-cache size; each result then also has "npu_calls" (the stand-in kernels called so far).
 Each result: {"name", "outputs": [[token ids] per prompt (per phase, flattened in order)],
 "metrics": vLLM's own counters from LLM.get_metrics(), "drafter": the runner's drafter state,
-"gc_enabled_in_step": [gc.isenabled() seen inside each LLMEngine.step called by LLM._run_engine]}.
+"gc_enabled_in_step": [gc.isenabled() seen inside each LLMEngine.step (its body, within the hooks' contexts)
+called by LLM._run_engine]}.
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     ascend = bool(spec.get("ascend"))
     if ascend:
-        os.environ["VLLM_PLUGINS"] = "ascend"
+        os.environ["VLLM_PLUGINS"] = "ascend,qwen3_rl"
     workspace.activate(Path(spec["workspace"]))
     if ascend:
         from qwen3_rl.cpu_device.npu import run as ascend_run
@@ -149,13 +150,14 @@ def main() -> int:
         sps = [SamplingParams(**{**base, **({"max_tokens": lens[i]} if lens else {})}) for i in range(len(prompts))]
         gc_control.set_decode_gc_disabled(bool(run.get("gc_policy", False)))
         seen_gc: list[bool] = []
-        engine_step = llm.llm_engine.step
+        # the step body the seam's LLMEngine.step runs inside every hook's step_context (gc_guard among them)
+        engine_step = llm.llm_engine._step
 
         def step(engine_step=engine_step, seen_gc=seen_gc):
             seen_gc.append(gc.isenabled())
             return engine_step()
 
-        llm.llm_engine.step = step
+        llm.llm_engine._step = step
         phases = run.get("phases") or [list(range(len(prompts)))]
         outs = []
         for idx in phases:

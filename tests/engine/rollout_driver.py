@@ -51,7 +51,7 @@ def main() -> int:
     ws = Path(spec["workspace"])
     ascend = bool(spec.get("ascend"))  # vLLM-Ascend's own engine on the CPU stand-in (qwen3_rl.cpu_device.npu)
     if ascend:
-        os.environ["VLLM_PLUGINS"] = "ascend"
+        os.environ["VLLM_PLUGINS"] = "ascend,qwen3_rl"
     workspace.activate(ws)
     if ascend:
         from qwen3_rl.cpu_device.npu import run as ascend_run

@@ -1,4 +1,5 @@
-"""SAM, n-gram, the batch-size threshold, the gc switch and vllm 0005 in vLLM 0.13.0's real engine.
+"""SAM, n-gram, the batch-size threshold, the gc switch (vLLM seam hooks + plugin) and the in-process drafts fix
+(vllm 0002) in vLLM 0.13.0's real engine.
 
 Every configuration runs the real ``LLM(...)`` (in-process ``LLMEngine`` -> ``EngineCore`` ->
 ``Scheduler`` -> ``CPUModelRunner``/``GPUModelRunner``) on the patched tree; drafting is counted with
@@ -67,8 +68,8 @@ def sam_runs(request, engine_ws: Path, tiny_models: dict[str, Path], tmp_path_fa
 
 
 def test_sam_builds_in_the_real_runner(sam_runs: dict[str, dict]) -> None:
-    # vllm 0003: GPUModelRunner.__init__ builds our drafter (it raised "Unknown speculative decoding
-    # method: sam" before), in the constructor vLLM-CPU and vLLM-Ascend both run.
+    # vLLM seam: GPUModelRunner.__init__ builds the registry's "sam" drafter (the plugin's; pristine raises
+    # "Unknown speculative decoding method: sam"), in the constructor vLLM-CPU and vLLM-Ascend both run.
     for name in ("sam", "sam_group", "sam_pad"):
         assert sam_runs[name]["drafter"]["class"] == "SamVllmProposer"
 
@@ -108,7 +109,8 @@ def test_group_mode_drafts_from_siblings(sam_runs: dict[str, dict]) -> None:
 
 
 def test_group_exchange_in_the_real_engine(sam_runs: dict[str, dict]) -> None:
-    # vllm 0006: with sam_config.group_exchange the hook runs after every LLMEngine.step and all-gathers over
+    # the sam_sibling_exchange hook (vLLM seam + plugin): with sam_config.group_exchange it runs after every
+    # LLMEngine.step and all-gathers over
     # vLLM's own gloo DP group, here of one rank (vLLM-CPU cannot run DP > 1 under the external launcher:
     # vllm/platforms/cpu.py:213-225). Nothing comes from other ranks, so drafting and output are exactly
     # group mode's: the exchange runs in the real engine loop without changing a token or a draft.
@@ -143,8 +145,8 @@ def test_batch_size_threshold_switches_in_the_step_loop(engine_ws: Path, tiny_mo
 
 
 def test_gc_switch_in_the_real_engine_loop(engine_ws: Path, tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    # vllm 0001: LLM._run_engine switches the collector off around each LLMEngine.step while the
-    # policy is on, and restores it after; with the policy off, nothing changes.
+    # the gc_guard engine-step hook (vLLM seam + plugin): the collector is off around each LLMEngine.step while
+    # the policy is on, and restored after; with the policy off, nothing changes.
     spec = {"workspace": str(engine_ws), "model": str(tiny_models["dense"]), "prompts": PROMPTS[:2], "runs": [
         {"name": "off", "sampling": {"max_tokens": 8}},
         {"name": "on", "sampling": {"max_tokens": 8}, "gc_policy": True},
@@ -155,17 +157,18 @@ def test_gc_switch_in_the_real_engine_loop(engine_ws: Path, tiny_models: dict[st
     assert r["on"]["gc_enabled_after"] is True
 
 
-def test_inproc_client_drafts_only_with_vllm_0005(engine_ws: Path, tiny_models: dict[str, Path],
-                                                  tmp_path: Path) -> None:
-    # vllm 0005: without it the in-process client (verl's SPMD mode) never calls EngineCore.post_step,
-    # so no draft reaches the scheduler. Same tree with 0005 reversed: zero drafts; with it: drafts.
-    old = tree_without(engine_ws, tmp_path / "ws-without-0005", "vllm", 5)
+def test_inproc_client_drafts_only_with_the_inproc_fix(engine_ws: Path, tiny_models: dict[str, Path],
+                                                       tmp_path: Path) -> None:
+    # vllm 0002 (bug fix): without it the in-process client (verl's SPMD mode) never calls EngineCore.post_step,
+    # so no draft reaches the scheduler. Same tree with only 0002 reversed (the seam 0003 touches other files):
+    # zero drafts; with it: drafts.
+    old = tree_without(engine_ws, tmp_path / "ws-without-0002", "vllm", 2, only=True)
     runs = [{"name": "sam", "llm": sam(), "sampling": {"max_tokens": 32}}]
     with_fix = run_engine({"workspace": str(engine_ws), "model": str(tiny_models["dense"]), "prompts": PROMPTS,
                            "runs": runs}, tmp_path)
     without = run_engine({"workspace": str(old), "model": str(tiny_models["dense"]), "prompts": PROMPTS,
                           "runs": runs}, tmp_path)
-    print(f"with 0005: {drafted(with_fix['sam'])}, without: {drafted(without['sam'])}")
+    print(f"with 0002: {drafted(with_fix['sam'])}, without: {drafted(without['sam'])}")
     assert drafted(without["sam"]) == (0, 0)
     assert drafted(with_fix["sam"])[1] > 0
     assert with_fix["sam"]["outputs"] == without["sam"]["outputs"]

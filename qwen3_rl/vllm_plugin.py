@@ -1,0 +1,162 @@
+"""vLLM general plugin of the recipe: fills the registries of the vLLM seam patch (``vllm/plugins/extensions.py``).
+
+Declared in ``pyproject.toml`` as the ``vllm.general_plugins`` entry point ``qwen3_rl``; vLLM's
+``load_general_plugins()`` calls :func:`register` once in every process that builds an engine, a worker or a
+config (the seam's lookups load the plugins first). Upstream imports nothing of ours: without this package
+installed (or with ``VLLM_PLUGINS`` not naming ``qwen3_rl``) the registries stay empty and patched vLLM /
+vLLM-Ascend behave as pristine.
+
+What it registers (each factory returns None, or an inert object, while its feature is off):
+
+=====================================  ======  ===============================================================
+point                                  order   object / when
+=====================================  ======  ===============================================================
+engine-step hook ``gc_guard``          10      :class:`~qwen3_rl.rollout.gc_control.GcStepHook`, always (the
+                                               policy is switched per process later, by verl; off = no-op)
+engine-step hook ``sam_sibling_exchange`` 20   :class:`~qwen3_rl.spec_decode.exchange_hook.SiblingExchangeHook`
+                                               when ``sam_config.group_exchange`` is on, else None
+engine-step hook ``rollout_rebalance`` 30      :class:`~qwen3_rl.rollout.vllm_engine_hook.VllmRebalanceHook`,
+                                               always: verl configures it after the engine is built
+                                               (``migration.configure_rollout_rebalance``); inert until then
+drafter ``sam``                        -       :class:`~qwen3_rl.spec_decode.vllm_proposer.SamVllmProposer`
+                                               (options key ``sam_config``), one per engine; on vLLM-Ascend its
+                                               ``Proposer`` subclass ``ascend_adapter.SamAscendProposer``
+factory ``spec_decode_gate``           -       vLLM-Ascend: ``BatchSizeGate`` when ``disable_by_batch_size`` is
+                                               set (ngram/suffix; SAM gates itself), else None
+factory ``ascend_eplb_policies``       -       vLLM-Ascend: ``{4: PackingAwareAscendPolicy}``
+factory ``ascend_moe_forward_impl``    -       vLLM-Ascend: the chunked-MoE-prefill wrapper when
+                                               ``additional_config.moe_prefill_chunk_size`` > 0, else None
+=====================================  ======  ===============================================================
+
+The hooks of one engine run in ascending order at the seam's four points (``has_unfinished_requests``, around
+``step``, on the engine-core outputs, on the request outputs); the SAM exchange therefore runs before the
+rebalance round of the same step, on real and dummy steps alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ENGINE_STEP_HOOKS", "ENTRY_POINT", "register", "write_entry_point_metadata"]
+
+logger = logging.getLogger(__name__)
+
+#: the ``vllm.general_plugins`` entry point (name, object reference), as declared in pyproject.toml
+ENTRY_POINT = ("qwen3_rl", "qwen3_rl.vllm_plugin:register")
+#: distribution name of :func:`write_entry_point_metadata`'s metadata (not the package's own ``qwen3_rl``)
+PLUGIN_DIST = "qwen3_rl_vllm_plugin"
+
+#: attributes our factories set on ``LLMEngine`` so package code finds its hook (upstream names none of them)
+REBALANCE_HOOK_ATTR = "qwen3_rl_rebalance_hook"
+EXCHANGE_HOOK_ATTR = "qwen3_rl_sibling_exchange"
+
+
+def gc_step_hook(engine: Any) -> Any:
+    """``gc_guard``: Python gc off during each step while the per-process policy is on."""
+    from qwen3_rl.rollout.gc_control import GcStepHook
+
+    return GcStepHook()
+
+
+def sibling_exchange_step_hook(engine: Any) -> Any:
+    """``sam_sibling_exchange``: the SAM sibling exchange between DP ranks, or None when it is off."""
+    from qwen3_rl.spec_decode.exchange_hook import SiblingExchangeHook, exchange_enabled
+
+    if not exchange_enabled(getattr(engine, "vllm_config", None)):
+        return None
+    hook = SiblingExchangeHook(engine)
+    setattr(engine, EXCHANGE_HOOK_ATTR, hook)
+    return hook
+
+
+def rebalance_step_hook(engine: Any) -> Any:
+    """``rollout_rebalance``: the rebalance hook (inert until verl configures it)."""
+    from qwen3_rl.rollout.vllm_engine_hook import VllmRebalanceHook
+
+    hook = VllmRebalanceHook(engine)
+    setattr(engine, REBALANCE_HOOK_ATTR, hook)
+    return hook
+
+
+#: (name, factory, order) of the engine-step hooks, in the order the engine runs them
+ENGINE_STEP_HOOKS = (
+    ("gc_guard", gc_step_hook, 10),
+    ("sam_sibling_exchange", sibling_exchange_step_hook, 20),
+    ("rollout_rebalance", rebalance_step_hook, 30),
+)
+
+
+def build_sam_drafter(vllm_config: Any, runner: Any) -> Any:
+    """The ``sam`` drafter of one model runner, built once per engine by ``GPUModelRunner.__init__``: the
+    ``Proposer`` subclass on vLLM-Ascend's ``NPUModelRunner``, else the plain vLLM drafter."""
+    if type(runner).__module__.split(".")[0] == "vllm_ascend":
+        from qwen3_rl.spec_decode.ascend_adapter import SamAscendProposer
+
+        return SamAscendProposer(vllm_config, runner)
+    from qwen3_rl.spec_decode.vllm_proposer import SamVllmProposer
+
+    return SamVllmProposer(vllm_config, runner)
+
+
+def _check_sam_input(cls: type, kwargs: Any) -> None:
+    from qwen3_rl.spec_decode.config import check_sam_keys
+
+    check_sam_keys(cls, kwargs)
+
+
+def _validate_sam(spec: Any) -> None:
+    from qwen3_rl.spec_decode.config import validate_sam_speculative_config
+
+    validate_sam_speculative_config(spec)
+
+
+def _eplb_policies() -> dict[int, type]:
+    from qwen3_rl.moe.eplb_ascend_policy import extra_policies
+
+    return extra_policies()
+
+
+def _moe_forward_impl(layer: Any, vllm_config: Any) -> Any:
+    from qwen3_rl.moe.chunking import forward_impl_hook
+
+    return forward_impl_hook(layer, vllm_config)
+
+
+def _spec_decode_gate(vllm_config: Any) -> Any:
+    from qwen3_rl.spec_decode.bs_threshold import gate_factory
+
+    return gate_factory(vllm_config)
+
+
+def register() -> None:
+    """Entry point ``vllm.general_plugins: qwen3_rl``. Idempotent (registries are keyed by name). On a vLLM
+    without the seam patch it logs one line and registers nothing."""
+    try:
+        from vllm.plugins import extensions
+    except ImportError:
+        logger.warning("qwen3_rl: this vLLM has no vllm.plugins.extensions (recipe seam patch not applied); "
+                       "the recipe's rollout features are unavailable")
+        return
+    for name, factory, order in ENGINE_STEP_HOOKS:
+        extensions.register_engine_step_hook(name, factory, order)
+    extensions.register_drafter(extensions.DrafterSpec(
+        method="sam", build=build_sam_drafter, options_key="sam_config", check_input=_check_sam_input,
+        validate=_validate_sam))
+    extensions.register_factory("spec_decode_gate", _spec_decode_gate)
+    extensions.register_factory("ascend_eplb_policies", _eplb_policies)
+    extensions.register_factory("ascend_moe_forward_impl", _moe_forward_impl)
+
+
+def write_entry_point_metadata(meta_dir: Path) -> Path:
+    """Write a minimal distribution (``<meta_dir>/qwen3_rl_vllm_plugin-0.dist-info``) that declares
+    :data:`ENTRY_POINT`, for processes whose ``qwen3_rl`` comes from a source checkout on ``PYTHONPATH`` rather
+    than an installed package (the CPU profile's trees, the tests): with ``meta_dir`` on the path, vLLM's
+    ``load_general_plugins()`` finds the plugin. Returns the dist-info folder."""
+    d = Path(meta_dir) / f"{PLUGIN_DIST}-0.dist-info"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {PLUGIN_DIST}\nVersion: 0\n")
+    name, ref = ENTRY_POINT
+    (d / "entry_points.txt").write_text(f"[vllm.general_plugins]\n{name} = {ref}\n")
+    return d
