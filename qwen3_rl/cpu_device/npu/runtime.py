@@ -11,7 +11,9 @@
   sees free memory fall as the model loads, and sizes the KV cache from ``capacity * gpu_memory_utilization``.
 * **Streams and events**: one host stream; ``record``/``wait``/``synchronize`` are no-ops (the host is
   synchronous), events time with ``perf_counter``.
-* **RNG**: the host generator.
+* **RNG**: the host generator; ``torch.Generator(device="npu")`` (vLLM's per-request seeded generators,
+  ``vllm/v1/worker/gpu_model_runner.py:818``) makes a host generator (:class:`HostGenerator`): a device generator
+  needs PrivateUse1 C++ hooks, which a Python stand-in cannot register.
 * **SoC**: ``get_soc_version`` reports the SoC the vLLM-Ascend build was made for (``vllm_ascend/_build_info.py``:
   ``A2`` -> 223, ``A3`` -> 253), so ``check_ascend_device_type`` (``utils.py:691-709``) agrees with the build.
 """
@@ -127,6 +129,27 @@ def enter_host_mode() -> None:
         mode = NpuOnHost()
         mode.__enter__()
         _MODE_TLS.mode = mode
+
+
+# ------------------------------------------------------------------ generators
+
+
+class _HostGeneratorMeta(type):
+    """Keeps ``isinstance(g, torch.Generator)`` true for every generator (also torch's own default ones)."""
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        return isinstance(obj, torch._C.Generator)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, torch._C.Generator)
+
+
+class HostGenerator(torch._C.Generator, metaclass=_HostGeneratorMeta):
+    """``torch.Generator`` with an NPU device mapped to the host: ``HostGenerator(device="npu")`` returns a host
+    ``torch._C.Generator`` (same seeding, same stream of numbers as ``torch.Generator("cpu")``)."""
+
+    def __new__(cls, device: Any = "cpu") -> torch._C.Generator:  # type: ignore[misc]
+        return torch._C.Generator(host_device(device if device is not None else "cpu"))
 
 
 # ------------------------------------------------------------------ streams and events

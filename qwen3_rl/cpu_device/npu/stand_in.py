@@ -8,6 +8,7 @@ the reason it exists (vLLM-Ascend 0.13.0 file:line):
 | PrivateUse1 renamed ``"npu"`` | ``torch.device("npu:0")`` parses | vLLM-Ascend names its device ``npu`` everywhere (``worker/worker.py:220``) |
 | ``torch._C._get_accelerator`` -> host | torch's accelerator query answers "cpu" | a renamed PrivateUse1 without C++ hooks makes it raise (``torch.distributed.barrier``, ``distributed_c10d.py:4860``) |
 | ``torch.npu`` (``runtime.py``) | device, memory, streams, events, RNG, SoC as host calls | ``worker/worker.py:219-300``, ``worker/model_runner_v1.py:3108-3134``, ``utils.py:696`` |
+| ``torch.Generator`` -> ``runtime.HostGenerator`` | ``torch.Generator(device="npu")`` is a host generator | vLLM builds one per seeded request (``vllm/v1/worker/gpu_model_runner.py:818``); a device generator needs PrivateUse1 C++ hooks |
 | ``NpuOnHost`` function mode | ``device="npu"``, ``.to("npu")``, ``pin_memory`` -> host | the engine's tensors must exist somewhere; pinning changes no value |
 | ``torch_npu`` module | the 12 kernels of ``ops.py`` + ``torch_npu.npu`` = ``torch.npu`` | ``import torch_npu`` at module level (``worker/worker.py:27`` and 18 others) |
 | ``torch_npu.op_plugin.atb._atb_ops._register_atb_extensions`` | no-op | ATB extensions load at worker init (``worker/worker.py:29,112``) |
@@ -20,7 +21,7 @@ the reason it exists (vLLM-Ascend 0.13.0 file:line):
 | ``torchair`` | empty module raising on use | imported by the npugraph_ex compiler backend only (``compilation/compiler_interface.py:96``) |
 
 Not stood in (the stand-in runs eager mode on one host): NPU graphs, sleep mode's ``CaMemAllocator``, quantised
-kernels, ``_npu_paged_attention`` (graph mode), MC2 / all-to-all dispatch kernels (EP > 1 on one host).
+kernels, ``_npu_paged_attention`` (graph mode), the fused MC2 kernels (``FUSED_MC2``: quantised w8a8 only).
 """
 
 from __future__ import annotations
@@ -146,6 +147,7 @@ def install() -> None:
     torch._C._get_accelerator = lambda check=False: torch.device("cpu")
     npu = runtime.build_npu_module()
     torch._register_device_module("npu", npu)
+    torch.Generator = runtime.HostGenerator  # type: ignore[misc]
     torch.Tensor.npu = lambda self, device=None, non_blocking=False, **kw: self.to("npu")  # type: ignore[attr-defined]
 
     tnpu = _module("torch_npu", npu=npu, __version__="2.8.0.post2",
