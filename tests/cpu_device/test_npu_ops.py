@@ -373,6 +373,9 @@ RUNTIME_PROBE = textwrap.dedent("""
     assert torch.ones(2).pin_memory().is_pinned() is False
     assert torch.empty(2, pin_memory=True).device.type == "cpu"
     assert torch.ones(3).npu().device.type == "cpu"
+    ids = torch.tensor([[3, 0], [1, 3]], dtype=torch.int32)
+    h = torch.histc(ids, bins=4, min=0, max=4)
+    assert h.dtype == torch.int32 and h.tolist() == [1, 1, 0, 2]
     assert torch.device("npu:1").type == "npu"
     ev, s = torch.npu.Event(enable_timing=True), torch.npu.Stream()
     ev.record(s); torch.npu.current_stream().wait_stream(s); ev.synchronize()

@@ -9,6 +9,8 @@ the reason it exists (vLLM-Ascend 0.13.0 file:line):
 | ``torch._C._get_accelerator`` -> host | torch's accelerator query answers "cpu" | a renamed PrivateUse1 without C++ hooks makes it raise (``torch.distributed.barrier``, ``distributed_c10d.py:4860``) |
 | ``torch.npu`` (``runtime.py``) | device, memory, streams, events, RNG, SoC as host calls | ``worker/worker.py:219-300``, ``worker/model_runner_v1.py:3108-3134``, ``utils.py:696`` |
 | ``torch.Generator`` -> ``runtime.HostGenerator`` | ``torch.Generator(device="npu")`` is a host generator | vLLM builds one per seeded request (``vllm/v1/worker/gpu_model_runner.py:818``); a device generator needs PrivateUse1 C++ hooks |
+| PrivateUse1 fallback kernel (``runtime.install_factory_fallback``) | an op dispatched to the NPU key by its ``device`` argument re-runs on the host | the function mode is off inside the custom ops it forwards (``moe_forward``): ``torch.empty(device=<npu index>)`` at ``ops/fused_moe/comm_utils.py:89`` |
+| ``torch.histc`` -> ``runtime.histc`` | integer input counted on a float copy, result in the input's dtype | the NPU kernel takes the int32 expert ids of the all-to-all dispatcher (``ops/fused_moe/token_dispatcher.py:537``); the host kernel is float-only |
 | ``NpuOnHost`` function mode | ``device="npu"``, ``.to("npu")``, ``pin_memory`` -> host | the engine's tensors must exist somewhere; pinning changes no value |
 | ``torch_npu`` module | the 12 kernels of ``ops.py`` + ``torch_npu.npu`` = ``torch.npu`` | ``import torch_npu`` at module level (``worker/worker.py:27`` and 18 others) |
 | ``torch_npu.op_plugin.atb._atb_ops._register_atb_extensions`` | no-op | ATB extensions load at worker init (``worker/worker.py:29,112``) |
@@ -148,6 +150,8 @@ def install() -> None:
     npu = runtime.build_npu_module()
     torch._register_device_module("npu", npu)
     torch.Generator = runtime.HostGenerator  # type: ignore[misc]
+    torch.histc = runtime.histc
+    runtime.install_factory_fallback()
     torch.Tensor.npu = lambda self, device=None, non_blocking=False, **kw: self.to("npu")  # type: ignore[attr-defined]
 
     tnpu = _module("torch_npu", npu=npu, __version__="2.8.0.post2",
