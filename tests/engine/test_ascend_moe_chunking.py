@@ -18,8 +18,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from test_ascend_dp import run_dp
+
 from test_ascend_engine import PROMPTS, hf_greedy
 
 pytestmark = pytest.mark.ascend
