@@ -50,6 +50,13 @@ if os.environ.get("QWEN3_RL_CPU_SHIMS") == "1":
             from qwen3_rl.cpu_device.npu import run as ascend_run
 
             ascend_run.prepare([str(Path(os.environ["QWEN3_RL_ENGINE_WS"]) / "vllm-ascend")])
+            # the stand-in "NPU" has no Triton backend (an A3 has triton-ascend): vLLM-Ascend must take its PyTorch
+            # paths (worker/worker.py:106 imports torch_npu._inductor when HAS_TRITON). In the Ray workers the
+            # host's Triton reports an active driver (the CPU shims' torch.cuda), so say it here.
+            import vllm.triton_utils
+            import vllm.triton_utils.importing
+
+            vllm.triton_utils.HAS_TRITON = vllm.triton_utils.importing.HAS_TRITON = False
 
         post_import.after_import("vllm", _ascend_rollout)
     if os.environ.get("QWEN3_RL_E2E_PROBE_DIR"):

@@ -376,7 +376,7 @@ RUNTIME_PROBE = textwrap.dedent("""
     ids = torch.tensor([[3, 0], [1, 3]], dtype=torch.int32)
     h = torch.histc(ids, bins=4, min=0, max=4)
     assert h.dtype == torch.int32 and h.tolist() == [1, 1, 0, 2]
-    assert torch.device("npu:1").type == "npu"
+    assert torch.device("npu:1").type == "npu" and torch.ones(1).is_npu is False
     ev, s = torch.npu.Event(enable_timing=True), torch.npu.Stream()
     ev.record(s); torch.npu.current_stream().wait_stream(s); ev.synchronize()
     with torch.npu.stream(s):

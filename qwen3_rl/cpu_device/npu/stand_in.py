@@ -6,6 +6,7 @@ the reason it exists (vLLM-Ascend 0.13.0 file:line):
 | item | what it does on the host | why |
 |---|---|---|
 | PrivateUse1 renamed ``"npu"`` | ``torch.device("npu:0")`` parses | vLLM-Ascend names its device ``npu`` everywhere (``worker/worker.py:220``) |
+| ``Tensor.is_npu``, ``Module.npu`` (``generate_methods_for_privateuse1_backend``) | the attributes torch_npu's rename generates | ``torch.compile`` reads ``Tensor.is_npu`` (``torch/overrides.py:1529``) once PrivateUse1 is named ``npu`` (verl's compiled ``mul_reduce`` in the actor of a run whose rollout is on the stand-in) |
 | ``torch._C._get_accelerator`` -> host | torch's accelerator query answers "cpu" | a renamed PrivateUse1 without C++ hooks makes it raise (``torch.distributed.barrier``, ``distributed_c10d.py:4860``) |
 | ``torch.npu`` (``runtime.py``) | device, memory, streams, events, RNG, SoC as host calls | ``worker/worker.py:219-300``, ``worker/model_runner_v1.py:3108-3134``, ``utils.py:696`` |
 | ``torch.Generator`` -> ``runtime.HostGenerator`` | ``torch.Generator(device="npu")`` is a host generator | vLLM builds one per seeded request (``vllm/v1/worker/gpu_model_runner.py:818``); a device generator needs PrivateUse1 C++ hooks |
@@ -149,6 +150,10 @@ def install() -> None:
     torch._C._get_accelerator = lambda check=False: torch.device("cpu")
     npu = runtime.build_npu_module()
     torch._register_device_module("npu", npu)
+    if not hasattr(torch.Tensor, "is_npu"):
+        # Tensor.is_npu & co., as torch_npu defines them: torch.compile's override table reads
+        # Tensor.is_<privateuse1 name> (torch/overrides.py:1529), e.g. verl's compiled mul_reduce in the actor
+        torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=False)
     torch.Generator = runtime.HostGenerator  # type: ignore[misc]
     torch.histc = runtime.histc
     runtime.install_factory_fallback()
