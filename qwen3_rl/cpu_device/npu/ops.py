@@ -1,4 +1,5 @@
-"""Plain PyTorch references of the NPU kernels vLLM-Ascend 0.13.0 calls on its eager single-device path.
+"""Plain PyTorch references of the NPU kernels vLLM-Ascend 0.13.0 calls on its eager path (one device, and an A3's
+expert parallelism: the all-to-all and MC2 dispatchers).
 
 Each function is written from the kernel's documented semantics (torch_npu / CANN operator docs and the
 schemas in vLLM-Ascend's ``csrc/torch_binding.cpp``), computes on host tensors and keeps the kernel's
@@ -9,7 +10,9 @@ Float math runs in the input dtype except where the kernel documents float32 acc
 Call sites (``vllm_ascend`` 0.13.0): ``ops/layernorm.py:66,72``, ``ops/activation.py:42``,
 ``ops/rotary_embedding.py:217,229,246``, ``attention/attention_v1.py:596,698``, ``worker/worker.py:425``,
 ``utils.py:143,148``, ``ops/fused_moe/experts_selector.py:242``, ``ops/fused_moe/token_dispatcher.py:338,367``,
-``ops/fused_moe/moe_mlp.py:286,303``. Unit tests: ``tests/cpu_device/test_npu_ops.py``.
+``ops/fused_moe/moe_mlp.py:286,303``; an A3 with EP > 1: ``ops/fused_moe/token_dispatcher.py:201,282`` (MC2
+dispatch / combine v2, collectives over the group named by its HCCL comm name) and ``:520,602,612,619`` (token
+permute / unpermute around the all-to-all). Unit tests: ``tests/cpu_device/test_npu_ops.py``.
 """
 
 from __future__ import annotations
