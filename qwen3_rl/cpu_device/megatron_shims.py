@@ -286,7 +286,10 @@ def _transfer_to_cpu() -> None:
     @functools.wraps(tensor_type)
     def type_name(self, *args, **kwargs):
         name = tensor_type(self, *args, **kwargs)
-        if not args and not kwargs and isinstance(name, str) and name.startswith("torch.") and self.device.type == "cpu":
+        # already renamed: a torch function mode (the NPU stand-in's, a run whose rollout is on vLLM-Ascend) hands
+        # the call back to this wrapper, so it can run twice for one call
+        if (not args and not kwargs and isinstance(name, str) and name.startswith("torch.")
+                and not name.startswith("torch.cuda.") and self.device.type == "cpu"):
             return "torch.cuda." + name[len("torch."):]
         return name
 

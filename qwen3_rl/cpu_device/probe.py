@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -127,8 +128,12 @@ def _wrap_rollout(mod, rec: _Recorder) -> None:
         await orig_update(self, tee(), **kwargs)
         seconds = time.perf_counter() - t0
         rec.syncs += 1
-        model = self.inference_engine.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        worker = self.inference_engine.llm_engine.model_executor.driver_worker.worker
+        model = worker.model_runner.model
         summary = compare(received, dict(model.named_parameters()))
+        # which engine the rollout runs: vLLM's CPU worker / runner or vLLM-Ascend's (QWEN3_RL_CPU_ROLLOUT=ascend)
+        summary.update(worker=type(worker).__name__, runner=type(worker.model_runner).__name__,
+                       drafter=type(getattr(worker.model_runner, "drafter", None)).__name__)
         if rec.root and int(os.environ.get("RANK", "0")) == 0:
             from safetensors.torch import save_file
 
@@ -143,7 +148,9 @@ def _wrap_rollout(mod, rec: _Recorder) -> None:
         rec.write("generate_start", n=n, batch=len(prompts))
         t0 = time.perf_counter()
         out = orig_generate(self, prompts, **kwargs)
-        rec.write("generate_end", n=n, seconds=time.perf_counter() - t0)
+        stand_in = sys.modules.get("qwen3_rl.cpu_device.npu.stand_in")  # the NPU stand-in's kernel calls so far
+        rec.write("generate_end", n=n, seconds=time.perf_counter() - t0,
+                  npu_calls=dict(stand_in.CALLS) if stand_in is not None else None)
         return out
 
     cls.update_weights = update_weights

@@ -10,7 +10,11 @@ untouched):
 * the rejection-sampling kernels of ``shims.py`` (vLLM-Ascend's PyTorch implementations in place of
   vLLM's Triton kernels), installed when ``vllm.v1.sample.rejection_sampler`` is first imported, from the engine
   workspace ``QWEN3_RL_ENGINE_WS``;
-* the observation probes of ``probe.py`` when ``QWEN3_RL_E2E_PROBE_DIR`` is set.
+* the observation probes of ``probe.py`` when ``QWEN3_RL_E2E_PROBE_DIR`` is set;
+* with ``QWEN3_RL_CPU_ROLLOUT=ascend``: the rollout on vLLM-Ascend's own engine (``NPUWorker`` ->
+  ``NPUModelRunner``) instead of vLLM's CPU runner. When ``vllm`` is first imported (in the rollout workers, after
+  verl has settled on the CPU device), the NPU stand-in (``npu/stand_in.py``) is installed, the workspace's patched
+  vLLM-Ascend tree is put on ``sys.path`` and its platform plugin selected (``npu/run.py``'s ``prepare``).
 """
 
 import os
@@ -39,6 +43,22 @@ if os.environ.get("QWEN3_RL_CPU_SHIMS") == "1":
         shims.install_ascend_pytorch_rejection_sampler(Path(os.environ["QWEN3_RL_ENGINE_WS"]) / "vllm-ascend")
 
     post_import.after_import("vllm.v1.sample.rejection_sampler", _rejection_sampler)
+    if os.environ.get("QWEN3_RL_CPU_ROLLOUT") == "ascend":
+
+        def _ascend_rollout(_module):  # noqa: ANN001
+            os.environ["VLLM_PLUGINS"] = "ascend"  # the CPU profile's default is "none" (vLLM's CPU platform)
+            from qwen3_rl.cpu_device.npu import run as ascend_run
+
+            ascend_run.prepare([str(Path(os.environ["QWEN3_RL_ENGINE_WS"]) / "vllm-ascend")])
+            # the stand-in "NPU" has no Triton backend (an A3 has triton-ascend): vLLM-Ascend must take its PyTorch
+            # paths (worker/worker.py:106 imports torch_npu._inductor when HAS_TRITON). In the Ray workers the
+            # host's Triton reports an active driver (the CPU shims' torch.cuda), so say it here.
+            import vllm.triton_utils
+            import vllm.triton_utils.importing
+
+            vllm.triton_utils.HAS_TRITON = vllm.triton_utils.importing.HAS_TRITON = False
+
+        post_import.after_import("vllm", _ascend_rollout)
     if os.environ.get("QWEN3_RL_E2E_PROBE_DIR"):
         import probe
 

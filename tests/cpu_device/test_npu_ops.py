@@ -252,6 +252,99 @@ def test_moe_init_routing_expert_range_and_inverse_row_index():
     assert cum.tolist() == [1, 2, 4, 6]
 
 
+def test_token_permute_sorts_pairs_by_expert_and_unpermute_inverts_it():
+    """``npu_moe_token_permute``: rows sorted by expert id, ties in flat (token, slot) order, the returned index maps
+    each flat pair to its row; with ``npu_moe_token_unpermute`` it rebuilds the per-token weighted sum (checked
+    against a per-token loop); 1-D indices (K = 1) are a plain stable sort of the rows."""
+    t, h, e, k = 9, 5, 4, 2
+    g = _gen(21)
+    x = torch.randn(t, h, generator=g)
+    ids = torch.randint(0, e, (t, k), generator=g, dtype=torch.int32)
+    probs = torch.rand(t, k, generator=g)
+    perm, rows = ops.npu_moe_token_permute(x, ids, num_out_tokens=t * k)
+    expected_order = [(int(ids[i, j]), i * k + j) for i in range(t) for j in range(k)]
+    expected_order.sort()  # by expert, then flat index
+    for r, (_, flat) in enumerate(expected_order):
+        assert rows[flat] == r and torch.equal(perm[r], x[flat // k])
+    y = torch.randn(t * k, h, generator=g)  # "expert outputs", one per row
+    out = ops.npu_moe_token_unpermute(y, rows, probs=probs, restore_shape=x.shape)
+    ref = torch.stack([sum(probs[i, j] * y[int(rows[i * k + j])] for j in range(k)) for i in range(t)])
+    torch.testing.assert_close(out, ref)
+    one = torch.tensor([1, 0, 1, 0, 2], dtype=torch.int32)
+    p1, r1 = ops.npu_moe_token_permute(x[:5], one)
+    assert r1.tolist() == [2, 0, 3, 1, 4] and torch.equal(p1, x[[1, 3, 0, 2, 4]])
+    torch.testing.assert_close(ops.npu_moe_token_unpermute(p1, r1), x[:5])
+
+
+MC2_PROBE = textwrap.dedent("""
+    import json, os, sys
+    sys.path.insert(0, sys.argv[1])
+    import torch, torch.distributed as dist
+    from qwen3_rl.cpu_device.npu import hccl, ops
+    hccl.install()
+    rank, world = int(os.environ["RANK"]), 2
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    be = dist.group.WORLD._get_backend(torch.device("cpu"))
+    name = be.get_hccl_comm_name(rank)
+    t_max, h, f, e, k = 6, 8, 4, 4, 2
+    g = torch.Generator().manual_seed(5)  # the same draws on both ranks: each knows every rank's tokens
+    xs = [torch.randn(t_max, h, generator=g) for _ in range(world)]
+    ids_all = [torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t_max)]).int() for _ in range(world)]
+    ws = [torch.rand(t_max, k, generator=g) for _ in range(world)]
+    w13, w2 = torch.randn(e, 2 * f, h, generator=g), torch.randn(e, h, f, generator=g)
+    n = (5, 3)[rank]  # tokens on this rank (fewer than the per-rank maximum)
+    x, ids, w = xs[rank][:n], ids_all[rank][:n], ws[rank][:n]
+    out = ops.npu_moe_distribute_dispatch_v2(x=x, expert_ids=ids, group_ep=name, ep_world_size=world,
+        ep_rank_id=rank, moe_expert_num=e, global_bs=t_max * world, expert_token_nums_type=0,
+        expert_shard_type=0, shared_expert_rank_num=0, quant_mode=0, scales=None, group_tp=name,
+        tp_world_size=1, tp_rank_id=0)
+    ex, _, assist, cum, ep_recv, tp_recv, _ = out
+    local = range(rank * e // world, (rank + 1) * e // world)
+    # what this rank must receive: every (rank, token, slot) routed to its experts, grouped by expert
+    want = [(le, s, tt, j) for le in local for s in range(world) for tt in range((5, 3)[s]) for j in range(k)
+            if int(ids_all[s][tt, j]) == le]
+    assert ex.shape[0] == len(want), (ex.shape, len(want))
+    for r, (le, s, tt, j) in enumerate(want):
+        assert torch.equal(ex[r], xs[s][tt])
+    assert cum.tolist() == torch.tensor([sum(1 for w_ in want if w_[0] == le) for le in local]).cumsum(0).tolist()
+    # the experts (vLLM-Ascend's unquantised MLP on the stand-in's grouped matmul)
+    w13l, w2l = w13[list(local)].transpose(1, 2), w2[list(local)].transpose(1, 2)
+    gu = ops.npu_grouped_matmul([ex], [w13l], group_list=cum, group_list_type=0, split_item=2, group_type=0)[0]
+    y = ops.npu_grouped_matmul([ops.npu_swiglu(gu)], [w2l], group_list=cum, group_list_type=0, split_item=2,
+                               group_type=0)[0]
+    combined = ops.npu_moe_distribute_combine_v2(expand_x=y, expert_ids=ids, assist_info_for_combine=assist,
+        ep_send_counts=ep_recv, expert_scales=w, group_ep=name, ep_world_size=world, ep_rank_id=rank,
+        moe_expert_num=e, global_bs=t_max * world, tp_send_counts=tp_recv, group_tp=name, tp_world_size=1,
+        tp_rank_id=0, expert_shard_type=0, shared_expert_rank_num=0)
+    ref = torch.zeros(n, h)
+    for tt in range(n):
+        for j in range(k):
+            ee = int(ids[tt, j]); a = w13[ee] @ x[tt]
+            ref[tt] += w[tt, j] * (w2[ee] @ (torch.nn.functional.silu(a[:f]) * a[f:]))
+    torch.testing.assert_close(combined, ref, rtol=1e-5, atol=1e-5)
+    print("MC2_OK", json.dumps({"rank": rank, "received": ex.shape[0]}))
+""")
+
+
+def test_mc2_dispatch_experts_combine_over_two_ranks_matches_per_token_experts():
+    """``npu_moe_distribute_dispatch_v2`` -> grouped-matmul experts -> ``npu_moe_distribute_combine_v2`` on two gloo
+    ranks (4 experts, 2 per rank, 5 and 3 tokens): each rank receives exactly the (token, slot) pairs routed to its
+    experts, grouped by expert; the combined output equals the per-token expert loop."""
+    import os
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", MC2_PROBE, str(REPO)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, "RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}) for r in (0, 1)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for p, out in zip(procs, outs, strict=True):
+        assert p.returncode == 0 and "MC2_OK" in out, out[-3000:]
+
+
 def test_unsupported_modes_fail_loudly():
     with pytest.raises(NotImplementedError):
         ops.npu_moe_init_routing_custom(torch.zeros(2, 2), torch.zeros(2, 1, dtype=torch.int32), quant_mode=1)
@@ -280,7 +373,10 @@ RUNTIME_PROBE = textwrap.dedent("""
     assert torch.ones(2).pin_memory().is_pinned() is False
     assert torch.empty(2, pin_memory=True).device.type == "cpu"
     assert torch.ones(3).npu().device.type == "cpu"
-    assert torch.device("npu:1").type == "npu"
+    ids = torch.tensor([[3, 0], [1, 3]], dtype=torch.int32)
+    h = torch.histc(ids, bins=4, min=0, max=4)
+    assert h.dtype == torch.int32 and h.tolist() == [1, 1, 0, 2]
+    assert torch.device("npu:1").type == "npu" and torch.ones(1).is_npu is False
     ev, s = torch.npu.Event(enable_timing=True), torch.npu.Stream()
     ev.record(s); torch.npu.current_stream().wait_stream(s); ev.synchronize()
     with torch.npu.stream(s):
@@ -296,11 +392,16 @@ RUNTIME_PROBE = textwrap.dedent("""
         active_expert_range=[0, 8], quant_mode=-1)
     assert int(cnt.sum()) == 8
     try:
-        torch_npu.npu_moe_distribute_dispatch_v2
+        torch_npu.npu_moe_distribute_dispatch
         raise SystemExit("missing kernel did not raise")
     except AttributeError as e:
         assert "stand-in" in str(e)
-    assert not hasattr(torch_npu, "npu_moe_distribute_dispatch_v2")
+    assert not hasattr(torch_npu, "npu_moe_distribute_dispatch") and hasattr(torch_npu, "npu_moe_distribute_dispatch_v2")
+    # seeded generators "on the NPU" are host generators: same numbers as the host's for the same seed
+    g = torch.Generator(device="npu").manual_seed(7)
+    assert isinstance(g, torch.Generator) and isinstance(torch.default_generator, torch.Generator)
+    assert g.device.type == "cpu"
+    assert torch.equal(torch.rand(5, generator=g, device="npu"), torch.rand(5, generator=torch._C.Generator().manual_seed(7)))
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
     dist.init_process_group("hccl", rank=0, world_size=1)

@@ -6,9 +6,12 @@ prompts; prints one JSON line.
     RANK=r WORLD_SIZE=2 ... python tests/engine/ascend_dp_driver.py SPEC.json
 
 SPEC: {"workspace": DIR, "model": DIR, "prompts": [[ids], ...] (rank r takes its contiguous share),
-       "max_tokens": int, "enable_expert_parallel": bool}
+       "max_tokens": int, "enable_expert_parallel": bool, optional: "ascend_tree": a vLLM-Ascend tree to run
+       (default WORKSPACE/vllm-ascend), "llm": extra LLM kwargs, "moe_probe": true (record the fused MoE's calls)}
 Result: {"rank", "outputs": [[ids] per own prompt], "dp": (rank, size) of vLLM's DP group, "ep": EP group size,
-"npu_calls": stand-in kernel calls, "routing_ranges": the expert ranges the routing kernel was asked for}.
+"npu_calls": stand-in kernel calls, "routing_ranges": the expert ranges the routing kernel was asked for,
+"moe": with moe_probe, per MoE communication type: forward calls, rows, and the routed-path bodies run with their rows
+(more bodies than calls: the step was chunked)}.
 """
 
 from __future__ import annotations
@@ -63,6 +66,45 @@ def eplb_type4(llm, loads: list) -> dict | None:
             "changed": int(changed), "new_table": torch.as_tensor(new_table).tolist()}
 
 
+def probe_fused_moe() -> dict:
+    """Count ``AscendFusedMoE.forward_impl`` calls and the runs of its routed-path body (``_forward_impl_one_chunk``
+    with vllm_ascend 0005; the body itself without it) per MoE communication type, with their row counts. The
+    methods run unchanged."""
+    from vllm.forward_context import get_forward_context
+    from vllm_ascend.ops.fused_moe.fused_moe import AscendFusedMoE
+
+    seen: dict = {}
+
+    def comm() -> dict:
+        name = getattr(get_forward_context().moe_comm_type, "name", "NONE")
+        return seen.setdefault(name, {"calls": 0, "rows": [], "bodies": 0, "body_rows": []})
+
+    outer = AscendFusedMoE.forward_impl
+    body_name = "_forward_impl_one_chunk" if hasattr(AscendFusedMoE, "_forward_impl_one_chunk") else None
+
+    def forward_impl(self, hidden_states, router_logits, *args, **kwargs):
+        c = comm()
+        c["calls"] += 1
+        c["rows"].append(int(hidden_states.shape[0]))
+        if body_name is None:
+            c["bodies"] += 1
+            c["body_rows"].append(int(hidden_states.shape[0]))
+        return outer(self, hidden_states, router_logits, *args, **kwargs)
+
+    AscendFusedMoE.forward_impl = forward_impl
+    if body_name is not None:
+        body = getattr(AscendFusedMoE, body_name)
+
+        def one_chunk(self, hidden_states, router_logits, *args, **kwargs):
+            c = comm()
+            c["bodies"] += 1
+            c["body_rows"].append(int(hidden_states.shape[0]))
+            return body(self, hidden_states, router_logits, *args, **kwargs)
+
+        setattr(AscendFusedMoE, body_name, one_chunk)
+    return seen
+
+
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     ws = Path(spec["workspace"])
@@ -82,7 +124,8 @@ def main() -> int:
         return out
 
     ops.C_ASCEND_OPS["npu_moe_init_routing_custom"] = (ops.C_ASCEND_OPS["npu_moe_init_routing_custom"][0], probe)
-    ascend_run.prepare([str(ws / "vllm-ascend")])
+    ascend_run.prepare([spec.get("ascend_tree") or str(ws / "vllm-ascend")])
+    moe = probe_fused_moe() if spec.get("moe_probe") else None
     from vllm import LLM, SamplingParams
     from vllm.distributed import parallel_state as ps
     from vllm.inputs import TokensPrompt
@@ -90,8 +133,10 @@ def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     llm = LLM(model=spec["model"], dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
               num_gpu_blocks_override=256, data_parallel_size=world, distributed_executor_backend="external_launcher",
-              enable_expert_parallel=bool(spec.get("enable_expert_parallel")))
-    loads.clear()  # the load of the generation below only (not the profiling and warm-up runs)
+              enable_expert_parallel=bool(spec.get("enable_expert_parallel")), **spec.get("llm", {}))
+    loads.clear()
+    if moe is not None:
+        moe.clear()  # the generation below only  # the load of the generation below only (not the profiling and warm-up runs)
     share = len(spec["prompts"]) // world
     mine = spec["prompts"][rank * share:(rank + 1) * share]
     if spec.get("rebalance"):  # vllm 0004 / verl 0007: rollout rebalance between the DP engines, as verl sets it
@@ -101,11 +146,13 @@ def main() -> int:
         mine = [spec["prompts"][i] for i in spec["rebalance_split"][rank]]
     sp = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in mine], sp, use_tqdm=False)
-    eplb = eplb_type4(llm, loads) if spec.get("enable_expert_parallel") else None
+    # (the routing kernel that records the load runs on the all-gather path; test_ascend_dp.py checks it is there)
+    eplb = eplb_type4(llm, loads) if spec.get("enable_expert_parallel") and loads else None
     print("ENGINE_RESULT " + json.dumps({"eplb": eplb,
         "rank": rank, "outputs": [list(r.outputs[0].token_ids) for r in res],
         "dp": [ps.get_dp_group().rank_in_group, ps.get_dp_group().world_size], "ep": ps.get_ep_group().world_size,
-        "npu_calls": dict(stand_in.CALLS), "routing_ranges": sorted(ranges), "rebalance": rebalance_report(llm)}))
+        "npu_calls": dict(stand_in.CALLS), "routing_ranges": sorted(ranges), "rebalance": rebalance_report(llm),
+        "moe": moe, "soc": __import__("torch").npu.get_soc_version()}))
     return 0
 
 

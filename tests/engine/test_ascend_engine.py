@@ -32,6 +32,9 @@ HCCL = {"qwen3_rl": {"hccl_op_expansion_mode": {"tp": "aiv"}}}
 DENSE_KERNELS = {"torch_npu.npu_rms_norm", "torch_npu.npu_add_rms_norm", "torch_npu.npu_swiglu",
                  "torch_npu._npu_rotary_embedding", "torch_npu._npu_reshape_and_cache",
                  "torch_npu.npu_fused_infer_attention_score", "torch_npu._npu_matmul_add_fp32"}
+#: seeded sampling runs (temperature 1): two with the same seed, one with another
+SEEDED = {"a": 7, "b": 7, "c": 8}
+SEEDED_TOKENS = 16
 MOE_KERNELS = {"_C_ascend.moe_gating_top_k", "_C_ascend.npu_moe_init_routing_custom",
                "torch_npu.npu_grouped_matmul", "torch_npu.npu_moe_token_unpermute"}
 
@@ -72,12 +75,17 @@ def ascend_runs(request, engine_ws: Path, tiny_models: dict[str, Path], tmp_path
         {"name": "base_group", "prompts": GROUP, "phases": WAVES, **base},
         {"name": "sam_own_waves", "llm": sam(), "prompts": GROUP, "phases": WAVES, **base},
         {"name": "sam_group", "llm": sam(group_mode=True), "prompts": GROUP, "phases": WAVES, **base}]
+    # per-request seeds: vLLM builds torch.Generator(device="npu") per seeded request
+    runs += [{"name": f"seeded_{tag}", "sampling": {"max_tokens": SEEDED_TOKENS, "temperature": 1.0, "seed": seed}}
+             for tag, seed in SEEDED.items()]
     spec = {"workspace": str(engine_ws), "model": str(model), "prompts": PROMPTS, "ascend": True, "runs": runs}
     tmp = tmp_path_factory.mktemp(f"ascend-{request.param}")
     runs = run_engine(spec, tmp)
-    cpu = run_engine({"workspace": str(engine_ws), "model": str(model), "prompts": PROMPTS,
-                      "runs": [{"name": "base", **base}]}, tmp)
+    cpu_runs = [{"name": "base", **base},
+                {"name": "seeded", "sampling": {"max_tokens": SEEDED_TOKENS, "temperature": 1.0, "seed": SEEDED["a"]}}]
+    cpu = run_engine({"workspace": str(engine_ws), "model": str(model), "prompts": PROMPTS, "runs": cpu_runs}, tmp)
     return {"model": request.param, "runs": runs, "vllm_cpu": cpu["base"]["outputs"],
+            "vllm_cpu_seeded": cpu["seeded"]["outputs"],
             "hf": hf_greedy(model, PROMPTS, TOKENS)}
 
 
@@ -159,3 +167,18 @@ def test_hccl_op_expansion_reaches_the_tp_process_group(ascend_runs: dict) -> No
     assert groups["tp"]["hccl_op_expansion_mode"] == 3
     assert "hccl_buffer_size" in groups["tp"]
     assert all(cfg is None or "hccl_op_expansion_mode" not in cfg for name, cfg in groups.items() if name != "tp")
+
+
+def test_per_request_seeds_are_reproducible_and_equal_the_vllm_cpu_engine(ascend_runs: dict) -> None:
+    """``SamplingParams(seed=...)``: vLLM makes ``torch.Generator(device="npu")`` per request
+    (``gpu_model_runner.py:818``; the stand-in's host generator) and vLLM-Ascend's sampler draws each request's
+    exponential noise from it, as vLLM's CPU sampler does (``topk_topp_sampler.py:159-168``): same seed, same
+    tokens, also across the two engines; another seed, other tokens."""
+    runs = ascend_runs["runs"]
+    a, b, c = (runs[f"seeded_{t}"]["outputs"] for t in "abc")
+    print(f"{ascend_runs['model']}: seed 7: {a[0]}; seed 8: {c[0]}; vLLM CPU seed 7: {ascend_runs['vllm_cpu_seeded'][0]}")
+    assert all(len(o) == SEEDED_TOKENS for o in a)
+    assert a == b, "same seed, different tokens"
+    assert a != c, "different seeds, same tokens"
+    assert a != [o[:SEEDED_TOKENS] for o in runs["base"]["outputs"]], "sampled tokens equal the greedy ones"
+    assert a == ascend_runs["vllm_cpu_seeded"], "vLLM-Ascend's seeded sampling differs from vLLM's CPU engine"

@@ -12,7 +12,9 @@ dispatchers are built up front, so even one device reaches it). Here:
   ``ProcessGroup._get_backend``) and returns a stable name per group;
 * ``ProcessGroupHCCL.Options`` is a plain class with ``hccl_config`` (dict); each group's ``hccl_config`` is
   recorded in :data:`GROUP_OPTIONS` (group name -> dict), which is what a real HCCL communicator would be
-  configured from (torch_npu 2.8.0.post2 reads it into ``HcclCommConfig``).
+  configured from (torch_npu 2.8.0.post2 reads it into ``HcclCommConfig``);
+* the comm name resolves back to its backend (:func:`backend_for_comm_name`): the MC2 kernels
+  (``npu_moe_distribute_dispatch_v2`` / ``combine_v2``, ``ops.py``) are collectives that take the group by name.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from typing import Any
 #: torch group name -> the ``hccl_config`` dict the group was created with (None: no options given).
 GROUP_OPTIONS: dict[str, dict | None] = {}
 _BACKENDS: dict[str, Any] = {}
+#: ``get_hccl_comm_name`` result -> the backend (``ProcessGroupGloo``) it names.
+_BY_COMM_NAME: dict[str, Any] = {}
 _INSTALLED = False
 
 
@@ -75,7 +79,17 @@ def install() -> None:
         dist.Backend.register_backend("hccl", _create, extended_api=True, devices=["npu", "cpu"])
 
     def get_hccl_comm_name(self: Any, rank: int, *args: Any, **kwargs: Any) -> str:
-        return f"hccl_host_{id(self):x}_{rank}"
+        name = f"hccl_host_{id(self):x}_{rank}"
+        _BY_COMM_NAME[name] = self
+        return name
 
     dist.ProcessGroupGloo.get_hccl_comm_name = get_hccl_comm_name
     _INSTALLED = True
+
+
+def backend_for_comm_name(name: str) -> Any:
+    """The backend whose ``get_hccl_comm_name`` returned ``name`` (its low-level collectives: ``allgather``)."""
+    try:
+        return _BY_COMM_NAME[name]
+    except KeyError:
+        raise KeyError(f"no stand-in HCCL communicator named {name!r} (get_hccl_comm_name was not called)") from None

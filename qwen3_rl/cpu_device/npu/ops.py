@@ -1,4 +1,5 @@
-"""Plain PyTorch references of the NPU kernels vLLM-Ascend 0.13.0 calls on its eager single-device path.
+"""Plain PyTorch references of the NPU kernels vLLM-Ascend 0.13.0 calls on its eager path (one device, and an A3's
+expert parallelism: the all-to-all and MC2 dispatchers).
 
 Each function is written from the kernel's documented semantics (torch_npu / CANN operator docs and the
 schemas in vLLM-Ascend's ``csrc/torch_binding.cpp``), computes on host tensors and keeps the kernel's
@@ -9,7 +10,9 @@ Float math runs in the input dtype except where the kernel documents float32 acc
 Call sites (``vllm_ascend`` 0.13.0): ``ops/layernorm.py:66,72``, ``ops/activation.py:42``,
 ``ops/rotary_embedding.py:217,229,246``, ``attention/attention_v1.py:596,698``, ``worker/worker.py:425``,
 ``utils.py:143,148``, ``ops/fused_moe/experts_selector.py:242``, ``ops/fused_moe/token_dispatcher.py:338,367``,
-``ops/fused_moe/moe_mlp.py:286,303``. Unit tests: ``tests/cpu_device/test_npu_ops.py``.
+``ops/fused_moe/moe_mlp.py:286,303``; an A3 with EP > 1: ``ops/fused_moe/token_dispatcher.py:201,282`` (MC2
+dispatch / combine v2, collectives over the group named by its HCCL comm name) and ``:520,602,612,619`` (token
+permute / unpermute around the all-to-all). Unit tests: ``tests/cpu_device/test_npu_ops.py``.
 """
 
 from __future__ import annotations
@@ -306,11 +309,142 @@ def npu_moe_token_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch
     return (rows * probs.to(rows.dtype).unsqueeze(-1)).sum(1)
 
 
+# ---------------------------------------------------------------- expert parallelism on an A3 (all-to-all, MC2)
+
+
+def npu_moe_token_permute(tokens: torch.Tensor, indices: torch.Tensor, num_out_tokens: int | None = None,
+                          padded_mode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort the ``T*K`` (token, slot) pairs by expert id (stable: ties keep flat order) and gather one row of
+    ``tokens`` per pair; pairs past ``num_out_tokens`` (if given, ``> 0``) are dropped.
+
+    tokens: ``(T, H)``; indices: ``(T, K)`` expert ids (or ``(T,)``: ``K = 1``). Returns ``(permuted (n, H),
+    sorted_indices (T*K,) int32)`` with ``sorted_indices[flat] = row of the pair in permuted`` (the convention
+    :func:`npu_moe_token_unpermute` reads, the same as ``npu_moe_init_routing_custom``'s ``row_idx_type=0``;
+    vLLM-Ascend feeds one kernel's output to the other: ``ops/fused_moe/token_dispatcher.py:520,612,619``).
+    """
+    if padded_mode:
+        raise NotImplementedError("npu_moe_token_permute stand-in: padded_mode")
+    kk = 1 if indices.dim() == 1 else indices.shape[-1]
+    flat = indices.reshape(-1).long()
+    n = flat.numel() if not num_out_tokens or num_out_tokens <= 0 else min(int(num_out_tokens), flat.numel())
+    order = torch.sort(flat, stable=True).indices[:n]  # row -> flat index
+    rows = torch.full((flat.numel(),), -1, dtype=torch.int32)
+    rows[order] = torch.arange(n, dtype=torch.int32)
+    return tokens[order // kk], rows
+
+
+def _mc2_group(group_ep: str, ep_world_size: int, ep_rank_id: int):
+    """The process group (the stand-in's gloo-backed ``"hccl"`` backend) named by ``group_ep``."""
+    from qwen3_rl.cpu_device.npu.hccl import backend_for_comm_name
+
+    be = backend_for_comm_name(group_ep)
+    if be.size() != ep_world_size or be.rank() != ep_rank_id:
+        raise ValueError(f"MC2 stand-in: group {group_ep} has rank {be.rank()}/{be.size()}, the call says "
+                         f"{ep_rank_id}/{ep_world_size}")
+    return be
+
+
+def _all_gather_rows(be, t: torch.Tensor, rows: int) -> list[torch.Tensor]:
+    """All ranks' ``t`` (first dim ``<= rows``, zero-padded to ``rows`` on the wire), each cut back to its own
+    length: a list over the group's ranks."""
+    n = torch.tensor([t.shape[0]], dtype=torch.int64)
+    ns = [torch.zeros(1, dtype=torch.int64) for _ in range(be.size())]
+    be.allgather([ns], [n]).wait()
+    pad = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype)
+    pad[:t.shape[0]] = t
+    outs = [torch.zeros_like(pad) for _ in range(be.size())]
+    be.allgather([outs], [pad.contiguous()]).wait()
+    return [o[:int(k)] for o, k in zip(outs, ns, strict=True)]
+
+
+def npu_moe_distribute_dispatch_v2(x: torch.Tensor, expert_ids: torch.Tensor, group_ep: str, ep_world_size: int,
+                                   ep_rank_id: int, moe_expert_num: int, *, scales=None, x_active_mask=None,
+                                   expert_scales: torch.Tensor | None = None, group_tp: str = "",
+                                   tp_world_size: int = 1, tp_rank_id: int = 0, expert_shard_type: int = 0,
+                                   shared_expert_num: int = 1, shared_expert_rank_num: int = 0,
+                                   quant_mode: int = 0, global_bs: int = 0, expert_token_nums_type: int = 1,
+                                   **unused) -> tuple[torch.Tensor, ...]:
+    """MC2 dispatch (a collective over the EP group ``group_ep``): every rank sends each of its (token, slot)
+    pairs to the rank owning the pair's expert (``moe_expert_num / ep_world_size`` consecutive experts per rank,
+    no shared-expert ranks); each rank returns the rows it received, grouped by its local expert, within an
+    expert by source rank, token and slot.
+
+    x: ``(Tl, H)`` this rank's tokens (``Tl <= global_bs / ep_world_size``); expert_ids: ``(Tl, K)`` global ids.
+    Returns ``(expand_x (n, H), dynamic_scales (empty: unquantised), assist_info_for_combine (n, 3) int32 = (source
+    rank, token, slot) per row, expert_token_nums (local experts,) int64 (cumsum if ``expert_token_nums_type=0``),
+    ep_recv_counts (ep_world_size,) int32 rows per source rank, tp_recv_counts (1,) int32, expand_scales (n,)
+    float32 (empty without ``expert_scales``))``. The layout of ``assist_info_for_combine`` / ``ep_recv_counts``
+    is this stand-in's own (the device kernel's is opaque): only :func:`npu_moe_distribute_combine_v2` reads it.
+    The exchange all-gathers padded rows (the device kernel writes only the needed ones).
+    """
+    if quant_mode != 0 or scales is not None or shared_expert_rank_num != 0 or expert_shard_type != 0:
+        raise NotImplementedError("MC2 dispatch stand-in: unquantised, no shared-expert ranks, shard type 0")
+    if tp_world_size != 1 or x_active_mask is not None:
+        raise NotImplementedError("MC2 dispatch stand-in: tp_world_size 1, no x_active_mask")
+    be = _mc2_group(group_ep, ep_world_size, ep_rank_id)
+    per_rank = global_bs // ep_world_size if global_bs else x.shape[0]
+    if x.shape[0] > per_rank:
+        raise ValueError(f"MC2 dispatch: {x.shape[0]} tokens > global_bs / ep_world_size = {per_rank}")
+    local = moe_expert_num // ep_world_size
+    es = torch.zeros(expert_ids.shape, dtype=torch.float32) if expert_scales is None else expert_scales.float()
+    xs = _all_gather_rows(be, x, per_rank)
+    ids = _all_gather_rows(be, expert_ids.to(torch.int64), per_rank)
+    sc = _all_gather_rows(be, es, per_rank)
+    rows, info, scl, per_expert, per_src = [], [], [], [], [0] * ep_world_size
+    for e in range(ep_rank_id * local, (ep_rank_id + 1) * local):
+        n_e = 0
+        for src in range(ep_world_size):
+            for t, j in (ids[src] == e).nonzero().tolist():
+                rows.append(xs[src][t])
+                info.append((src, t, j))
+                scl.append(sc[src][t, j])
+                per_src[src] += 1
+                n_e += 1
+        per_expert.append(n_e)
+    expand_x = torch.stack(rows) if rows else x.new_zeros((0, x.shape[-1]))
+    counts = torch.tensor(per_expert, dtype=torch.int64)
+    if expert_token_nums_type == 0:
+        counts = counts.cumsum(0)
+    expand_scales = torch.stack(scl) if (scl and expert_scales is not None) else torch.empty(0)
+    return (expand_x, torch.empty(0), torch.tensor(info, dtype=torch.int32).view(-1, 3), counts,
+            torch.tensor(per_src, dtype=torch.int32), torch.ones(1, dtype=torch.int32), expand_scales)
+
+
+def npu_moe_distribute_combine_v2(expand_x: torch.Tensor, expert_ids: torch.Tensor,
+                                  assist_info_for_combine: torch.Tensor, ep_send_counts: torch.Tensor,
+                                  expert_scales: torch.Tensor, group_ep: str, ep_world_size: int, ep_rank_id: int,
+                                  moe_expert_num: int, *, tp_send_counts=None, x_active_mask=None,
+                                  expand_scales=None, group_tp: str = "", tp_world_size: int = 1,
+                                  tp_rank_id: int = 0, expert_shard_type: int = 0, shared_expert_num: int = 1,
+                                  shared_expert_rank_num: int = 0, global_bs: int = 0, **unused) -> torch.Tensor:
+    """MC2 combine (a collective over ``group_ep``): the inverse of :func:`npu_moe_distribute_dispatch_v2`. Each
+    row of ``expand_x`` (the experts' outputs, in dispatch order) goes back to its source rank, which sums, per
+    token, its ``K`` rows weighted by ``expert_scales``: ``out[t] = sum_j expert_scales[t, j] * y(t, j)``.
+
+    expand_x: ``(n, H)``; expert_ids / expert_scales: ``(Tl, K)`` this rank's; assist_info_for_combine: the
+    dispatch's ``(n, 3)``. Returns ``(Tl, H)`` in expand_x's dtype (sums in float32).
+    """
+    if shared_expert_rank_num != 0 or tp_world_size != 1 or x_active_mask is not None:
+        raise NotImplementedError("MC2 combine stand-in: no shared-expert ranks, tp_world_size 1, no mask")
+    be = _mc2_group(group_ep, ep_world_size, ep_rank_id)
+    tl, kk = expert_ids.shape
+    rows_max = (global_bs // ep_world_size if global_bs else tl) * kk * ep_world_size
+    ys = _all_gather_rows(be, expand_x, rows_max)
+    infos = _all_gather_rows(be, assist_info_for_combine.to(torch.int64), rows_max)
+    gathered = torch.zeros((tl, kk, expand_x.shape[-1]), dtype=torch.float32)
+    for y, info in zip(ys, infos, strict=True):
+        for r, (src, t, j) in enumerate(info.tolist()):
+            if src == ep_rank_id:
+                gathered[t, j] = y[r].float()
+    return (gathered * expert_scales.float().unsqueeze(-1)).sum(1).to(expand_x.dtype)
+
+
 #: torch_npu names -> reference (the ``torch_npu`` stand-in module exposes exactly these ops).
 TORCH_NPU_OPS = {f.__name__: f for f in (
     npu_rms_norm, npu_add_rms_norm, npu_swiglu, npu_apply_rotary_pos_emb, _npu_rotary_embedding,
     _npu_reshape_and_cache, npu_fused_infer_attention_score, _npu_matmul_add_fp32, npu_format_cast,
-    get_npu_format, npu_grouped_matmul, npu_moe_token_unpermute)}
+    get_npu_format, npu_grouped_matmul, npu_moe_token_unpermute, npu_moe_token_permute,
+    npu_moe_distribute_dispatch_v2, npu_moe_distribute_combine_v2)}
 #: vLLM-Ascend's own ``_C_ascend`` kernels (schemas of ``csrc/torch_binding.cpp``) -> reference.
 C_ASCEND_OPS = {
     "moe_gating_top_k": ("moe_gating_top_k(Tensor x, int k, int k_group, int group_count, int group_select_mode, "

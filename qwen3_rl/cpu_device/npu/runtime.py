@@ -3,7 +3,16 @@
 * **Device placement** (:class:`NpuOnHost`): the PrivateUse1 backend is renamed ``"npu"`` so ``torch.device("npu:0")``
   parses; a ``TorchFunctionMode`` turns every ``device="npu..."`` (also the one ``with torch.device("npu")``
   injects), ``Tensor.to("npu")`` and ``pin_memory=True`` / ``Tensor.pin_memory()`` into host equivalents, so the
-  tensors vLLM-Ascend makes "on the NPU" are host tensors. The mode is per thread: it is pushed in the thread that
+  tensors vLLM-Ascend makes "on the NPU" are host tensors.
+* **Factory calls the mode does not see** (:func:`install_factory_fallback`): a ``TorchFunctionMode`` is off while
+  its handler runs, so inside a custom op called through it (vLLM's ``moe_forward``, in which vLLM-Ascend's
+  all-to-all dispatcher makes ``torch.empty(..., device=torch.npu.current_device())``,
+  ``ops/fused_moe/comm_utils.py:89``) an NPU factory call reaches the dispatcher with the PrivateUse1 key; a
+  PrivateUse1 fallback kernel re-runs such an op with the device set to the host.
+* **Integer ``torch.histc``** (:func:`histc`): the NPU kernel takes integer input (vLLM-Ascend counts expert ids
+  with it, ``ops/fused_moe/token_dispatcher.py:537``), the host kernel is float-only: the stand-in counts a float
+  copy and returns the input's dtype. Installed as ``torch.histc`` (not in the function mode: a mode is off inside
+  the custom ops vLLM-Ascend runs the MoE layer in). The mode is per thread: it is pushed in the thread that
   runs the engine (in-process engine, async scheduling off).
 * **Memory** (:class:`DeviceMemory`): a fixed-size "device" of ``capacity`` bytes whose use is the bytes of the
   tensors created on "npu" that are still alive (weights, KV cache, buffers). ``mem_get_info`` /
@@ -11,7 +20,9 @@
   sees free memory fall as the model loads, and sizes the KV cache from ``capacity * gpu_memory_utilization``.
 * **Streams and events**: one host stream; ``record``/``wait``/``synchronize`` are no-ops (the host is
   synchronous), events time with ``perf_counter``.
-* **RNG**: the host generator.
+* **RNG**: the host generator; ``torch.Generator(device="npu")`` (vLLM's per-request seeded generators,
+  ``vllm/v1/worker/gpu_model_runner.py:818``) makes a host generator (:class:`HostGenerator`): a device generator
+  needs PrivateUse1 C++ hooks, which a Python stand-in cannot register.
 * **SoC**: ``get_soc_version`` reports the SoC the vLLM-Ascend build was made for (``vllm_ascend/_build_info.py``:
   ``A2`` -> 223, ``A3`` -> 253), so ``check_ascend_device_type`` (``utils.py:691-709``) agrees with the build.
 """
@@ -118,6 +129,39 @@ class NpuOnHost(TorchFunctionMode):
         return out
 
 
+_HOST_HISTC = torch.histc
+
+
+def histc(input: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0, *,  # noqa: A002 (torch's names)
+          out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.histc`` that also takes integer input, as the NPU kernel does (see the module docstring)."""
+    if input.is_floating_point() or out is not None:
+        return _HOST_HISTC(input, bins=bins, min=min, max=max, out=out)
+    return _HOST_HISTC(input.float(), bins=bins, min=min, max=max).to(input.dtype)
+
+
+_FALLBACK_LIB = None
+
+
+def _npu_to_host(op: Any, *args: Any, **kwargs: Any) -> Any:
+    """PrivateUse1 fallback: ``op`` with its ``device`` on the host (a factory call "on the NPU")."""
+    if _is_npu(kwargs.get("device")):
+        kwargs["device"] = torch.device("cpu")
+        out = op(*args, **kwargs)
+        if isinstance(out, torch.Tensor):
+            MEMORY.track(out)
+        return out
+    raise NotImplementedError(f"{op}: no host equivalent of this NPU call in the CPU stand-in (qwen3_rl/cpu_device/npu)")
+
+
+def install_factory_fallback() -> None:
+    """Register :func:`_npu_to_host` as the PrivateUse1 fallback kernel (idempotent)."""
+    global _FALLBACK_LIB
+    if _FALLBACK_LIB is None:
+        _FALLBACK_LIB = torch.library.Library("_", "IMPL")  # noqa: TOR901 (a fallback, not an op)
+        _FALLBACK_LIB.fallback(_npu_to_host, "PrivateUse1")
+
+
 _MODE_TLS = threading.local()
 
 
@@ -127,6 +171,27 @@ def enter_host_mode() -> None:
         mode = NpuOnHost()
         mode.__enter__()
         _MODE_TLS.mode = mode
+
+
+# ------------------------------------------------------------------ generators
+
+
+class _HostGeneratorMeta(type):
+    """Keeps ``isinstance(g, torch.Generator)`` true for every generator (also torch's own default ones)."""
+
+    def __instancecheck__(cls, obj: object) -> bool:
+        return isinstance(obj, torch._C.Generator)
+
+    def __subclasscheck__(cls, sub: type) -> bool:
+        return issubclass(sub, torch._C.Generator)
+
+
+class HostGenerator(torch._C.Generator, metaclass=_HostGeneratorMeta):
+    """``torch.Generator`` with an NPU device mapped to the host: ``HostGenerator(device="npu")`` returns a host
+    ``torch._C.Generator`` (same seeding, same stream of numbers as ``torch.Generator("cpu")``)."""
+
+    def __new__(cls, device: Any = "cpu") -> torch._C.Generator:  # type: ignore[misc]
+        return torch._C.Generator(host_device(device if device is not None else "cpu"))
 
 
 # ------------------------------------------------------------------ streams and events

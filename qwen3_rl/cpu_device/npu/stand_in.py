@@ -6,8 +6,12 @@ the reason it exists (vLLM-Ascend 0.13.0 file:line):
 | item | what it does on the host | why |
 |---|---|---|
 | PrivateUse1 renamed ``"npu"`` | ``torch.device("npu:0")`` parses | vLLM-Ascend names its device ``npu`` everywhere (``worker/worker.py:220``) |
+| ``Tensor.is_npu``, ``Module.npu`` (``generate_methods_for_privateuse1_backend``) | the attributes torch_npu's rename generates | ``torch.compile`` reads ``Tensor.is_npu`` (``torch/overrides.py:1529``) once PrivateUse1 is named ``npu`` (verl's compiled ``mul_reduce`` in the actor of a run whose rollout is on the stand-in) |
 | ``torch._C._get_accelerator`` -> host | torch's accelerator query answers "cpu" | a renamed PrivateUse1 without C++ hooks makes it raise (``torch.distributed.barrier``, ``distributed_c10d.py:4860``) |
 | ``torch.npu`` (``runtime.py``) | device, memory, streams, events, RNG, SoC as host calls | ``worker/worker.py:219-300``, ``worker/model_runner_v1.py:3108-3134``, ``utils.py:696`` |
+| ``torch.Generator`` -> ``runtime.HostGenerator`` | ``torch.Generator(device="npu")`` is a host generator | vLLM builds one per seeded request (``vllm/v1/worker/gpu_model_runner.py:818``); a device generator needs PrivateUse1 C++ hooks |
+| PrivateUse1 fallback kernel (``runtime.install_factory_fallback``) | an op dispatched to the NPU key by its ``device`` argument re-runs on the host | the function mode is off inside the custom ops it forwards (``moe_forward``): ``torch.empty(device=<npu index>)`` at ``ops/fused_moe/comm_utils.py:89`` |
+| ``torch.histc`` -> ``runtime.histc`` | integer input counted on a float copy, result in the input's dtype | the NPU kernel takes the int32 expert ids of the all-to-all dispatcher (``ops/fused_moe/token_dispatcher.py:537``); the host kernel is float-only |
 | ``NpuOnHost`` function mode | ``device="npu"``, ``.to("npu")``, ``pin_memory`` -> host | the engine's tensors must exist somewhere; pinning changes no value |
 | ``torch_npu`` module | the 12 kernels of ``ops.py`` + ``torch_npu.npu`` = ``torch.npu`` | ``import torch_npu`` at module level (``worker/worker.py:27`` and 18 others) |
 | ``torch_npu.op_plugin.atb._atb_ops._register_atb_extensions`` | no-op | ATB extensions load at worker init (``worker/worker.py:29,112``) |
@@ -20,7 +24,7 @@ the reason it exists (vLLM-Ascend 0.13.0 file:line):
 | ``torchair`` | empty module raising on use | imported by the npugraph_ex compiler backend only (``compilation/compiler_interface.py:96``) |
 
 Not stood in (the stand-in runs eager mode on one host): NPU graphs, sleep mode's ``CaMemAllocator``, quantised
-kernels, ``_npu_paged_attention`` (graph mode), MC2 / all-to-all dispatch kernels (EP > 1 on one host).
+kernels, ``_npu_paged_attention`` (graph mode), the fused MC2 kernels (``FUSED_MC2``: quantised w8a8 only).
 """
 
 from __future__ import annotations
@@ -146,6 +150,13 @@ def install() -> None:
     torch._C._get_accelerator = lambda check=False: torch.device("cpu")
     npu = runtime.build_npu_module()
     torch._register_device_module("npu", npu)
+    if not hasattr(torch.Tensor, "is_npu"):
+        # Tensor.is_npu & co., as torch_npu defines them: torch.compile's override table reads
+        # Tensor.is_<privateuse1 name> (torch/overrides.py:1529), e.g. verl's compiled mul_reduce in the actor
+        torch.utils.generate_methods_for_privateuse1_backend(for_tensor=True, for_module=True, for_storage=False)
+    torch.Generator = runtime.HostGenerator  # type: ignore[misc]
+    torch.histc = runtime.histc
+    runtime.install_factory_fallback()
     torch.Tensor.npu = lambda self, device=None, non_blocking=False, **kw: self.to("npu")  # type: ignore[attr-defined]
 
     tnpu = _module("torch_npu", npu=npu, __version__="2.8.0.post2",
