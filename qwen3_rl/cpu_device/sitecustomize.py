@@ -46,7 +46,7 @@ if os.environ.get("QWEN3_RL_CPU_SHIMS") == "1":
     if os.environ.get("QWEN3_RL_CPU_ROLLOUT") == "ascend":
 
         def _ascend_rollout(_module):  # noqa: ANN001
-            os.environ["VLLM_PLUGINS"] = "ascend"  # the CPU profile's default is "none" (vLLM's CPU platform)
+            os.environ["VLLM_PLUGINS"] = "ascend,qwen3_rl"  # the platform plugin and ours (the CPU profile: "qwen3_rl" only)
             from qwen3_rl.cpu_device.npu import run as ascend_run
 
             ascend_run.prepare([str(Path(os.environ["QWEN3_RL_ENGINE_WS"]) / "vllm-ascend")])

@@ -10,7 +10,7 @@ What it does, then runs SCRIPT as ``__main__`` (unchanged) in this process:
    ``"hccl"`` backend);
 2. makes vLLM-Ascend's platform plugin visible (``vllm.platform_plugins`` entry point ``ascend =
    vllm_ascend:register``; written to a temporary dist-info when only a source tree is on the path) and selects it
-   (``VLLM_PLUGINS=ascend`` unless set);
+   (``VLLM_PLUGINS=ascend,qwen3_rl`` unless set: the platform plugin and the seam's features);
 3. sets ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` unless set: the stand-in's host placement is per thread, so the
    engine core runs in the script's own thread (the in-process engine, as verl runs it; keep async scheduling off).
 
@@ -61,7 +61,7 @@ def prepare(paths: list[str] | tuple[str, ...] = ()) -> None:
 
     stand_in.install()
     ensure_platform_plugin()
-    os.environ.setdefault("VLLM_PLUGINS", "ascend")
+    os.environ.setdefault("VLLM_PLUGINS", "ascend,qwen3_rl")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
