@@ -192,3 +192,38 @@ def test_simulator_per_step_k_and_history(tmp_path: Path, capsys: pytest.Capture
         ms["sam_group_exchange+verify"] < ms["none"]
     ks = res["both+sam_group_exchange+adaptive"]["engine_steps_per_k"]
     assert len(ks) >= 2 and res["both+sam_group_exchange+verify"]["engine_steps_per_k"] == {"3": sum(ks.values())}
+    # roofline verification: extra query tokens are free until their compute exceeds the fitted decode step
+    capsys.readouterr()
+    assert main(["rollout", "--lengths", str(out), "--dp", "8", "--max-num-seqs", "64", "--policy", "both",
+                 "--drafting", ",".join(names), "--verify-model", "roofline", "--json"]) == 0
+    roof = json.loads(capsys.readouterr().out)["results"]
+    ms_r = {k.split("+", 1)[-1]: v["makespan_s"] for k, v in roof.items()}
+    print("roofline", {k: round(v, 1) for k, v in ms_r.items()})
+    for name in names:  # never dearer than the linear charge per draft token
+        assert ms_r[name] <= ms[name] + 1e-9
+    assert ms_r["sam_group_exchange+history+adaptive"] < ms["sam_group_exchange+history+adaptive"]
+
+
+def test_roofline_verification_cost() -> None:
+    """``--verify-model roofline``: the step is the fitted decode step while the query tokens' compute stays under
+    it (k = 0 never changes the fit), the compute side (FLOP at the stated inputs) once it is larger; the adaptive
+    pick then drafts longer in a full batch than the linear charge allows."""
+    from qwen3_rl.sim.drafting import ATTN_FLOP_PER_CTX, FLOP_PER_TOKEN, TPS, DraftModel
+    from qwen3_rl.sim.simulate import SimError, StepModel
+
+    sm = StepModel()
+    roof = DraftModel(TPS[("history", "bulk")], TPS[("history", "tail")], fixed_k=None, verify_model="roofline")
+    lin = DraftModel(TPS[("history", "bulk")], TPS[("history", "tail")], fixed_k=None)
+    ctx = 256 * 4000.0
+    assert roof.rank_flop_per_ms == pytest.approx(4 * 390e12 * 0.5 / 1000)
+    assert roof.verify_ms(sm, 0, 256, 256, ctx) == pytest.approx(sm.step_ms(256, ctx) + 0.4)  # fit unchanged
+    comp15 = 16 * (FLOP_PER_TOKEN * 256 + ATTN_FLOP_PER_CTX * ctx) / roof.rank_flop_per_ms
+    assert sm.t0_ms + comp15 > sm.step_ms(256, ctx)  # k = 15 in a full batch reaches the roof ...
+    assert roof.verify_ms(sm, 15, 256, 256, ctx) == pytest.approx(sm.t0_ms + comp15 + 0.4)
+    assert roof.verify_ms(sm, 3, 4, 4, 4 * 30000.0) == pytest.approx(sm.step_ms(4, 4 * 30000.0) + 0.4)  # tail: free
+    k_roof, k_lin = roof.pick(sm, 256, 256, ctx)[0], lin.pick(sm, 256, 256, ctx)[0]
+    assert k_lin < k_roof < 15  # ... so the pick stops short of k_max in the bulk
+    with pytest.raises(SimError):
+        DraftModel((1.0,), (1.0,), verify_model="free")
+    with pytest.raises(SimError):
+        DraftModel((1.0,), (1.0,), verify_model="roofline", mfu=0.0)

@@ -177,3 +177,29 @@ def test_bench_cli_history_and_adaptive(tmp_path: Path) -> None:
         assert m[name]["history_store_within_bound"] and m[name]["history_store_tokens"] == 2 * 4 * 2048 // 4
     assert max(i for i, c in enumerate(m["sam_group_adaptive"]["k_hist"]) if c) > 3
     assert m["vllm_ngram"]["mean_accepted"] is None and m["vllm_ngram"]["unavailable"]
+
+
+def _contains(hay: np.ndarray, needle: np.ndarray) -> bool:
+    """``needle`` occurs as a contiguous run of ``hay`` (both int32)."""
+    if needle.shape[0] > hay.shape[0]:
+        return False
+    win = np.lib.stride_tricks.sliding_window_view(hay, needle.shape[0])
+    return bool((win == needle).all(axis=1).any())
+
+
+def test_cost_history_holds_no_sibling_continuation() -> None:
+    """The cost run's history (an earlier visit) must not hold a running sibling's own continuation (its drafts
+    would then be accepted in full): reversed responses by default; the verbatim setup holds them (positive
+    control of the check)."""
+    from qwen3_rl.bench.drafters import build_contexts, history_texts
+
+    groups = load_corpus(CORPUS, limit_prompts=3)
+    ctxs, conts, keys = build_contexts(groups, 16, 2048, 16, 8)
+    for verbatim in (False, True):
+        hist = history_texts(groups, keys, 4, 2048 // 4, verbatim)
+        found = sum(_contains(h, conts[r]) for r in range(16) for h in hist[keys[r]])
+        assert all(h.shape[0] == 512 for v in hist.values() for h in v)
+        if verbatim:
+            assert found >= 4  # siblings 0-3 of each group find their continuation
+        else:
+            assert found == 0

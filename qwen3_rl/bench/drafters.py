@@ -34,7 +34,8 @@ k), ``sam_group_history`` (the earlier responses in the history store), with ``-
 ``sam_group_adaptive`` (history + draft length per step, ``AdaptiveK``) and with ``--history-weighted``
 ``sam_group_history_weighted`` (history ordered by a majority-vote reward stand-in). Each reports
 ``bulk_mean_accepted`` / ``tail_mean_accepted`` (steps with more than / at most 8 requests running) and
-``tail_steps``; their cost runs with the history store filled (``history_texts``).
+``tail_steps``; their cost runs with the history store filled (``history_texts``: the prompt's responses reversed,
+as for the cache fill; ``--history-cost-verbatim``: verbatim, which holds each sibling's own continuation).
 """
 
 from __future__ import annotations
@@ -642,12 +643,17 @@ def build_contexts(groups: list[list[Sample]], batch: int, context_len: int, ext
     return ctxs, conts, keys
 
 
-def history_texts(groups: list[list[Sample]], keys: Sequence[str], history: int, tokens: int
-                  ) -> dict[str, list[np.ndarray]]:
+def history_texts(groups: list[list[Sample]], keys: Sequence[str], history: int, tokens: int,
+                  verbatim: bool = False) -> dict[str, list[np.ndarray]]:
     """History of the cost groups (``build_contexts``'s keys ``g<gi>``, corpus prompt ``gi % len(groups)``):
-    ``history`` responses of ``tokens`` tokens per group. Response h starts with the real response
-    ``(tp, h % n)`` of the group's prompt (a sibling's text, as an earlier visit's), followed by further
-    responses of that prompt with token ids shifted by ``m * ROUND_SHIFT`` (no span repeats verbatim)."""
+    ``history`` responses of ``tokens`` tokens per group, made of the responses to the group's prompt: response
+    h starts with response ``(tp, h % n)``, followed by further responses of that prompt with token ids shifted
+    by ``m * ROUND_SHIFT`` (no span repeats verbatim).
+
+    Each response is reversed (default), like the finished-response cache fill: the cost contexts' siblings are
+    the prompt's samples themselves, so a verbatim copy would hold sibling ``h``'s own continuation, which no
+    earlier visit holds (its drafts would be accepted in full: 3.0 tokens per request and step in the cost run
+    against 1.9 in the visit replay). ``verbatim=True`` keeps that older, optimistic setup."""
     out: dict[str, list[np.ndarray]] = {}
     for key in dict.fromkeys(keys):
         tp = int(key[1:]) % len(groups)
@@ -656,7 +662,8 @@ def history_texts(groups: list[list[Sample]], keys: Sequence[str], history: int,
         for h in range(history):
             parts, have, m = [], 0, 0
             while have < tokens:
-                piece = g[(h + m) % len(g)].response.astype(np.int64) + m * ROUND_SHIFT
+                r = g[(h + m) % len(g)].response
+                piece = (r if verbatim else r[::-1]).astype(np.int64) + m * ROUND_SHIFT
                 parts.append(piece.astype(np.int32))
                 have += piece.shape[0]
                 m += 1
@@ -666,7 +673,8 @@ def history_texts(groups: list[list[Sample]], keys: Sequence[str], history: int,
 
 
 def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int, batch: int, context_len: int,
-                 steps: int, warmup: int = 3, fill_cache: bool = False, history: int = 0) -> dict[str, Any]:
+                 steps: int, warmup: int = 3, fill_cache: bool = False, history: int = 0,
+                 history_verbatim: bool = False) -> dict[str, Any]:
     """CPU us per decode step (batch update + propose) and bytes per token at ``batch`` x ``context_len``.
 
     Contexts are built (``add``) before timing; each timed step appends only that step's accepted
@@ -675,7 +683,8 @@ def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int
     ``fill_cache``: finish every corpus response (reversed) first so the finished-response cache is
     full (group mode's steady state; its matching then costs inside every step).
     ``history`` > 0: the history store is filled first with ``history`` responses of ``context_len //
-    history`` tokens for every cost group (``history_texts``), so every group automaton starts with them.
+    history`` tokens for every cost group (``history_texts``, reversed unless ``history_verbatim``), so every
+    group automaton starts with them.
     """
     extra = (steps + warmup + 1) * (k + 1) + 2 * min(steps, 10)  # timed steps + the list-API steps
     ctxs, conts, keys = build_contexts(groups, batch, context_len, extra, max(len(g) for g in groups))
@@ -683,7 +692,7 @@ def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int
     hist_tokens = 0
     if history:
         assert isinstance(d, SamDrafter) and d.p.history is not None, "history cost needs history_responses > 0"
-        for key, resps in history_texts(groups, keys, history, context_len // history).items():
+        for key, resps in history_texts(groups, keys, history, context_len // history, history_verbatim).items():
             for r in resps:
                 d.p.history_add(key, r)
         hist_tokens = d.p.history.num_tokens()
@@ -743,6 +752,7 @@ def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int
     if history:
         h = d.p.history  # type: ignore[attr-defined]
         out.update({"history_store_tokens": hist_tokens, "history_store_bytes": h.nbytes(),
+                    "history_cost_texts": "verbatim" if history_verbatim else "reversed",
                     # the automata alone (running texts, history strings, cache), without the store's raw tokens
                     "bytes_per_token_automata": (nb - h.nbytes()) / max(nt - h.num_tokens(), 1),
                     "history_store_bound_bytes": h.max_bytes,
@@ -771,8 +781,8 @@ def measure_cost(make: Callable[[], Drafter], groups: list[list[Sample]], k: int
 
 
 def measure_cost_repeated(make: Callable[[], Drafter], groups: list[list[Sample]], k: int, batch: int,
-                          context_len: int, steps: int, repeats: int, fill_cache: bool = False, history: int = 0
-                          ) -> dict[str, Any]:
+                          context_len: int, steps: int, repeats: int, fill_cache: bool = False, history: int = 0,
+                          history_verbatim: bool = False) -> dict[str, Any]:
     """``measure_cost`` ``repeats`` times, each with a fresh drafter and freshly built contexts.
 
     The figures of the run with the median ``us_per_step`` are returned (so ``us_per_step`` is the median
@@ -781,7 +791,8 @@ def measure_cost_repeated(make: Callable[[], Drafter], groups: list[list[Sample]
     """
     if repeats < 1:
         raise ValueError(f"--cost-repeats must be >= 1, got {repeats}")
-    runs = [measure_cost(make, groups, k, batch, context_len, steps, fill_cache=fill_cache, history=history)
+    runs = [measure_cost(make, groups, k, batch, context_len, steps, fill_cache=fill_cache, history=history,
+                         history_verbatim=history_verbatim)
             for _ in range(repeats)]
     order = sorted(range(repeats), key=lambda i: runs[i]["us_per_step"])
     out = dict(runs[order[(repeats - 1) // 2]])
@@ -1012,7 +1023,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 res.update(measure_cost_repeated(make_cost, groups, cost_k.get(name, k), batch, cost_ctx,
                                                  args.cost_steps, args.cost_repeats,
                                                  fill_cache=name.startswith("sam_group"),
-                                                 history=cost_hist.get(name, 0)))
+                                                 history=cost_hist.get(name, 0),
+                                                 history_verbatim=args.history_cost_verbatim))
                 res["cost_batch"] = batch
                 res["cost_context_len"] = cost_ctx
             elif make_cost is None:
@@ -1103,6 +1115,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adaptive-k", type=int, default=0, metavar="KMAX",
                    help="with --history: also sam_group_adaptive (history + adaptive draft length up to KMAX)")
     p.add_argument("--adaptive-k-min", type=int, default=1, help="floor of an adaptive draft length")
+    p.add_argument("--history-cost-verbatim", action="store_true",
+                   help="with --history: fill the cost run's history with verbatim responses (each sibling's own "
+                        "continuation inside: the older, optimistic setup) instead of reversed ones")
     p.add_argument("--history-weighted", action="store_true",
                    help="with --history: also sam_group_history_weighted (reward-weighted history, proxy rewards)")
     p.add_argument("--rule", default="recent", choices=["recent", "earliest"])

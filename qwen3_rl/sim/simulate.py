@@ -849,6 +849,11 @@ def _rollout_main(argv: list[str]) -> int:
     p.add_argument("--verify-token-ms", type=float, default=None,
                    help="BASE+... drafting: cost of one draft token in a verification step (ms; default 0.0585, "
                         "sim/drafting.py)")
+    p.add_argument("--verify-model", default="linear", choices=("linear", "roofline"),
+                   help="BASE+... drafting: verification step = decode step + --verify-token-ms per draft token "
+                        "(linear), or the larger of the decode step and the compute of all query tokens at "
+                        "--mfu of the rank's bf16 roof (roofline; sim/drafting.py)")
+    p.add_argument("--mfu", type=float, default=0.5, help="--verify-model roofline: utilisation of the compute roof")
     p.add_argument("--fixed-k", type=int, default=3, help="BASE+verify / BASE+history: the draft length")
     p.add_argument("--k-max", type=int, default=15, help="BASE+adaptive: the longest draft")
     _step_args(p)
@@ -889,7 +894,7 @@ def _rollout_main(argv: list[str]) -> int:
                 from qwen3_rl.sim.drafting import VERIFY_TOKEN_MS, draft_model
 
                 tok_ms = VERIFY_TOKEN_MS if ns.verify_token_ms is None else ns.verify_token_ms
-                dm = draft_model(dr, pol, drafting, ns.fixed_k, ns.k_max, tok_ms)
+                dm = draft_model(dr, pol, drafting, ns.fixed_k, ns.k_max, tok_ms, ns.verify_model, ns.mfu)
                 tps, lens_d, step_d = dm.bulk[2] * dm.layout, lengths, step
             else:
                 tps = drafting.tokens_per_step(dr, pol)
@@ -957,7 +962,10 @@ def _rollout_main(argv: list[str]) -> int:
               "plus --drafter-ms; /LB against the lower bound without drafting")
     if ksteps:
         print("BASE+...: each engine step moves a request one token and costs a verification step / tokens per "
-              "step, the verification step including --verify-token-ms per draft token; tok/step column = the bulk "
+              + ("step, the verification step = max(decode step, compute of all query tokens at --mfu); "
+                 if ns.verify_model == "roofline" else
+                 "step, the verification step including --verify-token-ms per draft token; ")
+              + "tok/step column = the bulk "
               "figure at k = 3; k used (engine steps): "
               + "; ".join(f"{_label(r, links)} {ksteps[id(r)]}" for r in results if id(r) in ksteps))
     return 0

@@ -741,21 +741,55 @@ def extend_batch(slots, buf, rows, starts, ends, prog, budget, resync, complete,
     if ca < 0:
         return 0
     S, E, R, H = _auto_views(AM, ca)
-    for i in range(n):  # every pointer's state line requested before the first walk needs it ...
-        s = slots[i]
-        if ends[i] > starts[i] and SM[s, M_CSTAMP] == stamp:
-            _prefetch(AM[ca, A_S] + I32 * SREC * SM[s, M_CST])
-    for i in range(n):  # ... then the line its first lookup reads (list head, hub slot or root slot)
-        s = slots[i]
-        if ends[i] > starts[i] and SM[s, M_CSTAMP] == stamp:
-            _prefetch_lookup(AM, ca, SM[s, M_CST], buf[rows[i], starts[i]])
-    for i in range(n):
-        if ends[i] <= starts[i]:
-            continue
-        if SM[slots[i], M_CSTAMP] != stamp:  # made for a cache that is gone (rare): re-fed
-            _cache_resync(AM, ca, SM, slots[i], ends[i] - starts[i], stamp, S, E, R, H, resync)
-        _cache_follow(AM, ca, SM, slots[i], buf, rows[i], starts[i], ends[i], S, E, R, H, knobs[KN_CACHE_FIX_EACH] != 0)
+    if knobs[KN_CACHE_FIX_EACH] != 0:  # the reference walk: request after request, fixed up before every token
+        for i in range(n):
+            if ends[i] <= starts[i]:
+                continue
+            if SM[slots[i], M_CSTAMP] != stamp:  # made for a cache that is gone (rare): re-fed
+                _cache_resync(AM, ca, SM, slots[i], ends[i] - starts[i], stamp, S, E, R, H, resync)
+            _cache_follow(AM, ca, SM, slots[i], buf, rows[i], starts[i], ends[i], S, E, R, H, True)
+        return 0
+    _cache_walk(AM, ca, SM, slots, buf, rows, starts, ends, stamp, S, E, R, H, resync)
     return 0
+
+
+@njit(cache=CACHE)
+def _cache_walk(AM, ca, SM, slots, buf, rows, starts, ends, stamp, S, E, R, H, resync):
+    """Advance every string's pointer into the cache automaton ``ca`` by its new tokens, token column by token
+    column: column ``j`` first requests, for every request, the line its lookup of token ``j`` reads (list
+    head, hub slot or root slot; its state line was requested one column earlier), then makes the steps and
+    requests each reached state's line. The misses of different requests overlap instead of being paid one
+    after another. Same pointers as ``_cache_follow`` request after request: the cache automaton gains no
+    state during a batch (lookups only reorder edge lists and index hubs, which never change a lookup), and a
+    pointer is fixed up once before its first token (``_cache_pointer``)."""
+    n = slots.shape[0]
+    nst = AM[ca, A_NST]
+    longest = 0
+    for i in range(n):
+        m = ends[i] - starts[i]
+        if m <= 0:
+            continue
+        s = slots[i]
+        if SM[s, M_CSTAMP] != stamp:  # made for a cache that is gone (rare): re-fed
+            _cache_resync(AM, ca, SM, s, m, stamp, S, E, R, H, resync)
+        else:
+            st, ln = _cache_pointer(S, SM, s, nst)
+            SM[s, M_CST] = st
+            SM[s, M_CLN] = ln
+            SM[s, M_CVER] = nst
+        _prefetch(AM[ca, A_S] + I32 * SREC * SM[s, M_CST])
+        longest = max(longest, m)
+    for j in range(longest):
+        for i in range(n):
+            if starts[i] + j < ends[i]:
+                _prefetch_lookup(AM, ca, SM[slots[i], M_CST], buf[rows[i], starts[i] + j])
+        for i in range(n):
+            if starts[i] + j < ends[i]:
+                s = slots[i]
+                st, ln = _match_step(AM, ca, S, E, R, H, SM[s, M_CST], SM[s, M_CLN], buf[rows[i], starts[i] + j])
+                SM[s, M_CST] = st
+                SM[s, M_CLN] = ln
+                _prefetch(AM[ca, A_S] + I32 * SREC * st)
 
 
 # ------------------------------------------------------------------------------- warm-up pass
