@@ -450,7 +450,7 @@ def test_golden_commands(name: str) -> None:
 
 
 def test_moe_alltoall_overlap_switch(patched_imports: Path) -> None:
-    """MOE_ALLTOALL_OVERLAP=True adds MindSpeed's overlap key (verl 0012 then syncs GroupedMLP weights);
+    """MOE_ALLTOALL_OVERLAP=True adds MindSpeed's overlap key (verl 0008 then syncs GroupedMLP weights);
     off by default, ignored by the dense setups, a bad value stops the script."""
     verl_config_dir = patched_imports / "verl" / "verl" / "trainer" / "config"
     moe = INTERNAL / "train_grpo_qwen3_235b_128die_true_weight.sh"
@@ -538,7 +538,7 @@ def test_sam_group_exchange_needs_group_mode_and_vllm_dp() -> None:
 
 
 def test_upstream_fix_switches(patched_imports: Path) -> None:
-    """NPU_EXPANDABLE_SEGMENTS / ROLLOUT_REAL_TORCH_COMPILE / ROLLOUT_PLAIN_LIST_CAPTURE_SIZES (verl 0004 / 0009 /
+    """NPU_EXPANDABLE_SEGMENTS / ROLLOUT_REAL_TORCH_COMPILE / ROLLOUT_PLAIN_LIST_CAPTURE_SIZES (verl 0003 / 0009 /
     0011): on by default, False composes to the declared rollout keys set to false, a bad value stops the script."""
     verl_config_dir = patched_imports / "verl" / "verl" / "trainer" / "config"
     keys = ("npu_expandable_segments", "real_torch_compile", "plain_list_capture_sizes")
