@@ -164,11 +164,10 @@ class _GeneratingLLM(_StandInLLM):
 def _spmd_generate(engine_kwargs: dict, llm: _StandInLLM):
     import torch
     from verl import DataProto
+    from verl.utils.qwen3_rl_hooks import rollout_hooks
     from verl.workers.config import RolloutConfig
     from verl.workers.rollout.vllm_rollout.vllm_rollout_spmd import vLLMRollout
     from vllm import SamplingParams
-
-    from verl.utils.qwen3_rl_hooks import rollout_hooks
 
     rollout = object.__new__(vLLMRollout)  # skip __init__: it builds a real vllm.LLM
     rollout.config = RolloutConfig(name="vllm", response_length=4, prompt_length=3, engine_kwargs=engine_kwargs,
