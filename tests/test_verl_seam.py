@@ -13,7 +13,12 @@ from conftest import PINS, REPO, run_python
 
 PROBE = r"""
 import importlib.util, sys
-assert importlib.util.find_spec("qwen3_rl") is None, "qwen3_rl is on the path"
+# an editable install of the checkout (pip install -e) would put qwen3_rl back through its finder: drop it
+sys.path[:] = [p for p in sys.path if "__editable__" not in str(p)]
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in (getattr(f, "__module__", "") or "")
+                    and "editable" not in getattr(f, "__name__", "")]
+sys.path_importer_cache.clear()
+assert importlib.util.find_spec("qwen3_rl") is None, f"qwen3_rl is on the path {sys.path}"
 import verl.trainer.ppo.ray_trainer as rt
 import verl.workers.rollout.vllm_rollout.vllm_rollout_spmd as spmd
 from verl.utils.qwen3_rl_hooks import rollout_hooks, trainer_hooks
@@ -23,6 +28,19 @@ print("ok", rt.RayPPOTrainer.__name__, spmd.vLLMRollout.__name__, sorted(m for m
 """
 
 
+def _probe(paths: tuple[Path | str, ...], cwd: Path):
+    """The probe in a fresh interpreter whose environment holds only PATH, HOME, the vLLM CPU switches and
+    PYTHONPATH = ``paths`` (nothing a test before may have exported)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"),
+           "VLLM_PLUGINS": "none", "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": os.pathsep.join(map(str, paths))}
+    return subprocess.run([sys.executable, "-s", "-c", PROBE], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=300)
+
+
 def _paths(ws: Path, pristine: Path) -> tuple[Path, ...]:
     """Patched verl; vLLM from the pristine pin (the vLLM seam is a separate series, checked on its own)."""
     return (ws / PINS.frameworks["verl"].dir, pristine / PINS.frameworks["vllm"].dir, ws / ".dist-info")
@@ -30,11 +48,11 @@ def _paths(ws: Path, pristine: Path) -> tuple[Path, ...]:
 
 def test_patched_verl_imports_without_qwen3_rl(patched_imports: Path, pristine_workspace: Path, tmp_path: Path) -> None:
     """ray_trainer and the SPMD rollout import from the patched tree in a process whose path has no qwen3_rl."""
-    proc = run_python(PROBE, path=_paths(patched_imports, pristine_workspace), cwd=tmp_path)
+    proc = _probe(_paths(patched_imports, pristine_workspace), tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("ok RayPPOTrainer vLLMRollout []"), proc.stdout
     # positive control: the same probe sees the package when the checkout is on the path
-    ctl = run_python(PROBE, path=(*_paths(patched_imports, pristine_workspace), REPO), cwd=tmp_path)
+    ctl = _probe((*_paths(patched_imports, pristine_workspace), REPO), tmp_path)
     assert ctl.returncode != 0 and "qwen3_rl is on the path" in ctl.stderr
 
 
