@@ -209,6 +209,26 @@ def _rules(env: str, kind: str, raw: object) -> tuple[Rule, ...]:
     return tuple(out)
 
 
+def _seam_key(sets: tuple[Setting, ...]) -> str | None:
+    """The ``qwen3_rl.<feature>.<key>`` a switch sets with its own value (the verl seam's config group), if any."""
+    for s in sets:
+        key = s.key.lstrip("+")
+        if key.startswith("qwen3_rl.") and s.value == "{value}":
+            return key
+    return None
+
+
+def _seam_default(env: str, key: str) -> object:
+    """The default of a seam key: the field default of its dataclass in :mod:`qwen3_rl.trainer.seam`."""
+    from qwen3_rl.trainer.seam import feature_defaults
+
+    defaults = feature_defaults()
+    if key not in defaults:
+        raise FeatureError(f"feature.{env}: {key} is not a key of the qwen3_rl config group "
+                           f"(qwen3_rl.trainer.seam.FEATURES)")
+    return defaults[key][0]
+
+
 _FEATURE_KEYS = {"name", "type", "default", "default_for", "allowed", "min", "setups", "sets", "requires", "excludes",
                  "patches", "modules", "tests", "doc"}
 
@@ -220,12 +240,16 @@ def _feature(env: str, raw: dict) -> Feature:
     typ = raw.get("type")
     if typ not in TYPES:
         raise FeatureError(f"feature.{env}: type must be one of {', '.join(TYPES)}, got {typ!r}")
-    default = raw.get("default", "")
+    sets = tuple(Setting(str(s["key"]), _canon(s["value"]), _conds(s.get("when", {}), f"feature.{env}.sets"))
+                 for s in raw.get("sets", []))
+    seam_key = _seam_key(sets)
+    if seam_key is not None and "default" in raw:
+        raise FeatureError(f"feature.{env}: sets {seam_key}, whose default is declared in qwen3_rl.trainer.seam; "
+                           "drop 'default' here")
+    default = raw.get("default", "") if seam_key is None else _seam_default(env, seam_key)
     default_context = ""
     if isinstance(default, dict):
         default_context, default = str(default["context"]), ""
-    sets = tuple(Setting(str(s["key"]), _canon(s["value"]), _conds(s.get("when", {}), f"feature.{env}.sets"))
-                 for s in raw.get("sets", []))
     f = Feature(env=env, name=str(raw.get("name", env)), type=typ, default=_canon(default),
                 default_context=default_context,
                 default_for={str(k): _canon(v) for k, v in raw.get("default_for", {}).items()},

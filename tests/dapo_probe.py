@@ -5,7 +5,7 @@ the PPO update (verl's worker RPCs): it hands the batch to ``on_update`` (if giv
 ``advantages`` / ``returns`` (and, with ``response_mask=True``, an all-ones ``response_mask``) and the
 ``global_token_num`` meta, and returns the batch. The trainer gets the shared test config (one epoch,
 filter_groups on the ``acc`` metric with 2 generation batches, no validation / saving / critic) with
-``actor_rollout_ref.rollout`` = ``{"n": n, **rollout_extra}``, and the given worker group, reward
+``actor_rollout_ref.rollout`` = ``{"n": n}``, the ``qwen3_rl`` group, and the given worker group, reward
 function, resource pool and dataloader.
 """
 
@@ -19,7 +19,7 @@ from omegaconf import OmegaConf
 
 def make_probe_trainer(cls: type, *, n: int, resp_len: int, actor_rollout_wg: Any, reward_fn: Callable,
                        resource_pool_manager: Any, train_dataloader: list, total_training_steps: int = 1,
-                       rollout_extra: dict | None = None, on_update: Callable[[Any], None] | None = None,
+                       qwen3_rl: dict | None = None, on_update: Callable[[Any], None] | None = None,
                        response_mask: bool = True) -> Any:
     import torch
 
@@ -40,11 +40,15 @@ def make_probe_trainer(cls: type, *, n: int, resp_len: int, actor_rollout_wg: An
     t.config = OmegaConf.create({
         "data": {"train_batch_size": 2, "gen_batch_size": 2},
         "algorithm": {"filter_groups": {"enable": True, "metric": "acc", "max_num_gen_batches": 2}},
-        "actor_rollout_ref": {"rollout": {"n": n, **(rollout_extra or {})}},
+        "actor_rollout_ref": {"rollout": {"n": n}},
+        "qwen3_rl": qwen3_rl or {},
         "trainer": {"project_name": "p", "experiment_name": "e", "logger": ["console"], "resume_mode": "disable",
                     "val_before_train": False, "total_epochs": 1, "test_freq": -1, "save_freq": -1,
                     "esi_redundant_time": 0, "balance_batch": False, "critic_warmup": 0}})
     t.dapo = DapoSettings.from_config(t.config)
+    from verl.utils.qwen3_rl_hooks import trainer_hooks
+
+    t.qwen3_rl_hooks = trainer_hooks(t.config)  # as RayPPOTrainer.__init__ sets it (the verl seam)
     t.actor_rollout_wg, t.async_rollout_mode, t.use_rm, t.use_critic = actor_rollout_wg, False, False, False
     t.reward_fn, t.val_reward_fn = reward_fn, None
     t.total_training_steps = total_training_steps

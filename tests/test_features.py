@@ -154,15 +154,15 @@ RULE_CASES = [
      "TRAIN_BATCH_SIZE=512): one mini-batch per step, else later mini-batches are off-policy; the trainer refuses it "
      "(docs/old_log_prob.md)"),
     (MBRIDGE, {"USE_MBRIDGE": "True", "MOE_ALLTOALLV": "True"}, MOE_CTX,
-     "USE_MBRIDGE=True excludes MOE_ALLTOALLV=True: verl 0013 converts only verl's own weight export, not mbridge's"),
+     "USE_MBRIDGE=True excludes MOE_ALLTOALLV=True: verl 0009 converts only verl's own weight export, not mbridge's"),
     (MBRIDGE, {"USE_MBRIDGE": "True", "MOE_ALLTOALL_OVERLAP": "True"}, MOE_CTX,
-     "USE_MBRIDGE=True excludes MOE_ALLTOALL_OVERLAP=True: verl 0012 converts only verl's own weight export, not "
+     "USE_MBRIDGE=True excludes MOE_ALLTOALL_OVERLAP=True: verl 0008 converts only verl's own weight export, not "
      "mbridge's"),
     (MOE, {"MOE_ZERO_MEMORY": "level1"}, MOE_CTX,
      "MOE_ZERO_MEMORY=level1 requires MOE_ALLTOALL_OVERLAP=True (got MOE_ALLTOALL_OVERLAP=False): MindSpeed applies "
      "moe_zero_memory only with moe_alltoall_overlap_comm (mindspeed/features_manager/moe/moe_zero_memory.py:33,37)"),
     (MOE, {"MOE_ALLTOALLV": "True", "ROLLOUT_ENABLE_EP": "False"}, MOE_CTX,
-     "MOE_ALLTOALLV=True requires ROLLOUT_ENABLE_EP=True (got ROLLOUT_ENABLE_EP=False): verl 0013 sends each rank "
+     "MOE_ALLTOALLV=True requires ROLLOUT_ENABLE_EP=True (got ROLLOUT_ENABLE_EP=False): verl 0009 sends each rank "
      "the experts of vLLM's expert-parallel placement"),
     (MOE, {"MOE_ALLTOALLV": "True", "ROLLOUT_EPLB": "True"}, MOE_CTX,
      "MOE_ALLTOALLV=True excludes ROLLOUT_EPLB=True: EPLB moves experts off vLLM's default placement"),

@@ -1,4 +1,4 @@
-"""verl patch 0012 (GroupedMLP weight1/weight2) executed on CPU: the patched ``scripts/converter_hf_to_mcore.py``
+"""verl patch 0008 (GroupedMLP weight1/weight2) executed on CPU: the patched ``scripts/converter_hf_to_mcore.py``
 fills a real megatron-core ``GroupedMLP`` from a tiny random Qwen3-MoE, the checkpoint view of it is the standard
 per-expert one, and the patched weight sync (``per_tensor_generator``; EP x ETP gathers simulated by threads for
 EP/ETP 2) gives back every HF tensor exactly. Switch off, TEGroupedMLP-style and dense states: byte-identical to

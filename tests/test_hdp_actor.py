@@ -1,4 +1,4 @@
-"""HDP in the patched verl Megatron actor (verl patch 0010), EXECUTED on 4 gloo ranks.
+"""HDP in the patched verl Megatron actor (verl patch 0006), EXECUTED on 4 gloo ranks.
 
 Layout: world 4 = DP 2 x CP 2 (CP groups [0, 1] and [2, 3]), TP = PP = 1. The two DP groups get mini-batches of
 very different token totals, so HDP's assignment needs 1 micro-batch on DP group 0 and 4 on DP group 1. On the

@@ -1,10 +1,10 @@
-"""verl patch 0013 (actor.moe_alltoallv): train -> rollout MoE weight sync with one all-to-allv per expert tensor.
+"""verl patch 0009 (actor.moe_alltoallv): train -> rollout MoE weight sync with one all-to-allv per expert tensor.
 
 (a) qwen3_rl.moe.reshard_verl: config parsing, validation errors, routing (every rank receives every ETP shard of
     exactly the experts its vLLM EP rank holds, once), the exchange itself with an in-process all_to_all_single;
 (b) the PATCHED verl per_tensor_generator EXECUTED in 4 spawned processes over a real gloo group with megatron-core's
     real parallel state (EP2xETP2, EP2 with two expert-DP replicas, EP4) on a tiny Qwen3-MoE-shaped model, in the
-    TEGroupedMLP and GroupedMLP (verl 0012) layouts: switch off = pristine verl 0.6.1 output (all experts), switch on =
+    TEGroupedMLP and GroupedMLP (verl 0008) layouts: switch off = pristine verl 0.6.1 output (all experts), switch on =
     that output restricted to the rank's vLLM experts, equal to the true HF weights, no EP/ETP all-gather;
 (c) the 235B train command with MOE_ALLTOALLV=True passes patched verl's Hydra config and dataclasses, and the
     patched ActorRolloutRefWorker.rollout_mode hands the switch and the vLLM layout to per_tensor_generator.
@@ -361,7 +361,7 @@ def _gloo_case(rank: int, world: int, case: tuple[int, int, int, int, int], mu, 
     got = {n: x for n, x in on if ".mlp.experts." in n}
     want = {n: x for n, x in sd.items() if int(n.split(".")[5]) in held}
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
-    # GroupedMLP (verl 0012 layout): off = 0012's all-gather stream; on = the TE switch-on stream exactly
+    # GroupedMLP (verl 0008 layout): off = 0012's all-gather stream; on = the TE switch-on stream exactly
     g_keep = [x for x, e in zip(g_off, expert_ids_of([n for n, _ in g_off]), strict=True) if e is None or e in held]
     assert _same(g_on, g_keep) and _same(g_on, on), "GroupedMLP switch on"
     # communication: no EP/ETP all-gather with the switch on (TP=PP=1: nothing else gathers);

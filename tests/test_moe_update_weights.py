@@ -1,4 +1,4 @@
-"""verl patch 0014 (bug fix): train->rollout weight sync into vLLM-Ascend's transposed fused-MoE weights.
+"""verl patch 0010 (bug fix): train->rollout weight sync into vLLM-Ascend's transposed fused-MoE weights.
 
 What runs for real (patched trees via ``patched_imports``):
 

@@ -1,4 +1,4 @@
-"""On-policy update without the old-log-prob pass (verl patch 0008, ``qwen3_rl.trainer.old_log_prob``).
+"""On-policy update without the old-log-prob pass (verl patch 0004, ``qwen3_rl.trainer.old_log_prob``).
 
 * the on-policy check and its error on configs;
 * the patched Megatron actor's ``update_policy`` / ``compute_log_prob`` EXECUTED on CPU with a tiny

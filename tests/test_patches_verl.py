@@ -254,26 +254,31 @@ def _compose_rollout(config_dir: Path, overrides: list[str]):
     return cfg
 
 
-def test_0002_use_tqdm_is_a_hydra_key(verl_on_vllm: Path, pristine_workspace: Path, clean_hydra: None) -> None:
-    from hydra.errors import ConfigCompositionException
+def test_seam_progress_bar_is_a_group_key(verl_on_vllm: Path, pristine_workspace: Path, clean_hydra: None) -> None:
+    """The seam's root group reaches the rollout workers' RolloutConfig; the package validates it."""
+    from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.config import RolloutConfig
 
+    from qwen3_rl.trainer.seam import RecipeConfig, SeamConfigError
+
     cfg_dir = verl_on_vllm / VERL_DIR / "verl" / "trainer" / "config"
-    on = _compose_rollout(cfg_dir, ["actor_rollout_ref.rollout.use_tqdm=true",
-                                    "actor_rollout_ref.rollout.name=vllm"])
+    on = _compose_rollout(cfg_dir, ["+qwen3_rl.progress_bar.enable=true", "actor_rollout_ref.rollout.name=vllm"])
+    OmegaConf.resolve(on)  # as verl's main_ppo does before the workers get their sub-configs
     rc = omega_conf_to_dataclass(on.actor_rollout_ref.rollout)
-    assert isinstance(rc, RolloutConfig) and rc.use_tqdm is True
+    assert isinstance(rc, RolloutConfig) and RecipeConfig.from_group(rc.qwen3_rl).progress_bar.enable is True
     default = _compose_rollout(cfg_dir, ["actor_rollout_ref.rollout.name=vllm"])
-    assert omega_conf_to_dataclass(default.actor_rollout_ref.rollout).use_tqdm is False
-    assert RolloutConfig(name="vllm").use_tqdm is False
-    # the pristine pin does not know the key: Hydra refuses the same override
+    OmegaConf.resolve(default)
+    assert omega_conf_to_dataclass(default.actor_rollout_ref.rollout).qwen3_rl == {}
+    assert RolloutConfig(name="vllm").qwen3_rl == {}
+    with pytest.raises(SeamConfigError, match=r"^qwen3_rl.progress_bar.enabled: unknown key"):
+        RecipeConfig.from_group({"progress_bar": {"enabled": True}})
+    # the pristine pin has no such group
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
-    with pytest.raises(ConfigCompositionException, match="use_tqdm"):
-        _compose_rollout(pristine_workspace / VERL_DIR / "verl" / "trainer" / "config",
-                         ["actor_rollout_ref.rollout.use_tqdm=true"])
+    pristine = _compose_rollout(pristine_workspace / VERL_DIR / "verl" / "trainer" / "config", [])
+    assert "qwen3_rl" not in pristine and "qwen3_rl" not in pristine.actor_rollout_ref.rollout
 
 
 class _FakeLLM:
@@ -288,16 +293,20 @@ class _FakeLLM:
         return [types.SimpleNamespace(outputs=[types.SimpleNamespace(token_ids=r)]) for r in self.responses]
 
 
-def _run_spmd_generate(use_tqdm: bool, tp: int) -> tuple[_FakeLLM, object]:
+def _run_spmd_generate(use_tqdm: bool | None, tp: int) -> tuple[_FakeLLM, object]:
+    """use_tqdm None: the qwen3_rl group empty (no hooks, upstream's call)."""
     import torch
     from verl import DataProto
+    from verl.utils.qwen3_rl_hooks import rollout_hooks
     from verl.workers.config import RolloutConfig
     from verl.workers.rollout.vllm_rollout.vllm_rollout_spmd import vLLMRollout
     from vllm import SamplingParams
 
     rollout = object.__new__(vLLMRollout)  # skip __init__: it builds a real vllm.LLM
-    rollout.config = RolloutConfig(name="vllm", use_tqdm=use_tqdm, tensor_model_parallel_size=tp,
+    group = {} if use_tqdm is None else {"progress_bar": {"enable": use_tqdm}}
+    rollout.config = RolloutConfig(name="vllm", qwen3_rl=group, tensor_model_parallel_size=tp,
                                    response_length=4, prompt_length=3)
+    rollout.qwen3_rl_hooks = rollout_hooks(rollout.config)  # what __init__ sets once the engine is built
     rollout.pad_token_id = 0
     rollout.lora_kwargs = {}
     rollout.sampling_params = SamplingParams(max_tokens=4)
@@ -312,7 +321,9 @@ def _run_spmd_generate(use_tqdm: bool, tp: int) -> tuple[_FakeLLM, object]:
     return rollout.inference_engine, out
 
 
-def test_0002_spmd_generate_passes_use_tqdm(verl_on_vllm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_seam_spmd_generate_passes_use_tqdm(verl_on_vllm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    llm, out = _run_spmd_generate(use_tqdm=None, tp=1)  # group empty: upstream's use_tqdm=False, no meta_info
+    assert llm.calls[0]["use_tqdm"] is False and out.meta_info == {}
     llm, out = _run_spmd_generate(use_tqdm=True, tp=1)
     assert llm.calls[0]["use_tqdm"] is True and llm.calls[0]["n_prompts"] == 2
     assert out.batch["responses"].tolist() == [[7, 8, 2, 0], [9, 0, 0, 0]]

@@ -1,4 +1,4 @@
-"""verl patch 0005 (disable_gc switch): declared in Hydra, applied by the real SPMD rollout __init__.
+"""verl patch 0014 (disable_gc switch): declared in Hydra, applied by the real SPMD rollout __init__.
 
 The SPMD ``vLLMRollout.__init__`` of the patched tree runs on CPU with a stand-in ``vllm.LLM`` that
 records its keyword arguments (everything else is the real code path: config dataclass, context
@@ -34,19 +34,23 @@ NAME = "actor_rollout_ref.rollout.name=vllm"
 
 
 def test_disable_gc_switch_is_declared(patched_imports: Path, clean_hydra: None) -> None:
-    from hydra.errors import ConfigCompositionException
+    from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
 
-    on = _compose(patched_imports, ["actor_rollout_ref.rollout.disable_gc_in_engine_step=true", NAME])
-    assert omega_conf_to_dataclass(on.actor_rollout_ref.rollout).disable_gc_in_engine_step is True
+    from qwen3_rl.trainer.seam import RecipeConfig, SeamConfigError
+
+    on = _compose(patched_imports, ["+qwen3_rl.disable_gc.enable=true", NAME])
+    OmegaConf.resolve(on)
+    assert RecipeConfig.from_group(omega_conf_to_dataclass(on.actor_rollout_ref.rollout).qwen3_rl).disable_gc.enable
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
     off = _compose(patched_imports, [NAME])
-    assert omega_conf_to_dataclass(off.actor_rollout_ref.rollout).disable_gc_in_engine_step is False
-    GlobalHydra.instance().clear()
-    with pytest.raises(ConfigCompositionException, match="disable_gc_in_engine_stepp"):
-        _compose(patched_imports, ["actor_rollout_ref.rollout.disable_gc_in_engine_stepp=true"])
+    OmegaConf.resolve(off)
+    assert RecipeConfig.from_group(omega_conf_to_dataclass(off.actor_rollout_ref.rollout).qwen3_rl).disable_gc.enable \
+        is False
+    with pytest.raises(SeamConfigError, match="qwen3_rl.disable_gc.enable must be bool"):
+        RecipeConfig.from_group({"disable_gc": {"enable": "true"}})
 
 
 class _RecordingLLM:
@@ -82,20 +86,21 @@ def _init_rollout(monkeypatch: pytest.MonkeyPatch, **cfg):
 def test_spmd_rollout_applies_the_switch(patched_imports: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gc_control.set_decode_gc_disabled(False)
     try:
-        rollout = _init_rollout(monkeypatch, disable_gc_in_engine_step=True,
+        rollout = _init_rollout(monkeypatch, qwen3_rl={"disable_gc": {"enable": True}},
                                 engine_kwargs={"vllm": {"additional_config": {"qwen3_rl": {"x": 1}}}})
         assert gc_control.decode_gc_disabled() is True
         llm = _RecordingLLM.instances[-1]
         assert rollout.inference_engine is llm
         assert llm.kwargs["max_model_len"] == 24 and llm.kwargs["additional_config"] == {"qwen3_rl": {"x": 1}}
-        _init_rollout(monkeypatch)  # default: off again
+        _init_rollout(monkeypatch, qwen3_rl={"disable_gc": {"enable": False}})  # off again
         assert gc_control.decode_gc_disabled() is False
+        assert _init_rollout(monkeypatch).qwen3_rl_hooks is None  # group empty: no hooks, nothing of ours runs
     finally:
         gc_control.set_decode_gc_disabled(False)
 
 
 def test_plain_list_graph_sizes_reach_vllm(patched_imports: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """verl 0011: the dataclass holds a plain list; the pristine pin dropped it with a warning."""
+    """verl 0007: the dataclass holds a plain list; the pristine pin dropped it with a warning."""
     _init_rollout(monkeypatch, enforce_eager=False, cudagraph_capture_sizes=[8, 16, 32])
     cc = _RecordingLLM.instances[-1].kwargs["compilation_config"]
     assert list(cc.cudagraph_capture_sizes) == [8, 16, 32]

@@ -220,17 +220,18 @@ def test_rollout_rebalance_needs_vllm_dp():
     from qwen3_rl.launch.preflight import check_feature_rules
 
     R = "actor_rollout_ref.rollout."
-    assert check_feature_rules({R + "rollout_rebalance": "False"}) == []
-    assert check_feature_rules({R + "rollout_rebalance": "True",
+    RB = "qwen3_rl.rollout_rebalance.enable"
+    assert check_feature_rules({RB: "False"}) == []
+    assert check_feature_rules({RB: "True",
                                 R + "engine_kwargs.vllm.data_parallel_size": "32"}) == []
     for dp in ({}, {R + "engine_kwargs.vllm.data_parallel_size": "1"}):
-        (err,) = check_feature_rules({R + "rollout_rebalance": "true", **dp})
+        (err,) = check_feature_rules({RB: "true", **dp})
         assert err.line() == ("error: [feature] ROLLOUT_REBALANCE=True requires VLLM_DP > 1 (got VLLM_DP=1): nothing "
                               "to move requests between; the engine hook refuses vLLM DP 1 at start-up")
     # a hand-written override past the script's own check: the 235B script with vLLM DP 1
-    (msg,) = _feature_errors([R + "rollout_rebalance=True", f"+{R}engine_kwargs.vllm.data_parallel_size=1"])
+    (msg,) = _feature_errors([f"++{RB}=True", f"+{R}engine_kwargs.vllm.data_parallel_size=1"])
     assert msg.startswith("ROLLOUT_REBALANCE=True requires VLLM_DP > 1")
-    assert _feature_errors([R + "rollout_rebalance=True"]) == []  # DP 32
+    assert _feature_errors([f"++{RB}=True"]) == []  # DP 32
 
 
 def test_feature_rules_read_back_from_keys():
@@ -261,7 +262,7 @@ def test_feature_rules_read_back_from_keys():
 
 def test_spec_decode_requests_a_drafter_can_serve():
     """SAM on through the real 235B script: clean; a penalty the rollout passes to every request is a warning
-    (vLLM drafts nothing for it); calculate_log_probs with SAM is an error (verl 0015 refuses it at start-up)."""
+    (vLLM drafts nothing for it); calculate_log_probs with SAM is an error (verl 0011 refuses it at start-up)."""
     from qwen3_rl.launch.preflight import run_preflight
 
     R = "actor_rollout_ref.rollout."

@@ -1,6 +1,6 @@
 """Rollout balancing wired into the trainers and the engine loop.
 
-* data rebalance: verl patch 0006 drives RayPPOTrainer.fit (GRPO, with validation and balance_batch) and
+* data rebalance: verl patch 0014 drives RayPPOTrainer.fit (GRPO, with validation and balance_batch) and
   our DAPO trainer (filter_groups, two generation batches) on the patched verl on CPU with fake worker
   groups: the batch reaches ``generate_sequences`` dealt over the rollout DP pieces and comes back in
   dataset order with each response and reward on its prompt's row; uneven / async errors; Hydra keys.
@@ -151,15 +151,18 @@ def _grpo_trainer(ws: Path, *, data_rebalance: bool, n: int, train: list[list[in
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
     cfg = _compose_verl(ws, [
-        f"actor_rollout_ref.rollout.data_rebalance={str(data_rebalance).lower()}",
+        f"+qwen3_rl.data_rebalance.enable={str(data_rebalance).lower()}",
         f"actor_rollout_ref.rollout.n={n}", "actor_rollout_ref.rollout.val_kwargs.n=1",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
         "trainer.n_gpus_per_node=8", "trainer.nnodes=1", "trainer.logger=[console]",
         "trainer.resume_mode=disable", f"trainer.val_before_train={val is not None}", "trainer.test_freq=-1",
         "trainer.save_freq=-1", "trainer.total_epochs=1", "trainer.balance_batch=true",
         "algorithm.adv_estimator=grpo", *extra])
+    from verl.utils.qwen3_rl_hooks import trainer_hooks
+
     t = RayPPOTrainer.__new__(RayPPOTrainer)
     t.config = cfg
+    t.qwen3_rl_hooks = trainer_hooks(cfg)  # what RayPPOTrainer.__init__ sets (the verl seam)
     t.actor_rollout_wg = _FakeActorRolloutWG()
     t.async_rollout_mode = t.use_rm = t.use_reference_policy = t.use_critic = False
     t.reward_fn = t.val_reward_fn = _grpo_reward_fn
@@ -263,10 +266,11 @@ def test_dp_size_derivation(patched_imports: Path) -> None:
     cfg.actor_rollout_ref.rollout.tensor_model_parallel_size = 3
     with pytest.raises(DataRebalanceError, match="not divisible"):
         rollout_dp_size_from_config(cfg)
-    bad = OmegaConf.create({"actor_rollout_ref": {"rollout": {"data_rebalance": "true"}}})
+    bad = OmegaConf.create({"qwen3_rl": {"data_rebalance": {"enable": "true"}}})
     from qwen3_rl.rollout.data_rebalance import data_rebalance_enabled
+    from qwen3_rl.trainer.seam import SeamConfigError
 
-    with pytest.raises(DataRebalanceError, match="must be a bool"):
+    with pytest.raises(SeamConfigError, match="qwen3_rl.data_rebalance.enable must be bool"):
         data_rebalance_enabled(bad)
 
 
@@ -295,7 +299,7 @@ def test_dapo_fit_data_rebalance_with_filter_groups(patched_imports: Path) -> No
 
     wg = _FakeActorRolloutWG(world_size=8, tp=2)  # 4 DP pieces
     t = make_probe_trainer(cls, n=n, resp_len=RESP_LEN, actor_rollout_wg=wg, reward_fn=reward_fn,
-                           resource_pool_manager=_Pool(), rollout_extra={"data_rebalance": True},
+                           resource_pool_manager=_Pool(), qwen3_rl={"data_rebalance": {"enable": True}},
                            on_update=trained.append,
                            train_dataloader=[_batch_dict([0, 1]), _batch_dict([2, 3])])  # 1 informative group per batch
     t.fit()
@@ -612,33 +616,36 @@ def test_collective_timeout_is_a_clear_error(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------
 # config switches: declared in the patched verl config, mapped from the train scripts' env vars
 # ---------------------------------------------------------------------------------------------------
-SWITCHES = {"DATA_REBALANCE": ("data_rebalance", False), "ROLLOUT_REBALANCE": ("rollout_rebalance", False),
-            "ROLLOUT_REBALANCE_INTERVAL_STEPS": ("rollout_rebalance_interval_steps", 32),
-            "ROLLOUT_REBALANCE_MAX_MOVES": ("rollout_rebalance_max_moves", 128)}
+SWITCHES = {"DATA_REBALANCE": ("data_rebalance.enable", False), "ROLLOUT_REBALANCE": ("rollout_rebalance.enable", False),
+            "ROLLOUT_REBALANCE_INTERVAL_STEPS": ("rollout_rebalance.interval_steps", 32),
+            "ROLLOUT_REBALANCE_MAX_MOVES": ("rollout_rebalance.max_moves", 128)}
 
 
 def test_switches_declared_and_mapped_from_scripts(patched_imports: Path) -> None:
-    from hydra.errors import ConfigCompositionException
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.config import RolloutConfig
 
     from qwen3_rl.launch.train_script import parse_train_script
     from qwen3_rl.rollout.migration import settings_from_rollout_config
+    from qwen3_rl.trainer.seam import RecipeConfig, SeamConfigError
 
     default = _compose_verl(patched_imports, ["actor_rollout_ref.rollout.name=vllm"])
+    OmegaConf.resolve(default)  # as verl's main_ppo does before the workers get their sub-configs
     r = omega_conf_to_dataclass(default.actor_rollout_ref.rollout, dataclass_type=RolloutConfig)
-    assert (r.data_rebalance, r.rollout_rebalance, r.rollout_rebalance_interval_steps,
-            r.rollout_rebalance_max_moves, r.rollout_rebalance_timeout_s) == (False, False, 32, 128, 60.0)
+    rc = RecipeConfig.from_group(r.qwen3_rl)
+    assert (rc.data_rebalance.enable, rc.rollout_rebalance.enable, rc.rollout_rebalance.interval_steps,
+            rc.rollout_rebalance.max_moves, rc.rollout_rebalance.timeout_s) == (False, False, 32, 128, 60.0)
     on = _compose_verl(patched_imports, ["actor_rollout_ref.rollout.name=vllm",
-                                         "actor_rollout_ref.rollout.data_rebalance=true",
-                                         "actor_rollout_ref.rollout.rollout_rebalance=true",
-                                         "actor_rollout_ref.rollout.rollout_rebalance_interval_steps=8"])
+                                         "+qwen3_rl.data_rebalance.enable=true",
+                                         "+qwen3_rl.rollout_rebalance.enable=true",
+                                         "+qwen3_rl.rollout_rebalance.interval_steps=8"])
+    OmegaConf.resolve(on)
     settings, max_moves = settings_from_rollout_config(
         omega_conf_to_dataclass(on.actor_rollout_ref.rollout, dataclass_type=RolloutConfig))
     assert (settings.enable, settings.interval_steps, max_moves) == (True, 8, 128)
-    for typo in ("actor_rollout_ref.rollout.data_rebalanse=true", "actor_rollout_ref.rollout.rollout_rebalence=true"):
-        with pytest.raises(ConfigCompositionException):
-            _compose_verl(patched_imports, [typo])
+    for typo in ("+qwen3_rl.data_rebalanse.enable=true", "+qwen3_rl.rollout_rebalance.enabled=true"):
+        with pytest.raises(SeamConfigError):
+            RecipeConfig.from_group(_compose_verl(patched_imports, [typo]).qwen3_rl)
 
     env_base = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
     scripts = sorted((REPO / "internal").glob("train_*.sh"))
@@ -646,7 +653,7 @@ def test_switches_declared_and_mapped_from_scripts(patched_imports: Path) -> Non
 
     from qwen3_rl.features import load_registry
 
-    reg = load_registry()  # the switches' defaults live in features.toml, not in the scripts
+    reg = load_registry()  # the switches' defaults come from the seam's dataclasses, not from the scripts
 
     assert [p.name for p in scripts] == sorted(SETUPS)
 
@@ -656,10 +663,10 @@ def test_switches_declared_and_mapped_from_scripts(patched_imports: Path) -> Non
         ov = dict(o.split("=", 1) for o in cmd.overrides if "=" in o)
         for var, (key, default_val) in SWITCHES.items():
             assert reg.default(reg.features[var], script.name, {}) == str(default_val), (script.name, var)
-            assert default_ov[f"actor_rollout_ref.rollout.{key}"] == str(default_val), (script.name, key)
-        assert ov["actor_rollout_ref.rollout.data_rebalance"] == "True"
-        assert ov["actor_rollout_ref.rollout.rollout_rebalance"] == "False"
-        assert ov["actor_rollout_ref.rollout.rollout_rebalance_max_moves"] == "7"
+            assert default_ov[f"+qwen3_rl.{key}"] == str(default_val), (script.name, key)
+        assert ov["+qwen3_rl.data_rebalance.enable"] == "True"
+        assert ov["+qwen3_rl.rollout_rebalance.enable"] == "False"
+        assert ov["+qwen3_rl.rollout_rebalance.max_moves"] == "7"
 
 
 def test_configure_rollout_rebalance_needs_engine_hook() -> None:

@@ -368,7 +368,7 @@ def test_train_script_maps_the_byte_cap() -> None:
 
     script = Path(__file__).resolve().parents[1] / "internal" / "train_grpo_qwen3_235b_128die_true_weight.sh"
     env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
-    key = "actor_rollout_ref.rollout.rollout_rebalance_max_kv_bytes="
+    key = "+qwen3_rl.rollout_rebalance.max_kv_bytes="
 
     def cap(extra: dict[str, str]) -> list[str]:
         return [o for o in parse_train_script(script, env={**env, **extra}).overrides if o.startswith(key)]

@@ -54,7 +54,8 @@ def test_group_key_survives_data_rebalance_and_its_inverse(patched_imports: Path
                      "raw_prompt_ids": np.array([list(p) for p in prompts] + [[]], dtype=object)[:-1]},
     )
     batch = base.repeat(repeat_times=n, interleave=True)  # ray_trainer: samples of a prompt adjacent
-    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"data_rebalance": True, "tensor_model_parallel_size": 1}},
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"tensor_model_parallel_size": 1}},
+                            "qwen3_rl": {"data_rebalance": {"enable": True}},
                             "trainer": {"n_gpus_per_node": dp, "nnodes": 1}})  # rollout pieces: dp
     permuted, perm = permute_for_rollout(cfg, None, batch, n=n)
     assert perm is not None

@@ -1,4 +1,4 @@
-"""vLLM's spec-decode counters per rollout as verl step metrics (qwen3_rl.spec_decode.metrics, verl 0016).
+"""vLLM's spec-decode counters per rollout as verl step metrics (qwen3_rl.spec_decode.metrics, verl 0014).
 
 * the pure module: counts from ``LLM.get_metrics()`` items, deltas, sums, step metrics, stats-off warning;
 * the names and types against vLLM 0.13's own ``SpecDecodingProm`` + ``get_metrics_snapshot`` (patched tree);
@@ -164,12 +164,15 @@ class _GeneratingLLM(_StandInLLM):
 def _spmd_generate(engine_kwargs: dict, llm: _StandInLLM):
     import torch
     from verl import DataProto
+    from verl.utils.qwen3_rl_hooks import rollout_hooks
     from verl.workers.config import RolloutConfig
     from verl.workers.rollout.vllm_rollout.vllm_rollout_spmd import vLLMRollout
     from vllm import SamplingParams
 
     rollout = object.__new__(vLLMRollout)  # skip __init__: it builds a real vllm.LLM
-    rollout.config = RolloutConfig(name="vllm", response_length=4, prompt_length=3, engine_kwargs=engine_kwargs)
+    rollout.config = RolloutConfig(name="vllm", response_length=4, prompt_length=3, engine_kwargs=engine_kwargs,
+                                   qwen3_rl={"spec_decode_metrics": {"enable": True}})
+    rollout.qwen3_rl_hooks = rollout_hooks(rollout.config)  # what __init__ sets once the engine is built
     rollout.pad_token_id = 0
     rollout.lora_kwargs = {}
     rollout.sampling_params = SamplingParams(max_tokens=4)
@@ -185,7 +188,8 @@ def _spmd_generate(engine_kwargs: dict, llm: _StandInLLM):
 
 def test_patched_rollout_reports_its_counts(patched_imports: Path, fresh_warnings: None) -> None:
     out = _spmd_generate(SAM_ROLLOUT["engine_kwargs"], _GeneratingLLM())
-    assert out.meta_info == {sdm.META_KEY: {"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 3}}
+    assert out.meta_info == {"metrics": {f"{sdm.META_KEY}/num_drafts": 2, f"{sdm.META_KEY}/num_draft_tokens": 6,
+                                         f"{sdm.META_KEY}/num_accepted_tokens": 3}}
     assert out.batch["responses"].tolist() == [[7, 8, 0, 0]] * 2
     # no drafter: upstream's output (no meta_info), no counters read
     llm = _GeneratingLLM()
@@ -198,15 +202,23 @@ def test_patched_concat_sums_worker_counts(patched_imports: Path) -> None:
     import torch
     from verl import DataProto
 
+    from qwen3_rl.trainer.seam import pop_rollout_counts
+
     parts = [DataProto.from_dict(tensors={"x": torch.zeros(2, 1)},
                                  meta_info={"timing": {"generate_sequences": 1.0 + r},
-                                            sdm.META_KEY: {"num_drafts": r + 1, "num_draft_tokens": 3 * (r + 1),
-                                                           "num_accepted_tokens": r}})
+                                            "metrics": _prefixed({"num_drafts": r + 1, "num_draft_tokens": 3 * (r + 1),
+                                                                  "num_accepted_tokens": r})})
              for r in range(4)]
-    merged = DataProto.concat(parts)
-    assert merged.meta_info[sdm.META_KEY] == {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 6}
+    merged = DataProto.concat(parts)  # verl's per-worker metrics channel lists them; the trainer hook sums
+    assert pop_rollout_counts(merged.meta_info) == {"num_drafts": 10, "num_draft_tokens": 30, "num_accepted_tokens": 6}
+    assert "metrics" not in merged.meta_info
     assert merged.meta_info["timing"] == {"generate_sequences": 4.0}
-    assert parts[0].meta_info[sdm.META_KEY]["num_drafts"] == 1  # inputs untouched
+    assert parts[0].meta_info["metrics"][f"{sdm.META_KEY}/num_drafts"] == 1  # inputs untouched
+
+
+def _prefixed(counts: dict[str, int]) -> dict[str, int]:
+    """Counts as the seam's rollout hook puts them into meta_info['metrics']."""
+    return {f"{sdm.META_KEY}/{k}": v for k, v in counts.items()}
 
 
 # ---- the patched trainers: counts -> the step line -> report -----------------------------------------------
@@ -227,7 +239,7 @@ def _drafting_wg():
             out = super().generate_sequences(batch)
             parts = out.chunk(max(self.mesh) + 1)
             for piece, p in enumerate(parts):
-                p.meta_info = {**p.meta_info, sdm.META_KEY: _piece_counts(piece, self.calls)}
+                p.meta_info = {**p.meta_info, "metrics": _prefixed(_piece_counts(piece, self.calls))}
             self.calls += 1
             return DataProto.concat(parts)
 
@@ -247,7 +259,7 @@ def test_grpo_fit_logs_spec_decode_metrics(patched_imports: Path, capsys: pytest
     from qwen3_rl.report.cli import format_table, spec_decode_summary
 
     t = _grpo_trainer(patched_imports, data_rebalance=True, n=4, train=[[10, 11, 12, 13], [14, 15, 16, 17]],
-                      val=[[20, 21, 22]])
+                      val=[[20, 21, 22]], extra=["+qwen3_rl.spec_decode_metrics.enable=true"])
     t.actor_rollout_wg = _drafting_wg()
     t.train_dataset = None  # fit reads it between steps (on_batch_end hook)
     t.fit()
@@ -261,7 +273,7 @@ def test_grpo_fit_logs_spec_decode_metrics(patched_imports: Path, capsys: pytest
         assert got == pytest.approx(want), step
     assert steps[1]["rollout/spec_decode/draft_tokens"] == 300 and steps[1]["rollout/spec_decode/accepted_tokens"] == 42
     # the counts did not leak into the trained batch
-    assert all(sdm.META_KEY not in b.meta_info for b in t.actor_rollout_wg.updated)
+    assert all("metrics" not in b.meta_info for b in t.actor_rollout_wg.updated)
     # report: the acceptance-rate column and the summary line
     from qwen3_rl.report import parse_lines
 
@@ -300,7 +312,7 @@ def test_dapo_fit_sums_a_steps_generation_batches(patched_imports: Path, capsys:
         return {"reward_tensor": r, "reward_extra_info": {"acc": acc}}
 
     t = make_probe_trainer(cls, n=4, resp_len=RESP_LEN, actor_rollout_wg=_drafting_wg(), reward_fn=reward_fn,
-                           resource_pool_manager=_Pool(), rollout_extra={"data_rebalance": False},
+                           resource_pool_manager=_Pool(), qwen3_rl={"spec_decode_metrics": {"enable": True}},
                            train_dataloader=[_batch_dict([0, 1]), _batch_dict([2, 3])])  # one informative group per batch
     t.fit()
     assert t.actor_rollout_wg.calls == 2

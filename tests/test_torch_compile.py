@@ -1,4 +1,4 @@
-"""Real torch.compile for the rollout although MindSpeed replaced it (verl patch 0009,
+"""Real torch.compile for the rollout although MindSpeed replaced it (verl patch 0005,
 ``qwen3_rl.compat.torch_compile``), with MindSpeed's replacement simulated on CPU."""
 
 from __future__ import annotations

@@ -170,6 +170,8 @@ def test_compose_every_setup_with_patched_verl(patched_imports: Path) -> None:
     from verl.utils.config import omega_conf_to_dataclass, validate_config
     from verl.workers.config import McoreActorConfig, RolloutConfig
 
+    from qwen3_rl.trainer.seam import RecipeConfig, SeamConfigError
+
     verl_config_dir = patched_imports / "verl" / "verl" / "trainer" / "config"
     assert (verl_config_dir / "ppo_megatron_trainer.yaml").is_file()
     import verl
@@ -221,7 +223,10 @@ def test_compose_every_setup_with_patched_verl(patched_imports: Path) -> None:
             assert vdp * rollout_cfg.tensor_model_parallel_size == world
         assert rollout_cfg.tensor_model_parallel_size == rtp
         assert cfg.trainer.save_freq > 0 and cfg.trainer.resume_mode == "auto"
-        assert rollout_cfg.use_tqdm is False and rollout_cfg.disable_gc_in_engine_step is False  # off by default
+        # the qwen3_rl group reaches the rollout workers' RolloutConfig unchanged; features off by default
+        recipe = RecipeConfig.from_group(rollout_cfg.qwen3_rl)
+        assert recipe == RecipeConfig.from_group(cfg.qwen3_rl)
+        assert not recipe.progress_bar.enable and not recipe.disable_gc.enable and not recipe.rollout_rebalance.enable
         if meg.pipeline_model_parallel_size > 1:  # megatron-core asserts an even split unless stages are given
             otc = cfg.actor_rollout_ref.actor.megatron.override_transformer_config
             layers = model_layers(name)
@@ -262,6 +267,14 @@ def test_compose_every_setup_with_patched_verl(patched_imports: Path) -> None:
                    verl_config_dir)
     with pytest.raises(Exception, match="gpu_memory_utilization"):
         omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout, dataclass_type=RolloutConfig)
+    # the qwen3_rl group: Hydra takes any +qwen3_rl.* key; the seam refuses a typo or a wrong type in one line
+    for bad, msg in (("+qwen3_rl.rollout_rebalance.interval_step=3", "qwen3_rl.rollout_rebalance.interval_step: unknown key"),
+                     ("++qwen3_rl.rollout_rebalance.interval_steps=often", "qwen3_rl.rollout_rebalance.interval_steps must be int"),
+                     ("+qwen3_rl.data_rebalanced.enable=True", "qwen3_rl.data_rebalanced: unknown feature")):
+        cfg = _compose([*cmd.overrides, bad], cmd.config_name, verl_config_dir)
+        with pytest.raises(SeamConfigError, match=msg) as err:
+            RecipeConfig.from_group(cfg.qwen3_rl)
+        assert "\n" not in str(err.value)
     dapo = parse_train_script(INTERNAL / "train_dapo_qwen3_32b_32die_true_weight.sh", env=BASE_ENV)
     with pytest.raises(ConfigCompositionException):
         _compose([*dapo.overrides, "algorithm.filter_groups.max_gen_batches=3"], dapo.config_name, verl_config_dir)
@@ -450,7 +463,7 @@ def test_golden_commands(name: str) -> None:
 
 
 def test_moe_alltoall_overlap_switch(patched_imports: Path) -> None:
-    """MOE_ALLTOALL_OVERLAP=True adds MindSpeed's overlap key (verl 0012 then syncs GroupedMLP weights);
+    """MOE_ALLTOALL_OVERLAP=True adds MindSpeed's overlap key (verl 0008 then syncs GroupedMLP weights);
     off by default, ignored by the dense setups, a bad value stops the script."""
     verl_config_dir = patched_imports / "verl" / "verl" / "trainer" / "config"
     moe = INTERNAL / "train_grpo_qwen3_235b_128die_true_weight.sh"
@@ -507,13 +520,13 @@ def test_rollout_rebalance_needs_vllm_dp() -> None:
                 parse_train_script(script, env=on)
             assert str(err.value).endswith(reason)
             continue
-        assert parse_train_script(script, env=on).get("actor_rollout_ref.rollout.rollout_rebalance") == "True"
+        assert parse_train_script(script, env=on).get("+qwen3_rl.rollout_rebalance.enable") == "True"
         with pytest.raises(TrainScriptError) as err:
             parse_train_script(script, env={**on, "ROLLOUT_DP": "1"})
         assert str(err.value).endswith(reason)
         # off, any vLLM DP is fine
         off = parse_train_script(script, env={**BASE_ENV, "ROLLOUT_DP": "1"})
-        assert off.get("actor_rollout_ref.rollout.rollout_rebalance") == "False"
+        assert off.get("+qwen3_rl.rollout_rebalance.enable") == "False"
 
 
 def test_sam_group_exchange_needs_group_mode_and_vllm_dp() -> None:
@@ -538,7 +551,7 @@ def test_sam_group_exchange_needs_group_mode_and_vllm_dp() -> None:
 
 
 def test_upstream_fix_switches(patched_imports: Path) -> None:
-    """NPU_EXPANDABLE_SEGMENTS / ROLLOUT_REAL_TORCH_COMPILE / ROLLOUT_PLAIN_LIST_CAPTURE_SIZES (verl 0004 / 0009 /
+    """NPU_EXPANDABLE_SEGMENTS / ROLLOUT_REAL_TORCH_COMPILE / ROLLOUT_PLAIN_LIST_CAPTURE_SIZES (verl 0003 / 0009 /
     0011): on by default, False composes to the declared rollout keys set to false, a bad value stops the script."""
     verl_config_dir = patched_imports / "verl" / "verl" / "trainer" / "config"
     keys = ("npu_expandable_segments", "real_torch_compile", "plain_list_capture_sizes")
@@ -584,7 +597,7 @@ def test_mbridge_and_fused_rope_switches(patched_imports: Path) -> None:
         with pytest.raises(TrainScriptError) as err:
             parse_train_script(script, env={**BASE_ENV, "USE_MBRIDGE": "True", **extra})
         (var,) = extra
-        assert str(err.value).endswith(f"error: USE_MBRIDGE=True excludes {var}=True: verl {'0013' if var == 'MOE_ALLTOALLV' else '0012'} "
+        assert str(err.value).endswith(f"error: USE_MBRIDGE=True excludes {var}=True: verl {'0009' if var == 'MOE_ALLTOALLV' else '0008'} "
                                        "converts only verl's own weight export, not mbridge's")
     with pytest.raises(TrainScriptError, match="error: USE_MBRIDGE='true': expected one of True, False"):
         parse_train_script(script, env={**BASE_ENV, "USE_MBRIDGE": "true"})

@@ -1,4 +1,4 @@
-"""``rollout.cudagraph_capture_sizes`` for vLLM's ``CompilationConfig`` (verl patch 0011).
+"""``rollout.cudagraph_capture_sizes`` for vLLM's ``CompilationConfig`` (verl patch 0007).
 
 verl 0.6.1's SPMD vLLM rollout (``vllm_rollout_spmd.py``) builds the ``CompilationConfig`` only when
 ``cudagraph_capture_sizes`` is an OmegaConf ``ListConfig``. The Megatron worker hands it the

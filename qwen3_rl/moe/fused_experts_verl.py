@@ -1,4 +1,4 @@
-"""verl wiring of the GroupedMLP (``weight1`` / ``weight2``) expert layout, called by verl patch 0012.
+"""verl wiring of the GroupedMLP (``weight1`` / ``weight2``) expert layout, called by verl patch 0008.
 
 Two directions:
 

@@ -1,4 +1,4 @@
-"""verl wiring of the MoE all-to-allv weight sync (``actor.moe_alltoallv``), called by verl patch 0013.
+"""verl wiring of the MoE all-to-allv weight sync (``actor.moe_alltoallv``), called by verl patch 0009.
 
 verl 0.6.1 streams the actor's weights to the colocated vLLM rollout tensor by tensor
 (``verl/utils/megatron_utils.py:per_tensor_generator``). For every routed-expert tensor (one local expert of
@@ -19,7 +19,7 @@ experts it would have dropped.
 Layouts (see :mod:`qwen3_rl.moe.reshard`): the vLLM EP rank of a rollout rank is its global torch rank. That
 holds for verl's sync SPMD rollout (the recipe's mode, docs/rollout_mode.md): vLLM's external launcher sets
 ``data_parallel_rank = RANK // TP`` (``vllm/config/parallel.py:510-523``) and ``FusedMoEParallelConfig`` uses
-``ep_rank = dp_rank * TP + tp_rank``. The GroupedMLP layout (``experts.weight1`` / ``weight2``, verl patch 0012)
+``ep_rank = dp_rank * TP + tp_rank``. The GroupedMLP layout (``experts.weight1`` / ``weight2``, verl patch 0008)
 is cut into the same per-expert tensors first (:func:`qwen3_rl.moe.fused_experts.grouped_to_te_experts`).
 """
 
@@ -47,7 +47,7 @@ __all__ = [
 
 #: TEGroupedMLP per-expert weight as verl streams it (PP-normalised): ``...mlp.experts.linear_fc1.weight3``
 _TE_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?decoder\.layers\.\d+\.mlp\.experts\.linear_fc[12])\.weight(?P<j>\d+)$")
-#: GroupedMLP (verl 0012): all local experts of a layer in ``...mlp.experts.weight1`` / ``weight2``
+#: GroupedMLP (verl 0008): all local experts of a layer in ``...mlp.experts.weight1`` / ``weight2``
 _GROUPED_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?decoder\.layers\.\d+\.mlp\.experts)\.weight(?P<which>[12])$")
 
 TpConcat = Callable[[str, list[torch.Tensor]], "torch.Tensor | list[torch.Tensor]"]

@@ -1,4 +1,4 @@
-"""Layout-aware loading of HF expert weights into vLLM(-Ascend) fused-MoE layers (verl patch 0014).
+"""Layout-aware loading of HF expert weights into vLLM(-Ascend) fused-MoE layers (verl patch 0010).
 
 The problem (pinned trees, line numbers of the pristine wheels):
 

@@ -1,6 +1,6 @@
 """HDP in verl's Megatron actor: config, per-step micro-batching and the forward's pre/post-processing.
 
-verl patch 0010 builds one ``HDPRuntime`` per actor when ``actor_rollout_ref.actor.hdp.enable`` is true
+verl patch 0006 builds one ``HDPRuntime`` per actor when ``actor_rollout_ref.actor.hdp.enable`` is true
 (default false) and calls it from ``forward_backward_batch`` / ``compute_log_prob`` / the mcore forward.
 Every rank of a CP group holds the same mini-batch (verl dispatches by DP), computes the same assignment
 from the sequence lengths (deterministic), and runs its own ``HDPMicroBatch`` list; all ranks of the CP group

@@ -183,24 +183,17 @@ def restore_dataproto_by_index(data: DataProto) -> DataProto:
     return out
 
 
-# ---- trainer wiring (called by verl patch 0006 and qwen3_rl.trainer.dapo) -------------------------
+# ---- trainer wiring (called by verl patch 0014 and qwen3_rl.trainer.dapo) -------------------------
 
 #: verl dispatch mesh of ``generate_sequences`` in the sync rollout (``megatron_workers.py`` registers it).
 ROLLOUT_MESH = "rollout"
 
 
 def data_rebalance_enabled(config: Any) -> bool:
-    """Read ``actor_rollout_ref.rollout.data_rebalance`` from the trainer config (default False).
+    """``qwen3_rl.data_rebalance.enable`` of the trainer config (validated by :mod:`qwen3_rl.trainer.seam`)."""
+    from qwen3_rl.trainer.seam import RecipeConfig, group_of
 
-    Raises :class:`DataRebalanceError` if the value is not a bool (``"true"`` strings are a typo risk).
-    """
-    rollout = config.actor_rollout_ref.rollout
-    value = rollout.get("data_rebalance", False) if hasattr(rollout, "get") else getattr(
-        rollout, "data_rebalance", False)
-    if not isinstance(value, bool):
-        raise DataRebalanceError(
-            f"actor_rollout_ref.rollout.data_rebalance must be a bool, got {value!r} ({type(value).__name__})")
-    return value
+    return RecipeConfig.from_group(group_of(config)).data_rebalance.enable
 
 
 def rollout_dp_size_from_config(config: Any) -> int:
@@ -248,7 +241,7 @@ def permute_for_rollout(
     """Before ``generate_sequences``: deal the repeated batch over the rollout DP pieces if switched on.
 
     Args:
-        config: trainer config (reads ``actor_rollout_ref.rollout.data_rebalance`` and, as fallback, sizes).
+        config: trainer config (reads ``qwen3_rl.data_rebalance.enable`` and, as fallback, sizes).
         worker_group: ``actor_rollout_wg`` (gives the dispatch DP size, see :func:`rollout_dp_size`).
         batch: the generation batch, ``num_prompts * n`` rows, samples of a prompt adjacent.
         n: samples per prompt (only checks that rows are whole groups; 1 skips the check, e.g. for a
@@ -265,9 +258,16 @@ def permute_for_rollout(
     """
     if not data_rebalance_enabled(config):
         return batch, None
+    return permute_for_rollout_on(config, worker_group, batch, n=n, async_mode=async_mode)
+
+
+def permute_for_rollout_on(
+    config: Any, worker_group: Any, batch: DataProto, *, n: int = 1, async_mode: bool = False
+) -> tuple[DataProto, np.ndarray]:
+    """:func:`permute_for_rollout` with the switch on (the seam's trainer hook has checked it)."""
     if async_mode:
         raise DataRebalanceError(
-            "actor_rollout_ref.rollout.data_rebalance=True needs the sync rollout (rollout.mode=sync): in "
+            "qwen3_rl.data_rebalance.enable=True needs the sync rollout (rollout.mode=sync): in "
             "async mode the agent loop sends each request to a server/DP rank by load, so the batch order "
             "does not decide the DP rank (docs/rollout_balancing.md)")
     dp = rollout_dp_size(worker_group, config)
@@ -275,7 +275,7 @@ def permute_for_rollout(
         raise DataRebalanceError(
             f"data_rebalance: generation batch of {len(batch)} rows is not a multiple of the rollout DP "
             f"size {dp} (verl cuts it into {dp} equal contiguous pieces): use a batch size (prompts x n) "
-            "that is a multiple of the rollout DP size, or switch actor_rollout_ref.rollout.data_rebalance off")
+            "that is a multiple of the rollout DP size, or switch qwen3_rl.data_rebalance.enable off")
     permuted, perm = permute_dataproto(batch, n, dp)
     return permuted, perm
 

@@ -50,23 +50,17 @@ import numpy as np
 import torch
 
 from qwen3_rl.rollout.rebalance import (
-    DEFAULT_KV_LINK_GB_S,
-    DEFAULT_MAX_KV_BYTES,
-    DEFAULT_MAX_ROUND_S,
-    DEFAULT_PREFILL_TOKENS_PER_S,
     MigrationPlan,
     Move,
     RankState,
     RebalanceConfig,
-    TransferCost,
+    RebalanceSettings,
     plan_rebalance,
     round_config,
 )
 
 logger = logging.getLogger("qwen3_rl.rollout.rebalance")
 
-#: KV paths: the DP group's device communicator, or host memory over the gloo coordination group
-KV_PATHS = ("device", "host")
 #: bytes of one KV message (one request's blocks of a run of cache tensors); staging holds one message per
 #: moving request and direction at a time
 DEFAULT_KV_CHUNK_BYTES = 64 << 20
@@ -456,49 +450,6 @@ class EngineHooks(Protocol):
 
 
 @dataclass(frozen=True)
-class RebalanceSettings:
-    """Run-time switches (``actor_rollout_ref.rollout.rollout_rebalance*``).
-
-    ``max_round_s``: seconds one round may cost a DP rank (KV bytes sent + received / link, plus the
-    prefill of prefixes it recomputes; 0 = no bound). ``max_kv_bytes``: optional byte cap per rank and
-    round (0 = none). ``kv_link_gb_s``: KV path bandwidth in GB/s (1e9 B/s, bytes sent + received per
-    second and rank); 0 = measured at the first round. ``prefill_tokens_per_s``: prefill throughput
-    (tokens/s, 0 = never recompute). Together they drive the per-request move-vs-recompute decision
-    (:func:`qwen3_rl.rollout.rebalance.should_recompute`) and the time bound. ``kv_path``: ``"device"`` (the
-    DP group's device communicator; host path when the engine has none) or ``"host"`` (host memory over
-    gloo).
-    """
-
-    enable: bool = False
-    interval_steps: int = 32
-    timeout_s: float = 60.0
-    max_kv_bytes: int = DEFAULT_MAX_KV_BYTES
-    kv_link_gb_s: float = DEFAULT_KV_LINK_GB_S
-    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
-    max_round_s: float = DEFAULT_MAX_ROUND_S
-    kv_path: str = "device"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.enable, bool):
-            raise ValueError(f"rollout_rebalance must be a bool, got {self.enable!r}")
-        if self.interval_steps < 1 or self.timeout_s <= 0:
-            raise ValueError(f"interval_steps ({self.interval_steps}) must be >= 1 and timeout_s "
-                             f"({self.timeout_s}) > 0")
-        if self.max_kv_bytes < 0 or self.kv_link_gb_s < 0 or self.prefill_tokens_per_s < 0 or self.max_round_s < 0:
-            raise ValueError(f"max_kv_bytes ({self.max_kv_bytes}), kv_link_gb_s ({self.kv_link_gb_s}), "
-                             f"prefill_tokens_per_s ({self.prefill_tokens_per_s}) and max_round_s "
-                             f"({self.max_round_s}) must be >= 0")
-        if self.kv_path not in KV_PATHS:
-            raise ValueError(f"rollout_rebalance_kv_path must be one of {', '.join(KV_PATHS)}, got {self.kv_path!r}")
-
-    def transfer_cost(self, kv_bytes_per_block: int, link_bytes_per_s: float | None = None) -> TransferCost:
-        """The planner's move-vs-recompute cost model for KV blocks of ``kv_bytes_per_block`` bytes (link:
-        the given bytes/s, else ``kv_link_gb_s``)."""
-        link = link_bytes_per_s if link_bytes_per_s is not None else self.kv_link_gb_s * 1e9
-        return TransferCost(int(kv_bytes_per_block), float(link), self.prefill_tokens_per_s)
-
-
-@dataclass(frozen=True)
 class RoundReport:
     """What one round did on this rank (``kv_path``: the path the KV took; ``link_gb_s``: the link the
     round planned with)."""
@@ -706,64 +657,54 @@ class RebalanceCoordinator:
 
 
 # ---------------------------------------------------------------------------------------------------
-# rollout config switch (verl patch 0007 calls configure_rollout_rebalance after building vllm.LLM)
+# rollout config switch (the verl seam's engine_built hook applies it after building vllm.LLM)
 # ---------------------------------------------------------------------------------------------------
 #: attribute the vLLM engine-loop hook sets on ``LLMEngine`` when it can run a coordinator
 ENGINE_HOOK_ATTR = "qwen3_rl_rebalance_hook"
 
 
-def _cfg_get(cfg: Any, key: str, default: Any) -> Any:
-    if isinstance(cfg, dict):
-        return cfg.get(key, default)
-    if hasattr(cfg, "get") and not hasattr(cfg, "__dataclass_fields__"):
-        return cfg.get(key, default)
-    return getattr(cfg, key, default)
-
-
 def settings_from_rollout_config(rollout_cfg: Any) -> tuple[RebalanceSettings, int]:
-    """``(RebalanceSettings, max_moves)`` from ``actor_rollout_ref.rollout`` (dataclass, DictConfig or dict).
+    """``(RebalanceSettings, max_moves)`` from ``actor_rollout_ref.rollout`` (dataclass, DictConfig or dict): its
+    ``qwen3_rl.rollout_rebalance`` section, validated by :mod:`qwen3_rl.trainer.seam` (defaults: the dataclass).
 
-    Keys: ``rollout_rebalance`` (bool, default False), ``rollout_rebalance_interval_steps`` (32),
-    ``rollout_rebalance_max_moves`` (128, requests per round), ``rollout_rebalance_timeout_s`` (60),
-    ``rollout_rebalance_max_round_s`` (10, seconds a round may cost a rank; 0 = no bound),
-    ``rollout_rebalance_max_kv_bytes`` (optional byte cap per rank and round, 0 = none),
-    ``rollout_rebalance_kv_path`` (``device`` | ``host``), ``rollout_rebalance_kv_link_gb_s`` (0 = measured at
-    the first round) and ``rollout_rebalance_prefill_tokens_per_s`` (10000, 0 = never recompute).
-    """
-    g = lambda key, default: _cfg_get(rollout_cfg, "rollout_rebalance" + key, default)  # noqa: E731
-    enable, max_moves, max_kv_bytes = g("", False), g("_max_moves", 128), g("_max_kv_bytes", DEFAULT_MAX_KV_BYTES)
-    if not isinstance(enable, bool):
-        raise ValueError(f"actor_rollout_ref.rollout.rollout_rebalance must be a bool, got {enable!r}")
-    if isinstance(max_moves, bool) or int(max_moves) < 1:
-        raise ValueError(f"actor_rollout_ref.rollout.rollout_rebalance_max_moves must be >= 1, got {max_moves!r}")
-    if isinstance(max_kv_bytes, bool) or int(max_kv_bytes) != max_kv_bytes or int(max_kv_bytes) < 0:
-        raise ValueError("actor_rollout_ref.rollout.rollout_rebalance_max_kv_bytes must be an integer >= 0 "
-                         f"(bytes per rank and round, 0 = no cap), got {max_kv_bytes!r}")
-    settings = RebalanceSettings(enable, int(g("_interval_steps", 32)), float(g("_timeout_s", 60.0)),
-                                 int(max_kv_bytes), float(g("_kv_link_gb_s", DEFAULT_KV_LINK_GB_S)),
-                                 float(g("_prefill_tokens_per_s", DEFAULT_PREFILL_TOKENS_PER_S)),
-                                 float(g("_max_round_s", DEFAULT_MAX_ROUND_S)), str(g("_kv_path", "device")))
-    return settings, int(max_moves)
+    A plain mapping without the group may give the section as flat keys (``rollout_rebalance`` = ``enable``,
+    ``rollout_rebalance_<key>`` = ``<key>``), as the engine drivers do; the same validation applies."""
+    from qwen3_rl.trainer.seam import RecipeConfig, group_of
+
+    group = group_of(rollout_cfg)
+    if not group and isinstance(rollout_cfg, dict):
+        flat = {("enable" if k == "rollout_rebalance" else k[len("rollout_rebalance_"):]): v
+                for k, v in rollout_cfg.items() if k == "rollout_rebalance" or k.startswith("rollout_rebalance_")}
+        group = {"rollout_rebalance": flat} if flat else None
+    settings = RecipeConfig.from_group(group).rollout_rebalance
+    return settings, settings.max_moves
 
 
 def configure_rollout_rebalance(rollout_cfg: Any, llm: Any) -> RebalanceSettings:
-    """Apply ``rollout.rollout_rebalance*`` to a freshly built ``vllm.LLM`` (called by verl patch 0007).
+    """Apply ``rollout.qwen3_rl.rollout_rebalance`` to a freshly built ``vllm.LLM``.
 
     Off (default): returns the settings, touches nothing. On: the engine must carry the engine-loop
     hook (``LLMEngine.<ENGINE_HOOK_ATTR>``, installed by a vLLM patch that calls
     :class:`RebalanceCoordinator` every step); without it this raises instead of silently running an
     unbalanced rollout. The settings are handed to the hook's ``configure(settings, max_moves)``.
     """
-    settings, max_moves = settings_from_rollout_config(rollout_cfg)
+    settings, _ = settings_from_rollout_config(rollout_cfg)
+    return apply_rebalance_settings(settings, llm)
+
+
+def apply_rebalance_settings(settings: RebalanceSettings, llm: Any) -> RebalanceSettings:
+    """Hand validated settings to a ``vllm.LLM``'s engine-loop hook (the seam's ``engine_built`` hook).
+
+    Off: touches nothing. On: the engine must carry the hook, else :class:`MigrationError`."""
     if not settings.enable:
         return settings
     engine = getattr(llm, "llm_engine", None)
     hook = getattr(engine, ENGINE_HOOK_ATTR, None)
     if hook is None:
         raise MigrationError(
-            "actor_rollout_ref.rollout.rollout_rebalance=True needs the vLLM engine-loop hook that runs the "
+            "qwen3_rl.rollout_rebalance.enable=True needs the vLLM engine-loop hook that runs the "
             "rebalance coordinator inside LLMEngine.step; this vLLM build has none (apply the recipe's "
-            "patches/vllm/0004-vllm-feature-rollout_rebalance.patch, see docs/rollout_balancing.md) or switch "
+            "patches/vllm/0003-vllm-feature-extension_seam.patch and the qwen3_rl vllm.general_plugins entry point, see docs/rollout_balancing.md) or switch "
             "rollout_rebalance off.")
-    hook.configure(settings, max_moves)
+    hook.configure(settings, settings.max_moves)
     return settings

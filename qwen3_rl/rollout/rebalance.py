@@ -539,3 +539,57 @@ def validate_plan(states: Sequence[RankState], plan: MigrationPlan, cfg: Rebalan
         for m in plan.moves:
             if m.dst == s.rank and m.phase == 1:
                 assert m.req_id in admitted, f"moved waiting request {m.req_id} not admitted on rank {s.rank}"
+
+
+#: where moved KV blocks travel: the DP group's device communicator, or host memory over gloo
+KV_PATHS = ("device", "host")
+
+
+@dataclass(frozen=True)
+class RebalanceSettings:
+    """Run-time switches: the ``qwen3_rl.rollout_rebalance`` section of the recipe's config group (its keys,
+    types and defaults are declared here only; :mod:`qwen3_rl.trainer.seam` validates the group into it).
+
+    ``interval_steps``: engine steps between rounds. ``max_moves``: requests moved per round.
+    ``timeout_s``: seconds any rebalance collective / transfer may take before a clear error.
+
+    ``max_round_s``: seconds one round may cost a DP rank (KV bytes sent + received / link, plus the
+    prefill of prefixes it recomputes; 0 = no bound). ``max_kv_bytes``: optional byte cap per rank and
+    round (0 = none). ``kv_link_gb_s``: KV path bandwidth in GB/s (1e9 B/s, bytes sent + received per
+    second and rank); 0 = measured at the first round. ``prefill_tokens_per_s``: prefill throughput
+    (tokens/s, 0 = never recompute). Together they drive the per-request move-vs-recompute decision
+    (:func:`qwen3_rl.rollout.rebalance.should_recompute`) and the time bound. ``kv_path``: ``"device"`` (the
+    DP group's device communicator; host path when the engine has none) or ``"host"`` (host memory over
+    gloo).
+    """
+
+    enable: bool = False
+    interval_steps: int = 32
+    timeout_s: float = 60.0
+    max_kv_bytes: int = DEFAULT_MAX_KV_BYTES
+    kv_link_gb_s: float = DEFAULT_KV_LINK_GB_S
+    prefill_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S
+    max_round_s: float = DEFAULT_MAX_ROUND_S
+    kv_path: str = "device"
+    max_moves: int = 128
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable, bool):
+            raise ValueError(f"rollout_rebalance must be a bool, got {self.enable!r}")
+        if isinstance(self.max_moves, bool) or int(self.max_moves) < 1:
+            raise ValueError(f"max_moves must be >= 1, got {self.max_moves!r}")
+        if self.interval_steps < 1 or self.timeout_s <= 0:
+            raise ValueError(f"interval_steps ({self.interval_steps}) must be >= 1 and timeout_s "
+                             f"({self.timeout_s}) > 0")
+        if self.max_kv_bytes < 0 or self.kv_link_gb_s < 0 or self.prefill_tokens_per_s < 0 or self.max_round_s < 0:
+            raise ValueError(f"max_kv_bytes ({self.max_kv_bytes}), kv_link_gb_s ({self.kv_link_gb_s}), "
+                             f"prefill_tokens_per_s ({self.prefill_tokens_per_s}) and max_round_s "
+                             f"({self.max_round_s}) must be >= 0")
+        if self.kv_path not in KV_PATHS:
+            raise ValueError(f"rollout_rebalance_kv_path must be one of {', '.join(KV_PATHS)}, got {self.kv_path!r}")
+
+    def transfer_cost(self, kv_bytes_per_block: int, link_bytes_per_s: float | None = None) -> TransferCost:
+        """The planner's move-vs-recompute cost model for KV blocks of ``kv_bytes_per_block`` bytes (link:
+        the given bytes/s, else ``kv_link_gb_s``)."""
+        link = link_bytes_per_s if link_bytes_per_s is not None else self.kv_link_gb_s * 1e9
+        return TransferCost(int(kv_bytes_per_block), float(link), self.prefill_tokens_per_s)

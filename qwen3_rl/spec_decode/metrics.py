@@ -1,4 +1,4 @@
-"""vLLM's speculative-decoding counters per rollout, as verl step metrics (verl patch 0016).
+"""vLLM's speculative-decoding counters per rollout, as verl step metrics (verl patch 0014).
 
 Is drafting on? vLLM 0.13 counts, per engine, the drafts it verified and the draft tokens it accepted:
 Prometheus counters ``vllm:spec_decode_num_drafts``, ``vllm:spec_decode_num_draft_tokens`` and
@@ -15,13 +15,13 @@ Prometheus counters ``vllm:spec_decode_num_drafts``, ``vllm:spec_decode_num_draf
 
 Flow:
 
-1. verl's sync rollout (``vLLMRollout.generate_sequences``, verl 0016) reads the counters before and after
+1. verl's sync rollout (``vLLMRollout.generate_sequences``, verl 0014) reads the counters before and after
    its ``generate`` call (:class:`RolloutProbe`, only while ``speculative_config.method`` is set) and puts
    the difference into its output's ``meta_info[META_KEY]``: raw counts
    ``{"num_drafts", "num_draft_tokens", "num_accepted_tokens"}`` of this process's engine.
 2. verl collects one output per rollout DP rank (TP rank 0 of each engine; the other TP ranks of an engine
    run the same schedule and are not collected) and joins them with ``DataProto.concat``, whose meta_info
-   merge (verl 0003 -> :mod:`qwen3_rl.compat.meta_info`) **sums** these counts: the step reports all
+   merge (verl 0002 -> :mod:`qwen3_rl.compat.meta_info`) **sums** these counts: the step reports all
    engines together (the 235B setups: the 32 vLLM DP engines; the 32B setups: the independent TP8 engines).
 3. The trainer pops them (:func:`pop_step_metrics`; our DAPO trainer sums its generation batches first,
    :func:`add_counts`) into the step's metrics, so verl's step line carries ``rollout/spec_decode/*``.

@@ -25,9 +25,6 @@ from typing import Any
 import hydra
 import numpy as np
 
-from qwen3_rl.rollout.data_rebalance import permute_for_rollout, restore_after_rollout
-from qwen3_rl.spec_decode.metrics import add_counts as add_spec_decode_counts
-from qwen3_rl.spec_decode.metrics import step_metrics as spec_decode_step_metrics
 from qwen3_rl.trainer.dynamic_sampling import GroupAccumulator
 
 CONFIG_NAME = "dapo_megatron_trainer"
@@ -107,10 +104,12 @@ def make_dapo_trainer_class():
             gen_batch = self._get_gen_batch(new_batch)
             gen_batch.meta_info["global_steps"] = self.global_steps
             gen_batch = gen_batch.repeat(repeat_times=n, interleave=True)
-            # rollout.data_rebalance: each generation batch is dealt over the rollout DP ranks and put
-            # back in order right after generation, so scoring and group filtering see dataset order
-            gen_batch, rebalance_perm = permute_for_rollout(
-                self.config, self.actor_rollout_wg, gen_batch, n=n, async_mode=self.async_rollout_mode)
+            # the verl seam's hooks, as RayPPOTrainer.fit calls them (qwen3_rl.trainer.seam.TrainerHooks):
+            # e.g. data rebalance deals each generation batch over the rollout DP ranks and puts it back in
+            # order right after generation, so scoring and group filtering see dataset order
+            hooks = getattr(self, "qwen3_rl_hooks", None)
+            if hooks is not None:
+                gen_batch, hook_state = hooks.before_generate(self, gen_batch, n=n)
             with marked_timer("gen", timing_raw, color="red"):
                 if not self.async_rollout_mode:
                     out = self.actor_rollout_wg.generate_sequences(gen_batch)
@@ -118,9 +117,9 @@ def make_dapo_trainer_class():
                     out = self.async_rollout_manager.generate_sequences(gen_batch)
                 timing_raw.update(out.meta_info.get("timing", {}))
                 out.meta_info.pop("timing", None)
-                # vLLM's spec-decode counts of this generation batch (verl 0016), summed over the step's batches
-                add_spec_decode_counts({} if spec_decode_counts is None else spec_decode_counts, out.meta_info)
-                out = restore_after_rollout(out, rebalance_perm)
+                if hooks is not None:  # spec-decode counts summed over the step's generation batches
+                    out = hooks.after_generate(self, out, hook_state,
+                                               {} if spec_decode_counts is None else spec_decode_counts)
             new_batch = new_batch.repeat(repeat_times=n, interleave=True)
             new_batch = new_batch.union(out)
             if "response_mask" not in new_batch.batch.keys():
@@ -228,7 +227,9 @@ def make_dapo_trainer_class():
                                   f"{acc.num_gen_batches} generation batches, generating another")
                             continue
                         metrics.update(acc.metrics())
-                        metrics.update(spec_decode_step_metrics(spec_decode_counts))
+                        hooks = getattr(self, "qwen3_rl_hooks", None)
+                        if hooks is not None:
+                            metrics.update(hooks.step_metrics(spec_decode_counts))
                         batch = self._update_on_batch(acc.pop_train_batch(), metrics, timing_raw)
                     if (self.val_reward_fn is not None and self.config.trainer.test_freq > 0
                             and (is_last_step or self.global_steps % self.config.trainer.test_freq == 0)):

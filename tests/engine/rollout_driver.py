@@ -10,7 +10,7 @@ SPEC: {"workspace": DIR, "script": "internal/train_....sh", "env": {VAR: value},
        "ascend": optional bool (vLLM-Ascend's NPUWorker/NPUModelRunner on the CPU stand-in)}
 Result: {"rollout": the resolved rollout config's spec-decode keys, "logprobs": the requests'
 SamplingParams.logprobs, "generations": [{"do_sample", "responses": [[ids]], "metrics": vLLM's
-spec-decode counters accrued by that call, "meta_info": the returned DataProto's meta_info (verl 0016:
+spec-decode counters accrued by that call, "meta_info": the returned DataProto's meta_info (verl 0014:
 the rollout's own counts), "step_metrics": what the trainer logs from it}], "drafter": class}.
 """
 
@@ -74,7 +74,8 @@ def main() -> int:
     from verl.workers.config import HFModelConfig, RolloutConfig
     from verl.workers.rollout.vllm_rollout.vllm_rollout_spmd import vLLMRollout
 
-    from qwen3_rl.spec_decode.metrics import pop_step_metrics
+    from qwen3_rl.spec_decode.metrics import step_metrics
+    from qwen3_rl.trainer.seam import RecipeConfig, pop_rollout_counts
 
     rollout_cfg = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout, dataclass_type=RolloutConfig)
     model_cfg = omega_conf_to_dataclass(cfg.actor_rollout_ref.model, dataclass_type=HFModelConfig)
@@ -106,12 +107,14 @@ def main() -> int:
         generations.append({"do_sample": do_sample, "responses": out.batch["responses"].tolist(),
                             "metrics": {k: after[k] - before.get(k, 0.0) for k in after},
                             "meta_info": dict(out.meta_info),
-                            "step_metrics": pop_step_metrics(dict(out.meta_info))})
+                            # what the seam's trainer hook makes of it (one worker here)
+                            "step_metrics": step_metrics(pop_rollout_counts(
+                                {"metrics": dict(out.meta_info.get("metrics", {}))}))})
     spec_cfg = cfg.actor_rollout_ref.rollout.engine_kwargs.vllm.get("speculative_config")
     result = {"rollout": {"speculative_config": OmegaConf.to_container(spec_cfg) if spec_cfg else None,
                           "calculate_log_probs": rollout_cfg.calculate_log_probs,
                           "disable_log_stats": rollout_cfg.disable_log_stats,
-                          "data_rebalance": cfg.actor_rollout_ref.rollout.get("data_rebalance")},
+                          "data_rebalance": RecipeConfig.from_group(cfg.qwen3_rl).data_rebalance.enable},
               "logprobs": rollout.sampling_params.logprobs, "generations": generations,
               "drafter": type(getattr(runner_of(llm), "drafter", None)).__name__}
     print("ENGINE_RESULT " + json.dumps(result))
