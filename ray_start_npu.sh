@@ -5,7 +5,7 @@
 #   bash ray_start_npu.sh TRAIN_SCRIPT [ENV_SCRIPT] [--nnodes N] [--master-addr HEAD_IP] [options] [-- overrides]
 #
 # `bash ray_start_npu.sh --help` lists the options (each falls back to an environment variable).
-# The steps' logic lives in `python -m qwen3_rl launch ...` (qwen3_rl/launch/cli.py); this file only
+# The steps' logic lives in `python -m qwen3_rl launch ...` (qwen3_rl/tools/launch/cli.py); this file only
 # sequences them, owns the processes it starts and stops exactly those (by PID) on exit.
 set -euo pipefail
 

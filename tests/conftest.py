@@ -25,9 +25,9 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from qwen3_rl.pins import load_pins  # noqa: E402
-from qwen3_rl.upstream.common import default_cache  # noqa: E402
-from qwen3_rl.upstream.download import download_pypi  # noqa: E402
+from qwen3_rl.tools.pins import load_pins  # noqa: E402
+from qwen3_rl.tools.upstream.common import default_cache  # noqa: E402
+from qwen3_rl.tools.upstream.download import download_pypi  # noqa: E402
 
 # vllm-ascend's platform plugin would be picked by every vllm import and fail on torch_npu: load only the
 # recipe's general plugin (qwen3_rl/vllm_plugin.py; its entry point is written beside the patched trees).
@@ -247,7 +247,7 @@ def rollout_engine_kwargs(patched_imports: Path):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from qwen3_rl.launch import parse_train_script
+    from qwen3_rl.tools.launch import parse_train_script
 
     def get(script: Path, env: dict[str, str]) -> tuple[dict, dict]:
         from verl.utils.config import omega_conf_to_dataclass

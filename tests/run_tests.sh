@@ -6,9 +6,9 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${QWEN3_RL_VENV:-${HOME}/.cache/qwen3_rl/venv}"
 ENGINE_VENV="${QWEN3_RL_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/engine-venv}"
-SAM_BOUNDSCHECK_TESTS=(tests/test_spec_decode_sam.py tests/test_sibling_exchange.py tests/test_sam_warm_up.py
-                       tests/test_sam_exchange_hook.py tests/test_sam_group_key.py tests/test_sam_boundscheck.py
-                       tests/test_sam_history.py tests/test_sam_adaptive_k.py)
+SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_decode/test_sibling_exchange.py tests/spec_decode/test_sam_warm_up.py
+                       tests/spec_decode/test_sam_exchange_hook.py tests/spec_decode/test_sam_group_key.py tests/spec_decode/test_sam_boundscheck.py
+                       tests/spec_decode/test_sam_history.py tests/spec_decode/test_sam_adaptive_k.py)
 
 usage() {
   cat <<'USAGE'
@@ -16,7 +16,7 @@ usage: bash tests/run_tests.sh [PYTEST_ARGS...]
 Runs ruff and shellcheck on the repo, then pytest twice with the same arguments: the main suite in
 $QWEN3_RL_VENV and tests/engine (vLLM 0.13.0's real CPU engine) in $QWEN3_RL_ENGINE_VENV.
 Examples:  bash tests/run_tests.sh -m engine        # the real-engine tests alone
-           bash tests/run_tests.sh tests/test_pins.py
+           bash tests/run_tests.sh tests/tools/upstream/test_pins.py
 Test paths decide the part: paths only under tests/engine skip the main run, paths elsewhere skip
 the engine run. On a full run (no test path, -m or -k) every part must run tests: a part that
 collects nothing fails the run. With a selection, one part collecting nothing is fine as long as

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from qwen3_rl.pins import load_pins
+from qwen3_rl.tools.pins import load_pins
 
 from conftest import run_script
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen3_rl import readme
+from qwen3_rl.tools import readme
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -30,7 +30,7 @@ def _prose(path: Path) -> str:
 
 
 def _feature_docs() -> list[str]:
-    from qwen3_rl.features import load_registry
+    from qwen3_rl.tools.features import load_registry
 
     return sorted({f.doc for f in load_registry().features.values()} - NOT_FEATURE_DOCS)
 

@@ -15,12 +15,12 @@ SCOPE = ("qwen3_rl", "tests", "docs", "README.md", "README.zh-CN.md")
 MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|tmp)/")
 # (file, text on the line) -> why it is not a machine path
 ALLOWED: dict[tuple[str, str], str] = {
-    ("qwen3_rl/launch/options.py", "$TMPDIR/ray or /tmp/ray]"):
+    ("qwen3_rl/tools/launch/options.py", "$TMPDIR/ray or /tmp/ray]"):
         "Ray's own default temp folder (ray start --temp-dir), named in the option's help text",
-    ("qwen3_rl/launch/ray_node.py", "``$TMPDIR/ray`` or ``/tmp/ray``"):
+    ("qwen3_rl/tools/launch/ray_node.py", "``$TMPDIR/ray`` or ``/tmp/ray``"):
         "Ray's own default temp folder, where Ray writes ray_current_cluster (its docstring)",
     ("docs/launch.md", "`$TMPDIR/ray` or `/tmp/ray`"): "Ray's own default temp folder (the --temp-dir row)",
-    ("tests/test_launch_ray_node.py", 'Path("/tmp/ray")'): "Ray's own default temp folder (expected value)",
+    ("tests/tools/launch/test_launch_ray_node.py", 'Path("/tmp/ray")'): "Ray's own default temp folder (expected value)",
 }
 SELF = "tests/test_machine_paths.py"  # not scanned: it holds examples of the paths it looks for
 

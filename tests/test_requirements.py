@@ -8,9 +8,9 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from qwen3_rl.pins import load_pins
-from qwen3_rl.upstream.common import default_cache
-from qwen3_rl.upstream.download import fetch_wheel
+from qwen3_rl.tools.pins import load_pins
+from qwen3_rl.tools.upstream.common import default_cache
+from qwen3_rl.tools.upstream.download import fetch_wheel
 
 REPO = Path(__file__).resolve().parent.parent
 PINS = load_pins(REPO / "pins.toml")

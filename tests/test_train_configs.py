@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen3_rl.launch import TrainScriptError, parse_train_script
+from qwen3_rl.tools.launch import TrainScriptError, parse_train_script
 
 REPO = Path(__file__).resolve().parent.parent
 INTERNAL = REPO / "internal"
@@ -306,7 +306,7 @@ def test_setups_doc_lists_every_env_var() -> None:
             cells = (f"`{shown}`",) if shown else ("``", "(empty)")
             assert any(c in row for c in cells for row in rows), f"{var}: default {cells} not in docs rows {rows!r}"
     # the feature switches: the generated table of features.toml's defaults, one column per setup
-    from qwen3_rl.features import load_registry
+    from qwen3_rl.tools.features import load_registry
 
     reg = load_registry()
     header = "| switch | " + " | ".join(n.removeprefix("train_").removesuffix(".sh") for n in reg.setups()) + " |"
@@ -398,7 +398,7 @@ _RUNTIME_ENV = ("PWD", "OLDPWD", "SHLVL", "_")
 
 
 def _every_var_value(var: str, i: int) -> str:
-    from qwen3_rl.features import load_registry
+    from qwen3_rl.tools.features import load_registry
 
     f = load_registry().features.get(var)
     if f is not None and f.type == "bool":
@@ -409,7 +409,7 @@ def _every_var_value(var: str, i: int) -> str:
 
 
 def _golden_env(case: str) -> dict[str, str]:
-    from qwen3_rl.features import load_registry
+    from qwen3_rl.tools.features import load_registry
 
     env, _ = GOLDEN_CASES[case]
     if case != "every_var":
@@ -619,7 +619,7 @@ def test_compose_every_feature_key(patched_imports: Path) -> None:
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.config import RolloutConfig
 
-    from qwen3_rl.features import load_registry
+    from qwen3_rl.tools.features import load_registry
 
     reg = load_registry()
     verl_config_dir = patched_imports / "verl" / "verl" / "trainer" / "config"

@@ -247,7 +247,7 @@ train_add_feature_overrides() {
 
 # train_run MODULE CONFIG_NAME [EXTRA_OVERRIDE...]: exec `python3 -m MODULE --config-name CONFIG_NAME
 # <overrides> <extra>`; with QWEN3_RL_PRINT_COMMAND=1 print it instead, NUL-separated (argv length, argv,
-# then the environment: qwen3_rl/launch/train_script.py reads it) and exit 0.
+# then the environment: qwen3_rl/tools/launch/train_script.py reads it) and exit 0.
 train_run() {
     local module=$1 config_name=$2
     shift 2

@@ -24,7 +24,7 @@ every CP group, once, at start-up (``new_group`` is collective over the world, s
 same order); a block spanning the whole CP group reuses the CP group itself. On HCCL a communicator (and its
 ``2 x HCCL_BUFFSIZE`` buffer) comes into being at the first collective on a group, so the groups that cost device
 memory are the blocks of 2 .. C/2 ranks (a DP segment is a ring of one: no traffic); ``python -m qwen3_rl plan``
-counts them (``qwen3_rl.plan.memory.hdp_hccl_comms``).
+counts them (``qwen3_rl.tools.plan.memory.hdp_hccl_comms``).
 """
 
 from __future__ import annotations

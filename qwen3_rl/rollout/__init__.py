@@ -1,1 +1,1 @@
-"""Rollout-side runtime features: load balancing across DP ranks (the simulator is in :mod:`qwen3_rl.sim`)."""
+"""Rollout-side runtime features: load balancing across DP ranks (the simulator is in :mod:`qwen3_rl.tools.sim`)."""

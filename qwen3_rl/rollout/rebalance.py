@@ -96,7 +96,7 @@ DEFAULT_MAX_KV_BYTES = 0
 #: 60 s timeout, the bound the former 4 GB cap gave on the measured 0.44 GB/s host path
 DEFAULT_MAX_ROUND_S = 10.0
 #: default KV path bandwidth, GB/s: 0 = measured by the engine at its first round (the simulator's default
-#: is a device-class figure, ``qwen3_rl.sim.simulate.DEVICE_LINK_GB_S``)
+#: is a device-class figure, ``qwen3_rl.tools.sim.simulate.DEVICE_LINK_GB_S``)
 DEFAULT_KV_LINK_GB_S = 0.0
 #: default prefill throughput of one rollout engine, tokens/s (the simulator's 100 ms per 1000 tokens)
 DEFAULT_PREFILL_TOKENS_PER_S = 10_000.0

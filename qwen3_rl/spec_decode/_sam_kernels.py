@@ -25,7 +25,7 @@ Storage model (all token ids are int32 >= 0, all lengths in tokens):
 * A *string* (slot ``s``) owns a token buffer ``T`` (int32, address in ``SM[s]``) and its scalars
   in the row ``SM[s]`` (one 128-byte record: length, last state, automaton, ...).
 
-Invariants the kernels rely on (kept by every kernel that mutates; ``tests/sam_reference.py``
+Invariants the kernels rely on (kept by every kernel that mutates; ``tests/helpers/sam_reference.py``
 ``check_invariants`` asserts the storage ones after every step of the tests):
 
 * State 0 is the root: ``L = 0``, link -1, its transitions only in ``R``. For every other state

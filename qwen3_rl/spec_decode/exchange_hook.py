@@ -10,7 +10,7 @@ collectives on that group. Every ``sam_config.exchange_every`` steps it all-gath
 (``SiblingExchange.pack``) over vLLM's gloo CPU group of the DP group (``get_dp_group().cpu_group``,
 created once by vLLM; never device memory) and merges the other ranks' tokens into the drafter's shadow
 strings. Tokens accepted in step t therefore reach the siblings' drafts proposed in step t + 1
-(``--exchange-delay-steps 1`` in ``python -m qwen3_rl.bench.drafters``).
+(``--exchange-delay-steps 1`` in ``python -m qwen3_rl.tools.bench.drafters``).
 
 Not built unless ``speculative_config.method == "sam"`` with ``sam_config.group_exchange=True`` (inert, one
 attribute check per step, when built without it).

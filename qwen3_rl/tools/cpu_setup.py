@@ -40,7 +40,7 @@ _STAMP = ".qwen3_rl-stamp"
 
 
 def workspace_dir(ws: Path | None = None) -> Path:
-    from qwen3_rl.upstream.common import default_workspace
+    from qwen3_rl.tools.upstream.common import default_workspace
 
     return (ws or default_workspace()).resolve()
 
@@ -74,12 +74,12 @@ def _source_hash(*files: Path) -> str:
 def setup(ws: Path, seed: int = 0, sft_steps: int = SFT_STEPS, log=print) -> dict[str, Path]:
     """Make every part in ``ws``; returns their paths (``engine``, ``grpo_model``, ``grpo_data``, ``dapo_model``,
     ``dapo_data``)."""
-    from qwen3_rl.pins import load_pins
     from qwen3_rl.tools import tiny_sft
+    from qwen3_rl.tools.pins import load_pins
     from qwen3_rl.tools.tiny_data import make_tiny_data
     from qwen3_rl.tools.tiny_model import TinySpec, make_tiny_model
-    from qwen3_rl.upstream.common import default_cache
-    from qwen3_rl.upstream.download import download_pypi
+    from qwen3_rl.tools.upstream.common import default_cache
+    from qwen3_rl.tools.upstream.download import download_pypi
 
     pins_file = engine_workspace.REPO / "pins.toml"
     pins = load_pins()

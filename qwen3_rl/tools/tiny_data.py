@@ -56,7 +56,7 @@ def write_raw(out: Path, split: str, n: int, seed: int, kind: str = "two-step") 
 def make_tiny_data(out: Path, n_train: int = 48, n_test: int = 16, seed: int = 0,
                    kind: str = "two-step") -> dict[str, Path]:
     """Raw jsonl + verl parquet for both splits; returns ``{"train": parquet, "test": parquet}``."""
-    from qwen3_rl.data.prepare import prepare
+    from qwen3_rl.tools.data.prepare import prepare
 
     if n_train < 1 or n_test < 1:
         raise ValueError(f"need at least one problem per split, got train={n_train} test={n_test}")

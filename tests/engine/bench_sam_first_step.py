@@ -95,7 +95,7 @@ def main() -> int:
     import hashlib
 
     from qwen3_rl.tools.tiny_model import TinySpec, make_tiny_model
-    from qwen3_rl.upstream.common import default_cache
+    from qwen3_rl.tools.upstream.common import default_cache
 
     import workspace
 

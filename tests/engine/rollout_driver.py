@@ -34,7 +34,7 @@ def compose_config(spec: dict):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from qwen3_rl.launch import parse_train_script
+    from qwen3_rl.tools.launch import parse_train_script
 
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"), **spec["env"]}
     cmd = parse_train_script(REPO / spec["script"], env=env, extra_args=spec["overrides"])

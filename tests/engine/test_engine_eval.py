@@ -5,7 +5,7 @@ vLLM 0.13.0's real CPU engine (offline ``LLM``) on gsm8k-style problems over 2 r
 the score from the saved generations; ``eval compare`` puts the base model and the merged one side by side.
 
 Device-layer shims only (``qwen3_rl/cpu_device/``: gloo for nccl, CPU stand-ins for TE / CUDA calls). A random model
-answers about nothing right: the judge itself is tested on known answers in tests/test_eval.py.
+answers about nothing right: the judge itself is tested on known answers in tests/tools/eval/test_eval.py.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def test_merge_score_rejudge_compare(engine_ws: Path, tiny_models: dict[str, Pat
     import torch
     from safetensors.torch import load_file
 
-    from qwen3_rl.data.prepare import convert, find_dataset, write_parquet
+    from qwen3_rl.tools.data.prepare import convert, find_dataset, write_parquet
 
     model = tiny_models["dense"]
     ckpt = tmp_path / "ckpt"
@@ -126,7 +126,7 @@ def test_merge_score_rejudge_compare(engine_ws: Path, tiny_models: dict[str, Pat
     after = [json.loads(x)["text"] for x in (tmp_path / "score-after" / "generations.jsonl").read_text().splitlines()]
     assert before != after
 
-    # (the plot needs matplotlib, which this venv lacks: tests/test_eval.py draws it)
+    # (the plot needs matplotlib, which this venv lacks: tests/tools/eval/test_eval.py draws it)
     proc = _eval(["compare", str(tmp_path / "score-before"), str(tmp_path / "score-after"), "--json"],
                  _env(engine_ws, shims=False))
     row = json.loads(proc.stdout)["comparison"][0]
@@ -142,7 +142,7 @@ def test_score_through_a_real_vllm_server(engine_ws: Path, tiny_models: dict[str
     import time
     import urllib.request
 
-    from qwen3_rl.data.prepare import convert, find_dataset, write_parquet
+    from qwen3_rl.tools.data.prepare import convert, find_dataset, write_parquet
 
     rows = [{"question": f"What is {a} times 2?", "answer": f"#### {2 * a}"} for a in (3, 5, 9)]
     data = write_parquet(convert(find_dataset("gsm8k"), rows, "test"), tmp_path / "gsm8k", "test")

@@ -1,8 +1,8 @@
 """The tiny CPU GRPO run through a real Slurm on two nodes (marker ``e2e``): ``sbatch launch_slurm.sbatch``.
 
-Slurm is Debian's 22.05 (``slurmctld``, ``slurmd``, ``munge``), started by the test (tests/slurm_cluster.py) with a
+Slurm is Debian's 22.05 (``slurmctld``, ``slurmd``, ``munge``), started by the test (tests/helpers/slurm_cluster.py) with a
 generated munge key and ``slurm.conf``. The two nodes are two network namespaces joined by a veth pair
-(tests/netns.py), one ``slurmd`` each, each with its own Ray temp dir (bind-mounted in the ``slurmd``'s mount
+(tests/helpers/netns.py), one ``slurmd`` each, each with its own Ray temp dir (bind-mounted in the ``slurmd``'s mount
 namespace, as separate machines have their own ``/tmp``); the controller runs in the first node's namespace. Every
 node advertises a count-only GRES ``npu:1``.
 
@@ -37,10 +37,10 @@ from test_e2e_training import Run, _events, check_step_log_and_ckpt, launch_env
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/: the Slurm and namespace harnesses
 
-from qwen3_rl.pins import load_pins  # noqa: E402
+from qwen3_rl.tools.pins import load_pins  # noqa: E402
 
-from netns import TwoNodes, describe, ns_pids, pids_mentioning, two_nodes  # noqa: E402,F401
-from slurm_cluster import Node, SlurmCluster, missing_tools  # noqa: E402
+from helpers.netns import TwoNodes, describe, ns_pids, pids_mentioning, two_nodes  # noqa: E402,F401
+from helpers.slurm_cluster import Node, SlurmCluster, missing_tools  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -1,1 +1,0 @@
-"""Benchmarks printing figures: ``python -m qwen3_rl.bench.<name> ... --json``."""

@@ -1,5 +1,0 @@
-"""Launch helpers: reading train scripts into their verl command (``train_script``)."""
-
-from qwen3_rl.launch.train_script import TrainCommand, TrainScriptError, parse_train_script
-
-__all__ = ["TrainCommand", "TrainScriptError", "parse_train_script"]

@@ -1,0 +1,1 @@
+"""Benchmarks printing figures: ``python -m qwen3_rl.tools.bench.<name> ... --json``."""

@@ -1,0 +1,1 @@
+"""Dataset preparation (tooling): ``python -m qwen3_rl data prepare``."""

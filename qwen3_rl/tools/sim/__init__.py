@@ -1,0 +1,10 @@
+"""Tooling, not runtime: the rollout simulator and its length models (``python -m qwen3_rl simulate ...``).
+
+* :mod:`qwen3_rl.tools.sim.lengths` -- rollout length files: format, reader, and a generator shaped on the
+  figures of [ref 002 §1.3] (docs/references.md);
+* :mod:`qwen3_rl.tools.sim.simulate` -- event-driven rollout simulator (data / rollout rebalancing policies,
+  KV transfer, drafting), its step-time model and fit, plot and CLI.
+
+Nothing in the training or rollout runtime imports this package; it imports the runtime's balancing
+logic (:mod:`qwen3_rl.rollout.data_rebalance`, :mod:`qwen3_rl.rollout.rebalance`) to simulate it.
+"""

@@ -1,0 +1,158 @@
+"""Verification steps of SAM drafting in the lockstep rollout simulator: per-step k, history, token cost.
+
+``simulate rollout --drafting BASE+verify|BASE+history|BASE+adaptive|BASE+history+adaptive`` (BASE =
+``sam_group`` or ``sam_group_exchange``) runs the lockstep engine with a :class:`DraftModel`: every engine step
+still moves each running request by one token, and is charged the time of a verification step divided by the
+tokens a request advances per verification step (``tau``)::
+
+    step_ms = (t0 + per_seq * bucket(R) + per_kctx * C / 1000 + drafter_ms + token_ms * R * k) / tau(k)
+
+``R`` = the busiest rank's running requests (lockstep pads to it), ``k`` the draft length of the step:
+fixed (``--fixed-k``, 3) or, with ``+adaptive``, the k in 1..``--k-max`` that maximises ``tau(k) / step``
+(the batch-level form of ``spec_decode.adaptive_k``, which chooses per request). ``tau(k)`` comes from
+``TPS`` (lockstep visit replay of the drafter bench on ``rollouts_dev.jsonl``: tokens per verification step
+at fixed k = 1..15, bulk = more than 8 requests running, tail = at most 8; ``+history`` = samples 0-3 of
+each prompt in the history store), scaled by the layout's figure at k = 3 relative to siblings together
+(``Drafting``: spread 1.666, exchange 1.846, together 1.856). ``token_ms`` (``--verify-token-ms``) = the
+cost of one more query token in a verification step: 2 x 22e9 FLOP (Qwen3-235B-A22B active parameters) on
+the 4 dies of one DP rank at 376 TFLOPS bf16 each and 50 % utilisation = 0.0585 ms (assumed inputs, not
+measured on an NPU); the other terms are the fitted decode-step model (``simulate fit-step-model``).
+Rebalance intervals stay in engine steps (tokens), not verification steps.
+
+``--verify-model roofline``: decode on A3 is memory- and latency-bound (a 60 ms step at the smallest batch,
+[ref 002 §2.2]), so the compute of the extra query tokens hides under the fitted step until the batch's tokens
+reach the compute roof. A verification step then costs::
+
+    max(t0 + per_seq * bucket + per_kctx * C / 1000,  t0 + (k + 1) * (F * bucket + A * C) / rate) + drafter_ms
+
+``F`` = 2 x 22e9 FLOP per token (Qwen3-235B-A22B active parameters), ``A`` = 4 x 64 heads x 128 x 94 layers =
+3.08e6 FLOP per query token and context token (QK and PV; Qwen3-235B-A22B config), ``rate`` = one DP rank's
+4 dies (TP4) at 390 TFLOPS bf16 each (an Ascend 910C card = 2 dies, 780 TFLOPS bf16: TechPowerUp, 2025-04-21,
+https://techpowerup.com/335749/) at ``--mfu`` 0.5 (assumed). Every padded row (``bucket``) verifies ``k + 1``
+tokens. The compute term at k = 0 stays below the fitted step (the fitted decode step is not compute-bound),
+so the fit is unchanged without drafts. Not modelled, in both forms: EP dispatch/combine bytes, which grow
+with the query tokens (the fitted ``per_seq`` may hold them: then the linear form is the closer one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from qwen3_rl.tools.sim.simulate import DRAFTING, SPREAD_POLICIES, Drafting, SimError, StepModel
+
+#: Tokens per verification step at fixed k = 1..15 (bonus included), ``python -m qwen3_rl.tools.bench.drafters
+#: --corpus ../shared/bench/rollouts_dev.jsonl --group --history 4 --k K --skip-cost`` (``replay_visits``:
+#: samples 4-7 of every prompt running together, one engine).
+TPS = {
+    ("current", "bulk"): (1.397, 1.577, 1.670, 1.723, 1.752, 1.775, 1.786, 1.795, 1.801, 1.804, 1.807, 1.809,
+                          1.812, 1.813, 1.813),
+    ("current", "tail"): (1.592, 1.920, 2.159, 2.325, 2.469, 2.550, 2.588, 2.629, 2.670, 2.715, 2.783, 2.755,
+                          2.742, 2.768, 2.787),
+    ("history", "bulk"): (1.497, 1.761, 1.911, 1.998, 2.059, 2.106, 2.132, 2.156, 2.167, 2.178, 2.183, 2.190,
+                          2.195, 2.198, 2.202),
+    ("history", "tail"): (1.582, 1.916, 2.142, 2.272, 2.371, 2.461, 2.526, 2.563, 2.651, 2.671, 2.718, 2.722,
+                          2.723, 2.725, 2.756),
+}
+TAIL_MAX = 8  # running requests per rank at or below which the tail figures apply
+VERIFY_TOKEN_MS = 0.0585
+MODIFIERS = ("verify", "history", "adaptive")
+VERIFY_MODELS = ("linear", "roofline")
+FLOP_PER_TOKEN = 2 * 22e9  # Qwen3-235B-A22B: 2 x active parameters per token
+ATTN_FLOP_PER_CTX = 4 * 64 * 128 * 94  # QK + PV per query token and context token: heads x head_dim x layers
+DIE_TFLOPS = 390.0  # Ascend 910C: 780 TFLOPS bf16 per card of 2 dies (TechPowerUp 2025-04-21)
+RANK_DIES = 4  # one rollout DP rank of the 235B layout: TP4 ([ref 002]: 128 die DP32 TP4 EP128)
+MFU = 0.5  # assumed utilisation of the roof
+
+
+@dataclass(frozen=True)
+class DraftModel:
+    """Tokens per verification step and the verification step's cost, per lockstep segment."""
+
+    bulk: tuple[float, ...]
+    tail: tuple[float, ...]
+    layout: float = 1.0  # tokens/step of the layout at k = 3 / siblings together at k = 3
+    fixed_k: int | None = 3  # None: adaptive
+    k_max: int = 15
+    token_ms: float = VERIFY_TOKEN_MS
+    drafter_ms: float = 0.4
+    tail_max: int = TAIL_MAX
+    k_steps: dict[int, int] = field(default_factory=dict, compare=False)  # engine steps run at each k
+    verify_model: str = "linear"  # "linear" (token_ms per draft token) or "roofline" (module docstring)
+    mfu: float = MFU
+
+    def __post_init__(self) -> None:
+        if self.verify_model not in VERIFY_MODELS:
+            raise SimError(f"unknown verify model {self.verify_model!r} (choose from {', '.join(VERIFY_MODELS)})")
+        if not 0 < self.mfu <= 1:
+            raise SimError(f"--mfu must be in (0, 1], got {self.mfu}")
+
+    @property
+    def rank_flop_per_ms(self) -> float:
+        """FLOP one DP rank computes per ms at the assumed utilisation."""
+        return RANK_DIES * DIE_TFLOPS * 1e12 * self.mfu / 1000.0
+
+    def compute_ms(self, k: int, bucket: int, ctx_tokens: float) -> float:
+        """Roofline: compute time (ms) of one verification step of ``bucket`` rows x ``k + 1`` query tokens
+        over ``ctx_tokens`` context tokens (the busiest rank's sum)."""
+        return (k + 1) * (FLOP_PER_TOKEN * bucket + ATTN_FLOP_PER_CTX * ctx_tokens) / self.rank_flop_per_ms
+
+    def verify_ms(self, sm: StepModel, k: int, running: int, bucket: int, ctx_tokens: float) -> float:
+        """One verification step (ms) at draft length ``k``, context ``ctx_tokens`` (busiest rank)."""
+        if self.verify_model == "roofline":
+            return max(sm.step_ms(bucket, ctx_tokens), sm.t0_ms + self.compute_ms(k, bucket, ctx_tokens)) \
+                + self.drafter_ms
+        return sm.step_ms(bucket, ctx_tokens) + self.drafter_ms + self.token_ms * running * k
+
+    def pick(self, sm: StepModel, running: int, bucket: int, ctx_tokens: float) -> tuple[int, float, float]:
+        """(k, tokens per verification step, verification step ms) for a step of ``running`` requests."""
+        table = self.tail if running <= self.tail_max else self.bulk
+        ks = [self.fixed_k] if self.fixed_k else range(1, min(self.k_max, len(table)) + 1)
+        best = (0, 1.0, 0.0)
+        rate = -1.0
+        for k in ks:
+            tau = table[k - 1] * self.layout
+            ms = self.verify_ms(sm, k, running, bucket, ctx_tokens)
+            if tau / ms > rate:
+                rate, best = tau / ms, (k, tau, ms)
+        return best
+
+    def segment_ms(self, sm: StepModel, nsteps: int, running: int, bucket: int, ctx_sum: float,
+                   prefill_tokens: float) -> float:
+        """Time (ms) of ``nsteps`` engine steps (one token per request each) at ``running`` requests on the
+        busiest rank; ``ctx_sum`` = its context tokens summed over the steps."""
+        k, tau, _ = self.pick(sm, running, bucket, ctx_sum / max(nsteps, 1))
+        self.k_steps[k] = self.k_steps.get(k, 0) + nsteps
+        mem = nsteps * (sm.t0_ms + sm.per_seq_ms * bucket) + sm.per_kctx_ms * ctx_sum / 1000.0
+        if self.verify_model == "roofline":  # segment sums of both sides (context grows within a segment)
+            comp = nsteps * sm.t0_ms + (k + 1) * (FLOP_PER_TOKEN * bucket * nsteps + ATTN_FLOP_PER_CTX * ctx_sum) \
+                / self.rank_flop_per_ms
+            verify = max(mem, comp) + nsteps * self.drafter_ms
+        else:
+            verify = mem + nsteps * (self.drafter_ms + self.token_ms * running * k)
+        return verify / tau + sm.per_prefill_ktok_ms * prefill_tokens / 1000.0
+
+
+def parse_drafting(name: str) -> tuple[str, frozenset[str]]:
+    """``BASE+mod+...`` -> (BASE, modifiers); SimError for an unknown base or modifier."""
+    base, *mods = name.split("+")
+    if base not in DRAFTING or base == "none":
+        raise SimError(f"unknown drafting {name!r}: base must be sam_group or sam_group_exchange")
+    bad = [m for m in mods if m not in MODIFIERS]
+    if bad or not mods:
+        raise SimError(f"unknown drafting modifier(s) {bad or mods} in {name!r} (choose from {', '.join(MODIFIERS)})")
+    return base, frozenset(mods)
+
+
+def draft_model(name: str, policy: str, drafting: Drafting, fixed_k: int = 3, k_max: int = 15,
+                token_ms: float = VERIFY_TOKEN_MS, verify_model: str = "linear", mfu: float = MFU) -> DraftModel:
+    """The model of drafting ``name`` (``BASE+mods``) under ``policy`` (spread layouts: data rebalance)."""
+    base, mods = parse_drafting(name)
+    hist = "history" if "history" in mods else "current"
+    if not 1 <= fixed_k <= 15 or not 1 <= k_max <= 15:
+        raise SimError("--fixed-k and --k-max must be in [1, 15] (the measured tables)")
+    layout = drafting.together
+    if policy in SPREAD_POLICIES:
+        layout = drafting.exchange if base == "sam_group_exchange" else drafting.spread
+    return DraftModel(TPS[(hist, "bulk")], TPS[(hist, "tail")], layout / drafting.together,
+                      None if "adaptive" in mods else fixed_k, k_max, token_ms, drafting.drafter_ms,
+                      verify_model=verify_model, mfu=mfu)

@@ -1,0 +1,257 @@
+"""Fetch pristine upstream source trees into a workspace, in git or pypi mode.
+
+Layout (both modes): ``<workspace>/<fw.dir>/`` is a git repository whose package folders sit at
+the same paths as in the upstream git tag (``verl/``, ``vllm/``, ``vllm_ascend/``, ``megatron/``),
+so one patch series applies to either.
+
+* git mode: clone ``git_url``, check out the exact pinned commit (plus submodules where pinned),
+  verify ``HEAD``.
+* pypi mode: download the pinned wheel (cached), unpack only the text files of the pinned package
+  folders, and commit them once as ``pristine <key> <version>`` with a fixed author and date.
+
+Reruns verify and do nothing. A tree at another commit or with local changes stops with expected
+vs found and the fix (``--force``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import platform
+import shutil
+import zipfile
+from pathlib import Path
+
+from qwen3_rl.tools.pins import Framework, pypi_requirement
+from qwen3_rl.tools.upstream.common import (
+    UpstreamError,
+    add_local_excludes,
+    dirty_files,
+    git,
+    is_git_repo,
+    log,
+    run,
+)
+
+# Binary files that are never part of a text source tree, whatever their content.
+BINARY_SUFFIXES = (".so", ".a", ".o", ".dll", ".dylib", ".pyd", ".bin", ".pt", ".cubin", ".fatbin")
+MAX_TEXT_BYTES = 4 * 1024 * 1024
+
+
+def _platform_tags(arch: str) -> list[str]:
+    return [f"manylinux_2_{v}_{arch}" for v in (35, 31, 28, 24, 17)] + [f"manylinux2014_{arch}"]
+
+
+def wheel_pattern(fw: Framework) -> str:
+    """Glob of the pinned wheel's file name (distribution names are normalised with ``_``)."""
+    return f"{fw.pypi.replace('-', '_')}-{fw.version}-*.whl"
+
+
+def fetch_wheel(fw: Framework, wheel_dir: Path, arch: str | None = None) -> Path:
+    """Return the pinned wheel from ``wheel_dir``, downloading it with pip if absent.
+
+    Uses pip's usual index settings (``PIP_INDEX_URL`` etc.), so a PyPI mirror works.
+    """
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    found = sorted(wheel_dir.glob(wheel_pattern(fw)))
+    if found:
+        return found[0]
+    arch = arch or platform.machine()
+    cmd = ["python3", "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "--python-version", "3.11", "-d", str(wheel_dir)]
+    for tag in _platform_tags(arch):
+        cmd += ["--platform", tag]
+    cmd.append(pypi_requirement(fw))
+    log(f"{fw.key}: downloading {pypi_requirement(fw)} wheel ({arch}) into {wheel_dir}")
+    run(cmd)
+    found = sorted(wheel_dir.glob(wheel_pattern(fw)))
+    if not found:
+        raise UpstreamError(f"{fw.key}: pip reported success but no {wheel_pattern(fw)} in {wheel_dir}")
+    return found[0]
+
+
+def _is_text(data: bytes) -> bool:
+    return len(data) <= MAX_TEXT_BYTES and b"\0" not in data[:65536]
+
+
+def unpack_wheel(fw: Framework, wheel: Path, tree: Path) -> tuple[int, int]:
+    """Unpack the text files of ``fw.packages`` from ``wheel`` into ``tree``.
+
+    Returns (files written, binary files skipped).
+    """
+    written = skipped = 0
+    with zipfile.ZipFile(wheel) as zf:
+        for info in zf.infolist():
+            if info.is_dir():
+                continue
+            top = info.filename.split("/", 1)[0]
+            if top not in fw.packages:
+                continue
+            name = info.filename
+            if any(name.endswith(s) or fnmatch.fnmatch(name, f"*{s}.*") for s in BINARY_SUFFIXES):
+                skipped += 1
+                continue
+            data = zf.read(info)
+            if not _is_text(data):
+                skipped += 1
+                continue
+            out = tree / name
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(data)
+            mode = (info.external_attr >> 16) & 0o777
+            if mode & 0o111:
+                out.chmod(0o755)
+            written += 1
+    missing = [p for p in fw.packages if not (tree / p).exists()]
+    if missing:
+        raise UpstreamError(f"{fw.key}: wheel {wheel.name} has no folder {', '.join(missing)}")
+    return written, skipped
+
+
+def tree_mode(tree: Path) -> str:
+    """'pypi' if the tree is a pypi-mode pristine repo, 'git' if another git repo, '' if none."""
+    if not is_git_repo(tree):
+        return ""
+    first = git(tree, "log", "--reverse", "--format=%s", check=False).stdout.splitlines()
+    return "pypi" if first and first[0].startswith("pristine ") else "git"
+
+
+def _verify_clean(fw: Framework, tree: Path) -> None:
+    dirty = dirty_files(tree)
+    if dirty:
+        shown = ", ".join(dirty[:3]) + (f" (+{len(dirty) - 3} more)" if len(dirty) > 3 else "")
+        raise UpstreamError(
+            f"{fw.key}: {tree} has local changes ({shown}); expected a pristine tree. "
+            "If these are our patches run `bash apply_all_patches.sh --revert`; "
+            f"to discard all changes re-run with --force --only {fw.key}"
+        )
+
+
+def download_pypi(fw: Framework, dest: Path, wheel_dir: Path, force: bool = False,
+                  arch: str | None = None) -> str:
+    """Create or verify ``dest/fw.dir`` from the pinned wheel. Returns 'created' or 'verified'."""
+    if not fw.on_pypi:
+        raise UpstreamError(
+            f"{fw.key} is not published on PyPI: it needs --source git "
+            f"({fw.git_url} {fw.git_ref})"
+        )
+    tree = dest / fw.dir
+    if tree.exists():
+        mode = tree_mode(tree)
+        if mode == "pypi":
+            head = git(tree, "log", "-1", "--format=%s").stdout.strip()
+            if head != fw.pristine_message or git(tree, "rev-list", "--count", "HEAD").stdout.strip() != "1":
+                if not force:
+                    raise UpstreamError(
+                        f"{fw.key}: expected '{fw.pristine_message}' at {tree}, found '{head}'; "
+                        f"re-run with --force --only {fw.key}"
+                    )
+            elif not force:
+                _verify_clean(fw, tree)
+                log(f"{fw.key}: {tree} verified ({fw.pristine_message}), nothing to do")
+                return "verified"
+        elif not force:
+            found = "a git checkout" if mode == "git" else "a folder that is not a pypi-mode tree"
+            raise UpstreamError(
+                f"{fw.key}: expected a pypi-mode tree '{fw.pristine_message}' at {tree}, "
+                f"found {found}; re-run with --force --only {fw.key} to replace it"
+            )
+        shutil.rmtree(tree)
+    wheel = fetch_wheel(fw, wheel_dir, arch)
+    tmp = dest / f".{fw.dir}.partial"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    written, skipped = unpack_wheel(fw, wheel, tmp)
+    run(["git", "init", "-q", str(tmp)])
+    git(tmp, "config", "core.autocrlf", "false")
+    git(tmp, "config", "commit.gpgsign", "false")
+    add_local_excludes(tmp)
+    git(tmp, "add", "-A", "-f")
+    git(tmp, "commit", "-q", "--no-verify", "-m", fw.pristine_message)
+    tmp.rename(tree)  # only a complete tree ever gets the final name
+    log(f"{fw.key}: {tree} created from {wheel.name} ({written} text files, {skipped} binaries left out)")
+    return "created"
+
+
+def _head(tree: Path) -> str:
+    return git(tree, "rev-parse", "HEAD").stdout.strip()
+
+
+def _submodules_ok(tree: Path) -> list[str]:
+    out = git(tree, "submodule", "status", "--recursive", check=False).stdout
+    return [line.strip() for line in out.splitlines() if line[:1] in "+-U"]
+
+
+def download_git(fw: Framework, dest: Path, force: bool = False) -> str:
+    """Clone or verify ``dest/fw.dir`` at the pinned commit. Returns 'created', 'updated' or 'verified'."""
+    tree = dest / fw.dir
+    action = "verified"
+    if tree.exists() and not is_git_repo(tree):
+        if not force:
+            raise UpstreamError(
+                f"{fw.key}: {tree} exists but is not a git repository; "
+                f"remove it or re-run with --force --only {fw.key}"
+            )
+        shutil.rmtree(tree)
+    if tree.exists() and tree_mode(tree) == "pypi":
+        if not force:
+            raise UpstreamError(
+                f"{fw.key}: expected commit {fw.commit} at {tree}, found a pypi-mode tree "
+                f"('{fw.pristine_message}'); re-run with --force --only {fw.key} to replace it"
+            )
+        shutil.rmtree(tree)
+    if not tree.exists():
+        dest.mkdir(parents=True, exist_ok=True)
+        log(f"{fw.key}: cloning {fw.git_url} into {tree}")
+        tmp = dest / f".{fw.dir}.partial"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        run(["git", "clone", "-q", "--no-checkout", fw.git_url, str(tmp)])
+        _checkout(fw, tmp)
+        tmp.rename(tree)
+        action = "created"
+    else:
+        head = _head(tree)
+        if head != fw.commit:
+            if not force:
+                raise UpstreamError(
+                    f"{fw.key}: expected commit {fw.commit} ({fw.git_ref}) at {tree}, found {head}; "
+                    f"re-run with --force --only {fw.key}"
+                )
+            _checkout(fw, tree)
+            action = "updated"
+        elif force:
+            _checkout(fw, tree)
+            action = "updated"
+    add_local_excludes(tree)
+    if fw.submodules:
+        bad = _submodules_ok(tree)
+        if bad and not force:
+            raise UpstreamError(
+                f"{fw.key}: submodules not at the pinned commits ({bad[0]}); "
+                f"re-run with --force --only {fw.key}"
+            )
+    _verify_clean(fw, tree)
+    head = _head(tree)
+    if head != fw.commit:
+        raise UpstreamError(f"{fw.key}: expected commit {fw.commit}, found {head} after checkout")
+    log(f"{fw.key}: {tree} {action} at {fw.git_ref} ({fw.commit[:12]})")
+    return action
+
+
+def _checkout(fw: Framework, tree: Path) -> None:
+    has = git(tree, "cat-file", "-e", f"{fw.commit}^{{commit}}", check=False).returncode == 0
+    if not has:
+        git(tree, "fetch", "-q", "origin", f"+refs/tags/{fw.git_ref}:refs/tags/{fw.git_ref}",
+            check=False)
+        if git(tree, "cat-file", "-e", f"{fw.commit}^{{commit}}", check=False).returncode != 0:
+            git(tree, "fetch", "-q", "origin", fw.commit, check=False)
+        if git(tree, "cat-file", "-e", f"{fw.commit}^{{commit}}", check=False).returncode != 0:
+            raise UpstreamError(
+                f"{fw.key}: commit {fw.commit} ({fw.git_ref}) not found in {fw.git_url}"
+            )
+    git(tree, "checkout", "-q", "-f", "--detach", fw.commit)
+    git(tree, "clean", "-q", "-fd")
+    if fw.submodules:
+        git(tree, "submodule", "sync", "--recursive")
+        git(tree, "submodule", "update", "-q", "--init", "--recursive", "--force")

@@ -1,0 +1,94 @@
+"""qwen3_rl.compat.child_process (megatron patch 0005): the write-results manager process of megatron-core's
+checkpoint writer dies with the training process that forked it. An orphan would keep the Ray worker's raylet
+connection open, so Ray would never report the killed worker and the run would hang (tests/engine/
+test_e2e_training.py kills a worker for real)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from qwen3_rl.tools.pins import load_pins
+
+REPO = Path(__file__).resolve().parents[2]
+PINS = load_pins(REPO / "pins.toml")
+
+_FORKER = textwrap.dedent("""
+    import multiprocessing as mp
+    import sys
+    import time
+
+    how = sys.argv[1]
+    if how == "megatron":
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import _get_write_results_queue
+
+        queue = _get_write_results_queue()
+    elif how == "bound":
+        from qwen3_rl.compat.child_process import manager_bound_to_parent
+
+        queue = manager_bound_to_parent(mp.get_context("fork")).Queue()
+    else:
+        queue = mp.get_context("fork").Manager().Queue()
+    queue.put(1)
+    assert queue.get() == 1
+    (child,) = mp.active_children()
+    print(child.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _orphan_after_parent_killed(how: str, pythonpath: str) -> bool:
+    """Start a process that forks a manager (``how``), SIGKILL it, and say whether the manager is still alive 10 s
+    later (killing it then)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": pythonpath}
+    proc = subprocess.Popen([sys.executable, "-c", _FORKER, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip().isdigit(), f"no manager pid: {line!r} {proc.stderr.read() if proc.poll() else ''}"
+        manager = int(line)
+        assert _alive(manager)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while _alive(manager) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        orphan = _alive(manager)
+        if orphan:
+            os.kill(manager, signal.SIGKILL)
+        return orphan
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_bound_manager_dies_with_its_parent() -> None:
+    assert not _orphan_after_parent_killed("bound", str(REPO))
+
+
+def test_plain_manager_outlives_its_parent() -> None:
+    """The hazard itself: multiprocessing's own manager process stays behind."""
+    assert _orphan_after_parent_killed("plain", str(REPO))
+
+
+@pytest.mark.parametrize("tree", ["patched", "pristine"])
+def test_megatron_results_queue_manager(tree: str, patched_workspace: Path, pristine_workspace: Path) -> None:
+    """megatron-core 0.12.1's checkpoint writer: its manager dies with the process when patched, stays when not."""
+    ws = patched_workspace if tree == "patched" else pristine_workspace
+    path = os.pathsep.join([str(ws / PINS.frameworks["megatron"].dir), str(REPO)])
+    assert _orphan_after_parent_killed("megatron", path) == (tree == "pristine")

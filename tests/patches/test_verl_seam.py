@@ -1,0 +1,152 @@
+"""The verl seam (patches/verl/0014): patched verl imports without qwen3_rl, and with the group empty it is
+upstream's config; the package validates the group into one dataclass per feature, defaults declared once."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from conftest import PINS, REPO, run_python
+
+PROBE = r"""
+import importlib.util, sys
+# an editable install of the checkout (pip install -e) would put qwen3_rl back through its finder: drop it
+sys.path[:] = [p for p in sys.path if "__editable__" not in str(p)]
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in (getattr(f, "__module__", "") or "")
+                    and "editable" not in getattr(f, "__name__", "")]
+sys.path_importer_cache.clear()
+assert importlib.util.find_spec("qwen3_rl") is None, f"qwen3_rl is on the path {sys.path}"
+import verl.trainer.ppo.ray_trainer as rt
+import verl.workers.rollout.vllm_rollout.vllm_rollout_spmd as spmd
+from verl.utils.qwen3_rl_hooks import rollout_hooks, trainer_hooks
+from omegaconf import OmegaConf
+assert trainer_hooks(OmegaConf.create({"qwen3_rl": {}})) is None and rollout_hooks({"qwen3_rl": {}}) is None
+print("ok", rt.RayPPOTrainer.__name__, spmd.vLLMRollout.__name__, sorted(m for m in sys.modules if m.startswith("qwen3_rl")))
+"""
+
+
+def _probe(paths: tuple[Path | str, ...], cwd: Path):
+    """The probe in a fresh interpreter whose environment holds only PATH, HOME, the vLLM CPU switches and
+    PYTHONPATH = ``paths`` (nothing a test before may have exported)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/tmp"),
+           "VLLM_PLUGINS": "none", "VLLM_TARGET_DEVICE": "cpu", "PYTHONPATH": os.pathsep.join(map(str, paths))}
+    return subprocess.run([sys.executable, "-s", "-c", PROBE], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=300)
+
+
+def _paths(ws: Path, pristine: Path) -> tuple[Path, ...]:
+    """Patched verl; vLLM from the pristine pin (the vLLM seam is a separate series, checked on its own)."""
+    return (ws / PINS.frameworks["verl"].dir, pristine / PINS.frameworks["vllm"].dir, ws / ".dist-info")
+
+
+def test_patched_verl_imports_without_qwen3_rl(patched_imports: Path, pristine_workspace: Path, tmp_path: Path) -> None:
+    """ray_trainer and the SPMD rollout import from the patched tree in a process whose path has no qwen3_rl."""
+    proc = _probe(_paths(patched_imports, pristine_workspace), tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().endswith("ok RayPPOTrainer vLLMRollout []"), proc.stdout
+    # positive control: the same probe sees the package when the checkout is on the path
+    ctl = _probe((*_paths(patched_imports, pristine_workspace), REPO), tmp_path)
+    assert ctl.returncode != 0 and "qwen3_rl is on the path" in ctl.stderr
+
+
+def test_group_empty_config_equals_unseamed(patched_imports: Path, make_workspace, tmp_path: Path) -> None:
+    """Both trainer configs composed from the patched tree, minus the qwen3_rl group (root and its rollout
+    interpolation), equal those of the same series without the seam patch: with the group empty the seam
+    adds nothing else. (The bug-fix and remaining feature patches add their own declared keys, e.g.
+    rollout.npu_expandable_segments; pristine verl 0.6.1 lacks those.)"""
+    import json
+    import subprocess
+
+    code = r"""
+import json, sys
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+out = {}
+for name in ("ppo_trainer", "ppo_megatron_trainer"):
+    with initialize_config_dir(config_dir=sys.argv[1], version_base=None):
+        cfg = compose(config_name=name)
+    OmegaConf.resolve(cfg)
+    out[name] = OmegaConf.to_container(cfg)
+print(json.dumps(out))
+"""
+    ws = make_workspace("verl")
+    tree = ws / PINS.frameworks["verl"].dir
+    series = sorted((REPO / "patches" / "verl").glob("*.patch"))
+    seam = [p for p in series if "qwen3_rl_seam" in p.name]
+    assert len(seam) == 1
+    for p in series:
+        if p not in seam:
+            subprocess.run(["git", "apply", str(p)], cwd=tree, check=True)
+
+    def composed(root: Path) -> dict:
+        d = root / "verl" / "trainer" / "config"
+        proc = run_python(code, str(d), path=(root,), cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    patched, unseamed = composed(patched_imports / PINS.frameworks["verl"].dir), composed(tree)
+    for name in ("ppo_trainer", "ppo_megatron_trainer"):
+        p = patched[name]
+        assert p.pop("qwen3_rl") == {} and p["actor_rollout_ref"]["rollout"].pop("qwen3_rl") == {}
+        assert p == unseamed[name], name
+    from verl.workers.config import RolloutConfig
+
+    assert RolloutConfig(name="vllm").qwen3_rl == {}
+
+
+def test_each_default_declared_once() -> None:
+    """features.toml declares no default for a key of the qwen3_rl group (it comes from the dataclass), and
+    the registry's default of each such switch is the dataclass field's."""
+    from qwen3_rl.tools.features import FeatureError, load_registry
+    from qwen3_rl.trainer.seam import FEATURES, feature_defaults
+
+    raw = tomllib.loads((REPO / "features.toml").read_text())["feature"]
+    reg = load_registry()
+    defaults = feature_defaults()
+    seen = 0
+    for env, f in raw.items():
+        keys = [s["key"].lstrip("+") for s in f.get("sets", []) if s["value"] == "{value}"]
+        seam = [k for k in keys if k.startswith("qwen3_rl.")]
+        if not seam:
+            continue
+        seen += 1
+        assert "default" not in f, env
+        want = defaults[seam[0]][0]
+        assert reg.features[env].default == (("True" if want else "False") if isinstance(want, bool) else str(want))
+    assert seen >= 8
+    assert reg.features["ROLLOUT_REBALANCE_INTERVAL_STEPS"].default == "32"
+    # declaring a default again is refused
+    bad = (REPO / "features.toml").read_text().replace(
+        '[feature.ROLLOUT_REBALANCE_INTERVAL_STEPS]\n', '[feature.ROLLOUT_REBALANCE_INTERVAL_STEPS]\ndefault = 16\n')
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as fh:
+        fh.write(bad)
+    with pytest.raises(FeatureError, match="declared in qwen3_rl.trainer.seam"):
+        load_registry(fh.name)
+    # every dataclass field is a plain typed value with a default
+    for cls in FEATURES.values():
+        assert all(f.default is not dataclasses.MISSING for f in dataclasses.fields(cls)), cls
+
+
+def test_group_validation_one_line() -> None:
+    from qwen3_rl.trainer.seam import RecipeConfig, SeamConfigError
+
+    rc = RecipeConfig.from_group({"rollout_rebalance": {"enable": True, "interval_steps": 8, "timeout_s": 5}})
+    assert (rc.rollout_rebalance.interval_steps, rc.rollout_rebalance.timeout_s, rc.rollout_rebalance.max_moves) == (
+        8, 5.0, 128)
+    assert RecipeConfig.from_group(None) == RecipeConfig()
+    for bad, msg in (({"nope": {}}, "qwen3_rl.nope: unknown feature"),
+                     ({"data_rebalance": {"enabled": True}}, "qwen3_rl.data_rebalance.enabled: unknown key"),
+                     ({"rollout_rebalance": {"max_moves": True}}, "qwen3_rl.rollout_rebalance.max_moves must be int"),
+                     ({"rollout_rebalance": {"interval_steps": 0}}, "qwen3_rl.rollout_rebalance: interval_steps")):
+        with pytest.raises(SeamConfigError, match=msg) as err:
+            RecipeConfig.from_group(bad)
+        assert "\n" not in str(err.value)

@@ -1,0 +1,283 @@
+"""``python -m qwen3_rl preflight``: every check on a good setup and on one broken thing at a time, all
+problems listed at once, stub ``npu-smi`` on PATH, the real ``apply_all_patches.sh --status``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_launch import (
+    DATA,
+    PY,
+    REPO,
+    make_cann,
+    make_model,
+    make_parquet,
+    make_standin,
+    make_stubs,
+    stub_env,
+)
+
+from qwen3_rl.tools.launch.preflight import check_batches, check_layout, check_lengths, hydra_list
+from qwen3_rl.tools.pins import load_pins
+
+W = "actor_rollout_ref.actor.megatron."
+# the trees the patched_workspace fixture builds (those on PyPI); MindSpeed is not among them
+ONLY = ",".join(k for k, fw in load_pins(REPO / "pins.toml").frameworks.items() if fw.on_pypi)
+
+
+def _setup(tmp_path: Path, **over: str) -> tuple[Path, dict[str, str]]:
+    bin_dir = make_stubs(tmp_path, ray=False, ip=False)
+    script = make_standin(tmp_path, "raise SystemExit(0)\n")
+    cann = make_cann(tmp_path)
+    env = stub_env(tmp_path, bin_dir, MODEL_PATH=str(make_model(tmp_path)),
+                   TRAIN_FILE=str(make_parquet(tmp_path / "d" / "train.parquet")),
+                   VAL_FILE=str(make_parquet(tmp_path / "d" / "val.parquet")),
+                   ASCEND_HOME_PATH=str(cann / "ascend-toolkit" / "latest"))
+    env.update(over)
+    return script, env
+
+
+def _preflight(script: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(env, PYTHONPATH=str(REPO))
+    return subprocess.run([PY, "-m", "qwen3_rl", "preflight", str(script), *args], env=env, text=True,
+                          capture_output=True, timeout=120, cwd=REPO)
+
+
+def _errors(p: subprocess.CompletedProcess[str]) -> list[str]:
+    return [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+
+
+def test_good_setup_passes_with_patched_workspace(tmp_path: Path, patched_workspace: Path):
+    script, env = _setup(tmp_path)
+    p = _preflight(script, env, "--workspace", str(patched_workspace), "--only", ONLY, "--nnodes", "1",
+                   "--npus-per-node", "16")
+    assert p.returncode == 0, p.stderr
+    assert "preflight: 0 error(s)" in p.stdout and p.stdout.rstrip().endswith("- OK")
+    assert "npu-smi info -m" in (tmp_path / "calls.log").read_text()
+
+
+def test_unpatched_and_missing_trees_reported(tmp_path: Path, make_workspace):
+    ws = make_workspace("verl")  # pristine verl (patches not applied), other trees absent
+    script, env = _setup(tmp_path)
+    p = _preflight(script, env, "--workspace", str(ws))
+    errs = _errors(p)
+    assert p.returncode == 1
+    verl_line = [e for e in errs if "not applied" in e]
+    assert len(verl_line) == 1 and "0001-verl-" in verl_line[0] and "run bash apply_all_patches.sh" in verl_line[0]
+    assert any("pinned source trees missing" in e for e in errs)
+
+
+BROKEN = [
+    ("tp", {"ACTOR_TP": "3"}, "[layout] actor TP3 x PP1 x CP1 = 3 does not divide the world size 16"),
+    ("rollout-tp", {"ROLLOUT_TP": "5"}, "[layout] rollout TP5 does not divide the world size 16"),
+    ("ep-experts", {"ACTOR_EP": "16"}, "[layout] actor EP16 > 1 but the model has no experts"),
+    ("batch", {"TRAIN_BATCH_SIZE": "40"}, "[batch] data.train_batch_size 40 is not a multiple of ppo_mini_batch_size 16"),
+    ("length", {"MAX_RESPONSE_LENGTH": "40000"},
+     "[length] prompt 1024 + response 40000 = 41024 > the model's max_position_embeddings 40960"),
+    ("npus", {"STUB_NPU_MAP": str(DATA / "npu_smi_topo_a3.txt")}, "[npu] npu-smi info -m: no 'Chip Logic ID' header"),
+    ("cann", {"ASCEND_HOME_PATH": ""}, "[cann] CANN is not sourced"),
+    ("model", {"MODEL_PATH": "/nonexistent/model"}, "[model] model path /nonexistent/model does not exist"),
+    ("dataset", {"VAL_FILE": "/nonexistent/val.parquet"}, "[data] data.val_files: /nonexistent/val.parquet not found"),
+]
+
+
+@pytest.mark.parametrize("case", BROKEN, ids=[c[0] for c in BROKEN])
+def test_one_broken_thing_one_error_line(tmp_path: Path, patched_workspace: Path, case):
+    _, over, expected = case
+    script, env = _setup(tmp_path, **over)
+    if over.get("ASCEND_HOME_PATH") == "":
+        env.pop("ASCEND_HOME_PATH")
+    p = _preflight(script, env, "--workspace", str(patched_workspace), "--only", ONLY, "--nnodes", "1",
+                   "--npus-per-node", "16")
+    errs = _errors(p)
+    assert p.returncode == 1
+    assert [e for e in errs if expected in e], p.stderr  # the broken thing is named (with its consequences)
+
+
+def test_world_mismatch_from_override(tmp_path: Path):
+    script, env = _setup(tmp_path)
+    p = _preflight(script, env, "--no-node-checks", "--nnodes", "1", "--npus-per-node", "16", "trainer.nnodes=2")
+    assert p.returncode == 1
+    assert _errors(p) == ["error: [world] train script wants 2 nodes x 16 NPUs = 32, the launcher has 1 x 16 = 16"]
+
+
+def test_all_problems_listed_at_once(tmp_path: Path):
+    script, env = _setup(tmp_path, ACTOR_TP="3", TRAIN_BATCH_SIZE="40", MAX_RESPONSE_LENGTH="40000",
+                         MODEL_PATH=str(tmp_path / "model"))
+    (tmp_path / "model" / "model-00001-of-00001.safetensors").unlink()
+    make_parquet(tmp_path / "d" / "bad.parquet", columns=("prompt", "extra_info"))
+    env["TRAIN_FILE"] = str(tmp_path / "d" / "bad.parquet")
+    p = _preflight(script, env, "--no-node-checks", "--nnodes", "1", "--npus-per-node", "16")
+    errs = _errors(p)
+    assert p.returncode == 1
+    checks = {e.split("]")[0] + "]" for e in errs}
+    # response 40000 > verl's default max_num_batched_tokens 8192 with chunked prefill: verl's rollout refuses it
+    assert checks == {"error: [model]", "error: [data]", "error: [layout]", "error: [batch]", "error: [length]",
+                      "error: env-contract[verl-batched-tokens-chunked]"}, errs
+    assert any("lacks verl column(s) data_source, reward_model" in e for e in errs)
+    assert any("no weights (*.safetensors / *.bin)" in e for e in errs)
+    assert f"preflight: {len(errs)} error(s)" in p.stdout
+
+
+def test_moe_layout_checks_with_real_235b_config():
+    import json
+
+    cfg = json.loads((DATA / "qwen3_235b_a22b_config.json").read_text())
+    vals = {"trainer.nnodes": "8", "trainer.n_gpus_per_node": "16", W + "tensor_model_parallel_size": "4",
+            W + "pipeline_model_parallel_size": "4", W + "context_parallel_size": "4",
+            W + "expert_model_parallel_size": "32", W + "expert_tensor_parallel_size": "1",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size": "4",
+            "actor_rollout_ref.rollout.engine_kwargs.vllm.data_parallel_size": "32"}
+    errs = [f.message for f in check_layout(vals, cfg)]
+    assert errs == ["94 layers do not split evenly over PP4; set override_transformer_config."
+                    "num_layers_in_first/last_pipeline_stage (megatron/core/transformer/transformer_block.py asserts it)"]
+    vals[W + "override_transformer_config.num_layers_in_first_pipeline_stage"] = "22"
+    vals[W + "override_transformer_config.num_layers_in_last_pipeline_stage"] = "24"
+    assert check_layout(vals, cfg) == []
+    vals[W + "expert_model_parallel_size"] = "48"
+    msgs = [f.message for f in check_layout(vals, cfg)]
+    assert "actor EP48 does not divide the 128 experts" in msgs
+    assert "actor EP48 x ETP1 x PP4 = 192 does not divide the world size 128 (megatron expert data parallel)" in msgs
+    vals[W + "expert_model_parallel_size"] = "32"
+    vals["actor_rollout_ref.rollout.engine_kwargs.vllm.data_parallel_size"] = "16"
+    assert [f.message for f in check_layout(vals, cfg)] == [
+        "rollout TP4 x DP16 = 64 != world size 128 (sync rollout puts one rank on every die)"]
+
+
+def test_batch_and_length_rules():
+    base = {"trainer.nnodes": "1", "trainer.n_gpus_per_node": "16", "data.train_batch_size": "32",
+            "actor_rollout_ref.rollout.n": "4", "actor_rollout_ref.actor.ppo_mini_batch_size": "16",
+            W + "tensor_model_parallel_size": "4"}
+    assert check_batches(base) == []
+    bad = dict(base, **{"actor_rollout_ref.actor.ppo_mini_batch_size": "3", "data.train_batch_size": "3",
+                        W + "tensor_model_parallel_size": "2"})
+    msgs = [f.message for f in check_batches(bad)]
+    assert "ppo_mini_batch_size 3 x n 4 = 12 does not divide over the actor's 8 data-parallel ranks" in msgs
+    assert "train_batch_size 3 x n 4 = 12 does not split over the 16 ranks the rollout batch is dispatched to" in msgs
+    lens = {"data.max_prompt_length": "2048", "data.max_response_length": "34816",
+            "actor_rollout_ref.actor.use_dynamic_bsz": "True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "8192"}
+    assert [f.message for f in check_lengths(lens, {"max_position_embeddings": 40960})] == [
+        "ppo_max_token_len_per_gpu 8192 < prompt + response 36864: one sequence would not fit a micro-batch"]
+    assert hydra_list("[a.parquet,'b.parquet']") == ["a.parquet", "b.parquet"] and hydra_list("x") == ["x"]
+
+
+def test_shipped_scripts_pass_config_checks_with_real_configs(tmp_path: Path):
+    """The train scripts, with the real Qwen3 configs as model path: no layout/batch/length error."""
+    model32 = make_model(tmp_path / "m32")
+    model235 = make_model(tmp_path / "m235", config="qwen3_235b_a22b_config.json")
+    model30 = make_model(tmp_path / "m30", config="qwen3_30b_a3b_config.json")
+    from qwen3_rl.tools.tiny_model import TinySpec, make_tiny_model
+
+    tiny = make_tiny_model(tmp_path / "tiny", TinySpec(moe=True))
+    for script in sorted((REPO / "internal").glob("train_*.sh")):
+        env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "NPUS_PER_NODE")}
+        env["MODEL_PATH"] = str(model235 if "235b" in script.name else model30 if "30b_a3b" in script.name
+                                else tiny if "tiny_cpu" in script.name else model32)
+        env["PYTHONPATH"] = str(REPO)
+        args = ["--env-script", str(REPO / "internal" / "qwen3_235b_env.sh")] if "235b" in script.name else []
+        p = subprocess.run([PY, "-m", "qwen3_rl", "preflight", str(script), "--no-node-checks", *args], env=env,
+                           text=True, capture_output=True, timeout=120, cwd=REPO)
+        cfg_errors = [ln for ln in p.stderr.splitlines()
+                      if ln.startswith("error:") and ("[layout]" in ln or "[batch]" in ln or "[length]" in ln)]
+        assert cfg_errors == [], f"{script.name}: {cfg_errors}"
+
+
+OTC = W + "override_transformer_config."
+MOE_SCRIPT = REPO / "internal" / "train_grpo_qwen3_235b_128die_true_weight.sh"
+
+
+def _feature_errors(extra: list[str], **env: str) -> list[str]:
+    """[feature] errors of the real 235B script with hand-written Hydra overrides (past the script's own checks)."""
+    from qwen3_rl.tools.launch.preflight import run_preflight
+
+    base = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **env}
+    found = run_preflight(str(MOE_SCRIPT), node_checks=False, env=base, extra_args=extra, npu_env=None)
+    assert not [f for f in found if f.check == "script"], found
+    return [f.message for f in found if f.check == "feature"]
+
+
+def test_moe_zero_memory_needs_alltoall_overlap():
+    """features.toml's MOE_ZERO_MEMORY rule on the final command's keys, also past the script's own check."""
+    from qwen3_rl.tools.launch.preflight import check_feature_rules
+
+    assert check_feature_rules({}) == [] and check_feature_rules({OTC + "moe_zero_memory": "disable"}) == []
+    for level in ("level0", "level1"):
+        (err,) = check_feature_rules({OTC + "moe_zero_memory": level})
+        assert err.line() == (f"error: [feature] MOE_ZERO_MEMORY={level} requires MOE_ALLTOALL_OVERLAP=True (got "
+                              "MOE_ALLTOALL_OVERLAP=False): MindSpeed applies moe_zero_memory only with "
+                              "moe_alltoall_overlap_comm (mindspeed/features_manager/moe/moe_zero_memory.py:33,37)")
+        assert check_feature_rules({OTC + "moe_zero_memory": level, OTC + "moe_alltoall_overlap_comm": "true"}) == []
+    assert _feature_errors([]) == []
+    (msg,) = _feature_errors([f"+{OTC}moe_zero_memory=level1"])
+    assert msg.startswith("MOE_ZERO_MEMORY=level1 requires MOE_ALLTOALL_OVERLAP=True")
+    assert _feature_errors([f"+{OTC}moe_zero_memory=level1"], MOE_ALLTOALL_OVERLAP="True") == []
+
+
+def test_rollout_rebalance_needs_vllm_dp():
+    from qwen3_rl.tools.launch.preflight import check_feature_rules
+
+    R = "actor_rollout_ref.rollout."
+    RB = "qwen3_rl.rollout_rebalance.enable"
+    assert check_feature_rules({RB: "False"}) == []
+    assert check_feature_rules({RB: "True",
+                                R + "engine_kwargs.vllm.data_parallel_size": "32"}) == []
+    for dp in ({}, {R + "engine_kwargs.vllm.data_parallel_size": "1"}):
+        (err,) = check_feature_rules({RB: "true", **dp})
+        assert err.line() == ("error: [feature] ROLLOUT_REBALANCE=True requires VLLM_DP > 1 (got VLLM_DP=1): nothing "
+                              "to move requests between; the engine hook refuses vLLM DP 1 at start-up")
+    # a hand-written override past the script's own check: the 235B script with vLLM DP 1
+    (msg,) = _feature_errors([f"++{RB}=True", f"+{R}engine_kwargs.vllm.data_parallel_size=1"])
+    assert msg.startswith("ROLLOUT_REBALANCE=True requires VLLM_DP > 1")
+    assert _feature_errors([f"++{RB}=True"]) == []  # DP 32
+
+
+def test_feature_rules_read_back_from_keys():
+    """Switches on through hand-written keys only: SAM group exchange without group mode, all-to-allv with EPLB
+    (an excludes rule), the old-log-prob switch with two mini-batches (a context comparison)."""
+    from qwen3_rl.tools.launch.preflight import check_feature_rules
+
+    R = "actor_rollout_ref.rollout."
+    sc = R + "engine_kwargs.vllm.speculative_config."
+    dp = {R + "engine_kwargs.vllm.data_parallel_size": "4"}
+    (err,) = check_feature_rules({**dp, sc + "method": "sam", sc + "sam_config.group_exchange": "True"})
+    assert err.message == ("SAM_GROUP_EXCHANGE=True requires SAM_ENABLE=True and SAM_GROUP=True (got SAM_ENABLE=True, "
+                           "SAM_GROUP=False): the exchanged tokens feed the group automata of the SAM drafter")
+    assert check_feature_rules({**dp, sc + "method": "sam", sc + "sam_config.group_mode": "True",
+                                sc + "sam_config.group_exchange": "True"}) == []
+    eplb = R + "engine_kwargs.vllm.additional_config.eplb_config.dynamic_eplb"
+    (err,) = check_feature_rules({"actor_rollout_ref.actor.moe_alltoallv": "True", eplb: "True"},
+                                 "train_grpo_qwen3_235b_128die_true_weight.sh")
+    assert err.message == "MOE_ALLTOALLV=True excludes ROLLOUT_EPLB=True: EPLB moves experts off vLLM's default placement"
+    sizes = {"data.train_batch_size": "128", "actor_rollout_ref.actor.ppo_mini_batch_size": "64"}
+    (err,) = check_feature_rules({**sizes, "actor_rollout_ref.actor.use_current_log_prob_as_old": "True"})
+    assert err.message.startswith("USE_CURRENT_LOG_PROB_AS_OLD=True requires PPO_MINI_BATCH_SIZE == TRAIN_BATCH_SIZE "
+                                  "(got PPO_MINI_BATCH_SIZE=64, TRAIN_BATCH_SIZE=128)")
+    # a switch that is not the setup's is not read: the dense 32B setup has no EPLB / all-to-allv
+    assert check_feature_rules({"actor_rollout_ref.actor.moe_alltoallv": "True", eplb: "True"},
+                               "train_grpo_qwen3_32b_32die_true_weight.sh") == []
+
+
+def test_spec_decode_requests_a_drafter_can_serve():
+    """SAM on through the real 235B script: clean; a penalty the rollout passes to every request is a warning
+    (vLLM drafts nothing for it); calculate_log_probs with SAM is an error (verl 0011 refuses it at start-up)."""
+    from qwen3_rl.tools.launch.preflight import run_preflight
+
+    R = "actor_rollout_ref.rollout."
+    base = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "SAM_ENABLE": "True"}
+
+    def found(extra: list[str]) -> list[str]:
+        got = run_preflight(str(MOE_SCRIPT), node_checks=False, env=base, extra_args=extra, npu_env=None)
+        return [f.line() for f in got if f.check == "spec-decode"]
+
+    assert found([]) == []
+    (warn,) = found([f"+{R}repetition_penalty=1.05"])
+    assert warn == ("warning: [spec-decode] speculative_config.method=sam drafts nothing: every rollout request has "
+                    "repetition_penalty=1.05 (must be 1.0) (vllm/v1/spec_decode/utils.py:9-17)")
+    (err,) = found([f"{R}calculate_log_probs=True"])
+    assert err.startswith("error: [spec-decode] speculative_config.method=sam with rollout.calculate_log_probs=True")
+    # without a drafter neither matters
+    base["SAM_ENABLE"] = "False"
+    assert found([f"+{R}repetition_penalty=1.05", f"{R}calculate_log_probs=True"]) == []

@@ -1,0 +1,293 @@
+"""The feature registry (features.toml, qwen3_rl/tools/features.py): coverage of patches, switches and paths; the
+train scripts' setups and groups; one-line errors for bad values; every requires / excludes rule reported."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qwen3_rl.tools.features import FeatureError, load_registry, setup_overrides
+from qwen3_rl.tools.launch import TrainScriptError, parse_train_script
+
+REPO = Path(__file__).resolve().parents[2]
+INTERNAL = REPO / "internal"
+BASE_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp"}
+REG = load_registry()
+SCRIPTS = sorted(p.name for p in INTERNAL.glob("train_*.sh"))
+SHELL_FILES = sorted(INTERNAL.glob("*.sh")) + sorted(INTERNAL.glob("lib/*.sh"))
+DEFAULT_RE = re.compile(r"^([A-Z_0-9]+)=\$\{\1:-(.*)\}$", re.M)
+# sizes the CLI needs, as train_common.sh passes them (a 235B-like MoE setup and a dense one)
+MOE_CTX = ["VLLM_DP=32", "ROLLOUT_TP=4", "TRAIN_BATCH_SIZE=512", "PPO_MINI_BATCH_SIZE=512", "DIST_CKPT_PATH=/ckpt"]
+DENSE_CTX = ["VLLM_DP=1", "ROLLOUT_TP=8", "TRAIN_BATCH_SIZE=128", "PPO_MINI_BATCH_SIZE=128", "DIST_CKPT_PATH=/ckpt"]
+MOE = "train_grpo_qwen3_235b_128die_true_weight.sh"
+DENSE = "train_grpo_qwen3_32b_32die_true_weight.sh"
+MBRIDGE = "train_grpo_qwen3_30b_a3b_32die.sh"
+
+
+def test_every_patch_is_a_feature_or_a_listed_bug_fix() -> None:
+    patches = {f"{p.parent.name}/{p.name}" for p in (REPO / "patches").glob("*/*.patch")}
+    claimed = {p for f in REG.features.values() for p in f.patches}
+    assert claimed <= patches, f"features name missing patches: {sorted(claimed - patches)}"
+    assert set(REG.non_feature_patches) <= patches, sorted(set(REG.non_feature_patches) - patches)
+    # a non-feature patch is a pure bug fix, and says why it has no switch
+    for name, why in REG.non_feature_patches.items():
+        assert "-bugfix-" in name and why.strip(), name
+        assert name not in claimed, f"{name} is both a feature's patch and a non-feature patch"
+    uncovered = patches - claimed - set(REG.non_feature_patches)
+    assert not uncovered, f"patches in no features.toml entry nor in [non_feature_patches]: {sorted(uncovered)}"
+    # every feature patch (not bugfix) belongs to some feature
+    assert all(p in claimed for p in patches if "-feature-" in p)
+
+
+def test_declared_paths_exist_and_every_entry_has_a_test() -> None:
+    for f in REG.features.values():
+        assert f.tests, f"{f.env}: no test"
+        for rel in (*f.modules, *f.tests, f.doc):
+            assert rel and (REPO / rel).is_file(), f"{f.env}: {rel!r} does not exist"
+        assert f.name and f.setups and f.sets, f"{f.env}: no name, setups or keys"
+
+
+def test_groups_match_the_train_scripts() -> None:
+    """The registry's setups are the train scripts; dense / moe, dapo and the weight-source groups agree with
+    what each script calls (train_add_base_overrides LAYOUT WEIGHTS, its entry module)."""
+    assert REG.setups() == SCRIPTS
+    for name in SCRIPTS:
+        text = (INTERNAL / name).read_text()
+        (layout, weights), = re.findall(r"^train_add_base_overrides (\w+) (\w+)$", text, re.M)
+        groups = REG.groups_of(name)
+        assert layout in groups and {"dense", "moe"} - {layout} & set(groups) == set(), (name, groups)
+        assert ("dapo" in groups) == ("qwen3_rl.trainer.dapo" in text), name
+        assert ("tiny" in groups) == ("tiny_cpu" in name), name
+        assert ("moe_cluster" in groups) == (layout == "moe" and "tiny" not in groups), name
+        for w in ("hf_or_dist_ckpt", "dist_ckpt_or_mbridge"):
+            assert (w in groups) == (weights == w), (name, w)
+        assert re.search(r"^train_add_feature_overrides$", text, re.M), name
+
+
+def test_every_switch_the_scripts_read_is_declared_once() -> None:
+    """A shell default of True/False is a switch: it must be a registry entry, and no registry switch keeps a
+    shell default (one place). Every ${VAR} a shell file reads is its own variable, a registry switch's context
+    or an environment the launcher sets."""
+    shell_defaults = {var: (default, path.name) for path in SHELL_FILES
+                      for var, default in DEFAULT_RE.findall(path.read_text())}
+    for var, (default, where) in shell_defaults.items():
+        assert var not in REG.features, f"{var} is a features.toml switch and still has a default in {where}"
+        assert default.lower() not in ("true", "false"), f"{var} ({where}) looks like a switch: declare it"
+    lib = (INTERNAL / "lib" / "train_common.sh").read_text()
+    # nothing in the shell reads a switch any more (the registry is the only place that interprets them)
+    for path in SHELL_FILES:
+        used = set(re.findall(r"\$\{([A-Z_0-9]+)", path.read_text()))
+        assert not used & set(REG.features), (path.name, sorted(used & set(REG.features)))
+    # the context the CLI gets is what the registry declares
+    assert set(re.findall(r'--context "([A-Z_]+)=', lib)) == {n for n, c in REG.context.items() if not c.product}
+
+
+def test_defaults_and_values_validated_the_same_way() -> None:
+    for f in REG.features.values():
+        for value in (f.default, *f.default_for.values()):
+            if value:
+                assert f.parse(value) == value, f.env
+        if f.type == "bool":
+            for bad in ("true", "1", "yes", "TRUE", " True"):
+                with pytest.raises(FeatureError) as err:
+                    f.parse(bad)
+                assert str(err.value) == f"{f.env}={bad!r}: expected one of True, False"
+    assert REG.features["MOE_ZERO_MEMORY"].allowed == ("disable", "level0", "level1")
+    with pytest.raises(FeatureError, match=r"^SAM_K='0': expected an integer >= 1$"):
+        REG.features["SAM_K"].parse("0")
+    with pytest.raises(FeatureError, match=r"^GRAPH_CAPTURE_SIZES='8,16': expected a Hydra list like \[8,16,32\]$"):
+        REG.features["GRAPH_CAPTURE_SIZES"].parse("8,16")
+    assert REG.features["MOE_PREFILL_CHUNK_SIZE"].parse("0042") == "42"
+
+
+def _bad_value(f) -> str:
+    return {"bool": "yes", "enum": "on", "int": "x1", "list": "8,16", "float": "fast"}[f.type]
+
+
+@pytest.mark.parametrize("setup", [MOE, DENSE])
+def test_bad_value_of_every_switch_is_one_line(setup: str) -> None:
+    ctx = MOE_CTX if setup == MOE else DENSE_CTX
+    for f in REG.features.values():
+        if f.type == "str" or not REG.applies(f, setup):
+            continue
+        bad = _bad_value(f)
+        with pytest.raises(FeatureError) as err:
+            setup_overrides(setup, {f.env: bad}, ctx, REG)
+        assert str(err.value) == f"{f.env}={bad!r}: {f.expected()}"
+    # a switch of another setup is ignored there (noted), not validated
+    notes: list[str] = []
+    if setup == DENSE:
+        assert setup_overrides(setup, {"ROLLOUT_EPLB": "maybe"}, ctx, REG, notes) == setup_overrides(setup, {}, ctx, REG)
+        assert notes == [f"note: ROLLOUT_EPLB=maybe does not apply to {DENSE} (setups: moe_cluster); ignored"]
+
+
+def test_cli_and_train_script_print_one_error_line() -> None:
+    env = dict(BASE_ENV, PYTHONPATH=str(REPO), SAM_ENABLE="yes")
+    proc = subprocess.run([sys.executable, "-m", "qwen3_rl", "features", "overrides", "--setup", MOE,
+                           *(a for c in MOE_CTX for a in ("--context", c))], env=env, capture_output=True, text=True)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", "error: SAM_ENABLE='yes': expected one of True, False\n")
+    ok = subprocess.run([sys.executable, "-m", "qwen3_rl", "features", "overrides", "--setup", MOE,
+                         *(a for c in MOE_CTX for a in ("--context", c))], env=dict(env, SAM_ENABLE="True"),
+                        capture_output=True)
+    assert ok.returncode == 0 and ok.stdout.endswith(b"\0")
+    assert b"+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.method=sam\0" in ok.stdout
+    for script, var, bad in ((MOE, "SAM_ENABLE", "yes"), (DENSE, "OFFLOAD", "1"), (MOE, "DATA_REBALANCE", "true"),
+                             ("train_dapo_tiny_cpu.sh", "MOE_ZERO_MEMORY", "level2")):
+        f = REG.features[var]
+        with pytest.raises(TrainScriptError) as err:
+            parse_train_script(INTERNAL / script, env={**BASE_ENV, var: bad})
+        assert str(err.value).endswith(f"failed in print mode: error: {var}={bad!r}: {f.expected()}")
+        # the script's stderr is that one line and nothing else
+        proc = subprocess.run(["bash", str(INTERNAL / script)], env={**BASE_ENV, var: bad, "QWEN3_RL_PRINT_COMMAND": "1"},
+                              capture_output=True, text=True)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"error: {var}={bad!r}: {f.expected()}\n")
+
+
+# every requires / excludes rule of the registry, triggered: (setup, env, context, message)
+RULE_CASES = [
+    (MOE, {"USE_CURRENT_LOG_PROB_AS_OLD": "True"}, [*MOE_CTX, "PPO_MINI_BATCH_SIZE=128"],
+     "USE_CURRENT_LOG_PROB_AS_OLD=True requires PPO_MINI_BATCH_SIZE == TRAIN_BATCH_SIZE (got PPO_MINI_BATCH_SIZE=128, "
+     "TRAIN_BATCH_SIZE=512): one mini-batch per step, else later mini-batches are off-policy; the trainer refuses it "
+     "(docs/old_log_prob.md)"),
+    (MBRIDGE, {"USE_MBRIDGE": "True", "MOE_ALLTOALLV": "True"}, MOE_CTX,
+     "USE_MBRIDGE=True excludes MOE_ALLTOALLV=True: verl 0009 converts only verl's own weight export, not mbridge's"),
+    (MBRIDGE, {"USE_MBRIDGE": "True", "MOE_ALLTOALL_OVERLAP": "True"}, MOE_CTX,
+     "USE_MBRIDGE=True excludes MOE_ALLTOALL_OVERLAP=True: verl 0008 converts only verl's own weight export, not "
+     "mbridge's"),
+    (MOE, {"MOE_ZERO_MEMORY": "level1"}, MOE_CTX,
+     "MOE_ZERO_MEMORY=level1 requires MOE_ALLTOALL_OVERLAP=True (got MOE_ALLTOALL_OVERLAP=False): MindSpeed applies "
+     "moe_zero_memory only with moe_alltoall_overlap_comm (mindspeed/features_manager/moe/moe_zero_memory.py:33,37)"),
+    (MOE, {"MOE_ALLTOALLV": "True", "ROLLOUT_ENABLE_EP": "False"}, MOE_CTX,
+     "MOE_ALLTOALLV=True requires ROLLOUT_ENABLE_EP=True (got ROLLOUT_ENABLE_EP=False): verl 0009 sends each rank "
+     "the experts of vLLM's expert-parallel placement"),
+    (MOE, {"MOE_ALLTOALLV": "True", "ROLLOUT_EPLB": "True"}, MOE_CTX,
+     "MOE_ALLTOALLV=True excludes ROLLOUT_EPLB=True: EPLB moves experts off vLLM's default placement"),
+    (DENSE, {"ROLLOUT_REBALANCE": "True"}, DENSE_CTX,
+     "ROLLOUT_REBALANCE=True requires VLLM_DP > 1 (got VLLM_DP=1): nothing to move requests between; the engine "
+     "hook refuses vLLM DP 1 at start-up"),
+    (MOE, {"SAM_GROUP": "True"}, MOE_CTX,
+     "SAM_GROUP=True requires SAM_ENABLE=True (got SAM_ENABLE=False): group mode is a mode of the SAM drafter"),
+    (MOE, {"SAM_ENABLE": "True", "SAM_GROUP_EXCHANGE": "True"}, MOE_CTX,
+     "SAM_GROUP_EXCHANGE=True requires SAM_ENABLE=True and SAM_GROUP=True (got SAM_ENABLE=True, SAM_GROUP=False): "
+     "the exchanged tokens feed the group automata of the SAM drafter"),
+    (DENSE, {"SAM_ENABLE": "True", "SAM_GROUP": "True", "SAM_GROUP_EXCHANGE": "True"}, DENSE_CTX,
+     "SAM_GROUP_EXCHANGE=True requires VLLM_DP > 1 (got VLLM_DP=1): with vLLM DP 1 every engine already holds all "
+     "the siblings it serves"),
+    (MOE, {"SAM_ENABLE": "True", "SAM_HISTORY": "4"}, MOE_CTX,
+     "SAM_GROUP=False excludes SAM_HISTORY > 0: the history seeds the group automata of the SAM drafter"),
+    (MOE, {"SAM_ADAPTIVE_K": "True"}, MOE_CTX,
+     "SAM_ADAPTIVE_K=True requires SAM_ENABLE=True (got SAM_ENABLE=False): the draft length is chosen by the SAM "
+     "drafter"),
+    (MOE, {"SAM_ENABLE": "True", "SAM_ADAPTIVE_K": "True", "SAM_K_MAX": "16"}, MOE_CTX,
+     "SAM_ADAPTIVE_K=True excludes SAM_K_MAX > 15: vLLM-Ascend's attention takes k + 1 <= 16 query tokens per "
+     "sequence"),
+]
+# rules whose switches set no key while the rule is broken (SAM_ENABLE off): preflight has nothing to read back
+NO_KEY_CASES = ({"SAM_GROUP": "True"}, {"SAM_ADAPTIVE_K": "True"})
+
+
+def test_every_rule_is_reported() -> None:
+    """The train script's CLI stops at each broken rule with its line; preflight finds the same rule in a command
+    carrying the keys (hand-written), except SAM_GROUP and SAM_ADAPTIVE_K without SAM_ENABLE, which set no key to
+    read back."""
+    from qwen3_rl.tools.features import check_command
+
+    for setup, env, ctx, msg in RULE_CASES:
+        with pytest.raises(FeatureError) as err:
+            setup_overrides(setup, env, ctx, REG)
+        assert str(err.value) == msg
+        keys = _keys_for(setup, env, ctx)
+        assert check_command(keys, setup, REG) == ([] if env in NO_KEY_CASES else [msg]), msg
+    rules = [(f.env, r.kind) for f in REG.features.values() for r in (*f.requires, *f.excludes)]
+    assert len(RULE_CASES) == len(rules), "a rule without a case (or a case without a rule)"
+    assert {(m.split("=")[0], m.split(" ")[1]) for *_, m in RULE_CASES} == set(rules)
+    # satisfied rules pass
+    assert setup_overrides(MOE, {"MOE_ZERO_MEMORY": "level0", "MOE_ALLTOALL_OVERLAP": "True"}, MOE_CTX, REG)
+    assert setup_overrides(MOE, {"SAM_ENABLE": "True", "SAM_GROUP": "True", "SAM_GROUP_EXCHANGE": "True"}, MOE_CTX,
+                           REG)
+
+
+def _keys_for(setup: str, env: dict[str, str], ctx: list[str]) -> dict[str, str]:
+    """The override map a command would carry with the rule broken: the valid keys plus the feature keys of
+    ``env`` rendered without the rule check (as a hand-written Hydra argument would add them)."""
+    from qwen3_rl.tools.features import parse_context, render, resolve
+
+    context = parse_context(REG, ctx)
+    values = resolve(REG, setup, env, context)
+    out = {c.key: context[n] for n, c in REG.context.items() if c.key and n in context}
+    for o in render(REG, values):
+        k, _, v = o.partition("=")
+        out[k.lstrip("+")] = v
+    return out
+
+
+def test_setup_overrides_follow_the_registry() -> None:
+    """The CLI's overrides for the default environment are exactly the keys each applicable switch sets."""
+    got = setup_overrides(DENSE, {}, DENSE_CTX, REG)
+    assert "actor_rollout_ref.rollout.npu_expandable_segments=True" in got
+    assert not any("moe_alltoall_overlap_comm" in o or "enable_expert_parallel" in o for o in got)  # MoE only
+    assert "actor_rollout_ref.actor.megatron.dist_checkpointing_path=/ckpt" in got  # USE_DIST_CKPT's keys
+    tiny = setup_overrides("train_grpo_tiny_cpu.sh", {}, ["VLLM_DP=1", "ROLLOUT_TP=1", "TRAIN_BATCH_SIZE=8",
+                                                          "PPO_MINI_BATCH_SIZE=8"], REG)
+    assert {"actor_rollout_ref.actor.megatron.param_offload=False", "actor_rollout_ref.rollout.enforce_eager=True",
+            "actor_rollout_ref.rollout.cudagraph_capture_sizes=[8,16,32]"} <= set(tiny)
+    eplb = setup_overrides(MOE, {"ROLLOUT_EPLB": "True"}, MOE_CTX, REG)
+    assert ("+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.eplb_config.num_redundant_experts=128"
+            in eplb)  # default: vLLM DP x TP
+    with pytest.raises(FeatureError, match="--setup 'nope.sh': not a setup of features.toml"):
+        setup_overrides("nope.sh", {}, [], REG)
+    with pytest.raises(FeatureError, match=r"^VLLM_DP='x': expected a non-negative integer$"):
+        setup_overrides(MOE, {}, ["VLLM_DP=x"], REG)
+
+
+def test_registry_errors(tmp_path: Path) -> None:
+    text = (REPO / "features.toml").read_text()
+    bad = tmp_path / "f.toml"
+    bad.write_text(text.replace('default = "disable"', 'default = "off"'))
+    with pytest.raises(FeatureError, match=r"MOE_ZERO_MEMORY='off': expected one of disable, level0, level1"):
+        load_registry(bad)
+    bad.write_text(text.replace('when = { SAM_ENABLE = "True", SAM_BS_THRESHOLD = "!0" }',
+                                'when = { SAM_ENABLED = "True" }'))
+    with pytest.raises(FeatureError, match="feature.SAM_BS_THRESHOLD: unknown name 'SAM_ENABLED'"):
+        load_registry(bad)
+
+
+def test_generated_docs_are_current() -> None:
+    """docs/features.md (switch table, feature index) and docs/setups.md (defaults per setup, flat commands) are
+    what features.toml and the golden commands say."""
+    from qwen3_rl.tools import readme
+
+    assert readme.main(["--check"]) == 0
+    text = (REPO / "docs" / "features.md").read_text()
+    for f in REG.features.values():
+        assert f"| `{f.env}` | {f.type} |" in text and f"| `{f.env}` | " in text.split("generated:feature-index")[1]
+    # the deliberate fix: the all-to-all overlap is a switch of the MoE setups only
+    (row,) = [line for line in text.splitlines() if line.startswith("| `MOE_ALLTOALL_OVERLAP` | bool")]
+    assert row.split(" | ")[-2] == "moe"
+    (row,) = [line for line in text.splitlines() if line.startswith("| `NPUGRAPH_EX` | bool")]
+    assert "sam_config.pad_drafts" in row
+
+
+def test_a_copied_train_script_names_its_setup(tmp_path: Path) -> None:
+    """The setup is the script's file name; a copy under another name stops with a hint, and runs once it passes
+    the setup it is based on to train_add_feature_overrides (same command as the original)."""
+    import shutil
+
+    (tmp_path / "lib").mkdir()
+    for lib in (INTERNAL / "lib").glob("*.sh"):
+        shutil.copy(lib, tmp_path / "lib" / lib.name)
+    copy = tmp_path / "my_tiny.sh"
+    copy.write_text((INTERNAL / "train_grpo_tiny_cpu.sh").read_text())
+    env = {**BASE_ENV, "QWEN3_RL_HOME": str(REPO)}
+    with pytest.raises(TrainScriptError) as err:
+        parse_train_script(copy, env=env)
+    assert str(err.value).endswith("a copied train script passes the setup it is based on: "
+                                   "train_add_feature_overrides SETUP")
+    copy.write_text(copy.read_text().replace("\ntrain_add_feature_overrides\n",
+                                             "\ntrain_add_feature_overrides train_grpo_tiny_cpu.sh\n"))
+    assert parse_train_script(copy, env=env).overrides == parse_train_script(
+        INTERNAL / "train_grpo_tiny_cpu.sh", env=env).overrides
