@@ -67,9 +67,9 @@ def eplb_type4(llm, loads: list) -> dict | None:
 
 
 def probe_fused_moe() -> dict:
-    """Count ``AscendFusedMoE.forward_impl`` calls and the runs of its routed-path body (``_forward_impl_one_chunk``
-    with vllm_ascend 0005; the body itself without it) per MoE communication type, with their row counts. The
-    methods run unchanged."""
+    """Count ``AscendFusedMoE.forward_impl`` calls and the runs of its routed-path body (``_forward_impl_body``, the
+    upstream body the vLLM-Ascend seam's ``forward_impl_hook`` wraps) per MoE communication type, with their row
+    counts. The methods run unchanged."""
     from vllm.forward_context import get_forward_context
     from vllm_ascend.ops.fused_moe.fused_moe import AscendFusedMoE
 
@@ -80,28 +80,25 @@ def probe_fused_moe() -> dict:
         return seen.setdefault(name, {"calls": 0, "rows": [], "bodies": 0, "body_rows": []})
 
     outer = AscendFusedMoE.forward_impl
-    body_name = "_forward_impl_one_chunk" if hasattr(AscendFusedMoE, "_forward_impl_one_chunk") else None
+    body_name = "_forward_impl_body"
+    assert hasattr(AscendFusedMoE, body_name), "the vLLM-Ascend seam patch is not applied"
 
     def forward_impl(self, hidden_states, router_logits, *args, **kwargs):
         c = comm()
         c["calls"] += 1
         c["rows"].append(int(hidden_states.shape[0]))
-        if body_name is None:
-            c["bodies"] += 1
-            c["body_rows"].append(int(hidden_states.shape[0]))
         return outer(self, hidden_states, router_logits, *args, **kwargs)
 
     AscendFusedMoE.forward_impl = forward_impl
-    if body_name is not None:
-        body = getattr(AscendFusedMoE, body_name)
+    body = getattr(AscendFusedMoE, body_name)
 
-        def one_chunk(self, hidden_states, router_logits, *args, **kwargs):
-            c = comm()
-            c["bodies"] += 1
-            c["body_rows"].append(int(hidden_states.shape[0]))
-            return body(self, hidden_states, router_logits, *args, **kwargs)
+    def one_chunk(self, hidden_states, router_logits, *args, **kwargs):
+        c = comm()
+        c["bodies"] += 1
+        c["body_rows"].append(int(hidden_states.shape[0]))
+        return body(self, hidden_states, router_logits, *args, **kwargs)
 
-        setattr(AscendFusedMoE, body_name, one_chunk)
+    setattr(AscendFusedMoE, body_name, one_chunk)
     return seen
 
 

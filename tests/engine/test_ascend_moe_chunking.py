@@ -1,6 +1,6 @@
-"""Chunked MoE prefill (vllm_ascend 0005) in vLLM-Ascend's own engine, on the A3 expert-parallel path.
+"""Chunked MoE prefill (the vLLM-Ascend seam's MoE forward hook, qwen3_rl.moe.chunking) in vLLM-Ascend's own engine, on the A3 expert-parallel path.
 
-0005 chunks only steps whose MoE communication type is ALLTOALL, which ``select_moe_comm_method``
+The hook chunks only steps whose MoE communication type is ALLTOALL, which ``select_moe_comm_method``
 (``vllm_ascend/ascend_forward_context.py:242-276``) picks only on an A3 with EP > 1 and more tokens than the MC2
 capacity (decode steps take MC2). So: the vLLM-Ascend tree built for an A3 (the same sources, its generated
 ``vllm_ascend/_build_info.py`` saying ``A3``, as vLLM-Ascend's ``setup.py`` writes it for an A3 ``SOC_VERSION``;
