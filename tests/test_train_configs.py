@@ -520,13 +520,13 @@ def test_rollout_rebalance_needs_vllm_dp() -> None:
                 parse_train_script(script, env=on)
             assert str(err.value).endswith(reason)
             continue
-        assert parse_train_script(script, env=on).get("+qwen3_rl.rollout_rebalance.enable") == "True"
+        assert parse_train_script(script, env=on).get("qwen3_rl.rollout_rebalance.enable") == "True"
         with pytest.raises(TrainScriptError) as err:
             parse_train_script(script, env={**on, "ROLLOUT_DP": "1"})
         assert str(err.value).endswith(reason)
         # off, any vLLM DP is fine
         off = parse_train_script(script, env={**BASE_ENV, "ROLLOUT_DP": "1"})
-        assert off.get("+qwen3_rl.rollout_rebalance.enable") == "False"
+        assert off.get("qwen3_rl.rollout_rebalance.enable") == "False"
 
 
 def test_sam_group_exchange_needs_group_mode_and_vllm_dp() -> None:

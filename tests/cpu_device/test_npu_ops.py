@@ -322,7 +322,10 @@ MC2_PROBE = textwrap.dedent("""
             ee = int(ids[tt, j]); a = w13[ee] @ x[tt]
             ref[tt] += w[tt, j] * (w2[ee] @ (torch.nn.functional.silu(a[:f]) * a[f:]))
     torch.testing.assert_close(combined, ref, rtol=1e-5, atol=1e-5)
-    print("MC2_OK", json.dumps({"rank": rank, "received": ex.shape[0]}))
+    print("MC2_OK", json.dumps({"rank": rank, "received": ex.shape[0]}), flush=True)
+    # both ranks done before either tears gloo down (a rank leaving first aborts its peer's gloo threads)
+    dist.barrier()
+    dist.destroy_process_group()
 """)
 
 
