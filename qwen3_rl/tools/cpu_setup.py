@@ -94,7 +94,7 @@ def setup(ws: Path, seed: int = 0, sft_steps: int = SFT_STEPS, log=print) -> dic
     tiny.mkdir(parents=True, exist_ok=True)
     src = engine_workspace.REPO / "qwen3_rl" / "tools"
     model_src = _source_hash(src / "tiny_model.py")
-    data_src = _source_hash(src / "tiny_data.py", engine_workspace.REPO / "qwen3_rl" / "data" / "prepare.py")
+    data_src = _source_hash(src / "tiny_data.py", engine_workspace.REPO / "qwen3_rl" / "tools" / "data" / "prepare.py")
     paths = {"engine": engine, "grpo_model": tiny / "qwen3_tiny", "grpo_data": tiny / "data_sum",
              "dapo_model": tiny / "qwen3_moe_tiny", "dapo_data": tiny / "data"}
     base = tiny / "qwen3_tiny_base"
