@@ -34,8 +34,9 @@ def test_user_script_runs_unchanged_on_vllm_ascend(engine_ws: Path, tiny_models:
     script = tmp_path / "user_script.py"
     script.write_text(USER_SCRIPT)
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "VLLM_ENABLE_V1_MULTIPROCESSING")}
-    proc = subprocess.run([sys.executable, "-m", "qwen3_rl.cpu_device.npu.run", "--path",
-                           str(engine_ws / "vllm-ascend"), str(script), str(tiny_models["dense"])],
+    # the patched vLLM tree first (the vLLM-Ascend seam calls vLLM's extension points), then vLLM-Ascend's
+    proc = subprocess.run([sys.executable, "-m", "qwen3_rl.cpu_device.npu.run", "--path", str(engine_ws / "vllm"),
+                           "--path", str(engine_ws / "vllm-ascend"), str(script), str(tiny_models["dense"])],
                           capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("USER_SCRIPT ")]
     assert proc.returncode == 0 and lines, (proc.stdout + proc.stderr)[-4000:]

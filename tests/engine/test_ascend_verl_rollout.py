@@ -30,6 +30,7 @@ def test_sam_rollout_through_verl_on_vllm_ascend(engine_ws: Path, tiny_models: d
     m = g["metrics"]
     print(f"greedy through verl on vLLM-Ascend: {m}")
     assert m["spec_decode_num_draft_tokens"] > 0 and m["spec_decode_num_accepted_tokens"] > 0
-    assert g["meta_info"]["spec_decode_counts"]["num_accepted_tokens"] == m["spec_decode_num_accepted_tokens"]
+    # the verl seam's rollout hook: the counts in verl's per-worker metrics channel
+    assert g["meta_info"]["metrics"]["spec_decode_counts/num_accepted_tokens"] == m["spec_decode_num_accepted_tokens"]
     # greedy siblings (n=2) decode the same tokens
     assert all(g["responses"][2 * i] == g["responses"][2 * i + 1] for i in range(len(PROMPTS)))
