@@ -29,7 +29,8 @@ import threading
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+
+from qwen3_rl.compat.step_hook import EngineStepHookDefaults
 
 __all__ = [
     "CONFIG_KEY",
@@ -125,22 +126,10 @@ def engine_step_gc_guard() -> Iterator[bool]:
         saved.restore()
 
 
-class GcStepHook:
+class GcStepHook(EngineStepHookDefaults):
     """Engine-step hook (``vllm.plugins.extensions.EngineStepHook`` interface, vLLM seam patch) whose
     ``step_context`` is :func:`engine_step_gc_guard`; every other call leaves the step unchanged. The policy is
     read at each step, so verl may switch it after the engine is built."""
 
     def step_context(self) -> AbstractContextManager[bool]:
         return engine_step_gc_guard()
-
-    def has_unfinished(self) -> bool:
-        return False
-
-    def idle_in_lockstep(self) -> bool:
-        return False
-
-    def filter_outputs(self, outputs: Any) -> Any:
-        return outputs
-
-    def after_step(self, request_outputs: list[Any]) -> list[Any]:
-        return request_outputs

@@ -18,9 +18,9 @@ attribute check per step, when built without it).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
+from qwen3_rl.compat.step_hook import EngineStepHookDefaults
 from qwen3_rl.spec_decode.runner_drafter import SamRunnerDrafter
 from qwen3_rl.spec_decode.sibling_exchange import GlooAllGather
 
@@ -51,7 +51,7 @@ def _dp_cpu_group() -> Any:
     return get_dp_group().cpu_group
 
 
-class SiblingExchangeHook:
+class SiblingExchangeHook(EngineStepHookDefaults):
     """Runs the sibling exchange after every engine step (see the module docstring).
 
     Args:
@@ -88,18 +88,6 @@ class SiblingExchangeHook:
         return self._sam is not None
 
     # -- engine-step hook interface (vllm.plugins.extensions.EngineStepHook; only after_step acts) --------------
-    def step_context(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def has_unfinished(self) -> bool:
-        return False
-
-    def idle_in_lockstep(self) -> bool:
-        return False
-
-    def filter_outputs(self, outputs: Any) -> Any:
-        return outputs
-
     def after_step(self, request_outputs: list[Any] | None = None) -> list[Any]:
         """Called by ``LLMEngine.step`` after real and dummy steps on every DP rank; returns ``request_outputs``
         unchanged (``[]`` for None)."""
