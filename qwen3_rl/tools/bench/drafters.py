@@ -79,6 +79,16 @@ class Sample:
     response: np.ndarray  # int32[response_len]
 
 
+def verify_draft(draft: Sequence[int], resp: np.ndarray, pos: int) -> tuple[int, int]:
+    """Greedy verification of ``draft`` against the recorded response ``resp`` (``[L]`` token ids) at position
+    ``pos``: ``(accepted, advance)`` — the draft's matching prefix length, and the tokens the step emits (the
+    accepted ones plus the target's own next token, bounded by the response's end)."""
+    a = 0
+    while a < len(draft) and pos + a < resp.shape[0] and draft[a] == resp[pos + a]:
+        a += 1
+    return a, min(a + 1, resp.shape[0] - pos)
+
+
 def load_corpus(path: str | Path, limit_prompts: int | None = None) -> list[list[Sample]]:
     """Read the JSON-lines corpus; returns groups (one per prompt, in file order) of samples."""
     groups: dict[int, list[Sample]] = {}
@@ -312,10 +322,7 @@ def replay(groups: list[list[Sample]], make: Callable[[], Drafter], k: int, rank
             for item in list(live):
                 rid, eng, resp, pos = item
                 d = eng.propose_one(rid, k)[:k]
-                a = 0
-                while a < len(d) and pos + a < resp.shape[0] and d[a] == resp[pos + a]:
-                    a += 1
-                adv = min(a + 1, resp.shape[0] - pos)
+                a, adv = verify_draft(d, resp, pos)
                 steps += 1
                 drafted += len(d)
                 accepted += a
@@ -389,10 +396,7 @@ def replay_exchange(groups: list[list[Sample]], cfg: SamConfig, k: int, ranks: i
             for item in live:
                 rid, r, resp, pos = item
                 d = drafts[rid][:k]
-                a = 0
-                while a < len(d) and pos + a < resp.shape[0] and d[a] == resp[pos + a]:
-                    a += 1
-                adv = min(a + 1, resp.shape[0] - pos)
+                a, adv = verify_draft(d, resp, pos)
                 steps += 1
                 drafted += len(d)
                 accepted += a
