@@ -302,10 +302,10 @@ def test_batch_arrays_api_matches_list_api():
         assert da == [out[i, : cnt[i]].tolist() for i in range(len(rids))]
 
 
-@pytest.mark.skipif(not CORPUS.is_file(), reason=f"shared corpus {CORPUS} not present on this machine")
 def test_benchmark_smoke(tmp_path, pristine_workspace):
     """Two prompts of the corpus, tiny cost run: JSON keys and sane numbers (arctic may be null); vLLM's n-gram
-    drafter from the workspace's vLLM tree (the pinned wheel's sources)."""
+    drafter from the workspace's vLLM tree (the pinned wheel's sources). The corpus is an input: missing, it fails."""
+    assert CORPUS.is_file(), f"shared corpus {CORPUS} missing (../shared/bench beside the checkout)"
     cmd = [sys.executable, "-m", "qwen3_rl.tools.bench.drafters", "--corpus", str(CORPUS), "--k", "3", "--group",
            "--limit-prompts", "2", "--batch", "4", "--context-len", "512", "--cost-steps", "3", "--cost-repeats", "3",
            "--spread", "8", "--json"]
