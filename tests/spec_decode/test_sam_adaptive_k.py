@@ -252,12 +252,12 @@ def test_simulator_history_coverage_and_sibling_tables(tmp_path: Path, capsys: p
         draft_model("sam_group+history", "default", Drafting(), coverage=1.5)
 
     out = tmp_path / "len.jsonl"
-    assert main(["gen-lengths", "--out", str(out), "--num-prompts", "64", "--n", "8", "--seed", "1"]) == 0
+    assert main(["gen-lengths", "--out", str(out), "--num-prompts", "16", "--n", "8", "--seed", "1"]) == 0
     names = "sam_group_exchange+verify,sam_group_exchange+history"
 
     def run(*extra: str) -> dict[str, float]:
         capsys.readouterr()
-        assert main(["rollout", "--lengths", str(out), "--dp", "8", "--max-num-seqs", "64", "--policy", "both",
+        assert main(["rollout", "--lengths", str(out), "--dp", "4", "--max-num-seqs", "32", "--policy", "both",
                      "--drafting", names, "--json", *extra]) == 0
         res = json.loads(capsys.readouterr().out)["results"]
         return {k.split("+", 2)[-1]: v["makespan_s"] for k, v in res.items()}
@@ -271,7 +271,7 @@ def test_simulator_history_coverage_and_sibling_tables(tmp_path: Path, capsys: p
     assert sib8["verify"] < full["verify"] and sib8["history"] == full["history"]
     for bad, word in ((["--history-coverage", "-0.1"], "--history-coverage"), (["--draft-siblings", "5"], "siblings")):
         capsys.readouterr()
-        assert main(["rollout", "--lengths", str(out), "--dp", "8", "--max-num-seqs", "64", "--drafting", names,
+        assert main(["rollout", "--lengths", str(out), "--dp", "4", "--max-num-seqs", "32", "--drafting", names,
                      *bad]) == 2
         err = capsys.readouterr().err
         assert word in err and len(err.strip().splitlines()) == 1  # one line
