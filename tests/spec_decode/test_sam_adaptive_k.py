@@ -246,6 +246,12 @@ def test_simulator_history_coverage_and_sibling_tables(tmp_path: Path, capsys: p
         assert all(min(a, b) <= x <= max(a, b) for x, a, b in zip(half, h, c, strict=True))
     assert all(a > b for a, b in zip(TPS_SIBLINGS8[("current", "bulk")][1:], TPS[("current", "bulk")][1:],
                                      strict=True))
+    # the 8-sibling tables' source: the lockstep replay with all 8 samples of every prompt current, no history
+    r8 = replay_visits(load_corpus(CORPUS), SamConfig(num_speculative_tokens=3, group_mode=True), 3, 0,
+                       use_history=False)
+    assert r8["current_requests"] == 176
+    assert (r8["bulk_mean_accepted"], r8["tail_mean_accepted"]) == pytest.approx(
+        (TPS_SIBLINGS8[("current", "bulk")][2], TPS_SIBLINGS8[("current", "tail")][2]), abs=5e-4)
     assert draft_model("sam_group+history", "default", Drafting(), siblings=8, coverage=0.0).bulk == \
         pytest.approx(TPS_SIBLINGS8[("current", "bulk")])
     with pytest.raises(SimError):
