@@ -42,6 +42,10 @@ History coverage (``--history-coverage F``, default 1): ``+history`` tables assu
 starts with its prompt's earlier responses, which holds only where the rank running the request kept them: the
 store is per engine (filled from local finishes and, with the exchange, from the shadows of remote siblings of
 the prompts it runs), bounded by ``SAM_HISTORY_MAX_BYTES`` with LRU eviction, and a run's first epoch has none.
+Example, the 235B layout with data rebalance (DP 32, n 16): ``rebalance_permutation`` puts a prompt's 16 samples
+on ranks 0-15 or 16-31 by the parity of its batch position, so with shuffled epochs about half of the next
+visits land where the history is (F about 0.5 with a store that holds an epoch); each rank keeps the responses
+of 256 prompts per step (about 30 MB at 4 responses of 7345 tokens), so the 512 MiB default holds about 18 steps.
 With ``F`` < 1, the tables become the per-request-step mean of a batch where a share ``F`` of the requests
 drafts with history: a request of ``L`` tokens spends ``L / tau`` verification steps, so tokens per request-step
 are ``1 / (F / tau_history + (1 - F) / tau_current)`` at every k (harmonic mean; exact at F = 0 and F = 1). The
@@ -189,7 +193,6 @@ def draft_model(name: str, policy: str, drafting: Drafting, fixed_k: int = 3, k_
     return DraftModel(tables[(hist, "bulk")], tables[(hist, "tail")], layout / drafting.together,
                       None if "adaptive" in mods else fixed_k, k_max, token_ms, drafting.drafter_ms,
                       verify_model=verify_model, mfu=mfu)
-
 
 
 def history_tables(coverage: float, current: dict[tuple[str, str], tuple[float, ...]] = TPS
