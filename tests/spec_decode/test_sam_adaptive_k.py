@@ -227,3 +227,57 @@ def test_roofline_verification_cost() -> None:
         DraftModel((1.0,), (1.0,), verify_model="free")
     with pytest.raises(SimError):
         DraftModel((1.0,), (1.0,), verify_model="roofline", mfu=0.0)
+
+
+def test_simulator_history_coverage_and_sibling_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--history-coverage F``: a share F of the requests drafts with history, the rest without (tokens per
+    request-step = harmonic mean per k), so the history row slows as F falls and equals the no-history row at
+    F = 0 (same tables); F = 1 is the plain history row. ``--draft-siblings 8``: the no-history tables measured
+    with 8 current siblings draft more than those with 4 and leave the full-coverage history tables untouched."""
+    from qwen3_rl.tools.sim.drafting import TPS, TPS_SIBLINGS8, draft_model, history_tables
+    from qwen3_rl.tools.sim.simulate import Drafting, SimError, main
+
+    assert history_tables(1.0) == {p: TPS[p] for p in (("history", "bulk"), ("history", "tail"))}
+    for seg in ("bulk", "tail"):
+        assert history_tables(0.0)[("history", seg)] == pytest.approx(TPS[("current", seg)])
+        half = history_tables(0.5)[("history", seg)]
+        h, c = TPS[("history", seg)], TPS[("current", seg)]
+        assert half[2] == pytest.approx(2.0 / (1.0 / h[2] + 1.0 / c[2]))  # 2 requests of L tokens: 2L / steps
+        assert all(min(a, b) <= x <= max(a, b) for x, a, b in zip(half, h, c, strict=True))
+    assert all(a > b for a, b in zip(TPS_SIBLINGS8[("current", "bulk")][1:], TPS[("current", "bulk")][1:],
+                                     strict=True))
+    # the 8-sibling tables' source: the lockstep replay with all 8 samples of every prompt current, no history
+    r8 = replay_visits(load_corpus(CORPUS), SamConfig(num_speculative_tokens=3, group_mode=True), 3, 0,
+                       use_history=False)
+    assert r8["current_requests"] == 176
+    assert (r8["bulk_mean_accepted"], r8["tail_mean_accepted"]) == pytest.approx(
+        (TPS_SIBLINGS8[("current", "bulk")][2], TPS_SIBLINGS8[("current", "tail")][2]), abs=5e-4)
+    assert draft_model("sam_group+history", "default", Drafting(), siblings=8, coverage=0.0).bulk == \
+        pytest.approx(TPS_SIBLINGS8[("current", "bulk")])
+    with pytest.raises(SimError):
+        draft_model("sam_group+history", "default", Drafting(), coverage=1.5)
+
+    out = tmp_path / "len.jsonl"
+    assert main(["gen-lengths", "--out", str(out), "--num-prompts", "16", "--n", "8", "--seed", "1"]) == 0
+    names = "sam_group_exchange+verify,sam_group_exchange+history"
+
+    def run(*extra: str) -> dict[str, float]:
+        capsys.readouterr()
+        assert main(["rollout", "--lengths", str(out), "--dp", "4", "--max-num-seqs", "32", "--policy", "both",
+                     "--drafting", names, "--json", *extra]) == 0
+        res = json.loads(capsys.readouterr().out)["results"]
+        return {k.split("+", 2)[-1]: v["makespan_s"] for k, v in res.items()}
+
+    full, half_, zero = run(), run("--history-coverage", "0.5"), run("--history-coverage", "0")
+    sib8 = run("--draft-siblings", "8")
+    print({"F=1": full, "F=0.5": half_, "F=0": zero, "siblings 8": sib8})
+    assert full["history"] < half_["history"] < zero["history"]
+    assert zero["history"] == pytest.approx(full["verify"])  # F = 0: the no-history tables
+    assert full["verify"] == half_["verify"] == zero["verify"]  # coverage acts on history rows only
+    assert sib8["verify"] < full["verify"] and sib8["history"] == full["history"]
+    for bad, word in ((["--history-coverage", "-0.1"], "--history-coverage"), (["--draft-siblings", "5"], "siblings")):
+        capsys.readouterr()
+        assert main(["rollout", "--lengths", str(out), "--dp", "4", "--max-num-seqs", "32", "--drafting", names,
+                     *bad]) == 2
+        err = capsys.readouterr().err
+        assert word in err and len(err.strip().splitlines()) == 1  # one line

@@ -32,6 +32,25 @@ https://techpowerup.com/335749/) at ``--mfu`` 0.5 (assumed). Every padded row (`
 tokens. The compute term at k = 0 stays below the fitted step (the fitted decode step is not compute-bound),
 so the fit is unchanged without drafts. Not modelled, in both forms: EP dispatch/combine bytes, which grow
 with the query tokens (the fitted ``per_seq`` may hold them: then the linear form is the closer one).
+
+Inputs that differ from the 235B GRPO run (n = 16): the dev corpus holds 8 samples per prompt, so ``TPS`` is
+measured with 4 current siblings (+ 4 earlier responses for ``history``). ``--draft-siblings 8`` takes the
+no-history tables measured with all 8 samples current (``TPS_SIBLINGS8``: more siblings, more to draft from; the
+history tables stay at 4 + 4, the corpus has no more samples).
+
+History coverage (``--history-coverage F``, default 1): ``+history`` tables assume every request of the step
+starts with its prompt's earlier responses, which holds only where the rank running the request kept them: the
+store is per engine (filled from local finishes and, with the exchange, from the shadows of remote siblings of
+the prompts it runs), bounded by ``SAM_HISTORY_MAX_BYTES`` with LRU eviction, and a run's first epoch has none.
+Example, the 235B layout with data rebalance (DP 32, n 16): ``rebalance_permutation`` puts a prompt's 16 samples
+on ranks 0-15 or 16-31 by the parity of its batch position, so with shuffled epochs about half of the next
+visits land where the history is (F about 0.5 with a store that holds an epoch); each rank keeps the responses
+of 256 prompts per step (about 30 MB at 4 responses of 7345 tokens), so the 512 MiB default holds about 18 steps.
+With ``F`` < 1, the tables become the per-request-step mean of a batch where a share ``F`` of the requests
+drafts with history: a request of ``L`` tokens spends ``L / tau`` verification steps, so tokens per request-step
+are ``1 / (F / tau_history + (1 - F) / tau_current)`` at every k (harmonic mean; exact at F = 0 and F = 1). The
+mean is given to every request: a long request without history is modelled faster than it runs, so the rows
+are an upper bound of the history's gain at that coverage.
 """
 
 from __future__ import annotations
@@ -53,6 +72,15 @@ TPS = {
     ("history", "tail"): (1.582, 1.916, 2.142, 2.272, 2.371, 2.461, 2.526, 2.563, 2.651, 2.671, 2.718, 2.722,
                           2.723, 2.725, 2.756),
 }
+#: The same replay with all 8 samples of every prompt current and no history (``replay_visits`` with history 0 on
+#: the full groups; ``--draft-siblings 8``): the no-history tables at the corpus' largest sibling count.
+TPS_SIBLINGS8 = {
+    ("current", "bulk"): (1.435, 1.638, 1.749, 1.807, 1.843, 1.868, 1.885, 1.898, 1.905, 1.909, 1.913, 1.917,
+                          1.916, 1.920, 1.923),
+    ("current", "tail"): (1.596, 1.955, 2.162, 2.253, 2.359, 2.439, 2.475, 2.505, 2.531, 2.552, 2.590, 2.600,
+                          2.612, 2.599, 2.610),
+}
+DRAFT_SIBLINGS = (4, 8)
 TAIL_MAX = 8  # running requests per rank at or below which the tail figures apply
 VERIFY_TOKEN_MS = 0.0585
 MODIFIERS = ("verify", "history", "adaptive")
@@ -144,15 +172,38 @@ def parse_drafting(name: str) -> tuple[str, frozenset[str]]:
 
 
 def draft_model(name: str, policy: str, drafting: Drafting, fixed_k: int = 3, k_max: int = 15,
-                token_ms: float = VERIFY_TOKEN_MS, verify_model: str = "linear", mfu: float = MFU) -> DraftModel:
-    """The model of drafting ``name`` (``BASE+mods``) under ``policy`` (spread layouts: data rebalance)."""
+                token_ms: float = VERIFY_TOKEN_MS, verify_model: str = "linear", mfu: float = MFU,
+                siblings: int = 4, coverage: float = 1.0) -> DraftModel:
+    """The model of drafting ``name`` (``BASE+mods``) under ``policy`` (spread layouts: data rebalance);
+    ``siblings`` 8: the no-history tables measured with 8 current siblings; ``coverage``: share of the requests
+    with history (module docstring)."""
     base, mods = parse_drafting(name)
     hist = "history" if "history" in mods else "current"
     if not 1 <= fixed_k <= 15 or not 1 <= k_max <= 15:
         raise SimError("--fixed-k and --k-max must be in [1, 15] (the measured tables)")
+    if siblings not in DRAFT_SIBLINGS:
+        raise SimError(f"--draft-siblings must be one of {DRAFT_SIBLINGS} (the measured tables), got {siblings}")
+    if not 0.0 <= coverage <= 1.0:
+        raise SimError(f"--history-coverage must be in [0, 1], got {coverage}")
+    cur = TPS_SIBLINGS8 if siblings == 8 else TPS
+    tables = cur if hist == "current" else history_tables(coverage, cur)
     layout = drafting.together
     if policy in SPREAD_POLICIES:
         layout = drafting.exchange if base == "sam_group_exchange" else drafting.spread
-    return DraftModel(TPS[(hist, "bulk")], TPS[(hist, "tail")], layout / drafting.together,
+    return DraftModel(tables[(hist, "bulk")], tables[(hist, "tail")], layout / drafting.together,
                       None if "adaptive" in mods else fixed_k, k_max, token_ms, drafting.drafter_ms,
                       verify_model=verify_model, mfu=mfu)
+
+
+def history_tables(coverage: float, current: dict[tuple[str, str], tuple[float, ...]] = TPS
+                   ) -> dict[tuple[str, str], tuple[float, ...]]:
+    """Tokens per request-step (k = 1..15, bulk and tail) when a share ``coverage`` of the requests drafts with
+    history (``TPS`` history tables) and the rest without (``current``'s): the harmonic mean
+    ``1 / (F / tau_history + (1 - F) / tau_current)`` per k (module docstring). ``coverage`` 1: ``TPS``'s."""
+    if coverage == 1.0:
+        return {part: TPS[part] for part in TPS if part[0] == "history"}
+    out = {}
+    for seg in ("bulk", "tail"):
+        h, c = TPS[("history", seg)], current[("current", seg)]
+        out[("history", seg)] = tuple(1.0 / (coverage / a + (1.0 - coverage) / b) for a, b in zip(h, c, strict=True))
+    return out

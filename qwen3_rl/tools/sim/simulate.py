@@ -856,6 +856,12 @@ def _rollout_main(argv: list[str]) -> int:
     p.add_argument("--mfu", type=float, default=0.5, help="--verify-model roofline: utilisation of the compute roof")
     p.add_argument("--fixed-k", type=int, default=3, help="BASE+verify / BASE+history: the draft length")
     p.add_argument("--k-max", type=int, default=15, help="BASE+adaptive: the longest draft")
+    p.add_argument("--draft-siblings", type=int, default=4, choices=(4, 8),
+                   help="BASE+... without history: tokens-per-step tables measured with 4 (default) or 8 current "
+                        "siblings per prompt (sim/drafting.py)")
+    p.add_argument("--history-coverage", type=float, default=1.0,
+                   help="BASE+history: share of the requests that start with their prompt's earlier responses "
+                        "on the rank that runs them (default 1; sim/drafting.py)")
     _step_args(p)
     ns = p.parse_args(argv)
     drafts = list(DRAFTING) if ns.drafting == "all" else [x.strip() for x in ns.drafting.split(",") if x.strip()]
@@ -870,6 +876,8 @@ def _rollout_main(argv: list[str]) -> int:
             raise SimError(f"unknown policy {pol!r} (choose from {', '.join(POLICIES)} or 'all')")
     if ns.max_moves < 0 or ns.max_kv_blocks < 0 or ns.max_kv_bytes < 0 or ns.block_size < 1:
         raise SimError("--max-moves/--max-kv-blocks/--max-kv-bytes must be >= 0 and --block-size >= 1")
+    if not 0.0 <= ns.history_coverage <= 1.0:
+        raise SimError(f"--history-coverage must be in [0, 1], got {ns.history_coverage}")
     if not (ns.max_round_s >= 0) or not math.isfinite(ns.max_round_s):
         raise SimError("--max-round-s must be a finite number >= 0 (0 = no bound)")
     links = _links(ns.link_gb_s)
@@ -894,7 +902,8 @@ def _rollout_main(argv: list[str]) -> int:
                 from qwen3_rl.tools.sim.drafting import VERIFY_TOKEN_MS, draft_model
 
                 tok_ms = VERIFY_TOKEN_MS if ns.verify_token_ms is None else ns.verify_token_ms
-                dm = draft_model(dr, pol, drafting, ns.fixed_k, ns.k_max, tok_ms, ns.verify_model, ns.mfu)
+                dm = draft_model(dr, pol, drafting, ns.fixed_k, ns.k_max, tok_ms, ns.verify_model, ns.mfu,
+                                 ns.draft_siblings, ns.history_coverage)
                 tps, lens_d, step_d = dm.bulk[2] * dm.layout, lengths, step
             else:
                 tps = drafting.tokens_per_step(dr, pol)
@@ -931,7 +940,8 @@ def _rollout_main(argv: list[str]) -> int:
         out["config"] = {"dp": ns.dp, "max_num_seqs": ns.max_num_seqs, "samples": lengths.size, "n": lengths.n,
                          "buckets": list(base.graph_buckets), "step_model": asdict(step),
                          "rebalance_interval": ns.rebalance_interval, "max_round_s": ns.max_round_s,
-                         "max_kv_bytes": ns.max_kv_bytes,
+                         "max_kv_bytes": ns.max_kv_bytes, "draft_siblings": ns.draft_siblings,
+                         "history_coverage": ns.history_coverage,
                          "link_source": DEVICE_LINK_SOURCE if ns.link_gb_s == str(DEVICE_LINK_GB_S) else "--link-gb-s"}
         print(json.dumps(out, indent=1))
         return 0
@@ -965,8 +975,8 @@ def _rollout_main(argv: list[str]) -> int:
               + ("step, the verification step = max(decode step, compute of all query tokens at --mfu); "
                  if ns.verify_model == "roofline" else
                  "step, the verification step including --verify-token-ms per draft token; ")
-              + "tok/step column = the bulk "
-              "figure at k = 3; k used (engine steps): "
+              + f"tables at {ns.draft_siblings} current siblings (history: 4 + 4 earlier), history coverage "
+              f"{ns.history_coverage:g}; tok/step column = the bulk figure at k = 3; k used (engine steps): "
               + "; ".join(f"{_label(r, links)} {ksteps[id(r)]}" for r in results if id(r) in ksteps))
     return 0
 
