@@ -1,11 +1,12 @@
-"""megatron patch 0004: ``FileSystemWriterAsync.finish`` of the patched tree keeps the attributes megatron adds to
-a checkpoint's ``Metadata`` (``mcore_data``), with the main venv's torch (2.8, the A3 image's).
+"""megatron patch 0004: ``FileSystemWriterAsync.finish`` of the patched tree keeps the attributes megatron
+adds to a checkpoint's ``Metadata`` (``mcore_data``), with the main venv's torch (2.8, the A3 image's).
 
-torch 2.8's ``FileSystemWriter.finish`` keeps them: the patched finish must then leave the file alone. torch 2.9's
-drops them (it pickles ``dataclasses.replace(metadata, ...)``, pytorch issue #162948); here that one behaviour of
-torch's parent method is reproduced (named below) and the patched finish must restore them. The real torch 2.9.1
-case, with the pristine writer losing the attributes as the control: tests/engine/test_dcp_metadata.py. Each probe runs in a fresh interpreter whose path holds only the
-Megatron tree, with ``qwen3_rl`` made unimportable (the patch must not need the recipe package)."""
+torch 2.8's ``FileSystemWriter.finish`` keeps them: the patched finish must then leave the file alone. torch
+2.9's drops them (it pickles ``dataclasses.replace(metadata, ...)``, pytorch issue #162948); here that one
+behaviour of torch's parent method is reproduced (named in the probe) and the patched finish must restore them.
+The real torch 2.9.1 case, with the pristine writer losing the attributes as the control:
+tests/engine/test_dcp_metadata.py. The probe runs in a fresh interpreter whose path holds only the Megatron
+tree, with ``qwen3_rl`` made unimportable (the patch must not need the recipe package)."""
 
 from __future__ import annotations
 
