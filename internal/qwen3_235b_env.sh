@@ -16,7 +16,7 @@ export TASK_QUEUE_ENABLE=${TASK_QUEUE_ENABLE:-2}
 # PYTORCH_NPU_ALLOC_CONF is deliberately left unset: vLLM-Ascend's sleep-mode allocator refuses
 # expandable_segments:True in it (vllm_ascend/device_allocator/camem.py:145-149), and every setup runs
 # the rollout in sleep mode (rollout.free_cache_engine=True). Training still gets expandable segments
-# against fragmentation: verl patch 0003 (qwen3_rl/compat/allocator.py) switches them on at run time
+# against fragmentation: verl patch 0003 (verl/utils/device.py) switches them on at run time
 # for training and off before the rollout wakes up. `python -m qwen3_rl preflight` refuses the export.
 
 # vLLM: V1 engine; keep the external-launcher engine in-process (verl's sync SPMD rollout).

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from qwen3_rl.compat import allocator, meta_info, rollout_progress, vllm_imports
+from qwen3_rl.compat import meta_info, rollout_progress, vllm_imports
 from qwen3_rl.tools.pins import load_pins
 
 from conftest import run_python
@@ -141,7 +141,7 @@ def test_merge_meta_value_other_keys_still_conflict() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# 0004 allocator
+# 0003 allocator (verl.utils.device of the patched tree)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -154,27 +154,6 @@ def _fake_torch(*devices: str, with_fn: bool = True) -> tuple[types.SimpleNamesp
             mem._set_allocator_settings = lambda s, dev=dev: calls.append((dev, s))
         setattr(ns, dev, types.SimpleNamespace(memory=mem))
     return ns, calls
-
-
-def test_allocator_switches_cuda_and_npu() -> None:
-    fake, calls = _fake_torch("cuda", "npu")
-    assert allocator.set_expandable_segments(False, "npu", fake) is True
-    assert allocator.set_expandable_segments(True, "npu", fake) is True
-    assert allocator.set_expandable_segments(True, "cuda", fake) is True
-    assert allocator.set_expandable_segments(True, "cpu", fake) is False
-    assert calls == [("npu", "expandable_segments:False"), ("npu", "expandable_segments:True"),
-                     ("cuda", "expandable_segments:True")]
-
-
-def test_allocator_old_torch_npu_warns_once(caplog: pytest.LogCaptureFixture,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(allocator, "_warned", set())
-    fake, calls = _fake_torch("npu", with_fn=False)
-    with caplog.at_level(logging.WARNING, logger=allocator.__name__):
-        assert allocator.set_expandable_segments(True, "npu", fake) is False
-        assert allocator.set_expandable_segments(False, "npu", fake) is False
-    assert calls == []
-    assert sum("_set_allocator_settings is missing" in r.message for r in caplog.records) == 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -372,6 +351,7 @@ def test_0004_set_expandable_segments_reaches_npu_allocator(verl_on_vllm: Path,
     monkeypatch.setattr(torch, "npu", fake_npu.npu, raising=False)
     monkeypatch.setattr(device, "is_cuda_available", False)
     monkeypatch.setattr(device, "is_npu_available", True)
+    monkeypatch.setattr(device, "_npu_expandable_segments", True)
     # the order verl's megatron/fsdp workers use around a rollout in sleep mode
     device.set_expandable_segments(False)  # rollout_mode(): before vLLM wakes up
     device.set_expandable_segments(True)  # trainer_mode(): after vLLM sleeps
@@ -390,18 +370,44 @@ def test_0004_set_expandable_segments_reaches_npu_allocator(verl_on_vllm: Path,
     assert cuda_calls == ["expandable_segments:False"] and len(calls) == 2
 
 
-def test_allocator_switch_off_leaves_npu_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(allocator, "_npu_enabled", True)
-    fake, calls = _fake_torch("cuda", "npu")
-    assert allocator.configure_from_rollout_config({"npu_expandable_segments": False}) is False
-    assert allocator.set_expandable_segments(False, "npu", fake) is False  # upstream: NPU never switched
-    assert allocator.set_expandable_segments(False, "cuda", fake) is True  # CUDA as upstream
-    assert calls == [("cuda", "expandable_segments:False")]
-    assert allocator.configure_from_rollout_config({}) is True  # missing key: the fix (default)
-    assert allocator.configure_from_rollout_config(None) is True
-    assert allocator.set_expandable_segments(True, "npu", fake) is True
-    with pytest.raises(TypeError, match="npu_expandable_segments"):
-        allocator.configure_from_rollout_config({"npu_expandable_segments": "false"})
+def test_0003_old_torch_npu_warns_once(verl_on_vllm: Path, caplog: pytest.LogCaptureFixture,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A torch_npu without memory._set_allocator_settings: the patched function warns once and switches nothing."""
+    import torch
+    import verl.utils.device as device
+
+    fake_npu, calls = _fake_torch("npu", with_fn=False)
+    monkeypatch.setattr(torch, "npu", fake_npu.npu, raising=False)
+    monkeypatch.setattr(device, "is_cuda_available", False)
+    monkeypatch.setattr(device, "is_npu_available", True)
+    monkeypatch.setattr(device, "_npu_expandable_segments", True)
+    monkeypatch.setattr(device, "_warned_npu_allocator_settings_missing", False)
+    with caplog.at_level(logging.WARNING, logger=device.__name__):
+        device.set_expandable_segments(True)
+        device.set_expandable_segments(False)
+    assert calls == []
+    assert sum("_set_allocator_settings is missing" in r.message for r in caplog.records) == 1
+
+
+def test_0003_npu_switch_policy(verl_on_vllm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl.utils.device.set_npu_expandable_segments: False leaves the NPU allocator alone (CUDA is still
+    switched, as upstream), True switches it again; a non-bool stops with one line naming the key."""
+    import torch
+    import verl.utils.device as device
+
+    monkeypatch.setattr(device, "_npu_expandable_segments", True)
+    fake_npu, calls = _fake_torch("npu")
+    monkeypatch.setattr(torch, "npu", fake_npu.npu, raising=False)
+    monkeypatch.setattr(device, "is_cuda_available", False)
+    monkeypatch.setattr(device, "is_npu_available", True)
+    device.set_npu_expandable_segments(False)
+    device.set_expandable_segments(False)
+    assert calls == []  # upstream: the NPU allocator is never switched
+    device.set_npu_expandable_segments(True)
+    device.set_expandable_segments(False)
+    assert calls == [("npu", "expandable_segments:False")]
+    with pytest.raises(TypeError, match="rollout.npu_expandable_segments must be a bool, got 'false'"):
+        device.set_npu_expandable_segments("false")
 
 
 def test_0004_switch_off_restores_upstream(verl_on_vllm: Path, clean_hydra: None,
@@ -434,7 +440,7 @@ def test_0004_switch_off_restores_upstream(verl_on_vllm: Path, clean_hydra: None
 
     monkeypatch.setattr(mw.Worker, "__init__", lambda self: None)
     monkeypatch.setattr(mw, "repatch", stop)
-    monkeypatch.setattr(allocator, "_npu_enabled", True)
+    monkeypatch.setattr(device, "_npu_expandable_segments", True)
     fake_npu, calls = _fake_torch("npu")
     monkeypatch.setattr(torch, "npu", fake_npu.npu, raising=False)
     monkeypatch.setattr(device, "is_cuda_available", False)

@@ -114,9 +114,7 @@ def test_0011_switch_off_restores_upstream(patched_imports: Path, monkeypatch: p
     upstream's warning (vLLM's default sizes); true (default, declared in Hydra) passes it."""
     import logging
 
-    from omegaconf import ListConfig, OmegaConf
-
-    from qwen3_rl.compat.capture_sizes import capture_sizes_for_vllm
+    from omegaconf import OmegaConf
 
     assert _compose(patched_imports, [NAME]).actor_rollout_ref.rollout.plain_list_capture_sizes is True
     with caplog.at_level(logging.WARNING):
@@ -127,13 +125,24 @@ def test_0011_switch_off_restores_upstream(patched_imports: Path, monkeypatch: p
     _init_rollout(monkeypatch, enforce_eager=False, cudagraph_capture_sizes=[8, 16, 32],
                   plain_list_capture_sizes=True)
     assert list(_RecordingLLM.instances[-1].kwargs["compilation_config"].cudagraph_capture_sizes) == [8, 16, 32]
-    # the decision itself: off = upstream's isinstance(..., ListConfig), the ListConfig passed on unchanged
-    lc = OmegaConf.create([8, 16])
-    off = {"plain_list_capture_sizes": False}
-    assert capture_sizes_for_vllm(lc, off) is lc and isinstance(lc, ListConfig)
-    assert capture_sizes_for_vllm([8, 16], off) is None and capture_sizes_for_vllm((8,), off) is None
-    assert capture_sizes_for_vllm(lc, {}) == [8, 16] and capture_sizes_for_vllm(("8", 16), None) == [8, 16]
-    assert capture_sizes_for_vllm("8,16", {}) is None
+
+    def sizes(value: object, **switch: object) -> object:
+        """What the patched vLLMRollout.__init__ hands vLLM for cudagraph_capture_sizes=value (None: dropped)."""
+        _init_rollout(monkeypatch, enforce_eager=False, cudagraph_capture_sizes=value, **switch)
+        cc = _RecordingLLM.instances[-1].kwargs.get("compilation_config")
+        return None if cc is None else list(cc.cudagraph_capture_sizes)
+
+    # off = upstream's isinstance(..., ListConfig): a ListConfig still reaches vLLM, a tuple does not
+    assert sizes(OmegaConf.create([8, 16]), plain_list_capture_sizes=False) == [8, 16]
+    assert sizes((8,), plain_list_capture_sizes=False) is None
+    # on: list, tuple and ListConfig, as ints
+    assert sizes(OmegaConf.create([8, 16])) == [8, 16] and sizes(("8", 16)) == [8, 16]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert sizes("8,16") is None  # not a sequence: upstream's warning, vLLM's default sizes
+    assert "cudagraph_capture_sizes must be a list, but got 8,16" in caplog.text
+    with pytest.raises(TypeError, match="rollout.plain_list_capture_sizes must be a bool, got 'false'"):
+        sizes([8], plain_list_capture_sizes="false")
 
 
 def test_pristine_pin_drops_plain_list(pristine_workspace: Path) -> None:

@@ -1,5 +1,6 @@
-"""Real torch.compile for the rollout although MindSpeed replaced it (verl patch 0005,
-``qwen3_rl.compat.torch_compile``), with MindSpeed's replacement simulated on CPU."""
+"""Real torch.compile for the rollout although MindSpeed replaced it (verl patch 0005: the patched tree's
+``verl/utils/torch_compile.py`` and its two call sites in ``verl/workers/megatron_workers.py``), with MindSpeed's
+replacement simulated on CPU."""
 
 from __future__ import annotations
 
@@ -7,11 +8,10 @@ import inspect
 import logging
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
-
-from qwen3_rl.compat import torch_compile as tc
 
 REAL = torch.compile
 
@@ -27,19 +27,28 @@ dummy_compile.__module__ = "mindspeed.core.megatron_basic.requirements_basic"
 
 
 @pytest.fixture
-def mindspeed_replaced(monkeypatch):
-    """torch.compile replaced as MindSpeed's adaptor does; nothing remembered by our module."""
+def tc(patched_imports: Path) -> types.ModuleType:
+    """``verl.utils.torch_compile`` of the patched verl tree."""
+    import verl.utils.torch_compile as module
+
+    assert str(patched_imports) in module.__file__
+    return module
+
+
+@pytest.fixture
+def mindspeed_replaced(tc, monkeypatch):
+    """torch.compile replaced as MindSpeed's adaptor does; nothing remembered by the module."""
     monkeypatch.setattr(tc, "_remembered", None)
     monkeypatch.setattr(torch, "compile", dummy_compile)
     return monkeypatch
 
 
-def test_real_detection() -> None:
+def test_real_detection(tc) -> None:
     assert tc.is_real_torch_compile(REAL) and not tc.is_real_torch_compile(dummy_compile)
     assert not tc.is_real_torch_compile(None)
 
 
-def test_context_restores_real_then_dummy_also_on_exception(mindspeed_replaced) -> None:
+def test_context_restores_real_then_dummy_also_on_exception(tc, mindspeed_replaced) -> None:
     mindspeed_replaced.setattr(tc, "_remembered", REAL)  # as remember_real_torch_compile() before MindSpeed
     with tc.real_torch_compile() as fn:
         assert torch.compile is REAL and fn is REAL
@@ -50,7 +59,7 @@ def test_context_restores_real_then_dummy_also_on_exception(mindspeed_replaced) 
     assert torch.compile is dummy_compile
 
 
-def test_remember_only_records_the_real_one(mindspeed_replaced) -> None:
+def test_remember_only_records_the_real_one(tc, mindspeed_replaced) -> None:
     assert tc.remember_real_torch_compile() is None  # already replaced: nothing to record
     mindspeed_replaced.setattr(torch, "compile", REAL)
     assert tc.remember_real_torch_compile() is REAL
@@ -58,7 +67,7 @@ def test_remember_only_records_the_real_one(mindspeed_replaced) -> None:
     assert tc.find_real_torch_compile() is REAL
 
 
-def test_fallback_to_mindspeed_record_and_not_found(mindspeed_replaced, caplog) -> None:
+def test_fallback_to_mindspeed_record_and_not_found(tc, mindspeed_replaced, caplog) -> None:
     # nothing remembered and no MindSpeed loaded: warn, keep the dummy
     mindspeed_replaced.delitem(sys.modules, "mindspeed.patch_utils", raising=False)
     with caplog.at_level(logging.WARNING), tc.real_torch_compile() as fn:
@@ -74,13 +83,13 @@ def test_fallback_to_mindspeed_record_and_not_found(mindspeed_replaced, caplog) 
     assert torch.compile is dummy_compile
 
 
-def test_noop_when_not_replaced() -> None:
+def test_noop_when_not_replaced(tc) -> None:
     with tc.real_torch_compile() as fn:
         assert fn is REAL and torch.compile is REAL
     assert torch.compile is REAL
 
 
-def _run_patched_generate_sequences(monkeypatch, rollout_config) -> list:
+def _run_patched_generate_sequences(tc, monkeypatch, rollout_config) -> list:
     """EXECUTE the patched ActorRolloutRefWorker.generate_sequences on a stand-in worker with MindSpeed's
     dummy installed; returns the torch.compile the rollout saw."""
     import verl.workers.megatron_workers as mw
@@ -107,21 +116,21 @@ def _run_patched_generate_sequences(monkeypatch, rollout_config) -> list:
     return seen
 
 
-def test_patched_megatron_worker_generate_sequences(patched_imports, monkeypatch) -> None:
+def test_patched_megatron_worker_generate_sequences(tc, monkeypatch) -> None:
     """EXECUTE the patched ActorRolloutRefWorker.generate_sequences on a stand-in worker: the rollout
     sees the real torch.compile, the training side gets MindSpeed's dummy back."""
     import verl.workers.megatron_workers as mw
     from omegaconf import OmegaConf
 
-    assert _run_patched_generate_sequences(monkeypatch, OmegaConf.create({"real_torch_compile": True})) == [REAL]
-    assert _run_patched_generate_sequences(monkeypatch, OmegaConf.create({})) == [REAL]  # missing key: on
+    assert _run_patched_generate_sequences(tc, monkeypatch, OmegaConf.create({"real_torch_compile": True})) == [REAL]
+    assert _run_patched_generate_sequences(tc, monkeypatch, OmegaConf.create({})) == [REAL]  # missing key: on
     # rollout engine creation runs in the same context (vLLM calls torch.compile while building the model)
     src = inspect.getsource(mw.ActorRolloutRefWorker._build_rollout)
     assert "with rollout_torch_compile(rollout_config):" in src
     assert src.index("with rollout_torch_compile(rollout_config):") < src.index("get_rollout_class(rollout_config.name")
 
 
-def test_0009_switch_off_restores_upstream(patched_imports, monkeypatch) -> None:
+def test_0005_switch_off_restores_upstream(tc, monkeypatch) -> None:
     """rollout.real_torch_compile=false (declared in verl's RolloutConfig): the patched generate_sequences
     leaves MindSpeed's dummy in place, as the pristine pin does."""
     from omegaconf import OmegaConf
@@ -130,7 +139,7 @@ def test_0009_switch_off_restores_upstream(patched_imports, monkeypatch) -> None
     assert RolloutConfig(name="vllm").real_torch_compile is True
     assert RolloutConfig(name="vllm", real_torch_compile=False).real_torch_compile is False
     off = OmegaConf.create({"real_torch_compile": False})
-    assert _run_patched_generate_sequences(monkeypatch, off) == [dummy_compile]
+    assert _run_patched_generate_sequences(tc, monkeypatch, off) == [dummy_compile]
     # the dataclass form _build_rollout passes behaves the same
     with tc.rollout_torch_compile(RolloutConfig(name="vllm", real_torch_compile=False)) as fn:
         assert fn is dummy_compile and torch.compile is dummy_compile
@@ -139,12 +148,13 @@ def test_0009_switch_off_restores_upstream(patched_imports, monkeypatch) -> None
     assert torch.compile is dummy_compile
 
 
-def test_rollout_torch_compile_switch(mindspeed_replaced) -> None:
+def test_rollout_torch_compile_switch(tc, mindspeed_replaced) -> None:
     mindspeed_replaced.setattr(tc, "_remembered", REAL)
     with tc.rollout_torch_compile({"real_torch_compile": False}) as fn:
         assert fn is dummy_compile and torch.compile is dummy_compile
     with tc.rollout_torch_compile(None) as fn:
         assert fn is REAL and torch.compile is REAL
     assert torch.compile is dummy_compile
-    with pytest.raises(TypeError, match="real_torch_compile"), tc.rollout_torch_compile({"real_torch_compile": 0}):
+    with pytest.raises(TypeError, match="rollout.real_torch_compile must be a bool, got 0"), \
+            tc.rollout_torch_compile({"real_torch_compile": 0}):
         pass
