@@ -24,6 +24,7 @@ the tests fail on both trees with ``FileNotFoundError`` and prove nothing about 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -51,10 +52,14 @@ RUN_TIMEOUT_S = 1500
 def pristine_verl() -> Path:
     """The pristine verl tree of the pinned wheel (downloaded and unpacked once, cached like the suite's)."""
     pins = load_pins(REPO / "pins.toml")
-    ws = default_cache() / f"pristine-{hashlib.sha256((REPO / 'pins.toml').read_bytes()).hexdigest()[:12]}"
+    name = f"pristine-{hashlib.sha256((REPO / 'pins.toml').read_bytes()).hexdigest()[:12]}"
+    ws = default_cache() / name
     ws.mkdir(parents=True, exist_ok=True)
     fw = pins.frameworks["verl"]
-    download_pypi(fw, ws, default_cache() / "wheels")
+    # the main run's pristine_workspace fixture (tests/conftest.py) fills the same cache at the same time
+    with (default_cache() / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        download_pypi(fw, ws, default_cache() / "wheels")
     return ws / fw.dir
 
 
