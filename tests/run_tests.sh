@@ -11,8 +11,11 @@ SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_deco
                        tests/spec_decode/test_sam_history.py tests/spec_decode/test_sam_adaptive_k.py)
 # Tests of those files the boundscheck run leaves out: they run no kernel on inputs the others do not (benchmark and
 # simulator CLIs, warm-up/cache commands that compile every kernel again in fresh processes, config checks, engine
-# hook wiring, pure cost models). The main run runs them; the kernels they call run under bounds checking in the
-# brute-force, adversarial, growth, group, exchange, history and adaptive-k tests of the same files.
+# hook wiring, the group key (a hash, no kernel) through verl's data rebalance, pure cost models). The main run runs
+# them; the kernels they call run under bounds checking in the brute-force, adversarial, growth, group, exchange,
+# history and adaptive-k tests of the same files. test_out_of_range_index_raises_under_boundscheck starts its own
+# process with NUMBA_BOUNDSCHECK=1 and a fresh cache whatever the parent's setting: the main run's run of it is the
+# same check.
 BOUNDSCHECK_NOT_KERNELS=(test_benchmark_smoke test_construction_compiles_every_kernel_of_the_runner_path
                          test_warm_cache_command_fills_numba_cache test_warm_cache_command_refuses_without_cache
                          test_simulate_rollout_with_drafting test_bench_cli_history_and_adaptive
@@ -20,7 +23,9 @@ BOUNDSCHECK_NOT_KERNELS=(test_benchmark_smoke test_construction_compiles_every_k
                          test_cost_contexts_are_distinct_realistic_samples test_interface_and_config_validation
                          test_switch_and_config_checks test_preflight_refuses_group_exchange_without_group_mode_or_dp
                          test_patched_engine_step_calls_the_hook_after_dummy_and_real_steps
-                         test_history_needs_group_mode_and_parses_from_sam_config)
+                         test_history_needs_group_mode_and_parses_from_sam_config
+                         test_group_key_survives_data_rebalance_and_its_inverse
+                         test_out_of_range_index_raises_under_boundscheck)
 
 usage() {
   cat <<'USAGE'
