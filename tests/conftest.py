@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import os
@@ -118,8 +119,11 @@ def _pins_hash() -> str:
 def pristine_workspace() -> Path:
     ws = default_cache() / f"pristine-{_pins_hash()}"
     ws.mkdir(parents=True, exist_ok=True)
-    for key in PYPI_KEYS:
-        download_pypi(PINS.frameworks[key], ws, default_cache() / "wheels")
+    # tests/upstream_own/verl_cpu.py fills the same cache while this suite runs (tests/run_tests.sh): one at a time
+    with (default_cache() / f"pristine-{_pins_hash()}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for key in PYPI_KEYS:
+            download_pypi(PINS.frameworks[key], ws, default_cache() / "wheels")
     return ws
 
 

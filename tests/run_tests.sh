@@ -9,6 +9,23 @@ ENGINE_VENV="${QWEN3_RL_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/engine-venv}"
 SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_decode/test_sibling_exchange.py tests/spec_decode/test_sam_warm_up.py
                        tests/spec_decode/test_sam_exchange_hook.py tests/spec_decode/test_sam_group_key.py tests/spec_decode/test_sam_boundscheck.py
                        tests/spec_decode/test_sam_history.py tests/spec_decode/test_sam_adaptive_k.py)
+# Tests of those files the boundscheck run leaves out: they run no kernel on inputs the others do not (benchmark and
+# simulator CLIs, warm-up/cache commands that compile every kernel again in fresh processes, config checks, engine
+# hook wiring, the group key (a hash, no kernel) through verl's data rebalance, pure cost models). The main run runs
+# them; the kernels they call run under bounds checking in the brute-force, adversarial, growth, group, exchange,
+# history and adaptive-k tests of the same files. test_out_of_range_index_raises_under_boundscheck starts its own
+# process with NUMBA_BOUNDSCHECK=1 and a fresh cache whatever the parent's setting: the main run's run of it is the
+# same check.
+BOUNDSCHECK_NOT_KERNELS=(test_benchmark_smoke test_construction_compiles_every_kernel_of_the_runner_path
+                         test_warm_cache_command_fills_numba_cache test_warm_cache_command_refuses_without_cache
+                         test_simulate_rollout_with_drafting test_bench_cli_history_and_adaptive
+                         test_simulator_per_step_k_and_history test_roofline_verification_cost
+                         test_cost_contexts_are_distinct_realistic_samples test_interface_and_config_validation
+                         test_switch_and_config_checks test_preflight_refuses_group_exchange_without_group_mode_or_dp
+                         test_patched_engine_step_calls_the_hook_after_dummy_and_real_steps
+                         test_history_needs_group_mode_and_parses_from_sam_config
+                         test_group_key_survives_data_rebalance_and_its_inverse
+                         test_out_of_range_index_raises_under_boundscheck)
 
 usage() {
   cat <<'USAGE'
@@ -24,7 +41,11 @@ another ran tests. A skipped test fails (tests/conftest.py).
 Boundscheck run: when the main run runs and no test path, -m or -k is given, the SAM drafter's tests
 (SAM_BOUNDSCHECK_TESTS) run once more in the main venv with NUMBA_BOUNDSCHECK=1 and an empty numba cache
 (a fresh process: numba reads the switch at import, and its cache must not hand back unchecked code),
-so an off-by-one of the kernels' raw-pointer views shows as an IndexError.
+so an off-by-one of the kernels' raw-pointer views shows as an IndexError; tests that run no kernel of their own
+(BOUNDSCHECK_NOT_KERNELS: CLIs, warm-up, config checks) are left out of that rerun.
+verl's own tests: on a full run, tests/upstream_own/verl_cpu.py runs verl 0.6.1's tests/**/*_on_cpu.py on the
+pristine and on the patched verl tree (the series in patches/verl/ now) while the main run runs (it mostly waits
+on Ray start-up), and fails when the outcomes differ. Alone: $QWEN3_RL_VENV/bin/python tests/upstream_own/verl_cpu.py
 USAGE
 }
 
@@ -55,19 +76,40 @@ main() {
       *) main_paths=1 ;;
     esac
   done
-  local rc_main=5 rc_engine=5 rc_bounds=5
+  local rc_main=5 rc_engine=5 rc_bounds=5 rc_verl=5 full=0 t0
+  (( main_paths || engine_paths || selective )) || full=1
   if (( main_paths || ! engine_paths )); then
+    local verl_log="" verl_pid=""
+    if (( full )); then
+      verl_log="$(mktemp)"
+      echo "== verl's own CPU tests, pristine vs patched tree (in the background; log at the end of the main run)"
+      "${VENV}/bin/python" tests/upstream_own/verl_cpu.py >"${verl_log}" 2>&1 &
+      verl_pid=$!
+    fi
     echo "== pytest (main venv)"
+    t0=${SECONDS}
     rc_main=0
     "${VENV}/bin/python" -m pytest "$@" || rc_main=$?
+    echo "== main run: $((SECONDS - t0)) s"
     if (( ! main_paths && ! selective )); then
       echo "== pytest (main venv, NUMBA_BOUNDSCHECK=1: SAM kernels)"
-      local cache_dir
+      local cache_dir not_kernels
       cache_dir="$(mktemp -d)"
+      not_kernels="$(printf ' or %s' "${BOUNDSCHECK_NOT_KERNELS[@]}")"
+      t0=${SECONDS}
       rc_bounds=0
       NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR="${cache_dir}" "${VENV}/bin/python" -m pytest -q -p no:cacheprovider \
-        "${SAM_BOUNDSCHECK_TESTS[@]}" || rc_bounds=$?
+        -k "not (${not_kernels# or })" "${SAM_BOUNDSCHECK_TESTS[@]}" || rc_bounds=$?
       rm -rf "${cache_dir}"
+      echo "== boundscheck run: $((SECONDS - t0)) s"
+    fi
+    if [[ -n "${verl_pid}" ]]; then
+      t0=${SECONDS}
+      rc_verl=0
+      wait "${verl_pid}" || rc_verl=$?
+      echo "== verl's own CPU tests (exit ${rc_verl}; waited $((SECONDS - t0)) s after the main runs)"
+      cat "${verl_log}"
+      rm -f "${verl_log}"
     fi
   fi
   if (( engine_paths || ! main_paths )); then
@@ -77,19 +119,19 @@ main() {
     rc_engine=0
     "${ENGINE_VENV}/bin/python" -m pytest "${eargs[@]}" || rc_engine=$?
   fi
-  echo "== pytest exit codes: main ${rc_main}, boundscheck ${rc_bounds}, engine ${rc_engine} (5 = nothing collected or not run)"
+  echo "== exit codes: main ${rc_main}, boundscheck ${rc_bounds}, verl-own ${rc_verl}, engine ${rc_engine} (5 = nothing collected or not run)"
   if [[ ${rc_main} -eq 5 && ${rc_engine} -eq 5 ]]; then
     echo "error: pytest collected no tests" >&2
     return 1
   fi
-  if (( ! main_paths && ! engine_paths && ! selective )); then
-    if [[ ${rc_main} -eq 5 || ${rc_bounds} -eq 5 || ${rc_engine} -eq 5 ]]; then
+  if (( full )); then
+    if [[ ${rc_main} -eq 5 || ${rc_bounds} -eq 5 || ${rc_verl} -eq 5 || ${rc_engine} -eq 5 ]]; then
       echo "error: a full run needs every part to run tests (exit 5 = none collected)" >&2
       return 1
     fi
   fi
   local rc
-  for rc in "${rc_main}" "${rc_bounds}" "${rc_engine}"; do
+  for rc in "${rc_main}" "${rc_bounds}" "${rc_verl}" "${rc_engine}"; do
     if [[ ${rc} -ne 0 && ${rc} -ne 5 ]]; then
       return "${rc}"
     fi

@@ -61,7 +61,9 @@ main() {
   "${VENV}/bin/python" -m pip install -q --upgrade pip
   "${VENV}/bin/python" -m pip install -q -c "${HERE}/.ci/constraints-test.txt" "${torch_spec}" "${ray_spec}" \
     -r "${HERE}/.ci/requirements-test.txt"
-  "${VENV}/bin/python" -m pip install -q --no-deps -e "${HERE}"
+  # .ci/run runs both set-up scripts at once; the editable install writes qwen3_rl.egg-info into the checkout:
+  # one at a time (the lock is on a file every checkout has, so no lock file is left behind)
+  flock -w 600 "${HERE}/pyproject.toml" "${VENV}/bin/python" -m pip install -q --no-deps -e "${HERE}"
   "${VENV}/bin/python" - "${torch_spec#torch==}" <<'PY'
 import sys
 

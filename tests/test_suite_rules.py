@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+import re
+
 import pytest
 
 from conftest import REPO, run_python, skip_as_failure
@@ -40,3 +43,23 @@ def test_engine_tests_refused_outside_the_engine_venv():
                       cwd=REPO, timeout=120)
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert "needs the engine venv" in proc.stdout + proc.stderr
+
+
+def _bash_array(text: str, name: str) -> list[str]:
+    m = re.search(rf"^{name}=\(([^)]*)\)", text, re.M)
+    assert m, f"no {name}=(...) in tests/run_tests.sh"
+    return m.group(1).split()
+
+
+def test_boundscheck_leaves_out_only_named_tests_and_keeps_kernel_tests_in_every_file():
+    """Every test the bounds-checked rerun leaves out exists in its files (no stale name), and every file keeps
+    tests of its own in the rerun."""
+    text = (REPO / "tests" / "run_tests.sh").read_text()
+    files = _bash_array(text, "SAM_BOUNDSCHECK_TESTS")
+    left_out = set(_bash_array(text, "BOUNDSCHECK_NOT_KERNELS"))
+    defined: dict[str, set[str]] = {}
+    for f in files:
+        tree = ast.parse((REPO / f).read_text())
+        defined[f] = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+    assert left_out <= set().union(*defined.values()), sorted(left_out - set().union(*defined.values()))
+    assert all(names - left_out for names in defined.values()), {f: sorted(n) for f, n in defined.items()}

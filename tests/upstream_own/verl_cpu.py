@@ -1,0 +1,185 @@
+"""verl's own CPU tests on the pristine and on the patched verl tree: their outcomes must be equal.
+
+verl 0.6.1's PyPI wheel ships its ``tests/`` package beside ``verl/`` (byte-identical to the sdist's ``tests/``),
+so the pristine workspace tree (``tests/conftest.py``'s ``pristine_workspace``: the pinned wheel's text sources,
+cached under ``~/.cache/qwen3_rl/pristine-<pins hash>/verl``) already holds upstream's tests where they expect to
+be. This script
+
+1. clones that tree twice (``git clone --shared``) into a scratch directory;
+2. applies the whole verl series, read from ``patches/verl/`` now (``apply_all_patches.sh --only verl``), to one;
+3. runs every ``tests/**/*_on_cpu.py`` file (12 at v0.6.1; several start Ray) in both trees at the same time, in
+   this interpreter's venv, each run with the tree as working directory and first on ``PYTHONPATH`` and its own
+   Ray temp dir (so a Ray cluster of another process on the host is never joined);
+4. compares the outcome of every test id (passed / failed / error / skipped) between the two trees.
+
+It fails (exit 1) when the outcomes differ (the differing ids are printed with both outcomes), when a run collects
+nothing or passes nothing, or when pytest stops with a usage/internal error. Usage:
+``python tests/upstream_own/verl_cpu.py [--keep DIR]``.
+
+Deselected on both trees: the two ``test_legacy_config_on_cpu.py`` comparisons, which read
+``tests/trainer/config/legacy_*.yaml``; the wheel and the sdist do not ship those files (only the git tag does), so
+the tests fail on both trees with ``FileNotFoundError`` and prove nothing about the patches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from qwen3_rl.tools.pins import load_pins  # noqa: E402
+from qwen3_rl.tools.upstream.common import default_cache  # noqa: E402
+from qwen3_rl.tools.upstream.download import download_pypi  # noqa: E402
+
+DESELECT = (
+    "tests/trainer/config/test_legacy_config_on_cpu.py::TestConfigComparison::"
+    "test_ppo_megatron_trainer_config_matches_legacy",
+    "tests/trainer/config/test_legacy_config_on_cpu.py::TestConfigComparison::test_ppo_trainer_config_matches_legacy",
+)
+RUN_TIMEOUT_S = 1500
+
+
+def pristine_verl() -> Path:
+    """The pristine verl tree of the pinned wheel (downloaded and unpacked once, cached like the suite's)."""
+    pins = load_pins(REPO / "pins.toml")
+    name = f"pristine-{hashlib.sha256((REPO / 'pins.toml').read_bytes()).hexdigest()[:12]}"
+    ws = default_cache() / name
+    ws.mkdir(parents=True, exist_ok=True)
+    fw = pins.frameworks["verl"]
+    # the main run's pristine_workspace fixture (tests/conftest.py) fills the same cache at the same time
+    with (default_cache() / f"{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        download_pypi(fw, ws, default_cache() / "wheels")
+    return ws / fw.dir
+
+
+def make_trees(scratch: Path) -> tuple[Path, Path]:
+    """Clone the pristine tree to ``scratch/pristine/verl`` and ``scratch/patched/verl``; patch the latter."""
+    src = pristine_verl()
+    trees = []
+    for name in ("pristine", "patched"):
+        dst = scratch / name / "verl"
+        subprocess.run(["git", "clone", "-q", "--shared", str(src), str(dst)], check=True)
+        trees.append(dst)
+    env = {k: v for k, v in os.environ.items() if k != "QWEN3_RL_WORKSPACE"}
+    proc = subprocess.run(["bash", str(REPO / "apply_all_patches.sh"), "--only", "verl", "--workspace",
+                           str(scratch / "patched")], text=True, capture_output=True, env=env, timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: the verl series does not apply:\n{proc.stdout}{proc.stderr}")
+    applied = subprocess.run(["git", "-C", str(trees[1]), "status", "--porcelain"], text=True,
+                             capture_output=True, check=True).stdout.splitlines()
+    if not applied:
+        raise SystemExit("error: the patched tree equals the pristine one (no verl patch applied)")
+    print(f"verl-own: {len(sorted((REPO / 'patches' / 'verl').glob('*.patch')))} verl patches applied, "
+          f"{len(applied)} paths changed")
+    return trees[0], trees[1]
+
+
+def test_files(tree: Path) -> list[str]:
+    """verl's CPU test files, relative to the tree (sorted)."""
+    return sorted(str(p.relative_to(tree)) for p in (tree / "tests").rglob("*_on_cpu.py"))
+
+
+def start_run(tree: Path, files: list[str], out: Path) -> subprocess.Popen[bytes]:
+    """Start pytest on ``files`` inside ``tree``; junit XML to ``out/junit.xml``, log to ``out/pytest.log``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "ray").mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(PYTHONPATH=str(tree), RAY_TMPDIR=str(out / "ray"), RAY_USAGE_STATS_ENABLED="0")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", str(tree),
+           "--junitxml", str(out / "junit.xml"), "--durations=5", *files]
+    cmd += [f"--deselect={d}" for d in DESELECT]
+    log = (out / "pytest.log").open("wb")
+    return subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def outcomes(junit: Path) -> dict[str, str]:
+    """Test id (``file::Class::name``) -> passed / failed / error / skipped, from pytest's junit XML."""
+    result: dict[str, str] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        classname, name = case.get("classname", ""), case.get("name", "")
+        parts = classname.split(".")
+        # classname is the dotted module path plus classes; the file is the longest prefix that names a module
+        mod_len = next((i for i in range(len(parts), 0, -1) if parts[i - 1].startswith("test_")), len(parts))
+        test_id = "::".join(["/".join(parts[:mod_len]) + ".py", *parts[mod_len:], name])
+        kinds = {child.tag for child in case}
+        outcome = ("error" if "error" in kinds else "failed" if "failure" in kinds
+                   else "skipped" if "skipped" in kinds else "passed")
+        # a test that fails in its call and errors in teardown appears twice: keep the worse outcome
+        if result.get(test_id) in (None, "passed"):
+            result[test_id] = outcome
+    return result
+
+
+def compare(pristine: dict[str, str], patched: dict[str, str]) -> list[str]:
+    """Lines describing every test id whose outcome differs (missing on one side counts); empty if equal."""
+    diff = []
+    for test_id in sorted(set(pristine) | set(patched)):
+        a, b = pristine.get(test_id, "absent"), patched.get(test_id, "absent")
+        if a != b:
+            diff.append(f"  {test_id}: pristine {a}, patched {b}")
+    return diff
+
+
+def summary(result: dict[str, str]) -> str:
+    counts: dict[str, int] = {}
+    for outcome in result.values():
+        counts[outcome] = counts.get(outcome, 0) + 1
+    return ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "nothing collected"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--keep", type=Path, help="scratch directory to use and keep (default: a temporary one)")
+    args = ap.parse_args(argv)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="verl-own-") as tmp:
+        scratch = args.keep or Path(tmp)
+        pristine_tree, patched_tree = make_trees(scratch)
+        files = test_files(pristine_tree)
+        if not files:
+            print(f"error: no tests/**/*_on_cpu.py in {pristine_tree}", file=sys.stderr)
+            return 1
+        print(f"verl-own: {len(files)} files: {' '.join(files)}")
+        procs = {name: start_run(tree, files, scratch / f"{name}-run")
+                 for name, tree in (("pristine", pristine_tree), ("patched", patched_tree))}
+        results: dict[str, dict[str, str]] = {}
+        ok = True
+        for name, proc in procs.items():
+            rc = proc.wait(timeout=RUN_TIMEOUT_S)
+            log = (scratch / f"{name}-run" / "pytest.log").read_text(errors="replace")
+            junit = scratch / f"{name}-run" / "junit.xml"
+            results[name] = outcomes(junit) if junit.exists() else {}
+            print(f"verl-own: {name}: pytest exit {rc}; {summary(results[name])}")
+            if rc not in (0, 1) or "passed" not in results[name].values():
+                print(f"error: the {name} run stopped (exit {rc}) or passed nothing; its log:\n{log}",
+                      file=sys.stderr)
+                ok = False
+            elif rc == 1:
+                failed = [t for t, o in results[name].items() if o != "passed"]
+                print(f"verl-own: {name}: not passed: {' '.join(failed)}")
+        diff = compare(results["pristine"], results["patched"])
+        if diff:
+            print("error: verl's own CPU tests differ between the pristine and the patched tree:\n" + "\n".join(diff),
+                  file=sys.stderr)
+            for name in procs:
+                print(f"--- {name} log\n" + (scratch / f"{name}-run" / "pytest.log").read_text(errors="replace"))
+            ok = False
+        print(f"verl-own: {'equal' if ok else 'NOT equal'} outcomes on both trees "
+              f"({sum(o == 'passed' for o in results['patched'].values())} passed on the patched tree); "
+              f"{time.monotonic() - t0:.0f} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
