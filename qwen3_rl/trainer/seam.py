@@ -363,10 +363,12 @@ class WeightSyncHooks:
         object with ``handles(name) -> bool`` and ``sync_params(name, tensor, tp_concat, convert)`` yielding
         HF ``(name, tensor)`` pairs: :class:`qwen3_rl.moe.reshard_verl.MoEAlltoallvSync` (moe_alltoallv, either
         expert layout) or :class:`qwen3_rl.moe.fused_experts_verl.GroupedMLPGatherSync` (grouped_mlp_weights
-        on a model with GroupedMLP experts). Collective over megatron's expert groups.
+        on a model with GroupedMLP experts); None for a dense model. Collective over megatron's expert groups.
         """
         from qwen3_rl.moe.fused_experts_verl import grouped_mlp_weights_enabled
 
+        if not getattr(transformer_config, "num_moe_experts", None):  # dense model: no routed experts to claim
+            return None
         grouped = grouped_mlp_weights_enabled(transformer_config)
         if self.recipe.moe_alltoallv.enable:
             from qwen3_rl.moe.reshard_verl import MoEAlltoallvSync
