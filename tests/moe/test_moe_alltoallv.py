@@ -544,14 +544,17 @@ def test_train_script_switch_reaches_the_worker(patched_imports: Path, monkeypat
     monkeypatch.setattr(mw, "set_expandable_segments", lambda _: None)
     monkeypatch.setattr(mw, "get_torch_device", lambda: types.SimpleNamespace(
         get_rng_state=lambda: None, set_rng_state=lambda _: None))
-    for cfg in (cfg_off, cfg_on):
+    with initialize_config_dir(config_dir=str(verl_config_dir), version_base=None):
+        cfg_empty = compose(config_name="ppo_megatron_trainer")  # the group empty: nothing of ours is built
+    assert cfg_empty.actor_rollout_ref.rollout.qwen3_rl == {}
+    for cfg in (cfg_empty, cfg_off, cfg_on):
         worker = types.SimpleNamespace(
             config=cfg.actor_rollout_ref, _is_offload_param=False, bridge=None, rollout=Rollout(),
             actor=types.SimpleNamespace(actor_module=[]), actor_model_config=None, weight_converter=None,
             tf_config=None, layer_name_mapping={}, gen_random_states=None)
         asyncio.run(mw.ActorRolloutRefWorker.rollout_mode(worker))
-    assert seen[0] == {}  # feature off: the upstream call, no extra argument
-    (hooks,) = seen[1].values()
+    assert seen[0] == seen[1] == {}  # group empty / feature off: the upstream call, no extra argument
+    (hooks,) = seen[2].values()
     assert isinstance(hooks, WeightSyncHooks) and hooks.rollout_layout == RolloutLayout(tp=4, dp=32,
                                                                                         expert_parallel=True)
     # mbridge export with the feature on is refused at the weight sync (it never calls per_tensor_generator)

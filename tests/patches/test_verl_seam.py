@@ -21,9 +21,16 @@ sys.path_importer_cache.clear()
 assert importlib.util.find_spec("qwen3_rl") is None, f"qwen3_rl is on the path {sys.path}"
 import verl.trainer.ppo.ray_trainer as rt
 import verl.workers.rollout.vllm_rollout.vllm_rollout_spmd as spmd
-from verl.utils.qwen3_rl_hooks import rollout_hooks, trainer_hooks
+from verl.utils.qwen3_rl_hooks import rollout_hooks, trainer_hooks, weight_sync_hooks
 from omegaconf import OmegaConf
 assert trainer_hooks(OmegaConf.create({"qwen3_rl": {}})) is None and rollout_hooks({"qwen3_rl": {}}) is None
+# the weight-sync side: per_tensor_generator's module and the self-contained MoE loader fix (0010)
+import verl.utils.megatron_utils as mu
+import verl.utils.vllm.patch as vp
+import inspect
+assert weight_sync_hooks(OmegaConf.create({"qwen3_rl": {}}), uses_bridge=True) is None
+assert inspect.signature(mu.per_tensor_generator).parameters["qwen3_rl_hooks"].default is None
+assert callable(vp.patch_vllm_moe_model_weight_loader)
 print("ok", rt.RayPPOTrainer.__name__, spmd.vLLMRollout.__name__, sorted(m for m in sys.modules if m.startswith("qwen3_rl")))
 """
 
@@ -42,8 +49,9 @@ def _probe(paths: tuple[Path | str, ...], cwd: Path):
 
 
 def _paths(ws: Path, pristine: Path) -> tuple[Path, ...]:
-    """Patched verl; vLLM from the pristine pin (the vLLM seam is a separate series, checked on its own)."""
-    return (ws / PINS.frameworks["verl"].dir, pristine / PINS.frameworks["vllm"].dir, ws / ".dist-info")
+    """Patched verl; vLLM and Megatron-LM from the pristine pins (their series are checked on their own)."""
+    return (ws / PINS.frameworks["verl"].dir, pristine / PINS.frameworks["vllm"].dir,
+            pristine / PINS.frameworks["megatron"].dir, ws / ".dist-info")
 
 
 def test_patched_verl_imports_without_qwen3_rl(patched_imports: Path, pristine_workspace: Path, tmp_path: Path) -> None:
