@@ -463,8 +463,9 @@ def test_golden_commands(name: str) -> None:
 
 
 def test_moe_alltoall_overlap_switch(patched_imports: Path) -> None:
-    """MOE_ALLTOALL_OVERLAP=True adds MindSpeed's overlap key (verl 0008 then syncs GroupedMLP weights);
-    off by default, ignored by the dense setups, a bad value stops the script."""
+    """MOE_ALLTOALL_OVERLAP=True adds MindSpeed's overlap key and qwen3_rl.grouped_mlp_weights.enable (the seam's
+    weight-sync hook then syncs GroupedMLP weights); off by default, ignored by the dense setups, a bad value stops
+    the script."""
     verl_config_dir = patched_imports / "verl" / "verl" / "trainer" / "config"
     moe = INTERNAL / "train_grpo_qwen3_235b_128die_true_weight.sh"
     key = "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_alltoall_overlap_comm=True"
@@ -473,6 +474,9 @@ def test_moe_alltoall_overlap_switch(patched_imports: Path) -> None:
     assert key in on.overrides
     cfg = _compose(on.overrides, on.config_name, verl_config_dir)
     assert cfg.actor_rollout_ref.actor.megatron.override_transformer_config.moe_alltoall_overlap_comm is True
+    assert "+qwen3_rl.grouped_mlp_weights.enable=False" in parse_train_script(moe, env=BASE_ENV).overrides
+    assert "+qwen3_rl.grouped_mlp_weights.enable=True" in on.overrides
+    assert cfg.actor_rollout_ref.rollout.qwen3_rl.grouped_mlp_weights.enable is True  # what the workers read
     dense = INTERNAL / "train_grpo_qwen3_32b_32die_true_weight.sh"
     assert key not in parse_train_script(dense, env={**BASE_ENV, "MOE_ALLTOALL_OVERLAP": "True"}).overrides
     with pytest.raises(TrainScriptError, match="error: MOE_ALLTOALL_OVERLAP='yes': expected one of True, False"):
@@ -597,7 +601,8 @@ def test_mbridge_and_fused_rope_switches(patched_imports: Path) -> None:
         with pytest.raises(TrainScriptError) as err:
             parse_train_script(script, env={**BASE_ENV, "USE_MBRIDGE": "True", **extra})
         (var,) = extra
-        assert str(err.value).endswith(f"error: USE_MBRIDGE=True excludes {var}=True: verl {'0009' if var == 'MOE_ALLTOALLV' else '0008'} "
+        hook = "moe_alltoallv" if var == "MOE_ALLTOALLV" else "grouped_mlp_weights"
+        assert str(err.value).endswith(f"error: USE_MBRIDGE=True excludes {var}=True: the {hook} weight-sync hook "
                                        "converts only verl's own weight export, not mbridge's")
     with pytest.raises(TrainScriptError, match="error: USE_MBRIDGE='true': expected one of True, False"):
         parse_train_script(script, env={**BASE_ENV, "USE_MBRIDGE": "true"})

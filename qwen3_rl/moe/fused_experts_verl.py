@@ -1,8 +1,9 @@
-"""verl wiring of the GroupedMLP (``weight1`` / ``weight2``) expert layout, called by verl patch 0008.
+"""verl wiring of the GroupedMLP (``weight1`` / ``weight2``) expert layout (``qwen3_rl.grouped_mlp_weights``).
 
 Two directions:
 
-* HF -> Megatron (``scripts/converter_hf_to_mcore.py``): ``copy_hf_experts_to_grouped_mlp`` fills one layer's
+* HF -> Megatron (``scripts/converter_hf_to_mcore.py --moe_use_legacy_grouped_gemm``, which imports this module
+  lazily, only with that flag): ``copy_hf_experts_to_grouped_mlp`` fills one layer's
   ``experts.weight1`` / ``experts.weight2`` from the HF expert modules (exact copies).
 * Megatron -> HF weight sync to the rollout (``verl/utils/megatron_utils.py:per_tensor_generator``):
   ``grouped_mlp_sync_params`` turns one rank's ``decoder.layers.L.mlp.experts.weight1|2`` into the per-expert HF
@@ -10,7 +11,10 @@ Two directions:
   (``linear_fc1.weight{e}`` [2f, H], ``linear_fc2.weight{e}`` [H, f]), all-gathered over EP (global expert id =
   ``ep_rank * E_local + e``, as verl does for ``linear_fc1.weight{e}``) and over the expert-TP group, and handed to
   verl's own TP merge (``default_tp_concat_fn``) and name converter (``McoreToHFWeightConverterQwen2Moe``) under
-  its TEGroupedMLP name, so the rollout receives exactly what the TEGroupedMLP path sends.
+  its TEGroupedMLP name, so the rollout receives exactly what the TEGroupedMLP path sends. verl's seam hands
+  :class:`GroupedMLPGatherSync` to ``per_tensor_generator`` as its ``expert_sync`` when
+  ``qwen3_rl.grouped_mlp_weights.enable`` is on and the model has GroupedMLP experts
+  (:class:`qwen3_rl.trainer.seam.WeightSyncHooks`).
 
 When does a model carry ``weight1`` / ``weight2``? megatron-core 0.12.1 builds the legacy ``GroupedMLP`` when
 ``moe_grouped_gemm`` and ``moe_use_legacy_grouped_gemm`` (``megatron/core/models/gpt/moe_module_specs.py:41-56``),
@@ -31,6 +35,7 @@ from qwen3_rl.moe.fused_experts import grouped_to_te_experts, hf_to_grouped
 
 __all__ = [
     "GROUPED_MLP_KEYS",
+    "GroupedMLPGatherSync",
     "copy_hf_experts_to_grouped_mlp",
     "grouped_mlp_sync_params",
     "grouped_mlp_weights_enabled",
@@ -139,3 +144,37 @@ def grouped_mlp_sync_params(
             params = merged if isinstance(merged, list) else [merged]
             names, tensors = convert(te_name, params)
             yield from zip(names, [t.detach() for t in tensors], strict=True)
+
+
+class GroupedMLPGatherSync:
+    """``per_tensor_generator``'s path for GroupedMLP ``weight1`` / ``weight2`` on one rank (the seam's
+    ``expert_sync``): :func:`grouped_mlp_sync_params` with the EP and expert-TP all-gathers of megatron's groups.
+
+    ``handles(name)``: a GroupedMLP expert weight (TEGroupedMLP names stay on verl's own EP path).
+    ``sync_params(name, tensor, tp_concat, convert)``: the HF (name, tensor) pairs of every expert of the EP group.
+    """
+
+    def __init__(self, num_experts: int, ep_size: int, gather_ep: Gather, gather_etp: Gather) -> None:
+        self.num_experts = int(num_experts)
+        self.ep_size = int(ep_size)
+        self.gather_ep = gather_ep
+        self.gather_etp = gather_etp
+
+    @classmethod
+    def from_megatron(cls, mpu: Any, num_experts: int) -> GroupedMLPGatherSync:
+        """From megatron-core's parallel state (``megatron.core.parallel_state``): EP / expert-TP groups and sizes."""
+        ep_size = mpu.get_expert_model_parallel_world_size()
+        etp_size = mpu.get_expert_tensor_parallel_world_size()
+        return cls(num_experts, ep_size,
+                   process_group_all_gather(mpu.get_expert_model_parallel_group(), ep_size),
+                   process_group_all_gather(mpu.get_expert_tensor_parallel_group(), etp_size))
+
+    def handles(self, name: str) -> bool:
+        return is_grouped_mlp_param(name)
+
+    def sync_params(self, name: str, tensor: torch.Tensor,
+                    tp_concat: Callable[[str, list[torch.Tensor]], torch.Tensor | list[torch.Tensor]],
+                    convert: Callable[[str, list[torch.Tensor]], tuple[list[str], list[torch.Tensor]]],
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from grouped_mlp_sync_params(name, tensor, self.num_experts, self.ep_size, self.gather_ep,
+                                           self.gather_etp, tp_concat, convert)

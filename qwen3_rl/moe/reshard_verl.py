@@ -1,4 +1,4 @@
-"""verl wiring of the MoE all-to-allv weight sync (``actor.moe_alltoallv``), called by verl patch 0009.
+"""verl wiring of the MoE all-to-allv weight sync (``qwen3_rl.moe_alltoallv``), run through verl's seam.
 
 verl 0.6.1 streams the actor's weights to the colocated vLLM rollout tensor by tensor
 (``verl/utils/megatron_utils.py:per_tensor_generator``). For every routed-expert tensor (one local expert of
@@ -8,7 +8,8 @@ expert-parallel group and then over the expert-tensor-parallel group, so **every
 ``FusedMoE`` keeps only the ``E / EP_vllm`` experts of its own EP rank and drops the rest
 (``vllm/model_executor/layers/fused_moe/layer.py`` ``weight_loader``: experts outside ``expert_map`` return).
 
-With the switch on, the same tensor is exchanged with ONE ``torch.distributed.all_to_all_single`` over
+With ``qwen3_rl.moe_alltoallv.enable`` (the seam's weight-sync hook, :class:`qwen3_rl.trainer.seam.WeightSyncHooks`,
+hands :class:`MoEAlltoallvSync` to ``per_tensor_generator`` as its ``expert_sync``) the same tensor is exchanged with ONE ``torch.distributed.all_to_all_single`` over
 megatron's expert-tensor-and-model-parallel group (EP x ETP ranks, etp fastest): each member sends its shard
 only to the members whose vLLM EP rank holds that expert (:func:`qwen3_rl.moe.reshard.expert_group_exchange`),
 so every rank receives exactly the ETP shards of its own experts, each once, and converts only those. The
@@ -19,7 +20,7 @@ experts it would have dropped.
 Layouts (see :mod:`qwen3_rl.moe.reshard`): the vLLM EP rank of a rollout rank is its global torch rank. That
 holds for verl's sync SPMD rollout (the recipe's mode, docs/rollout_mode.md): vLLM's external launcher sets
 ``data_parallel_rank = RANK // TP`` (``vllm/config/parallel.py:510-523``) and ``FusedMoEParallelConfig`` uses
-``ep_rank = dp_rank * TP + tp_rank``. The GroupedMLP layout (``experts.weight1`` / ``weight2``, verl patch 0008)
+``ep_rank = dp_rank * TP + tp_rank``. The GroupedMLP layout (``experts.weight1`` / ``weight2``, :mod:`qwen3_rl.moe.fused_experts_verl`)
 is cut into the same per-expert tensors first (:func:`qwen3_rl.moe.fused_experts.grouped_to_te_experts`).
 """
 
@@ -40,14 +41,14 @@ __all__ = [
     "ExpertRouting",
     "expert_ids_of",
     "MoEAlltoallvSync",
-    "moe_alltoallv_kwargs",
+    "alltoallv_rollout_layout",
     "rollout_layout_from_config",
     "sync_receive_counts",
 ]
 
 #: TEGroupedMLP per-expert weight as verl streams it (PP-normalised): ``...mlp.experts.linear_fc1.weight3``
 _TE_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?decoder\.layers\.\d+\.mlp\.experts\.linear_fc[12])\.weight(?P<j>\d+)$")
-#: GroupedMLP (verl 0008): all local experts of a layer in ``...mlp.experts.weight1`` / ``weight2``
+#: GroupedMLP (megatron-core legacy / MindSpeed overlap): all local experts of a layer in ``...mlp.experts.weight1`` / ``weight2``
 _GROUPED_NAME = re.compile(r"^(?P<prefix>(?:.*\.)?decoder\.layers\.\d+\.mlp\.experts)\.weight(?P<which>[12])$")
 
 TpConcat = Callable[[str, list[torch.Tensor]], "torch.Tensor | list[torch.Tensor]"]
@@ -76,7 +77,7 @@ def rollout_layout_from_config(rollout_cfg: Any) -> RolloutLayout:
     name, mode = _get(rollout_cfg, "name", "vllm"), _get(rollout_cfg, "mode", "sync")
     if name != "vllm" or mode != "sync":
         raise ValueError(
-            f"actor.moe_alltoallv supports rollout.name=vllm with rollout.mode=sync (got {name}/{mode}): the "
+            f"qwen3_rl.moe_alltoallv supports rollout.name=vllm with rollout.mode=sync (got {name}/{mode}): the "
             "all-to-allv routing assumes the vLLM EP rank equals the torch rank, checked only for the SPMD rollout"
         )
     tp = int(_get(rollout_cfg, "tensor_model_parallel_size", 1))
@@ -85,7 +86,7 @@ def rollout_layout_from_config(rollout_cfg: Any) -> RolloutLayout:
     pp = int(_get(rollout_cfg, "pipeline_model_parallel_size", 1))
     if verl_dp != 1 or verl_ep != 1 or pp != 1:
         raise ValueError(
-            "actor.moe_alltoallv in sync mode needs rollout.data_parallel_size=1, rollout.expert_parallel_size=1 and "
+            "qwen3_rl.moe_alltoallv in sync mode needs rollout.data_parallel_size=1, rollout.expert_parallel_size=1 and "
             f"rollout.pipeline_model_parallel_size=1 (got {verl_dp}, {verl_ep}, {pp}); vLLM's DP and expert "
             "parallel go through rollout.engine_kwargs.vllm.data_parallel_size / enable_expert_parallel"
         )
@@ -93,7 +94,7 @@ def rollout_layout_from_config(rollout_cfg: Any) -> RolloutLayout:
     moved = _non_linear_placement(vllm_kw)
     if moved:
         raise ValueError(
-            f"actor.moe_alltoallv routes every expert to the vLLM EP rank of vLLM's linear placement, but {moved} "
+            f"qwen3_rl.moe_alltoallv routes every expert to the vLLM EP rank of vLLM's linear placement, but {moved} "
             "places experts elsewhere (redundant / moving experts): turn one of them off"
         )
     dp = _get(vllm_kw, "data_parallel_size", 1)
@@ -131,28 +132,19 @@ def _non_linear_placement(vllm_kw: Any) -> str:
     return ""
 
 
-def moe_alltoallv_kwargs(actor_cfg: Any, rollout_cfg: Any, *, uses_bridge: bool) -> dict[str, Any]:
-    """Extra keyword arguments of verl's ``per_tensor_generator`` for ``actor.moe_alltoallv``.
+def alltoallv_rollout_layout(rollout_cfg: Any) -> RolloutLayout:
+    """The vLLM layout ``qwen3_rl.moe_alltoallv`` routes the experts to (:func:`rollout_layout_from_config`).
 
-    Off (default, key missing or False): ``{}``, i.e. the upstream call. On: ``{"moe_alltoallv": True,
-    "rollout_layout": RolloutLayout}``. Raises ValueError when on but unusable: mbridge export
-    (``megatron.use_mbridge``, which does not go through per_tensor_generator), a non-sync rollout, or vLLM
-    expert parallel off (then every rank needs every expert and the upstream all-gather is already exact).
+    Raises ValueError for everything :func:`rollout_layout_from_config` refuses and when vLLM expert
+    parallel is off (then every rollout rank needs every expert and the upstream all-gather is already exact).
     """
-    enabled = _get(actor_cfg, "moe_alltoallv", False)
-    if not isinstance(enabled, bool):
-        raise ValueError(f"actor.moe_alltoallv must be true or false, got {enabled!r}")
-    if not enabled:
-        return {}
-    if uses_bridge:
-        raise ValueError("actor.moe_alltoallv needs verl's own weight converter: set actor.megatron.use_mbridge=False")
     layout = rollout_layout_from_config(rollout_cfg)
     if not layout.expert_parallel:
         raise ValueError(
-            "actor.moe_alltoallv needs rollout expert parallel (rollout.engine_kwargs.vllm.enable_expert_parallel="
+            "qwen3_rl.moe_alltoallv needs rollout expert parallel (rollout.engine_kwargs.vllm.enable_expert_parallel="
             "True): without it every rollout rank holds every expert and the upstream all-gather is already exact"
         )
-    return {"moe_alltoallv": True, "rollout_layout": layout}
+    return layout
 
 
 @dataclass(frozen=True)
@@ -173,7 +165,7 @@ class ExpertRouting:
 
     def __post_init__(self) -> None:
         if not self.rollout.expert_parallel:
-            raise ValueError("actor.moe_alltoallv needs vLLM expert parallel (enable_expert_parallel=True)")
+            raise ValueError("qwen3_rl.moe_alltoallv needs vLLM expert parallel (enable_expert_parallel=True)")
         if self.num_experts < 1 or self.num_experts % self.ep:
             raise ValueError(f"num_experts={self.num_experts} must be a positive multiple of megatron EP={self.ep}")
         if self.rollout.ep > self.num_experts:
@@ -258,7 +250,7 @@ class MoEAlltoallvSync:
         world = dist.get_world_size()
         if rollout.world != world:
             raise ValueError(
-                f"actor.moe_alltoallv: rollout TP*DP={rollout.world} != world size {world}: the all-to-allv "
+                f"qwen3_rl.moe_alltoallv: rollout TP*DP={rollout.world} != world size {world}: the all-to-allv "
                 "routing needs every training rank to be one vLLM EP rank (colocated hybrid engine)"
             )
         ep = mpu.get_expert_model_parallel_world_size()

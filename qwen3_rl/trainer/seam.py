@@ -13,7 +13,9 @@ Hook points (called by verl's ``RayPPOTrainer`` / SPMD ``vLLMRollout`` and by ou
   ``step_metrics`` once per step (data rebalance, spec-decode metrics);
 * :class:`RolloutHooks`: ``engine_built`` after the ``vllm.LLM`` exists (gc policy, rollout rebalance),
   ``generate_kwargs`` for ``LLM.generate`` (progress bar), ``before_generate`` / ``after_generate``
-  around it (spec-decode counters into the output's ``meta_info['metrics']``).
+  around it (spec-decode counters into the output's ``meta_info['metrics']``);
+* :class:`WeightSyncHooks` (verl's Megatron ``rollout_mode`` -> ``per_tensor_generator``): ``expert_sync``
+  claims the routed-expert tensors of the train -> rollout weight sync (GroupedMLP weights, all-to-allv).
 """
 
 from __future__ import annotations
@@ -62,6 +64,27 @@ class SpecDecodeMetrics:
     enable: bool = False
 
 
+# ---- weight-sync features (train -> rollout; :class:`WeightSyncHooks` at the end of this module) -----------
+
+
+@dataclass(frozen=True)
+class GroupedMlpWeights:
+    """``qwen3_rl.grouped_mlp_weights``: the weight sync streams megatron-core GroupedMLP experts
+    (``experts.weight1`` / ``weight2``: MindSpeed's all-to-all overlap, ``moe_use_legacy_grouped_gemm``) as
+    per-expert HF tensors (:mod:`qwen3_rl.moe.fused_experts_verl`); acts only on a model with that layout."""
+
+    enable: bool = False
+
+
+@dataclass(frozen=True)
+class MoeAlltoallv:
+    """``qwen3_rl.moe_alltoallv``: routed experts go to the rollout with one all-to-allv per expert tensor,
+    each rank receiving only the experts its vLLM EP rank holds (:mod:`qwen3_rl.moe.reshard_verl`; needs
+    vLLM expert parallel, sync SPMD rollout, rollout world = training world)."""
+
+    enable: bool = False
+
+
 #: feature name (the group's section) -> its dataclass; ``rollout_rebalance`` is the coordinator's own settings
 FEATURES: dict[str, type] = {
     "progress_bar": ProgressBar,
@@ -69,6 +92,9 @@ FEATURES: dict[str, type] = {
     "data_rebalance": DataRebalance,
     "rollout_rebalance": RebalanceSettings,
     "spec_decode_metrics": SpecDecodeMetrics,
+    # weight sync
+    "grouped_mlp_weights": GroupedMlpWeights,
+    "moe_alltoallv": MoeAlltoallv,
 }
 
 
@@ -81,6 +107,9 @@ class RecipeConfig:
     data_rebalance: DataRebalance = field(default_factory=DataRebalance)
     rollout_rebalance: RebalanceSettings = field(default_factory=RebalanceSettings)
     spec_decode_metrics: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
+    # weight sync
+    grouped_mlp_weights: GroupedMlpWeights = field(default_factory=GroupedMlpWeights)
+    moe_alltoallv: MoeAlltoallv = field(default_factory=MoeAlltoallv)
 
     @classmethod
     def from_group(cls, group: Any) -> RecipeConfig:
@@ -289,3 +318,65 @@ def pop_rollout_counts(meta_info: MutableMapping[str, Any]) -> dict[str, int]:
 def _get(obj: Any, key: str, default: Any) -> Any:
     getter = getattr(obj, "get", None)
     return getter(key, default) if callable(getter) else getattr(obj, key, default)
+
+
+# ---- weight-sync side (Megatron worker -> rollout) -------------------------------------------------------
+
+
+class WeightSyncHooks:
+    """Handed by verl's Megatron ``ActorRolloutRefWorker.rollout_mode`` to ``per_tensor_generator`` (built only
+    when a weight-sync feature is on: :func:`from_rollout_config` returns None otherwise)."""
+
+    def __init__(self, rollout_config: Any, recipe: RecipeConfig) -> None:
+        self.config = rollout_config
+        self.recipe = recipe
+        self.rollout_layout: Any = None
+        if recipe.moe_alltoallv.enable:  # checked here, in the worker, before any tensor is streamed
+            from qwen3_rl.moe.reshard_verl import alltoallv_rollout_layout
+
+            try:
+                self.rollout_layout = alltoallv_rollout_layout(rollout_config)
+            except ValueError as e:
+                raise SeamConfigError(str(e)) from e
+
+    @classmethod
+    def from_rollout_config(cls, rollout_config: Any, uses_bridge: bool = False) -> WeightSyncHooks | None:
+        """Validate ``actor_rollout_ref.rollout.qwen3_rl``; None when no weight-sync feature is on.
+
+        uses_bridge: the worker exports through mbridge, which never calls ``per_tensor_generator``: a
+        weight-sync feature on is then refused (SeamConfigError) instead of silently doing nothing.
+        """
+        recipe = RecipeConfig.from_group(group_of(rollout_config))
+        on = [name for name in ("grouped_mlp_weights", "moe_alltoallv") if getattr(recipe, name).enable]
+        if not on:
+            return None
+        if uses_bridge:
+            raise SeamConfigError(
+                f"{GROUP}.{on[0]} needs verl's own weight export (per_tensor_generator): set "
+                "actor_rollout_ref.actor.megatron.use_mbridge=False")
+        return cls(rollout_config, recipe)
+
+    def expert_sync(self, mpu: Any, transformer_config: Any) -> Any:
+        """``per_tensor_generator``'s routed-expert path on this rank, or None (upstream's EP/ETP all-gather).
+
+        mpu: ``megatron.core.parallel_state``; transformer_config: the actor's TransformerConfig. Returns an
+        object with ``handles(name) -> bool`` and ``sync_params(name, tensor, tp_concat, convert)`` yielding
+        HF ``(name, tensor)`` pairs: :class:`qwen3_rl.moe.reshard_verl.MoEAlltoallvSync` (moe_alltoallv, either
+        expert layout) or :class:`qwen3_rl.moe.fused_experts_verl.GroupedMLPGatherSync` (grouped_mlp_weights
+        on a model with GroupedMLP experts); None for a dense model. Collective over megatron's expert groups.
+        """
+        from qwen3_rl.moe.fused_experts_verl import grouped_mlp_weights_enabled
+
+        if not getattr(transformer_config, "num_moe_experts", None):  # dense model: no routed experts to claim
+            return None
+        grouped = grouped_mlp_weights_enabled(transformer_config)
+        if self.recipe.moe_alltoallv.enable:
+            from qwen3_rl.moe.reshard_verl import MoEAlltoallvSync
+
+            return MoEAlltoallvSync.from_megatron(mpu, transformer_config.num_moe_experts, self.rollout_layout,
+                                                  grouped)
+        if self.recipe.grouped_mlp_weights.enable and grouped:
+            from qwen3_rl.moe.fused_experts_verl import GroupedMLPGatherSync
+
+            return GroupedMLPGatherSync.from_megatron(mpu, transformer_config.num_moe_experts)
+        return None

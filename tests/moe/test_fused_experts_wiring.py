@@ -1,8 +1,9 @@
-"""verl patch 0008 (GroupedMLP weight1/weight2) executed on CPU: the patched ``scripts/converter_hf_to_mcore.py``
-fills a real megatron-core ``GroupedMLP`` from a tiny random Qwen3-MoE, the checkpoint view of it is the standard
-per-expert one, and the patched weight sync (``per_tensor_generator``; EP x ETP gathers simulated by threads for
-EP/ETP 2) gives back every HF tensor exactly. Switch off, TEGroupedMLP-style and dense states: byte-identical to
-pristine verl 0.6.1."""
+"""GroupedMLP weight1/weight2 (verl seam: ``qwen3_rl.grouped_mlp_weights`` weight-sync hook, converter flag)
+executed on CPU: the patched ``scripts/converter_hf_to_mcore.py --moe_use_legacy_grouped_gemm`` (qwen3_rl imported
+lazily, only with the flag) fills a real megatron-core ``GroupedMLP`` from a tiny random Qwen3-MoE, the checkpoint
+view of it is the standard per-expert one, and the patched weight sync (``per_tensor_generator`` with the seam's
+hooks; EP x ETP gathers simulated by threads for EP/ETP 2) gives back every HF tensor exactly. Without hooks,
+TEGroupedMLP-style and dense states: byte-identical to pristine verl 0.6.1."""
 
 from __future__ import annotations
 
@@ -19,10 +20,11 @@ from torch import nn
 
 from qwen3_rl.moe.fused_experts import grouped_to_hf, hf_layer_experts_to_grouped
 from qwen3_rl.moe.fused_experts_verl import (
-    grouped_mlp_sync_params,
+    GroupedMLPGatherSync,
     grouped_mlp_weights_enabled,
     is_grouped_mlp_param,
 )
+from qwen3_rl.trainer.seam import WeightSyncHooks
 
 from conftest import load_module
 
@@ -144,8 +146,17 @@ def _moe_model(cfg, experts: Callable[[], nn.Module]) -> nn.Module:
                                     mlp=_node(router=_node(weight=_p(E, H)), experts=experts())))
 
 
-def _sync(mu: ModuleType, model: nn.Module, hf_cfg, tf, converter) -> list[tuple[str, torch.Tensor]]:
-    return list(mu.per_tensor_generator([model], hf_cfg, converter, tf, LAYER_NAME_MAPPING))
+def _grouped_hooks() -> WeightSyncHooks:
+    """The seam's weight-sync hooks as a rollout config carrying ``qwen3_rl.grouped_mlp_weights.enable`` gives them."""
+    hooks = WeightSyncHooks.from_rollout_config({"qwen3_rl": {"grouped_mlp_weights": {"enable": True}}})
+    assert hooks is not None
+    return hooks
+
+
+def _sync(mu: ModuleType, model: nn.Module, hf_cfg, tf, converter,
+          hooks: WeightSyncHooks | None = None) -> list[tuple[str, torch.Tensor]]:
+    kw = {} if hooks is None else {"qwen3_rl_hooks": hooks}
+    return list(mu.per_tensor_generator([model], hf_cfg, converter, tf, LAYER_NAME_MAPPING, **kw))
 
 
 def _assert_same_stream(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) -> None:
@@ -254,6 +265,12 @@ def test_converter_script_switch_off_and_dense_paths_unchanged(world, hf_moe, co
     assert funcs["script"].keys() == funcs["script0"].keys()
     changed = {n for n in funcs["script0"] if ast.dump(funcs["script"][n]) != ast.dump(funcs["script0"][n])}
     assert changed == {"_init_args", "convert_checkpoint_from_transformers_to_megatron", "convert_hf_to_mcore"}
+    # nothing of the recipe at module level: the package is imported inside the flag's branch only
+    top = [ast.dump(n) for n in trees["script"].body if isinstance(n, ast.Import | ast.ImportFrom)]
+    assert top and not any("qwen3_rl" in d for d in top)
+    lazy = [n for n in ast.walk(funcs["script"]["convert_checkpoint_from_transformers_to_megatron"])
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("qwen3_rl")]
+    assert [n.module for n in lazy] == ["qwen3_rl.moe.fused_experts_verl"]
 
     def dense_branch(f: ast.FunctionDef) -> str:
         calls = [ast.dump(c) for c in ast.walk(f) if isinstance(c, ast.Call)
@@ -279,8 +296,11 @@ def test_weight_sync_grouped_mlp_full_model_exact(world, hf_moe, tf_configs, con
 
     on, off = tf_configs
     conv = McoreToHFWeightConverterQwen2Moe(hf_moe.config, off)  # as get_mcore_weight_converter: no overrides
-    stream = _sync(world["mu"], converted[0], hf_moe.config, on, conv)
+    stream = _sync(world["mu"], converted[0], hf_moe.config, on, conv, _grouped_hooks())
     _assert_is_hf(stream, hf_moe.state_dict())
+    # positive control: without the hook the GroupedMLP weights take upstream's dense path and fail there
+    with pytest.raises(NotImplementedError):
+        _sync(world["mu"], converted[0], hf_moe.config, on, conv)
     # the same model's stream with the TEGroupedMLP layout from pristine verl: same names, order and tensors
     _assert_same_stream(stream, _sync(world["mu0"], converted[1], hf_moe.config, off, conv))
 
@@ -292,7 +312,7 @@ def test_weight_sync_te_layout_byte_identical_to_pristine(world, hf_moe, tf_conf
     on, off = tf_configs
     conv = McoreToHFWeightConverterQwen2Moe(hf_moe.config, off)
     te = converted[1]
-    got = _sync(world["mu"], te, hf_moe.config, on if switch else off, conv)
+    got = _sync(world["mu"], te, hf_moe.config, on if switch else off, conv, _grouped_hooks() if switch else None)
     _assert_same_stream(got, _sync(world["mu0"], te, hf_moe.config, off, conv))
     _assert_is_hf(got, hf_moe.state_dict())
 
@@ -331,7 +351,7 @@ def test_weight_sync_dense_qwen3_byte_identical_to_pristine(world, switch) -> No
             layer.mlp.linear_fc1.weight.copy_(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]))
             layer.mlp.linear_fc2.weight.copy_(sd[p + "mlp.down_proj.weight"])
     conv = McoreToHFWeightConverterDense(cfg, tf)
-    got = _sync(world["mu"], model, cfg, tf, conv)
+    got = _sync(world["mu"], model, cfg, tf, conv, _grouped_hooks() if switch else None)
     _assert_same_stream(got, _sync(world["mu0"], model, cfg, tf, conv))
     _assert_is_hf(got, sd)
 
@@ -381,10 +401,12 @@ def test_weight_sync_ep_etp_gather_exact(world, hf_moe, tf_configs, ep: int, etp
             out: list[tuple[str, torch.Tensor]] = []
             for i in range(cfg.num_hidden_layers):
                 w1, w2 = hf_layer_experts_to_grouped(sd, i, range(r * El, (r + 1) * El), etp, t)
+                sync = GroupedMLPGatherSync(E, ep, gather_ep=groups.gather("ep", t, r),
+                                            gather_etp=groups.gather("etp", r, t))
                 for w, tensor in ((1, w1), (2, w2)):
-                    out += grouped_mlp_sync_params(
-                        f"decoder.layers.{i}.mlp.experts.weight{w}", tensor, E, ep,
-                        gather_ep=groups.gather("ep", t, r), gather_etp=groups.gather("etp", r, t),
+                    assert sync.handles(f"decoder.layers.{i}.mlp.experts.weight{w}")
+                    out += sync.sync_params(
+                        f"decoder.layers.{i}.mlp.experts.weight{w}", tensor,
                         tp_concat=lambda n, s, x=tensor: world["mu"].default_tp_concat_fn(
                             LAYER_NAME_MAPPING, n, x, s, cfg, cfg, True),
                         convert=conv.convert_param)

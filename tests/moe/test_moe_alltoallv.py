@@ -1,13 +1,16 @@
-"""verl patch 0009 (actor.moe_alltoallv): train -> rollout MoE weight sync with one all-to-allv per expert tensor.
+"""qwen3_rl.moe_alltoallv (verl seam, weight-sync hook): train -> rollout MoE weight sync with one all-to-allv per
+expert tensor.
 
 (a) qwen3_rl.moe.reshard_verl: config parsing, validation errors, routing (every rank receives every ETP shard of
     exactly the experts its vLLM EP rank holds, once), the exchange itself with an in-process all_to_all_single;
 (b) the PATCHED verl per_tensor_generator EXECUTED in 4 spawned processes over a real gloo group with megatron-core's
     real parallel state (EP2xETP2, EP2 with two expert-DP replicas, EP4) on a tiny Qwen3-MoE-shaped model, in the
-    TEGroupedMLP and GroupedMLP (verl 0008) layouts: switch off = pristine verl 0.6.1 output (all experts), switch on =
-    that output restricted to the rank's vLLM experts, equal to the true HF weights, no EP/ETP all-gather;
-(c) the 235B train command with MOE_ALLTOALLV=True passes patched verl's Hydra config and dataclasses, and the
-    patched ActorRolloutRefWorker.rollout_mode hands the switch and the vLLM layout to per_tensor_generator.
+    TEGroupedMLP and GroupedMLP layouts, the hooks built from a rollout config carrying the qwen3_rl group: no hooks
+    = pristine verl 0.6.1 output (all experts), moe_alltoallv on = that output restricted to the rank's vLLM experts,
+    equal to the true HF weights, no EP/ETP all-gather;
+(c) the 235B train command with MOE_ALLTOALLV=True passes patched verl's Hydra config, and the patched
+    ActorRolloutRefWorker.rollout_mode hands the seam's weight-sync hooks (vLLM layout inside) to
+    per_tensor_generator, and nothing while the feature is off.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ from qwen3_rl.moe.reshard import RolloutLayout, rollout_expert_range
 from qwen3_rl.moe.reshard_verl import (
     ExpertRouting,
     MoEAlltoallvSync,
+    alltoallv_rollout_layout,
     expert_ids_of,
-    moe_alltoallv_kwargs,
     rollout_layout_from_config,
     sync_receive_counts,
 )
+from qwen3_rl.trainer.seam import SeamConfigError, WeightSyncHooks
 
 from conftest import free_port, load_module
 
@@ -39,28 +43,38 @@ INTERNAL = REPO / "internal"
 LAYER_NAME_MAPPING = {"qkv_layer_name": "self_attention.linear_qkv.", "gate_proj_layer_name": "linear_fc1."}
 
 
-def _rollout_cfg(**vllm):
-    return OmegaConf.create({"name": "vllm", "mode": "sync", "tensor_model_parallel_size": 4,
+def _rollout_cfg(tp: int = 4, group: dict | None = None, **vllm):
+    return OmegaConf.create({"name": "vllm", "mode": "sync", "tensor_model_parallel_size": tp,
                              "data_parallel_size": 1, "expert_parallel_size": 1,
-                             "pipeline_model_parallel_size": 1, "engine_kwargs": {"vllm": vllm}})
+                             "pipeline_model_parallel_size": 1, "engine_kwargs": {"vllm": vllm},
+                             "qwen3_rl": group or {}})
+
+
+A2A_ON = {"moe_alltoallv": {"enable": True}}
 
 
 # ---------------------------------------------------------------------------------------------- (a) unit
-def test_rollout_layout_and_switch_kwargs() -> None:
+def test_rollout_layout_and_weight_sync_hooks(patched_imports: Path) -> None:
     cfg = _rollout_cfg(data_parallel_size=32, enable_expert_parallel=True)
     assert rollout_layout_from_config(cfg) == RolloutLayout(tp=4, dp=32, expert_parallel=True)
     assert rollout_layout_from_config(_rollout_cfg()) == RolloutLayout(tp=4, dp=1, expert_parallel=False)
-    # off (default, key absent or False): no extra argument, per_tensor_generator is called as upstream
-    assert moe_alltoallv_kwargs({"moe_alltoallv": False}, cfg, uses_bridge=False) == {}
-    assert moe_alltoallv_kwargs({}, cfg, uses_bridge=True) == {}
-    assert moe_alltoallv_kwargs({"moe_alltoallv": True}, cfg, uses_bridge=False) == {
-        "moe_alltoallv": True, "rollout_layout": RolloutLayout(4, 32, True)}
-    with pytest.raises(ValueError, match="needs rollout expert parallel"):
-        moe_alltoallv_kwargs({"moe_alltoallv": True}, _rollout_cfg(data_parallel_size=32), uses_bridge=False)
-    with pytest.raises(ValueError, match="use_mbridge=False"):
-        moe_alltoallv_kwargs({"moe_alltoallv": True}, cfg, uses_bridge=True)
-    with pytest.raises(ValueError, match="must be true or false"):
-        moe_alltoallv_kwargs({"moe_alltoallv": "yes"}, cfg, uses_bridge=False)
+    assert alltoallv_rollout_layout(cfg) == RolloutLayout(4, 32, True)
+    # off (group empty, feature off, or only other features on): no hooks, per_tensor_generator runs as upstream
+    from verl.utils.qwen3_rl_hooks import weight_sync_hooks
+
+    assert WeightSyncHooks.from_rollout_config(cfg) is None and weight_sync_hooks(cfg, uses_bridge=True) is None
+    for group in ({"moe_alltoallv": {"enable": False}}, {"disable_gc": {"enable": True}}):
+        c = OmegaConf.merge(cfg, {"qwen3_rl": group})
+        assert WeightSyncHooks.from_rollout_config(c, uses_bridge=True) is None and weight_sync_hooks(c) is None
+    on = OmegaConf.merge(cfg, {"qwen3_rl": A2A_ON})
+    hooks = weight_sync_hooks(on)
+    assert isinstance(hooks, WeightSyncHooks) and hooks.rollout_layout == RolloutLayout(4, 32, True)
+    with pytest.raises(SeamConfigError, match="qwen3_rl.moe_alltoallv needs rollout expert parallel"):
+        weight_sync_hooks(_rollout_cfg(group=A2A_ON, data_parallel_size=32))
+    with pytest.raises(SeamConfigError, match="^qwen3_rl.moe_alltoallv needs verl's own weight export.*use_mbridge=False"):
+        weight_sync_hooks(on, uses_bridge=True)
+    with pytest.raises(SeamConfigError, match="qwen3_rl.moe_alltoallv.enable must be bool"):
+        weight_sync_hooks(OmegaConf.merge(cfg, {"qwen3_rl": {"moe_alltoallv": {"enable": "yes"}}}))
     with pytest.raises(ValueError, match="mode=sync"):
         rollout_layout_from_config(OmegaConf.merge(cfg, {"mode": "async"}))
     with pytest.raises(ValueError, match="data_parallel_size=1"):
@@ -340,6 +354,15 @@ def _gloo_case(rank: int, world: int, case: tuple[int, int, int, int, int], mu, 
     te = _model(cfg, lambda i: _te_experts(sd, i, mine, etp, t))
     grouped = _model(cfg, lambda i: _grouped_experts(sd, i, mine, etp, t))
     layout = RolloutLayout(tp=vtp, dp=vdp)
+    # the seam's weight-sync hooks, built from rollout configs carrying the qwen3_rl group (as rollout_mode does)
+    a2a_hooks = WeightSyncHooks.from_rollout_config(
+        _rollout_cfg(tp=vtp, group=A2A_ON, data_parallel_size=vdp, enable_expert_parallel=True))
+    grouped_hooks = WeightSyncHooks.from_rollout_config(
+        _rollout_cfg(tp=vtp, group={"grouped_mlp_weights": {"enable": True}}, data_parallel_size=vdp,
+                     enable_expert_parallel=True))
+    assert a2a_hooks.rollout_layout == layout
+    # grouped_mlp_weights claims nothing on a TEGroupedMLP model (verl's own EP path stays)
+    assert grouped_hooks.expert_sync(mpu, tf) is None
 
     def run(gen, model, tfc, **kw):
         before = dict(calls)
@@ -348,12 +371,13 @@ def _gloo_case(rank: int, world: int, case: tuple[int, int, int, int, int], mu, 
 
     pristine, _ = run(mu0.per_tensor_generator, te, tf)
     off, off_calls = run(mu.per_tensor_generator, te, tf)
-    on, on_calls = run(mu.per_tensor_generator, te, tf, moe_alltoallv=True, rollout_layout=layout)
-    g_off, _ = run(mu.per_tensor_generator, grouped, tf_grouped)
-    g_on, g_calls = run(mu.per_tensor_generator, grouped, tf_grouped, moe_alltoallv=True, rollout_layout=layout)
+    off_none, _ = run(mu.per_tensor_generator, te, tf, qwen3_rl_hooks=None)
+    on, on_calls = run(mu.per_tensor_generator, te, tf, qwen3_rl_hooks=a2a_hooks)
+    g_off, _ = run(mu.per_tensor_generator, grouped, tf_grouped, qwen3_rl_hooks=grouped_hooks)
+    g_on, g_calls = run(mu.per_tensor_generator, grouped, tf_grouped, qwen3_rl_hooks=a2a_hooks)
     held = set(rollout_expert_range(E, world, rank))
     # switch off: the pristine verl 0.6.1 stream (every expert of every layer on every rank)
-    assert _same(off, pristine), "switch off differs from pristine verl"
+    assert _same(off, pristine) and _same(off_none, pristine), "no hooks differs from pristine verl"
     assert sorted({e for e in expert_ids_of([n for n, _ in off]) if e is not None}) == list(range(E))
     # switch on: the same stream with the other ranks' experts left out, in the same order
     keep = [x for x, e in zip(off, expert_ids_of([n for n, _ in off]), strict=True) if e is None or e in held]
@@ -361,7 +385,9 @@ def _gloo_case(rank: int, world: int, case: tuple[int, int, int, int, int], mu, 
     got = {n: x for n, x in on if ".mlp.experts." in n}
     want = {n: x for n, x in sd.items() if int(n.split(".")[5]) in held}
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
-    # GroupedMLP (verl 0008 layout): off = 0012's all-gather stream; on = the TE switch-on stream exactly
+    # GroupedMLP layout: grouped_mlp_weights = the all-gather stream of every expert (= the TE one); moe_alltoallv
+    # = the TE switch-on stream exactly
+    assert _same(g_off, off), "GroupedMLP all-gather stream differs from the TEGroupedMLP one"
     g_keep = [x for x, e in zip(g_off, expert_ids_of([n for n, _ in g_off]), strict=True) if e is None or e in held]
     assert _same(g_on, g_keep) and _same(g_on, on), "GroupedMLP switch on"
     # communication: no EP/ETP all-gather with the switch on (TP=PP=1: nothing else gathers);
@@ -466,7 +492,7 @@ def test_train_script_switch_reaches_the_worker(patched_imports: Path, monkeypat
     from hydra import compose, initialize_config_dir
     from hydra.errors import ConfigCompositionException
     from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.config import McoreActorConfig
+    from verl.workers.config import RolloutConfig
 
     from qwen3_rl.tools.launch import parse_train_script
 
@@ -481,15 +507,19 @@ def test_train_script_switch_reaches_the_worker(patched_imports: Path, monkeypat
 
     moe = "train_grpo_qwen3_235b_128die_true_weight.sh"
     cmd_off, cfg_off = composed(moe, {})
-    assert "actor_rollout_ref.actor.moe_alltoallv=False" in cmd_off.overrides
+    assert "+qwen3_rl.moe_alltoallv.enable=False" in cmd_off.overrides
     cmd_on, cfg_on = composed(moe, {"MOE_ALLTOALLV": "True"})
-    assert "actor_rollout_ref.actor.moe_alltoallv=True" in cmd_on.overrides
-    assert cfg_on.actor_rollout_ref.actor.moe_alltoallv is True and cfg_off.actor_rollout_ref.actor.moe_alltoallv is False
-    OmegaConf.resolve(cfg_on)
-    actor = omega_conf_to_dataclass(cfg_on.actor_rollout_ref.actor)
-    assert isinstance(actor, McoreActorConfig) and actor.moe_alltoallv is True
-    with pytest.raises(ConfigCompositionException):  # a typo in the key fails (declared keys only)
-        composed(moe, {}, "actor_rollout_ref.actor.moe_alltoalv=True")
+    assert "+qwen3_rl.moe_alltoallv.enable=True" in cmd_on.overrides
+    # the workers read the group through the rollout's interpolation of the root group
+    assert cfg_on.actor_rollout_ref.rollout.qwen3_rl.moe_alltoallv.enable is True
+    assert cfg_off.actor_rollout_ref.rollout.qwen3_rl.moe_alltoallv.enable is False
+    rollout = omega_conf_to_dataclass(cfg_on.actor_rollout_ref.rollout)
+    assert isinstance(rollout, RolloutConfig) and rollout.qwen3_rl["moe_alltoallv"] == {"enable": True}
+    with pytest.raises(ConfigCompositionException):  # the old actor key is gone (declared keys only)
+        composed(moe, {}, "actor_rollout_ref.actor.moe_alltoallv=True")
+    with pytest.raises(SeamConfigError, match="qwen3_rl.moe_alltoalv: unknown feature"):  # a typo stops in one line
+        WeightSyncHooks.from_rollout_config(composed(moe, {}, "+qwen3_rl.moe_alltoalv.enable=True")[1]
+                                            .actor_rollout_ref.rollout)
     with pytest.raises(Exception, match="error: MOE_ALLTOALLV=.true.: expected one of True, False"):
         parse_train_script(INTERNAL / moe, env={**env, "MOE_ALLTOALLV": "true"})
     dense = parse_train_script(INTERNAL / "train_grpo_qwen3_32b_32die_true_weight.sh", env=env)
@@ -514,13 +544,23 @@ def test_train_script_switch_reaches_the_worker(patched_imports: Path, monkeypat
     monkeypatch.setattr(mw, "set_expandable_segments", lambda _: None)
     monkeypatch.setattr(mw, "get_torch_device", lambda: types.SimpleNamespace(
         get_rng_state=lambda: None, set_rng_state=lambda _: None))
-    for cfg in (cfg_off, cfg_on):
+    with initialize_config_dir(config_dir=str(verl_config_dir), version_base=None):
+        cfg_empty = compose(config_name="ppo_megatron_trainer")  # the group empty: nothing of ours is built
+    assert cfg_empty.actor_rollout_ref.rollout.qwen3_rl == {}
+    for cfg in (cfg_empty, cfg_off, cfg_on):
         worker = types.SimpleNamespace(
             config=cfg.actor_rollout_ref, _is_offload_param=False, bridge=None, rollout=Rollout(),
             actor=types.SimpleNamespace(actor_module=[]), actor_model_config=None, weight_converter=None,
             tf_config=None, layer_name_mapping={}, gen_random_states=None)
         asyncio.run(mw.ActorRolloutRefWorker.rollout_mode(worker))
-    assert seen == [{}, {"moe_alltoallv": True, "rollout_layout": RolloutLayout(tp=4, dp=32, expert_parallel=True)}]
+    assert seen[0] == seen[1] == {}  # group empty / feature off: the upstream call, no extra argument
+    (hooks,) = seen[2].values()
+    assert isinstance(hooks, WeightSyncHooks) and hooks.rollout_layout == RolloutLayout(tp=4, dp=32,
+                                                                                        expert_parallel=True)
+    # mbridge export with the feature on is refused at the weight sync (it never calls per_tensor_generator)
+    bridged = types.SimpleNamespace(**{**vars(worker), "bridge": object()})
+    with pytest.raises(SeamConfigError, match="use_mbridge=False"):
+        asyncio.run(mw.ActorRolloutRefWorker.rollout_mode(bridged))
     # refused combinations: the train script stops before anything loads ...
     with pytest.raises(Exception, match="MOE_ALLTOALLV=True excludes ROLLOUT_EPLB=True"):
         parse_train_script(INTERNAL / moe, env={**env, "MOE_ALLTOALLV": "True", "ROLLOUT_EPLB": "True"})

@@ -1,11 +1,14 @@
-"""verl patch 0010 (bug fix): train->rollout weight sync into vLLM-Ascend's transposed fused-MoE weights.
+"""verl bug fix 0010 (self-contained in verl/utils/vllm/patch.py): train->rollout weight sync into vLLM-Ascend's
+transposed fused-MoE weights.
 
 What runs for real (patched trees via ``patched_imports``):
 
 * vLLM 0.13's ``FusedMoE.weight_loader`` / ``_load_w13`` / ``_load_w2`` / ``determine_expert_map``,
   ``UnquantizedFusedMoEMethod.create_weights``, ``Qwen3MoeForCausalLM.load_weights`` (HF names ->
   ``make_expert_params_mapping`` -> the experts' ``weight_loader``);
-* verl's patched ``patch_vllm_moe_model_weight_loader`` and ``vLLMRollout.update_weights``.
+* verl's patched ``patch_vllm_moe_model_weight_loader`` (and its helpers ``_moe_expert_weight_loader``,
+  ``_restore_moe_kernel_layout``, ``_moe_expert_shapes``, ``_moe_method_transposes``) and
+  ``vLLMRollout.update_weights``.
 
 What is built by hand, and why:
 
@@ -36,76 +39,94 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen3_rl.moe.weight_loader import (
-    ExpertDims,
-    ExpertLayout,
-    ExpertLayoutError,
-    LayoutAwareExpertLoader,
-    expert_param_kind,
-    expert_param_layout,
-    expert_weight_loader,
-    method_transposes,
-    restore_kernel_layout,
-)
-
-# ----------------------------------------------------------------------------------------------
-# Pure functions (no vLLM)
-# ----------------------------------------------------------------------------------------------
+# The fix lives in the patched verl tree itself (verl/utils/vllm/patch.py, self-contained: no qwen3_rl import);
+# its helpers are exercised directly from there.
 
 
-def test_shapes_and_kinds() -> None:
-    d = ExpertDims(local_num_experts=3, hidden_size=8, intermediate_size_per_partition=5)
-    assert d.vllm_shape("w13") == (3, 10, 8) and d.transposed_shape("w13") == (3, 8, 10)
-    assert d.vllm_shape("w2") == (3, 8, 5) and d.transposed_shape("w2") == (3, 5, 8)
-    no_glu = ExpertDims(3, 8, 5, is_act_and_mul=False)
-    assert no_glu.vllm_shape("w13") == (3, 5, 8)
-    assert expert_param_kind("model.layers.0.mlp.experts.w13_weight") == "w13"
-    assert expert_param_kind("model.layers.0.mlp.experts.w2_weight") == "w2"
-    for other in ("experts.w13_weight_scale", "experts.w2_bias", "experts.w13_input_scale", "x.weight"):
-        assert expert_param_kind(other) is None
-    with pytest.raises(ValueError):
-        d.vllm_shape("w4")
+@pytest.fixture(scope="module")
+def vp(patched_imports: Path) -> types.ModuleType:
+    """The patched ``verl.utils.vllm.patch`` (bug fix 0010 applied), with vLLM 0.13 from the patched workspace."""
+    import verl.utils.vllm.patch as vp
+
+    assert Path(vp.__file__).is_relative_to(patched_imports)
+    assert "qwen3_rl" not in Path(vp.__file__).read_text()  # upstreamable as it is: nothing of ours imported
+    return vp
 
 
-def test_layout_decision_and_refusals() -> None:
-    d = ExpertDims(local_num_experts=2, hidden_size=8, intermediate_size_per_partition=3)
-    for transposes in (True, False, None):  # unambiguous shapes decide alone
-        assert expert_param_layout("w13", (2, 6, 8), d, transposes) is ExpertLayout.VLLM
-        assert expert_param_layout("w13", (2, 8, 6), d, transposes) is ExpertLayout.TRANSPOSED
-        assert expert_param_layout("w2", (2, 8, 3), d, transposes) is ExpertLayout.VLLM
-        assert expert_param_layout("w2", (2, 3, 8), d, transposes) is ExpertLayout.TRANSPOSED
-    with pytest.raises(ExpertLayoutError, match="neither"):
-        expert_param_layout("w13", (2, 6, 9), d, True)
-    with pytest.raises(ExpertLayoutError, match="neither"):
-        expert_param_layout("w2", (4, 8, 3), d, True)  # expert count off (e.g. not the local count)
-    amb = ExpertDims(local_num_experts=2, hidden_size=8, intermediate_size_per_partition=4)  # 2F == H
-    assert expert_param_layout("w13", (2, 8, 8), amb, True) is ExpertLayout.TRANSPOSED
-    assert expert_param_layout("w13", (2, 8, 8), amb, False) is ExpertLayout.VLLM
-    with pytest.raises(ExpertLayoutError, match="refusing to guess"):
-        expert_param_layout("w13", (2, 8, 8), amb, None)
-    amb2 = ExpertDims(local_num_experts=2, hidden_size=8, intermediate_size_per_partition=8)  # F == H
-    with pytest.raises(ExpertLayoutError, match="refusing to guess"):
-        expert_param_layout("w2", (2, 8, 8), amb2, None)
+def _dims(e: int, h: int, f: int, act_and_mul: bool = True) -> types.SimpleNamespace:
+    return types.SimpleNamespace(local_num_experts=e, hidden_size=h, intermediate_size_per_partition=f,
+                                 moe_config=types.SimpleNamespace(is_act_and_mul=act_and_mul))
 
 
-def test_method_transposes_by_class_name() -> None:
-    class UnquantizedFusedMoEMethod:  # noqa: N801 - stand-in names as in vLLM / vLLM-Ascend
-        pass
+class UnquantizedFusedMoEMethod:  # noqa: N801 - stand-in names as in vLLM / vLLM-Ascend
+    pass
 
-    class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
-        pass
 
+class AscendUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
+    pass
+
+
+def _is_fix_loader(vp: types.ModuleType, loader: object) -> bool:
+    """The layout-aware loader the fix returns (a closure of ``_moe_expert_weight_loader``)."""
+    return getattr(loader, "__qualname__", "") == f"{vp._moe_expert_weight_loader.__name__}.<locals>.weight_loader"
+
+
+def test_shapes_and_kinds(vp) -> None:
+    d = _dims(3, 8, 5)
+    assert vp._moe_expert_shapes(d, "w13_weight") == ((3, 10, 8), (3, 8, 10))
+    assert vp._moe_expert_shapes(d, "w2_weight") == ((3, 8, 5), (3, 5, 8))
+    assert vp._moe_expert_shapes(_dims(3, 8, 5, act_and_mul=False), "w13_weight")[0] == (3, 5, 8)
+    for other in ("w13_weight_scale", "w2_bias", "w13_input_scale", "weight"):
+        assert vp._moe_expert_shapes(d, other) is None
+
+
+def test_layout_decision_and_refusals(vp) -> None:
+    """What the fix's loader hands vLLM's loader: the vLLM-layout view of a transposed weight, anything else as is."""
+    seen: list[torch.Tensor] = []
+    layer = _dims(2, 8, 3)
+    layer.quant_method = AscendUnquantizedFusedMoEMethod()
+    layer.weight_loader = lambda param, *a, **k: seen.append(param) or True
+    loader = vp._moe_expert_weight_loader(layer)
+    assert _is_fix_loader(vp, loader)
+
+    def target(shape: tuple[int, ...], name: str) -> torch.Tensor:
+        seen.clear()
+        param = torch.zeros(shape)
+        assert loader(param, torch.zeros(1), f"experts.{name}", "w1", 0, return_success=True) is True
+        return seen[0]
+
+    assert target((2, 6, 8), "w13_weight").shape == (2, 6, 8)  # vLLM layout: unchanged
+    t = target((2, 8, 6), "w13_weight")  # transposed: vLLM's view of the same storage
+    assert t.shape == (2, 6, 8) and not t.is_contiguous()
+    assert target((2, 8, 3), "w2_weight").shape == (2, 8, 3)
+    assert target((2, 3, 8), "w2_weight").shape == (2, 8, 3)
+    assert target((4, 12), "w13_bias").shape == (4, 12)  # not a weight: untouched
+    with pytest.raises(ValueError, match="neither"):
+        target((2, 6, 9), "w13_weight")
+    with pytest.raises(ValueError, match="neither"):
+        target((4, 8, 3), "w2_weight")  # expert count off (e.g. not the local count)
+    # a shape fitting both layouts (2F == H, F == H) is the transposed one: what the transposing method keeps
+    for dims, name in ((_dims(2, 8, 4), "w13_weight"), (_dims(2, 8, 8), "w2_weight")):
+        dims.quant_method, dims.weight_loader = layer.quant_method, layer.weight_loader
+        loader = vp._moe_expert_weight_loader(dims)
+        seen.clear()
+        param = torch.arange(128.0).view(2, 8, 8)
+        loader(param, torch.zeros(1), f"experts.{name}", "w1", 0)
+        assert torch.equal(seen[0], param.transpose(1, 2))
+
+
+def test_method_transposes_by_class_name(vp) -> None:
     class MyAscendSubclass(AscendUnquantizedFusedMoEMethod):
         pass
 
     class Fp8MoEMethod:
         pass
 
-    assert method_transposes(UnquantizedFusedMoEMethod()) is False
-    assert method_transposes(AscendUnquantizedFusedMoEMethod()) is True
-    assert method_transposes(MyAscendSubclass()) is True
-    assert method_transposes(Fp8MoEMethod()) is None
-    assert method_transposes(None) is None
+    assert vp._moe_method_transposes(UnquantizedFusedMoEMethod()) is False
+    assert vp._moe_method_transposes(AscendUnquantizedFusedMoEMethod()) is True
+    assert vp._moe_method_transposes(MyAscendSubclass()) is True
+    assert vp._moe_method_transposes(Fp8MoEMethod()) is False
+    assert vp._moe_method_transposes(None) is False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -281,7 +302,7 @@ def test_bug_ambiguous_shape_loads_silently_wrong(vllm: Vllm, s: Setup) -> None:
     assert torch.equal(got, want)  # ... it holds the vLLM layout where the kernel reads the transposed one
 
 
-def test_bug_wake_up_views_leave_wrong_kernel_shape(vllm: Vllm) -> None:
+def test_bug_wake_up_views_leave_wrong_kernel_shape(vllm: Vllm, vp) -> None:
     """free_cache_engine=True: after wake-up the upstream loader fits, but the kernel tensor has vLLM's shape."""
     s = Setup(E=4, H=8, F=6)
     layer = ascend_after_init(vllm, s)
@@ -289,8 +310,8 @@ def test_bug_wake_up_views_leave_wrong_kernel_shape(vllm: Vllm) -> None:
     for p in (layer.w13_weight, layer.w2_weight):
         p.weight_loader = layer.weight_loader
     load_direct(layer, hf_experts(s, seed=1))
-    d = ExpertDims.from_layer(layer)
-    assert tuple(layer.w13_weight.shape) == d.vllm_shape("w13") != d.transposed_shape("w13")
+    vllm_shape, transposed_shape = vp._moe_expert_shapes(layer, "w13_weight")
+    assert tuple(layer.w13_weight.shape) == vllm_shape != transposed_shape
     assert not layer.w13_weight.is_contiguous()  # npu_grouped_matmul (need_trans=False) wants [E, H, 2F]
 
 
@@ -309,19 +330,18 @@ FIX_SETUPS = {
 
 @pytest.mark.parametrize("wake_up", [False, True], ids=["no_wake_up", "after_wake_up"])
 @pytest.mark.parametrize("name", list(FIX_SETUPS))
-def test_fix_loader_gives_transposed_vllm_weights(vllm: Vllm, name: str, wake_up: bool) -> None:
+def test_fix_loader_gives_transposed_vllm_weights(vllm: Vllm, vp, name: str, wake_up: bool) -> None:
     s = FIX_SETUPS[name]
     layer = ascend_after_init(vllm, s)
     ptr13, ptr2 = layer.w13_weight.data_ptr(), layer.w2_weight.data_ptr()
     if wake_up:
         wake_up_views(layer, s.H)
-    loader = expert_weight_loader(layer)
-    assert isinstance(loader, LayoutAwareExpertLoader)
+    loader = vp._moe_expert_weight_loader(layer)
+    assert _is_fix_loader(vp, loader)
     # kernel layout restored in place, contiguous, same memory (no copy)
     assert layer.w13_weight.is_contiguous() and layer.w2_weight.is_contiguous()
     assert (layer.w13_weight.data_ptr(), layer.w2_weight.data_ptr()) == (ptr13, ptr2)
-    d = ExpertDims.from_layer(layer)
-    assert tuple(layer.w13_weight.shape) == d.transposed_shape("w13")
+    assert tuple(layer.w13_weight.shape) == vp._moe_expert_shapes(layer, "w13_weight")[1]
     for p in (layer.w13_weight, layer.w2_weight):
         p.weight_loader = loader
     hf = hf_experts(s, seed=7)
@@ -339,11 +359,12 @@ def test_fix_loader_gives_transposed_vllm_weights(vllm: Vllm, name: str, wake_up
     assert not any(ok[3 * i] for i in range(s.E) if i not in local_experts(s))
 
 
-def test_fix_delegates_vllm_layout_and_non_weights(vllm: Vllm) -> None:
+def test_fix_delegates_vllm_layout_and_non_weights(vllm: Vllm, vp) -> None:
     """Ascend method but params still in vLLM layout (before processing): loaded as vLLM does."""
     s = Setup(E=4, H=8, F=6, tp_size=2, tp_rank=1)
     layer = make_layer(vllm, s, ascend=True)
-    loader = LayoutAwareExpertLoader(layer)
+    loader = vp._moe_expert_weight_loader(layer)
+    assert _is_fix_loader(vp, loader)
     for p in (layer.w13_weight, layer.w2_weight):
         p.weight_loader = loader
     hf = hf_experts(s, seed=3)
@@ -351,35 +372,35 @@ def test_fix_delegates_vllm_layout_and_non_weights(vllm: Vllm) -> None:
     w13, w2 = expected_vllm_layout(s, hf)
     assert torch.equal(layer.w13_weight, w13) and torch.equal(layer.w2_weight, w2)
     seen = []
-    wrapper = LayoutAwareExpertLoader(layer, loader=lambda *a, **k: seen.append((a, k)) or True)
+    layer.weight_loader = lambda *a, **k: seen.append((a, k)) or True  # the loader the fix wraps
+    wrapper = vp._moe_expert_weight_loader(layer)
     bias = torch.zeros(4, 12)
     assert wrapper(bias, torch.ones(6), "experts.w13_bias", "w1", 0, return_success=True) is True
     assert seen[0][0][0] is bias  # not a weight: handed over untouched
 
 
-def test_fix_refuses_a_param_of_unknown_shape(vllm: Vllm) -> None:
+def test_fix_refuses_a_param_of_unknown_shape(vllm: Vllm, vp) -> None:
     s = Setup(E=4, H=8, F=6)
     layer = ascend_after_init(vllm, s)
-    loader = expert_weight_loader(layer)
+    loader = vp._moe_expert_weight_loader(layer)
     wrong = torch.nn.Parameter(torch.zeros(4, 8, 7, dtype=torch.float64), requires_grad=False)
-    with pytest.raises(ExpertLayoutError, match="neither"):
+    with pytest.raises(ValueError, match="neither"):
         loader(wrong, torch.zeros(6, 8), "experts.w13_weight", "w1", 0)
     layer.w13_weight = torch.nn.Parameter(torch.zeros(4, 12, 9).transpose(1, 2), requires_grad=False)
-    with pytest.raises(ExpertLayoutError, match="transposed view"):
-        restore_kernel_layout(layer)
+    with pytest.raises(ValueError, match="transposed view"):
+        vp._restore_moe_kernel_layout(layer)
 
 
 # --- (c) GPU vLLM layout unchanged --------------------------------------------------------------
 
 
-def test_gpu_layout_gets_the_plain_upstream_loader(vllm: Vllm) -> None:
+def test_gpu_layout_gets_the_plain_upstream_loader(vllm: Vllm, vp) -> None:
     s = Setup(E=4, H=8, F=6, tp_size=2, tp_rank=0)
     layer = make_layer(vllm, s, ascend=False)
     before = (layer.w13_weight, layer.w2_weight)
-    loader = expert_weight_loader(layer)
-    assert loader == layer.weight_loader and not isinstance(loader, LayoutAwareExpertLoader)
+    loader = vp._moe_expert_weight_loader(layer)
+    assert loader == layer.weight_loader and not _is_fix_loader(vp, loader)
     assert layer.w13_weight is before[0] and layer.w2_weight is before[1]  # same Parameter objects
-    assert restore_kernel_layout(layer) == []
 
 
 # ----------------------------------------------------------------------------------------------
@@ -432,10 +453,7 @@ def run_update_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torc
 
 
 @pytest.mark.parametrize("name,wake_up", [("tp2_rank1", True), ("ep2_rank1", False), ("ambiguous_w13", True)])
-def test_patched_verl_update_weights_on_ascend_layout(vllm: Vllm, name: str, wake_up: bool) -> None:
-    import verl.utils.vllm.patch as verl_patch
-
-    assert "expert_weight_loader" in Path(verl_patch.__file__).read_text()  # the patched tree
+def test_patched_verl_update_weights_on_ascend_layout(vllm: Vllm, vp, name: str, wake_up: bool) -> None:
     s, n_layers = FIX_SETUPS[name], 2
     model = make_qwen3_moe(vllm, s, ascend=True, n_layers=n_layers, wake_up=wake_up)
     run_update_weights(model, hf_stream(s, n_layers, seed=50))
@@ -445,7 +463,7 @@ def test_patched_verl_update_weights_on_ascend_layout(vllm: Vllm, name: str, wak
         assert experts.w13_weight.is_contiguous()
         assert torch.equal(experts.w13_weight, w13.transpose(1, 2))
         assert torch.equal(experts.w2_weight, w2.transpose(1, 2))
-        assert isinstance(experts.w2_weight.weight_loader, LayoutAwareExpertLoader)
+        assert _is_fix_loader(vp, experts.w2_weight.weight_loader)
     # a second step (weights trained further) loads again in place
     run_update_weights(model, hf_stream(s, n_layers, seed=60))
     w13, w2 = expected_vllm_layout(s, hf_experts(s, 61))

@@ -21,9 +21,11 @@ sys.path_importer_cache.clear()
 assert importlib.util.find_spec("qwen3_rl") is None, f"qwen3_rl is on the path {sys.path}"
 import verl.trainer.ppo.ray_trainer as rt
 import verl.workers.rollout.vllm_rollout.vllm_rollout_spmd as spmd
-from verl.utils.qwen3_rl_hooks import rollout_hooks, trainer_hooks
+from verl.utils.qwen3_rl_hooks import rollout_hooks, trainer_hooks, weight_sync_hooks
 from omegaconf import OmegaConf
 assert trainer_hooks(OmegaConf.create({"qwen3_rl": {}})) is None and rollout_hooks({"qwen3_rl": {}}) is None
+# the weight-sync side: the hook factory with the group empty (its call sites: the static test below)
+assert weight_sync_hooks(OmegaConf.create({"qwen3_rl": {}}), uses_bridge=True) is None
 print("ok", rt.RayPPOTrainer.__name__, spmd.vLLMRollout.__name__, sorted(m for m in sys.modules if m.startswith("qwen3_rl")))
 """
 
@@ -54,6 +56,27 @@ def test_patched_verl_imports_without_qwen3_rl(patched_imports: Path, pristine_w
     # positive control: the same probe sees the package when the checkout is on the path
     ctl = _probe((*_paths(patched_imports, pristine_workspace), REPO), tmp_path)
     assert ctl.returncode != 0 and "qwen3_rl is on the path" in ctl.stderr
+
+
+def test_weight_sync_side_imports_nothing_of_ours_at_module_level(patched_imports: Path) -> None:
+    """The files of the weight-sync hook points (megatron_utils.per_tensor_generator, the converter script, the
+    MoE loader fix) import qwen3_rl only inside functions (static: importing them needs megatron-core, which the
+    probe above leaves out to stay fast; the loader fix is imported for real by tests/moe/test_moe_update_weights.py);
+    positive control: a module-level import is found."""
+    import ast
+
+    def top_level(tree: ast.Module) -> list[str]:
+        return [n.module or "" if isinstance(n, ast.ImportFrom) else n.names[0].name for n in tree.body
+                if isinstance(n, ast.Import | ast.ImportFrom)]
+
+    root = patched_imports / PINS.frameworks["verl"].dir
+    for rel in ("verl/utils/megatron_utils.py", "scripts/converter_hf_to_mcore.py", "verl/utils/vllm/patch.py",
+                "verl/utils/qwen3_rl_hooks.py"):
+        text = (root / rel).read_text()
+        mods = top_level(ast.parse(text))
+        assert mods and not [m for m in mods if m.startswith("qwen3_rl")], rel
+    assert "qwen3_rl" not in (root / "verl/utils/vllm/patch.py").read_text()  # the bug fix is self-contained
+    assert top_level(ast.parse("import os\nfrom qwen3_rl.moe import x\n")) == ["os", "qwen3_rl.moe"]
 
 
 def test_group_empty_config_equals_unseamed(patched_imports: Path, make_workspace, tmp_path: Path) -> None:

@@ -154,16 +154,17 @@ RULE_CASES = [
      "TRAIN_BATCH_SIZE=512): one mini-batch per step, else later mini-batches are off-policy; the trainer refuses it "
      "(docs/old_log_prob.md)"),
     (MBRIDGE, {"USE_MBRIDGE": "True", "MOE_ALLTOALLV": "True"}, MOE_CTX,
-     "USE_MBRIDGE=True excludes MOE_ALLTOALLV=True: verl 0009 converts only verl's own weight export, not mbridge's"),
+     "USE_MBRIDGE=True excludes MOE_ALLTOALLV=True: the moe_alltoallv weight-sync hook converts only verl's own weight "
+     "export, not mbridge's"),
     (MBRIDGE, {"USE_MBRIDGE": "True", "MOE_ALLTOALL_OVERLAP": "True"}, MOE_CTX,
-     "USE_MBRIDGE=True excludes MOE_ALLTOALL_OVERLAP=True: verl 0008 converts only verl's own weight export, not "
-     "mbridge's"),
+     "USE_MBRIDGE=True excludes MOE_ALLTOALL_OVERLAP=True: the grouped_mlp_weights weight-sync hook converts only "
+     "verl's own weight export, not mbridge's"),
     (MOE, {"MOE_ZERO_MEMORY": "level1"}, MOE_CTX,
      "MOE_ZERO_MEMORY=level1 requires MOE_ALLTOALL_OVERLAP=True (got MOE_ALLTOALL_OVERLAP=False): MindSpeed applies "
      "moe_zero_memory only with moe_alltoall_overlap_comm (mindspeed/features_manager/moe/moe_zero_memory.py:33,37)"),
     (MOE, {"MOE_ALLTOALLV": "True", "ROLLOUT_ENABLE_EP": "False"}, MOE_CTX,
-     "MOE_ALLTOALLV=True requires ROLLOUT_ENABLE_EP=True (got ROLLOUT_ENABLE_EP=False): verl 0009 sends each rank "
-     "the experts of vLLM's expert-parallel placement"),
+     "MOE_ALLTOALLV=True requires ROLLOUT_ENABLE_EP=True (got ROLLOUT_ENABLE_EP=False): the all-to-allv sends each "
+     "rank the experts of vLLM's expert-parallel placement"),
     (MOE, {"MOE_ALLTOALLV": "True", "ROLLOUT_EPLB": "True"}, MOE_CTX,
      "MOE_ALLTOALLV=True excludes ROLLOUT_EPLB=True: EPLB moves experts off vLLM's default placement"),
     (DENSE, {"ROLLOUT_REBALANCE": "True"}, DENSE_CTX,

@@ -248,7 +248,7 @@ def test_feature_rules_read_back_from_keys():
     assert check_feature_rules({**dp, sc + "method": "sam", sc + "sam_config.group_mode": "True",
                                 sc + "sam_config.group_exchange": "True"}) == []
     eplb = R + "engine_kwargs.vllm.additional_config.eplb_config.dynamic_eplb"
-    (err,) = check_feature_rules({"actor_rollout_ref.actor.moe_alltoallv": "True", eplb: "True"},
+    (err,) = check_feature_rules({"qwen3_rl.moe_alltoallv.enable": "True", eplb: "True"},
                                  "train_grpo_qwen3_235b_128die_true_weight.sh")
     assert err.message == "MOE_ALLTOALLV=True excludes ROLLOUT_EPLB=True: EPLB moves experts off vLLM's default placement"
     sizes = {"data.train_batch_size": "128", "actor_rollout_ref.actor.ppo_mini_batch_size": "64"}
@@ -256,7 +256,7 @@ def test_feature_rules_read_back_from_keys():
     assert err.message.startswith("USE_CURRENT_LOG_PROB_AS_OLD=True requires PPO_MINI_BATCH_SIZE == TRAIN_BATCH_SIZE "
                                   "(got PPO_MINI_BATCH_SIZE=64, TRAIN_BATCH_SIZE=128)")
     # a switch that is not the setup's is not read: the dense 32B setup has no EPLB / all-to-allv
-    assert check_feature_rules({"actor_rollout_ref.actor.moe_alltoallv": "True", eplb: "True"},
+    assert check_feature_rules({"qwen3_rl.moe_alltoallv.enable": "True", eplb: "True"},
                                "train_grpo_qwen3_32b_32die_true_weight.sh") == []
 
 
