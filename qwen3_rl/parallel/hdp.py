@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "CostModel",
     "HDPAssignment",
+    "HDPConfig",
     "HDPInfeasibleError",
     "Placement",
     "RankSlice",
@@ -72,6 +73,27 @@ class CostModel:
     def cost(self, s: int, k: int, align: int = 1) -> float:
         t = tokens_on_rank(s, k, align)
         return self.a * t + self.b * s * s / k + (self.g * t * (k - 1) if k > 1 else 0.0)
+
+
+@dataclass(frozen=True)
+class HDPConfig:
+    """``qwen3_rl.hdp`` (the verl seam's group, :mod:`qwen3_rl.trainer.seam`): enable (default False);
+    token_budget: tokens per rank per micro-batch (None -> the actor's ppo_max_token_len_per_gpu);
+    cost_a / cost_b / cost_g: the :class:`CostModel` terms."""
+
+    enable: bool = False
+    token_budget: int | None = None
+    cost_a: float = 1.0
+    cost_b: float = 1.0 / 28000.0
+    cost_g: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.token_budget is not None and int(self.token_budget) < 1:
+            raise ValueError(f"token_budget must be >= 1 or null, got {self.token_budget!r}")
+
+    @property
+    def cost_model(self) -> CostModel:
+        return CostModel(self.cost_a, self.cost_b, self.cost_g)
 
 
 def tokens_on_rank(s: int, k: int, align: int = 1) -> int:

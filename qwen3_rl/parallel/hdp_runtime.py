@@ -1,7 +1,8 @@
 """HDP in verl's Megatron actor: config, per-step micro-batching and the forward's pre/post-processing.
 
-verl patch 0006 builds one ``HDPRuntime`` per actor when ``actor_rollout_ref.actor.hdp.enable`` is true
-(default false) and calls it from ``forward_backward_batch`` / ``compute_log_prob`` / the mcore forward.
+The verl seam's actor hooks (:class:`qwen3_rl.trainer.seam.ActorHooks`) build one ``HDPRuntime`` per actor when
+``qwen3_rl.hdp.enable`` is true (default false) and call it from the Megatron actor's hook points in
+``forward_backward_batch`` / ``compute_log_prob`` and the mcore forward's ``packing`` argument.
 Every rank of a CP group holds the same mini-batch (verl dispatches by DP), computes the same assignment
 from the sequence lengths (deterministic), and runs its own ``HDPMicroBatch`` list; all ranks of the CP group
 get the same number of micro-batches (Megatron's schedule needs it). Across data-parallel groups the mini-batches
@@ -14,13 +15,13 @@ verl/utils/seqlen_balancing.py:304-307) and pads with filler-only micro-batches 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from qwen3_rl.parallel.hdp import CostModel, HDPAssignment, assign_hdp
+from qwen3_rl.parallel.hdp import HDPAssignment, HDPConfig, assign_hdp
 from qwen3_rl.parallel.hdp_wiring import (
     FILLER,
     HDPGroupSlice,
@@ -33,43 +34,12 @@ from qwen3_rl.parallel.hdp_wiring import (
     unpack_outputs,
 )
 
-__all__ = ["HDPConfig", "HDPRuntime", "HDPStep"]
+__all__ = ["HDPConfig", "HDPPacking", "HDPRuntime", "HDPStep"]
 
 # HDP sub-groups per set of CP groups, made once per process (new_group is collective and, on HCCL, slow; a second
 # actor built with the same layout reuses them instead of creating another set). Value: (the default process group
 # they were made in, the groups); a re-initialised default group makes them stale.
 _PROCESS_GROUPS: dict[tuple[tuple[int, ...], ...], tuple[Any, HDPProcessGroups]] = {}
-
-
-@dataclass(frozen=True)
-class HDPConfig:
-    """``actor_rollout_ref.actor.hdp``: enable (default False); token_budget: tokens per rank per micro-batch
-    (None -> the actor's ppo_max_token_len_per_gpu); cost_a / cost_b / cost_g: ``CostModel`` terms."""
-
-    enable: bool = False
-    token_budget: int | None = None
-    cost_a: float = 1.0
-    cost_b: float = 1.0 / 28000.0
-    cost_g: float = 0.05
-
-    @classmethod
-    def from_mapping(cls, d: Mapping[str, Any] | None) -> HDPConfig:
-        if d is None:
-            return cls()
-        known = {f.name for f in dataclasses.fields(cls)}
-        extra = set(d) - known
-        if extra:
-            raise ValueError(f"unknown actor.hdp keys {sorted(extra)}; known: {sorted(known)}")
-        cfg = cls(**{k: d[k] for k in d})
-        if not isinstance(cfg.enable, bool):
-            raise TypeError(f"actor.hdp.enable must be a bool, got {cfg.enable!r}")
-        if cfg.token_budget is not None and int(cfg.token_budget) < 1:
-            raise ValueError("actor.hdp.token_budget must be >= 1 or null")
-        return cfg
-
-    @property
-    def cost_model(self) -> CostModel:
-        return CostModel(self.cost_a, self.cost_b, self.cost_g)
 
 
 @dataclass
@@ -228,6 +198,32 @@ class HDPRuntime:
                                    all_reduce if self.cp_group is not None else None)
 
 
+@dataclass(frozen=True)
+class HDPPacking:
+    """One HDP micro-batch as verl's mcore forward takes it (its ``packing`` argument, the verl seam):
+    ``pack`` / ``unpack`` replace ``preprocess_packed_seqs`` / ``postprocess_packed_seqs``."""
+
+    mb: HDPMicroBatch
+
+    @property
+    def loss_scale(self) -> float:
+        return self.mb.loss_scale
+
+    @property
+    def is_filler(self) -> bool:
+        return self.mb.is_filler
+
+    def pack(self, tensor: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """[n, L] rows of the micro-batch -> (packed [1, T], PackedSeqParams with ``.hdp``)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        return HDPRuntime.preprocess(tensor, attention_mask, self.mb, PackedSeqParams)
+
+    def unpack(self, output: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[1, T, ...] -> [n, L, ...] (the block's chunks gathered over its sub-group)."""
+        return HDPRuntime.postprocess(output, self.mb, attention_mask)
+
+
 def check_supported(loss_agg_mode: str, use_fused_kernels: bool, vpp_size: int | None,
                     use_dynamic_bsz: bool) -> None:
     """Raise ValueError for actor settings HDP does not support (named)."""
@@ -240,4 +236,4 @@ def check_supported(loss_agg_mode: str, use_fused_kernels: bool, vpp_size: int |
         ) if bad
     ]
     if problems:
-        raise ValueError("actor.hdp.enable=True is not supported with: " + "; ".join(problems))
+        raise ValueError("qwen3_rl.hdp.enable=True is not supported with: " + "; ".join(problems))

@@ -136,10 +136,10 @@ def make_dapo_trainer_class():
 
         # ---- the PPO update on a full batch (verl's steps, reward already attached) -------
         def _compute_old_log_prob(self, batch: DataProto, metrics: dict, timing_raw: dict) -> DataProto:
-            from qwen3_rl.trainer.old_log_prob import check_on_policy, prepare_batch_without_old_log_prob
-
-            if check_on_policy(self.config):  # the actor uses its current log-prob; actor/entropy from update
-                prepare_batch_without_old_log_prob(batch.meta_info, self.config)
+            # the verl seam's hook, as RayPPOTrainer.fit calls it: old_log_prob on -> the actor uses its current
+            # log-prob as pi_old (actor/entropy comes from update_actor) and the pass is skipped
+            hooks = getattr(self, "qwen3_rl_hooks", None)
+            if hooks is not None and hooks.skip_old_log_prob(batch):
                 return batch
             with marked_timer("old_log_prob", timing_raw, color="blue"):
                 old = self.actor_rollout_wg.compute_log_prob(batch)

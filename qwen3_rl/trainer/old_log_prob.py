@@ -15,14 +15,16 @@ engine's* log-probs (vLLM sampling kernels) as pi_old: on NPU those differ from 
 numbers (different kernels, precisions, parallel layouts), so the ratio is not 1 and clipping / IS
 weights act on the train-inference mismatch. See ``docs/old_log_prob.md``.
 
-Switch: ``actor_rollout_ref.actor.use_current_log_prob_as_old`` (default false = upstream behaviour).
+Switch: ``qwen3_rl.old_log_prob.enable`` (the verl seam's group, default false = upstream behaviour; the
+actor sees the group as ``actor_rollout_ref.actor.qwen3_rl``).
 It is refused (:class:`OldLogProbConfigError`) unless the update is on-policy and nothing else needs
 ``old_log_probs`` in the batch. The ``actor/entropy`` metric, which upstream takes from the skipped
 old-log-prob pass, is computed in the training forward instead (without gradient when
 ``entropy_coeff == 0``) -- see :func:`training_entropy`.
 
-The functions here are what the verl patch calls: the trainer (``ray_trainer.py`` ``fit``, our DAPO
-trainer) and the Megatron actor (``megatron_actor.py`` loss function and mini-batch iterator).
+The functions here are what the verl seam's hooks call (:mod:`qwen3_rl.trainer.seam`): ``TrainerHooks``
+(validation in the driver, ``skip_old_log_prob`` in ``RayPPOTrainer.fit`` and our DAPO trainer) and
+``ActorHooks`` (the Megatron actor's mini-batch keys, loss function and training-forward entropy).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SWITCH_KEY = "actor_rollout_ref.actor.use_current_log_prob_as_old"
+SWITCH_KEY = "qwen3_rl.old_log_prob.enable"
 #: Actor strategies whose loss function the patch wires (the FSDP ``dp_actor`` still needs the key).
 SUPPORTED_STRATEGIES = ("megatron",)
 
@@ -52,16 +54,17 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
     return getattr(cfg, key, default)
 
 
-def switch_enabled(actor_config: Any) -> bool:
-    """The switch from the actor config (``actor_rollout_ref.actor``); a non-bool value is an error.
+def switch_enabled(config: Any) -> bool:
+    """The switch from a config node holding the ``qwen3_rl`` group; a non-bool value is an error.
 
     Args:
-        actor_config: the actor section (DictConfig, dict or verl ``ActorConfig``).
+        config: the trainer root or the actor section ``actor_rollout_ref.actor`` (DictConfig, dict or verl
+            ``ActorConfig``), whose ``qwen3_rl.old_log_prob.enable`` is read.
 
     Returns:
-        True when ``use_current_log_prob_as_old`` is set to true.
+        True when ``qwen3_rl.old_log_prob.enable`` is set to true.
     """
-    value = _get(actor_config, "use_current_log_prob_as_old", False)
+    value = _get(_get(_get(config, "qwen3_rl"), "old_log_prob"), "enable", False)
     if value is None:
         return False
     if not isinstance(value, bool):
@@ -122,7 +125,7 @@ def check_on_policy(config: Any) -> bool:
         OldLogProbConfigError: the switch is on and :func:`on_policy_problems` found a violation
             (every violation is listed).
     """
-    if not switch_enabled(config.actor_rollout_ref.actor):
+    if not switch_enabled(config):
         return False
     problems = on_policy_problems(config)
     if problems:

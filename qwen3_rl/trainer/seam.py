@@ -21,10 +21,12 @@ Hook points (called by verl's ``RayPPOTrainer`` / SPMD ``vLLMRollout`` and by ou
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
+from qwen3_rl.parallel.hdp import HDPConfig
 from qwen3_rl.rollout.rebalance import RebalanceSettings
 
 GROUP = "qwen3_rl"
@@ -64,6 +66,14 @@ class SpecDecodeMetrics:
     enable: bool = False
 
 
+@dataclass(frozen=True)
+class OldLogProb:
+    """``qwen3_rl.old_log_prob``: on-policy update without the old-log-prob forward; the Megatron actor takes
+    its own current log-prob (detached) as pi_old (:mod:`qwen3_rl.trainer.old_log_prob`)."""
+
+    enable: bool = False
+
+
 # ---- weight-sync features (train -> rollout; :class:`WeightSyncHooks` at the end of this module) -----------
 
 
@@ -85,13 +95,16 @@ class MoeAlltoallv:
     enable: bool = False
 
 
-#: feature name (the group's section) -> its dataclass; ``rollout_rebalance`` is the coordinator's own settings
+#: feature name (the group's section) -> its dataclass; ``rollout_rebalance`` is the coordinator's own settings,
+#: ``hdp`` the actor's HDP settings (:class:`qwen3_rl.parallel.hdp.HDPConfig`)
 FEATURES: dict[str, type] = {
     "progress_bar": ProgressBar,
     "disable_gc": DisableGc,
     "data_rebalance": DataRebalance,
     "rollout_rebalance": RebalanceSettings,
     "spec_decode_metrics": SpecDecodeMetrics,
+    "old_log_prob": OldLogProb,
+    "hdp": HDPConfig,
     # weight sync
     "grouped_mlp_weights": GroupedMlpWeights,
     "moe_alltoallv": MoeAlltoallv,
@@ -107,6 +120,8 @@ class RecipeConfig:
     data_rebalance: DataRebalance = field(default_factory=DataRebalance)
     rollout_rebalance: RebalanceSettings = field(default_factory=RebalanceSettings)
     spec_decode_metrics: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
+    old_log_prob: OldLogProb = field(default_factory=OldLogProb)
+    hdp: HDPConfig = field(default_factory=HDPConfig)
     # weight sync
     grouped_mlp_weights: GroupedMlpWeights = field(default_factory=GroupedMlpWeights)
     moe_alltoallv: MoeAlltoallv = field(default_factory=MoeAlltoallv)
@@ -142,7 +157,11 @@ def _plain(value: Any) -> Any:
 
 
 def _check_type(key: str, value: Any, typ: Any) -> Any:
-    """``value`` as ``typ`` (bool, int, float, str); anything else is a one-line SeamConfigError."""
+    """``value`` as ``typ`` (bool, int, float, str, or one of them ``| None``); anything else is a one-line
+    SeamConfigError."""
+    args = [a for a in typing.get_args(typ) if a is not type(None)]
+    if len(args) == 1 and len(typing.get_args(typ)) == 2:  # ``X | None``: None, or an X
+        return None if value is None else _check_type(key, value, args[0])
     if typ is bool:
         ok = isinstance(value, bool)
     elif typ is int:
@@ -207,8 +226,28 @@ class TrainerHooks:
 
     @classmethod
     def from_trainer_config(cls, config: Any) -> TrainerHooks:
-        """Validate the trainer config's ``qwen3_rl`` group (in the driver, before any worker starts)."""
-        return cls(config, RecipeConfig.from_group(group_of(config)))
+        """Validate the trainer config's ``qwen3_rl`` group (in the driver, before any worker starts).
+
+        Raises:
+            SeamConfigError: a bad group; OldLogProbConfigError: ``old_log_prob`` on for an off-policy update.
+        """
+        recipe = RecipeConfig.from_group(group_of(config))
+        if recipe.old_log_prob.enable:
+            from qwen3_rl.trainer.old_log_prob import check_on_policy
+
+            check_on_policy(config)
+        return cls(config, recipe)
+
+    def skip_old_log_prob(self, batch: Any) -> bool:
+        """Before the old-log-prob pass (``compute_log_prob``): True when the actor takes its own current
+        log-prob as pi_old (``old_log_prob``); the batch then gets what that pass carried
+        (``meta_info['temperature']``) and the trainer skips the pass."""
+        if not self.recipe.old_log_prob.enable:
+            return False
+        from qwen3_rl.trainer.old_log_prob import prepare_batch_without_old_log_prob
+
+        prepare_batch_without_old_log_prob(batch.meta_info, self.config)
+        return True
 
     def before_generate(self, trainer: Any, batch: Any, n: int = 1) -> tuple[Any, Any]:
         """Before ``generate_sequences``: returns ``(batch_for_generation, state for after_generate)``.
@@ -295,6 +334,112 @@ class RolloutHooks:
         counts = state.finish()
         # verl's per-worker metrics channel: DataProto.concat lists each collected worker's value per key
         return {"metrics": {f"{META_KEY}/{k}": v for k, v in counts.items()}} if counts else {}
+
+
+# ---- actor side (verl's Megatron actor, MegatronPPOActor) ------------------------------------------------
+
+
+class ActorHooks:
+    """Called by verl's ``MegatronPPOActor`` (in the actor worker process) while the actor's group
+    ``actor_rollout_ref.actor.qwen3_rl`` enables an actor feature (``old_log_prob``, ``hdp``).
+
+    Hook points: ``actor_built`` (end of ``__init__``), ``minibatch_keys`` (``make_minibatch_iterator``),
+    ``micro_batches`` / ``assemble`` (``forward_backward_batch`` / ``compute_log_prob``: the feature's own
+    micro-batching, e.g. HDP), ``calculate_entropy`` / ``entropy_metric_only`` (the training forward),
+    ``old_log_prob_for_loss`` / ``policy_loss`` / ``scale_loss`` (the loss function).
+    """
+
+    def __init__(self, actor_config: Any, recipe: RecipeConfig) -> None:
+        from qwen3_rl.trainer.old_log_prob import training_entropy
+
+        self.config = actor_config
+        self.recipe = recipe
+        self.use_current_log_prob = recipe.old_log_prob.enable
+        self.entropy_plan = training_entropy(_get(actor_config, "entropy_coeff", 0.0), self.use_current_log_prob)
+        self.hdp: Any = None  # HDPRuntime once actor_built ran with hdp.enable
+
+    @classmethod
+    def from_actor_config(cls, actor_config: Any) -> ActorHooks | None:
+        """Validate ``actor_rollout_ref.actor.qwen3_rl``; None when it enables no actor feature (the actor then
+        runs upstream's code paths)."""
+        recipe = RecipeConfig.from_group(group_of(actor_config))
+        if not (recipe.old_log_prob.enable or recipe.hdp.enable):
+            return None
+        return cls(actor_config, recipe)
+
+    def actor_built(self, actor: Any, mpu: Any, device: Any) -> None:
+        """End of ``MegatronPPOActor.__init__`` (collective with HDP: every rank builds its sub-groups).
+
+        Args:
+            actor: the actor (``loss_agg_mode``, ``use_fused_kernels``, ``use_dynamic_bsz`` are checked).
+            mpu: Megatron's ``parallel_state`` as the actor module holds it.
+            device: where the micro-batch-count all-reduce runs (``get_device_id()``).
+        """
+        if not self.recipe.hdp.enable:
+            return
+        from qwen3_rl.parallel.hdp_runtime import HDPRuntime, check_supported
+
+        check_supported(self.config.loss_agg_mode, actor.use_fused_kernels,
+                        mpu.get_virtual_pipeline_model_parallel_world_size(), self.config.use_dynamic_bsz)
+        self.hdp = HDPRuntime.from_megatron(self.recipe.hdp, mpu, self.config.ppo_max_token_len_per_gpu,
+                                            device=device)
+
+    def minibatch_keys(self, data: Any, select_keys: list[str]) -> list[str]:
+        """The batch keys the update reads: without ``old_log_probs`` under ``old_log_prob`` (after checking
+        that this rank makes one optimizer step on ``data``)."""
+        if not self.use_current_log_prob:
+            return select_keys
+        from qwen3_rl.trainer.old_log_prob import check_single_update
+
+        check_single_update(len(data), self.config.ppo_mini_batch_size, self.config.ppo_epochs)
+        return [k for k in select_keys if k != "old_log_probs"]
+
+    def calculate_entropy(self, upstream: bool) -> bool:
+        """Whether the training forward computes entropy (upstream: ``entropy_coeff != 0``; also for the
+        ``actor/entropy`` metric the skipped old-log-prob pass reported)."""
+        return upstream or self.entropy_plan.calculate
+
+    def entropy_metric_only(self) -> bool:
+        """The training forward's entropy is only a metric: computed without autograd (no saved softmax)."""
+        return self.entropy_plan.detached
+
+    def old_log_prob_for_loss(self, log_prob: Any, micro_batch: Any) -> Any:
+        """pi_old [batch, response_len] for the policy loss (``log_prob.detach()`` under ``old_log_prob``)."""
+        from qwen3_rl.trainer.old_log_prob import old_log_prob_for_loss
+
+        return old_log_prob_for_loss(log_prob, micro_batch, self.use_current_log_prob)
+
+    def policy_loss(self, pg_loss: Any, entropy_loss: Any, entropy_coeff: float, stats: dict[str, Any]) -> Any:
+        """``pg_loss - entropy_coeff * entropy_loss`` when the bonus is in the loss, else ``pg_loss``; records
+        ``actor/entropy`` in ``stats`` under ``old_log_prob``."""
+        from qwen3_rl.trainer.old_log_prob import policy_loss_with_entropy
+
+        return policy_loss_with_entropy(pg_loss, entropy_loss, entropy_coeff, self.entropy_plan, stats)
+
+    def micro_batches(self, mini_batch: Any, forward_only: bool, use_dynamic_bsz: bool) -> tuple[list, Any] | None:
+        """This rank's own micro-batches of ``mini_batch`` (HDP), or None (upstream's micro-batching).
+
+        Returns:
+            ``(items, step)``: items ``(rows, packing)`` for the schedule's batch iterator (``packing``: the
+            mcore forward's ``packing`` argument and the loss function's ``meta_info['qwen3_rl']``), ``step``
+            for :meth:`assemble` (``step.indices``: the rows of each micro-batch).
+        """
+        if self.hdp is None or not use_dynamic_bsz:
+            return None
+        from qwen3_rl.parallel.hdp_runtime import HDPPacking
+
+        step = self.hdp.plan(mini_batch.batch["attention_mask"],
+                             None if forward_only else mini_batch.batch["response_mask"])
+        return [(rows, HDPPacking(mb)) for rows, mb in self.hdp.split(mini_batch.batch, step)], step
+
+    def scale_loss(self, loss: Any, packing: Any) -> tuple[Any, bool]:
+        """A micro-batch's loss under the feature's micro-batching: ``(loss * its scale, keep its statistics)``
+        (HDP: token-mean over the CP group's mini-batch; a filler-only micro-batch has no statistics)."""
+        return loss * packing.loss_scale, not packing.is_filler
+
+    def assemble(self, rows: Any, step: Any, batch_size: int) -> Any:
+        """Rows [n, ...] of this rank's micro-batches (schedule order) -> [batch_size, ...] in batch order."""
+        return self.hdp.assemble(rows, step, batch_size)
 
 
 def pop_rollout_counts(meta_info: MutableMapping[str, Any]) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""HDP in the patched verl Megatron actor (verl patch 0006), EXECUTED on 4 gloo ranks.
+"""HDP in the patched verl Megatron actor (the verl seam's actor hooks, ``qwen3_rl.hdp``), EXECUTED on 4 gloo ranks.
 
 Layout: world 4 = DP 2 x CP 2 (CP groups [0, 1] and [2, 3]), TP = PP = 1. The two DP groups get mini-batches of
 very different token totals, so HDP's assignment needs 1 micro-batch on DP group 0 and 4 on DP group 1. On the
@@ -230,7 +230,7 @@ def _rank_main(rank: int, port: int, results) -> None:
             "clip_ratio_high": 0.2, "clip_ratio_c": 3.0, "loss_agg_mode": "token-mean",
             "policy_loss": {"loss_mode": "vanilla"}, "use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": 16,
             "megatron": {"tensor_model_parallel_size": 1, "context_parallel_size": CP}, "profiler": {},
-            "hdp": {"enable": True, "token_budget": BUDGET}})
+            "qwen3_rl": {"hdp": {"enable": True, "token_budget": BUDGET}}})
         actor = ma.MegatronPPOActor(config, None, None, SimpleNamespace(sequence_parallel=False), [model],
                                     _DdpSgd(model))
         out["new_groups"] = list(made)
@@ -240,8 +240,8 @@ def _rank_main(rank: int, port: int, results) -> None:
         again = HDPRuntime.from_megatron(HDPConfig(enable=True), mpu, 16)
         dist.new_group = real_new_group
         out["new_groups_again"] = made[len(out["new_groups"]):]
-        out["full_block_is_cp_group"] = actor._hdp.process_groups.group(0, CP) is mpu.cp_group
-        out["same_groups"] = again.process_groups is actor._hdp.process_groups
+        out["full_block_is_cp_group"] = actor.qwen3_rl_hooks.hdp.process_groups.group(0, CP) is mpu.cp_group
+        out["same_groups"] = again.process_groups is actor.qwen3_rl_hooks.hdp.process_groups
 
         batch = make_batch(rank // CP)  # verl dispatches by DP: both CP ranks of a group hold the same rows
         data = DataProto.from_dict(tensors=batch, meta_info={"temperature": 1.0, "use_dynamic_bsz": True,

@@ -174,9 +174,13 @@ def test_assemble_owned_rows_and_config() -> None:
     parts = [assemble_owned_rows(rows, idx, a, r, 6) for r, (rows, idx) in rows_by_rank.items()]
     full = sum(parts)
     assert full[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]  # each sequence exactly once
-    assert HDPConfig.from_mapping(None).enable is False
-    with pytest.raises(ValueError, match="unknown actor.hdp keys"):
-        HDPConfig.from_mapping({"enabel": True})
+    from qwen3_rl.trainer.seam import RecipeConfig, SeamConfigError
+
+    assert RecipeConfig.from_group(None).hdp == HDPConfig() and HDPConfig().enable is False
+    with pytest.raises(SeamConfigError, match="qwen3_rl.hdp.enabel: unknown key"):
+        RecipeConfig.from_group({"hdp": {"enabel": True}})
+    with pytest.raises(SeamConfigError, match="qwen3_rl.hdp: token_budget must be >= 1"):
+        RecipeConfig.from_group({"hdp": {"enable": True, "token_budget": 0}})
     with pytest.raises(ValueError, match="loss_agg_mode"):
         check_supported("seq-mean-token-mean", False, None, True)
     check_supported("token-mean", False, None, True)
@@ -388,8 +392,10 @@ def test_patched_verl_forward_and_config_with_hdp(patched_imports: Path) -> None
     from verl.models.mcore.model_forward import model_forward_gen
     from verl.workers.config import McoreActorConfig
 
+    from qwen3_rl.parallel.hdp_runtime import HDPPacking
+
     cfg = McoreActorConfig(use_dynamic_bsz=True, rollout_n=1, ppo_mini_batch_size=1)
-    assert HDPConfig.from_mapping(cfg.hdp).enable is False  # declared, default off
+    assert cfg.qwen3_rl == {}  # the actor's group is declared, empty by default
     pl = [Placement(0, 5, 0, 0, 1), Placement(1, 3, 0, 1, 1), Placement(2, 6, 0, 0, 1)]
     a = HDPAssignment(2, 64, assign_hdp([1], 1, 10).cost_model, pl, 1, align=2)
     a.recompute()
@@ -418,7 +424,7 @@ def test_patched_verl_forward_and_config_with_hdp(patched_imports: Path) -> None
 
     fwd = model_forward_gen(False)
     out = fwd(Model(), ids, am, torch.zeros_like(ids), {}, logits_processor=logits_processor,
-              logits_processor_args={"label": ids, "label_mask": am}, hdp=mb)
+              logits_processor_args={"label": ids, "label_mask": am}, packing=HDPPacking(mb))
     assert seen["psp"].hdp is mb and seen["psp"].qkv_format == "thd"
     # packed: seq 0 (5 tokens padded to 6) then seq 2 (6 tokens)
     assert seen["ids"].tolist() == [[1, 2, 3, 4, 5, 0, 11, 12, 13, 14, 15, 16]]

@@ -21,12 +21,16 @@ sys.path_importer_cache.clear()
 assert importlib.util.find_spec("qwen3_rl") is None, f"qwen3_rl is on the path {sys.path}"
 import verl.trainer.ppo.ray_trainer as rt
 import verl.workers.rollout.vllm_rollout.vllm_rollout_spmd as spmd
-from verl.utils.qwen3_rl_hooks import rollout_hooks, trainer_hooks, weight_sync_hooks
+from verl.utils.qwen3_rl_hooks import actor_hooks, rollout_hooks, trainer_hooks, weight_sync_hooks
+from verl.workers.config import McoreActorConfig
 from omegaconf import OmegaConf
 assert trainer_hooks(OmegaConf.create({"qwen3_rl": {}})) is None and rollout_hooks({"qwen3_rl": {}}) is None
+assert actor_hooks(OmegaConf.create({"qwen3_rl": {}})) is None
+assert McoreActorConfig(use_dynamic_bsz=True, rollout_n=1, ppo_mini_batch_size=1).qwen3_rl == {}
 # the weight-sync side: the hook factory with the group empty (its call sites: the static test below)
 assert weight_sync_hooks(OmegaConf.create({"qwen3_rl": {}}), uses_bridge=True) is None
-print("ok", rt.RayPPOTrainer.__name__, spmd.vLLMRollout.__name__, sorted(m for m in sys.modules if m.startswith("qwen3_rl")))
+print("ok", rt.RayPPOTrainer.__name__, spmd.vLLMRollout.__name__,
+      sorted(m for m in sys.modules if m.startswith("qwen3_rl")))
 """
 
 
@@ -44,18 +48,30 @@ def _probe(paths: tuple[Path | str, ...], cwd: Path):
 
 
 def _paths(ws: Path, pristine: Path) -> tuple[Path, ...]:
-    """Patched verl; vLLM from the pristine pin (the vLLM seam is a separate series, checked on its own)."""
-    return (ws / PINS.frameworks["verl"].dir, pristine / PINS.frameworks["vllm"].dir, ws / ".dist-info")
+    """Patched verl; vLLM and Megatron from the pristine pins (their series are checked on their own)."""
+    return (ws / PINS.frameworks["verl"].dir, pristine / PINS.frameworks["vllm"].dir,
+            pristine / PINS.frameworks["megatron"].dir, ws / ".dist-info")
 
 
 def test_patched_verl_imports_without_qwen3_rl(patched_imports: Path, pristine_workspace: Path, tmp_path: Path) -> None:
-    """ray_trainer and the SPMD rollout import from the patched tree in a process whose path has no qwen3_rl."""
+    """ray_trainer, the SPMD rollout and the hooks import from the patched tree in a process whose path has no
+    qwen3_rl; the actor's hook object is None with the group empty. The Megatron actor and the mcore forward
+    name nothing of the package, at module level or lazily (both import verl.utils.megatron_utils, whose
+    weight-sync feature patch still imports the package at module level, so they are checked on their source)."""
     proc = _probe(_paths(patched_imports, pristine_workspace), tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("ok RayPPOTrainer vLLMRollout []"), proc.stdout
     # positive control: the same probe sees the package when the checkout is on the path
     ctl = _probe((*_paths(patched_imports, pristine_workspace), REPO), tmp_path)
     assert ctl.returncode != 0 and "qwen3_rl is on the path" in ctl.stderr
+    import ast
+
+    for rel, hooks_import in (("verl/workers/actor/megatron_actor.py", True), ("verl/models/mcore/model_forward.py", False)):
+        tree = ast.parse((patched_imports / PINS.frameworks["verl"].dir / rel).read_text())
+        mods = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        mods += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+        assert not [m for m in mods if m.split(".")[0] == "qwen3_rl"], (rel, mods)  # only through the hook object
+        assert ("verl.utils.qwen3_rl_hooks" in mods) is hooks_import, rel
 
 
 def test_weight_sync_side_imports_nothing_of_ours_at_module_level(patched_imports: Path) -> None:
@@ -118,10 +134,40 @@ print(json.dumps(out))
     for name in ("ppo_trainer", "ppo_megatron_trainer"):
         p = patched[name]
         assert p.pop("qwen3_rl") == {} and p["actor_rollout_ref"]["rollout"].pop("qwen3_rl") == {}
+        assert p["actor_rollout_ref"]["actor"].pop("qwen3_rl") == {}
         assert p == unseamed[name], name
     from verl.workers.config import RolloutConfig
 
     assert RolloutConfig(name="vllm").qwen3_rl == {}
+
+
+def test_actor_hooks_only_for_actor_features(patched_imports: Path) -> None:
+    """The Megatron actor's hook object exists only while the group enables an actor feature: with other
+    features on (or actor features set off) it is None and the actor runs upstream's code paths; the
+    group reaches the actor as ``actor_rollout_ref.actor.qwen3_rl`` (an interpolation of the root group)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.qwen3_rl_hooks import actor_hooks
+
+    from qwen3_rl.trainer.seam import ActorHooks, SeamConfigError
+
+    d = patched_imports / PINS.frameworks["verl"].dir / "verl" / "trainer" / "config"
+    with initialize_config_dir(config_dir=str(d), version_base=None):
+        cfg = compose(config_name="ppo_megatron_trainer", overrides=[
+            "+qwen3_rl.progress_bar.enable=True", "+qwen3_rl.old_log_prob.enable=False",
+            "+qwen3_rl.hdp.enable=False", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.rollout.n=1"])
+    actor_cfg = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert actor_cfg.qwen3_rl["progress_bar"] == {"enable": True}
+    assert actor_hooks(actor_cfg) is None  # a group without an actor feature on: upstream's actor
+    cfg.qwen3_rl.hdp.enable = True
+    on = actor_hooks(omega_conf_to_dataclass(cfg.actor_rollout_ref.actor))
+    assert isinstance(on, ActorHooks) and on.recipe.hdp.enable and not on.use_current_log_prob
+    OmegaConf.set_struct(cfg, False)
+    cfg.qwen3_rl.hdp.token_budget = "many"
+    with pytest.raises(SeamConfigError, match="qwen3_rl.hdp.token_budget must be int"):
+        actor_hooks(OmegaConf.to_container(cfg.actor_rollout_ref.actor, resolve=True))
 
 
 def test_each_default_declared_once() -> None:

@@ -1,4 +1,4 @@
-"""On-policy update without the old-log-prob pass (verl patch 0004, ``qwen3_rl.trainer.old_log_prob``).
+"""On-policy update without the old-log-prob pass (verl seam ``qwen3_rl.old_log_prob``, ``qwen3_rl.trainer.old_log_prob``).
 
 * the on-policy check and its error on configs;
 * the patched Megatron actor's ``update_policy`` / ``compute_log_prob`` EXECUTED on CPU with a tiny
@@ -32,14 +32,14 @@ from qwen3_rl.trainer.old_log_prob import (
 PROMPT_LEN, RESP_LEN, VOCAB = 3, 4, 11
 
 
-def _trainer_cfg(**actor: object) -> OmegaConf:
+def _trainer_cfg(switch: object = True, **actor: object) -> OmegaConf:
     base = {
+        "qwen3_rl": {"old_log_prob": {"enable": switch}},
         "data": {"train_batch_size": 8},
         "algorithm": {"use_kl_in_reward": False,
                       "rollout_correction": {"bypass_mode": False, "rollout_is": None, "rollout_rs": None,
                                              "rollout_token_veto_threshold": None}},
-        "actor_rollout_ref": {"actor": {"strategy": "megatron", "ppo_epochs": 1, "ppo_mini_batch_size": 8,
-                                        "use_current_log_prob_as_old": True},
+        "actor_rollout_ref": {"actor": {"strategy": "megatron", "ppo_epochs": 1, "ppo_mini_batch_size": 8},
                               "rollout": {"temperature": 0.9}},
     }
     cfg = OmegaConf.create(base)
@@ -50,8 +50,8 @@ def _trainer_cfg(**actor: object) -> OmegaConf:
 # ---- pure logic ----------------------------------------------------------------------------------
 def test_check_on_policy_accepts_and_refuses() -> None:
     assert check_on_policy(_trainer_cfg()) is True
-    assert check_on_policy(_trainer_cfg(use_current_log_prob_as_old=False, ppo_epochs=4)) is False  # off: no check
-    assert check_on_policy(_trainer_cfg(use_current_log_prob_as_old=None)) is False
+    assert check_on_policy(_trainer_cfg(False, ppo_epochs=4)) is False  # off: no check
+    assert check_on_policy(_trainer_cfg(None)) is False
     with pytest.raises(OldLogProbConfigError, match="ppo_epochs=2"):
         check_on_policy(_trainer_cfg(ppo_epochs=2))
     with pytest.raises(OldLogProbConfigError, match=r"ppo_mini_batch_size=2 != data.train_batch_size=8 \(4 optim"):
@@ -59,7 +59,7 @@ def test_check_on_policy_accepts_and_refuses() -> None:
     with pytest.raises(OldLogProbConfigError, match="strategy='fsdp'"):
         check_on_policy(_trainer_cfg(strategy="fsdp"))
     with pytest.raises(OldLogProbConfigError, match="must be true or false"):
-        check_on_policy(_trainer_cfg(use_current_log_prob_as_old="yes"))
+        check_on_policy(_trainer_cfg("yes"))
     cfg = _trainer_cfg(ppo_epochs=2, ppo_mini_batch_size=4)
     cfg.algorithm.rollout_correction.bypass_mode = True
     cfg.algorithm.rollout_correction.rollout_is = "token"
@@ -203,7 +203,9 @@ def _actor(ma, model: torch.nn.Module, switch: bool, entropy_coeff: float = 0.0,
         "shuffle": False, "use_kl_loss": False, "entropy_coeff": entropy_coeff, "clip_ratio": 0.2,
         "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0, "loss_agg_mode": "token-mean",
         "policy_loss": {"loss_mode": "vanilla"}, "use_dynamic_bsz": False,
-        "megatron": {"context_parallel_size": 1}, "use_current_log_prob_as_old": switch})
+        "megatron": {"context_parallel_size": 1}, "qwen3_rl": {"old_log_prob": {"enable": switch}}})
+    actor.qwen3_rl_hooks = ma.actor_hooks(actor.config)  # what __init__ builds; None when off
+    assert (actor.qwen3_rl_hooks is None) is (not switch)
     actor.actor_module = [model]
     actor.actor_optimizer = _SGD(model)
     actor.use_torch_profiler, actor.prof, actor.use_fused_kernels, actor.hf_config = False, None, False, None
@@ -348,8 +350,8 @@ def _grpo_config(switch: bool, mini: int = 2):
     over = OmegaConf.create({
         "data": {"train_batch_size": 2},
         "algorithm": {"adv_estimator": "grpo"},
-        "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": mini, "use_current_log_prob_as_old": switch,
-                                        "use_kl_loss": True},
+        "qwen3_rl": {"old_log_prob": {"enable": switch}},
+        "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": mini, "use_kl_loss": True},
                               "rollout": {"n": 2, "temperature": 0.9}},
         "trainer": {"project_name": "p", "experiment_name": "e", "logger": ["console"], "resume_mode": "disable",
                     "val_before_train": False, "total_epochs": 1, "test_freq": -1, "save_freq": -1,
@@ -359,8 +361,11 @@ def _grpo_config(switch: bool, mini: int = 2):
 
 
 def _trainer(cls, config, wg):
+    from verl.utils.qwen3_rl_hooks import trainer_hooks
+
     t = cls.__new__(cls)
     t.config = config
+    t.qwen3_rl_hooks = trainer_hooks(config)  # what RayPPOTrainer.__init__ builds (validates the group)
     t.actor_rollout_wg, t.async_rollout_mode, t.use_rm, t.use_critic = wg, False, False, False
     t.use_reference_policy, t.ref_in_actor = True, True
     t.reward_fn, t.val_reward_fn = _reward_fn, None
@@ -394,7 +399,7 @@ def test_grpo_fit_skips_old_log_prob_only_when_on(patched_imports) -> None:
 
     wg_bad = _FakeActorWG()
     with pytest.raises(OldLogProbConfigError, match=r"ppo_mini_batch_size=1 != data.train_batch_size=2"):
-        _trainer(RayPPOTrainer, _grpo_config(True, mini=1), wg_bad).fit()
+        _trainer(RayPPOTrainer, _grpo_config(True, mini=1), wg_bad).fit()  # refused when the hooks are built
     assert "update_actor" not in wg_bad.calls and "compute_log_prob" not in wg_bad.calls
 
 
@@ -424,6 +429,5 @@ def test_dapo_hook_skips_old_log_prob(patched_imports) -> None:
             assert metrics == {}  # actor/entropy will come from update_actor
         else:
             assert "old_log_probs" in out.batch.keys() and metrics["actor/entropy"] == pytest.approx(0.7)
-    t = _trainer(cls, _grpo_config(True, mini=1), _FakeActorWG())
     with pytest.raises(OldLogProbConfigError):
-        t._compute_old_log_prob(_batch(), {}, {})
+        _trainer(cls, _grpo_config(True, mini=1), _FakeActorWG())

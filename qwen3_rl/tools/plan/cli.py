@@ -52,7 +52,7 @@ SCRIPT_KEYS: dict[str, tuple[str, type]] = {
     # verl's sync rollout passes engine_kwargs.vllm to vLLM as is: these win over the keys above
     "actor_rollout_ref.rollout.engine_kwargs.vllm.data_parallel_size": ("rollout_dp", int),
     "actor_rollout_ref.rollout.engine_kwargs.vllm.enable_expert_parallel": ("rollout_ep_enabled", bool),
-    "actor_rollout_ref.actor.hdp.enable": ("actor_hdp", bool),
+    "qwen3_rl.hdp.enable": ("actor_hdp", bool),
     "trainer.nnodes": ("nnodes", int),
     "trainer.n_gpus_per_node": ("n_gpus_per_node", int),
 }
@@ -98,7 +98,7 @@ def _build_parser() -> argparse.ArgumentParser:
     t.add_argument("--actor-last-stage-layers", type=int)
     t.add_argument("--no-distributed-optimizer", action="store_true")
     t.add_argument("--actor-hdp", action="store_true", default=None,
-                   help="actor.hdp.enable: count the HCCL buffers of HDP's CP sub-groups")
+                   help="qwen3_rl.hdp.enable: count the HCCL buffers of HDP's CP sub-groups")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 

@@ -285,7 +285,7 @@ def plan_rollout(spec: ModelSpec, lay: RolloutLayout, dev: DeviceBudget | None =
 
 # --- training ----------------------------------------------------------------------------------
 def hdp_hccl_comms(cp: int) -> int:
-    """HDP process groups (``actor.hdp.enable``) per die that carry traffic, so hold an HCCL communicator.
+    """HDP process groups (``qwen3_rl.hdp.enable``) per die that carry traffic, so hold an HCCL communicator.
 
     ``qwen3_rl.parallel.hdp_wiring.HDPProcessGroups`` gives every aligned block of ``k`` ranks of a CP group of
     ``cp`` ranks its own group, except the whole group (k = cp), which reuses Megatron's CP group. A die is in one
@@ -305,7 +305,7 @@ class TrainLayout:
     """Megatron actor layout. ``etp`` None = megatron-core's default (= TP,
     megatron/core/model_parallel_config.py:355). ``first_stage_layers`` / ``last_stage_layers`` are
     megatron's ``num_layers_in_first/last_pipeline_stage`` (uneven pipeline). ``hdp``: the actor's
-    ``actor.hdp.enable`` (its sub-groups' HCCL buffers are counted, see :func:`hdp_hccl_comms`)."""
+    ``qwen3_rl.hdp.enable`` (its sub-groups' HCCL buffers are counted, see :func:`hdp_hccl_comms`)."""
 
     world: int
     tp: int = 1

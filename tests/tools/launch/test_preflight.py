@@ -252,7 +252,7 @@ def test_feature_rules_read_back_from_keys():
                                  "train_grpo_qwen3_235b_128die_true_weight.sh")
     assert err.message == "MOE_ALLTOALLV=True excludes ROLLOUT_EPLB=True: EPLB moves experts off vLLM's default placement"
     sizes = {"data.train_batch_size": "128", "actor_rollout_ref.actor.ppo_mini_batch_size": "64"}
-    (err,) = check_feature_rules({**sizes, "actor_rollout_ref.actor.use_current_log_prob_as_old": "True"})
+    (err,) = check_feature_rules({**sizes, "qwen3_rl.old_log_prob.enable": "True"})
     assert err.message.startswith("USE_CURRENT_LOG_PROB_AS_OLD=True requires PPO_MINI_BATCH_SIZE == TRAIN_BATCH_SIZE "
                                   "(got PPO_MINI_BATCH_SIZE=64, TRAIN_BATCH_SIZE=128)")
     # a switch that is not the setup's is not read: the dense 32B setup has no EPLB / all-to-allv
