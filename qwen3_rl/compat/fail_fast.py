@@ -1,4 +1,4 @@
-"""A worker-group call that fails as soon as one worker fails (verl patch 0013).
+"""A worker-group call that fails as soon as one worker fails (verl patch 0009).
 
 verl's single controller runs a method on every worker of a group and waits with ``ray.get(refs)``
 (``verl/single_controller/ray/base.py`` ``func_generator`` and ``execute_all_sync``). ``ray.get`` on a list

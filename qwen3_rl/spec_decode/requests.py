@@ -1,4 +1,4 @@
-"""Rollout requests that speculative decoding can serve (called by verl patch 0011 and by preflight).
+"""Rollout requests that speculative decoding can serve (called by verl patch 0007 and by preflight).
 
 vLLM 0.13 drafts nothing for a request whose sampling needs per-token extras: any penalty, ``min_p``
 or ``logprobs is not None`` (``vllm/v1/spec_decode/utils.py:9-17``; such requests go into

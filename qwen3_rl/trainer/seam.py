@@ -1,6 +1,6 @@
 """The verl seam: the ``qwen3_rl`` config group, one typed dataclass per feature, and the hooks verl calls.
 
-verl's seam patch (``patches/verl/0014-verl-feature-qwen3_rl_seam.patch``) adds a root config group
+verl's seam patch (``patches/verl/0010-verl-feature-qwen3_rl_seam.patch``) adds a root config group
 ``qwen3_rl`` (empty by default; the rollout workers see it as ``actor_rollout_ref.rollout.qwen3_rl``) and
 ``verl/utils/qwen3_rl_hooks.py``, which imports this module only once the group holds a key. Every
 section of the group is one feature; its dataclass below holds the feature's keys, types and defaults,

@@ -1,4 +1,4 @@
-"""qwen3_rl.compat.fail_fast.get_all (verl patch 0013) on real Ray actors (a local Ray on 127.0.0.1): a killed
+"""qwen3_rl.compat.fail_fast.get_all (verl patch 0009) on real Ray actors (a local Ray on 127.0.0.1): a killed
 worker's error is raised while another worker still blocks, a worker's own exception too, and without failures
 the values come back in the order of the references."""
 

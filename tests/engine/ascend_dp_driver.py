@@ -41,7 +41,7 @@ def rebalance_report(llm) -> dict | None:
 
 
 def eplb_type4(llm, loads: list) -> dict | None:
-    """vLLM-Ascend's EPLB policy factory (patched: vllm_ascend 0004) asked for policy type 4 on the load this
+    """vLLM-Ascend's EPLB policy factory (patched: the vllm_ascend seam 0002) asked for policy type 4 on the load this
     engine's routing recorded: per layer (routing calls cycle through the layers), per EP rank, tokens per expert
     slot, gathered over the EP ranks; rank 0 rebalances and returns the placement."""
     import torch
@@ -136,7 +136,7 @@ def main() -> int:
         moe.clear()  # the generation below only  # the load of the generation below only (not the profiling and warm-up runs)
     share = len(spec["prompts"]) // world
     mine = spec["prompts"][rank * share:(rank + 1) * share]
-    if spec.get("rebalance"):  # vllm 0004 / verl 0014: rollout rebalance between the DP engines, as verl sets it
+    if spec.get("rebalance"):  # vllm 0003 / verl 0010: rollout rebalance between the DP engines, as verl sets it
         from qwen3_rl.rollout.migration import configure_rollout_rebalance
 
         configure_rollout_rebalance(spec["rebalance"], llm)

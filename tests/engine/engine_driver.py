@@ -55,7 +55,7 @@ def drafter_state(llm) -> dict:
     if d is None:
         return {}
     st = {"class": type(d).__name__}
-    hook = getattr(llm.llm_engine, "qwen3_rl_sibling_exchange", None)  # vllm 0006
+    hook = getattr(llm.llm_engine, "qwen3_rl_sibling_exchange", None)  # the vllm seam (0003)
     sam = getattr(d, "sam", None)
     if hook is not None and getattr(sam, "exchange", None) is not None:
         st["exchange"] = {"enabled": hook.enabled, "hook_steps": hook.steps, "exchanges": hook.exchanges,

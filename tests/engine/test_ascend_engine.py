@@ -109,7 +109,7 @@ def test_greedy_output_equals_vllm_cpu_engine_and_transformers(ascend_runs: dict
 
 
 def test_sam_drafter_built_once_per_engine(ascend_runs: dict) -> None:
-    # vllm 0003 builds SAM in GPUModelRunner.__init__; vllm_ascend 0003 hands that drafter to the Ascend adapter
+    # vllm 0003 builds SAM in GPUModelRunner.__init__; the vllm_ascend seam (0002) hands that drafter to the Ascend adapter
     runs = ascend_runs["runs"]
     for name in [n for n in ("sam", "sam_pad", "sam_group", "sam_own_waves", "gated") if n in runs]:
         assert runs[name]["drafter"]["class"] == "SamAscendProposer"

@@ -5,7 +5,7 @@ cpu``: verl's trainer, the Megatron actor on gloo, verl's sync rollout, the weig
 ``QWEN3_RL_CPU_ROLLOUT=ascend``: the device layer's ``sitecustomize`` installs the NPU stand-in in each process when
 it first imports vLLM (after verl has settled on the CPU device) and selects vLLM-Ascend's platform, so the
 rollout runs ``NPUWorker`` -> ``NPUModelRunner`` -> the Ascend attention backend and, with SAM on,
-``SamAscendProposer`` (vllm_ascend 0003) instead of vLLM's CPU runner. Checked: the step trains (a step record
+``SamAscendProposer`` (the vllm_ascend seam, 0002) instead of vLLM's CPU runner. Checked: the step trains (a step record
 and its checkpoint), SAM drafted and accepted tokens in it, and the rollout workers ran vLLM-Ascend's worker and
 runner (the e2e probe's record of the engine it synced weights into, and the stand-in kernels called).
 """

@@ -46,7 +46,7 @@ pytestmark = pytest.mark.e2e
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 RUN_TIMEOUT_S = 1500  # one launcher run, start to exit
-KILL_EXIT_TIMEOUT_S = 180  # a killed worker must end the run within this (verl 0013: the driver stops at once)
+KILL_EXIT_TIMEOUT_S = 180  # a killed worker must end the run within this (verl 0009: the driver stops at once)
 LEARNING_MARGIN = 0.10  # validation accuracy after training >= before + this
 GRPO_STEPS = 6  # internal/train_grpo_tiny_cpu.sh's default
 

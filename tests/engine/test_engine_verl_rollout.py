@@ -59,7 +59,7 @@ def test_switches_reach_the_engine(sam_rollout: dict) -> None:
 
 
 def test_sam_drafts_through_verls_rollout(sam_rollout: dict) -> None:
-    # verl 0011: requests ask for no log-probs while a drafter is on, so vLLM drafts for them.
+    # verl 0007: requests ask for no log-probs while a drafter is on, so vLLM drafts for them.
     assert sam_rollout["logprobs"] is None
     greedy, sampled = sam_rollout["generations"]
     for g in (greedy, sampled):
@@ -70,7 +70,7 @@ def test_sam_drafts_through_verls_rollout(sam_rollout: dict) -> None:
     # temperature 1.0 (the script's): vLLM-Ascend's PyTorch random rejection path verifies the drafts
     print(f"sampled (temperature 1.0) through verl: {sampled['metrics']}")
     assert sampled["metrics"]["spec_decode_num_draft_tokens"] > 0
-    # verl 0014: each call's DataProto carries exactly vLLM's counter deltas of that call
+    # verl 0010: each call's DataProto carries exactly vLLM's counter deltas of that call
     for g in (greedy, sampled):
         m = g["metrics"]
         assert set(g["meta_info"]) == {"metrics"}  # the seam's rollout hook: verl's per-worker metrics channel
@@ -88,9 +88,9 @@ def test_sam_drafts_through_verls_rollout(sam_rollout: dict) -> None:
 def test_without_verl_0011_nothing_is_drafted(engine_ws: Path, tiny_models: dict[str, Path], tmp_path: Path) -> None:
     # The bug: verl asks every request for logprobs=0; vLLM 0.13 drafts nothing for such requests.
     # 0011 and the patches stacked on it
-    old = tree_without(engine_ws, tmp_path / "ws-without-0011", "verl", 11)
+    old = tree_without(engine_ws, tmp_path / "ws-without-0007", "verl", 7)
     r = run_rollout(rollout_spec(old, tiny_models["moe"], do_sample=(False,)), tmp_path)
-    print(f"without verl 0011: logprobs={r['logprobs']}, {r['generations'][0]['metrics']}")
+    print(f"without verl 0007: logprobs={r['logprobs']}, {r['generations'][0]['metrics']}")
     assert r["logprobs"] == 0
     assert r["generations"][0]["metrics"].get("spec_decode_num_draft_tokens", 0) == 0
 

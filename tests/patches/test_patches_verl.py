@@ -188,7 +188,7 @@ def verl_on_vllm(patched_imports: Path, tmp_path_factory: pytest.TempPathFactory
     return patched_imports
 
 
-def test_0001_patched_verl_imports_on_vllm_013(verl_on_vllm: Path) -> None:
+def test_patched_verl_imports_on_vllm_013(verl_on_vllm: Path) -> None:
     ws = verl_on_vllm
     # the breakage is real in the pinned vLLM: the old module is gone
     with pytest.raises(ModuleNotFoundError):
@@ -326,7 +326,7 @@ def _timed_proto(gen_s: float, extra: dict | None = None):
     return DataProto.from_dict(tensors={"x": torch.arange(4).view(2, 2)}, meta_info=meta)
 
 
-def test_0003_concat_tolerates_timing(verl_on_vllm: Path) -> None:
+def test_concat_tolerates_timing(verl_on_vllm: Path) -> None:
     from verl import DataProto
 
     parts = [_timed_proto(1.2345678), _timed_proto(1.2345679), _timed_proto(1.2345677, {"metrics": {"a": 1}})]
@@ -342,7 +342,7 @@ def test_0003_concat_tolerates_timing(verl_on_vllm: Path) -> None:
         DataProto.concat([_timed_proto(1.0), _timed_proto(1.0, {"eos_token_id": 3})])
 
 
-def test_0004_set_expandable_segments_reaches_npu_allocator(verl_on_vllm: Path,
+def test_set_expandable_segments_reaches_npu_allocator(verl_on_vllm: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
     import verl.utils.device as device
@@ -370,7 +370,7 @@ def test_0004_set_expandable_segments_reaches_npu_allocator(verl_on_vllm: Path,
     assert cuda_calls == ["expandable_segments:False"] and len(calls) == 2
 
 
-def test_0003_old_torch_npu_warns_once(verl_on_vllm: Path, caplog: pytest.LogCaptureFixture,
+def test_old_torch_npu_warns_once(verl_on_vllm: Path, caplog: pytest.LogCaptureFixture,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A torch_npu without memory._set_allocator_settings: the patched function warns once and switches nothing."""
     import torch
@@ -389,7 +389,7 @@ def test_0003_old_torch_npu_warns_once(verl_on_vllm: Path, caplog: pytest.LogCap
     assert sum("_set_allocator_settings is missing" in r.message for r in caplog.records) == 1
 
 
-def test_0003_npu_switch_policy(verl_on_vllm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_npu_switch_policy(verl_on_vllm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """verl.utils.device.set_npu_expandable_segments: False leaves the NPU allocator alone (CUDA is still
     switched, as upstream), True switches it again; a non-bool stops with one line naming the key."""
     import torch
@@ -410,7 +410,7 @@ def test_0003_npu_switch_policy(verl_on_vllm: Path, monkeypatch: pytest.MonkeyPa
         device.set_npu_expandable_segments("false")
 
 
-def test_0004_switch_off_restores_upstream(verl_on_vllm: Path, clean_hydra: None,
+def test_switch_off_restores_upstream(verl_on_vllm: Path, clean_hydra: None,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """rollout.npu_expandable_segments, declared in verl's config, read by the patched Megatron
     ActorRolloutRefWorker.__init__: false = upstream's CUDA-only swap, true (default) = also on NPU."""
@@ -535,7 +535,7 @@ _LOAD_WITHOUT_TE = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("tree", ["patched", "pristine"])
-def test_0017_checkpoint_load_without_te(tree: str, patched_workspace: Path, pristine_workspace: Path,
+def test_checkpoint_load_without_te(tree: str, patched_workspace: Path, pristine_workspace: Path,
                                         tmp_path: Path) -> None:
     """Patched: load_checkpoint goes past the optimizer allow-list to the checkpoint path with transformer_engine
     unimportable. Pristine verl 0.6.1: ModuleNotFoundError before the checkpoint is read."""

@@ -1,4 +1,4 @@
-"""verl patch 0014 (disable_gc switch): declared in Hydra, applied by the real SPMD rollout __init__.
+"""verl patch 0010 (disable_gc switch): declared in Hydra, applied by the real SPMD rollout __init__.
 
 The SPMD ``vLLMRollout.__init__`` of the patched tree runs on CPU with a stand-in ``vllm.LLM`` that
 records its keyword arguments (everything else is the real code path: config dataclass, context
@@ -100,7 +100,7 @@ def test_spmd_rollout_applies_the_switch(patched_imports: Path, monkeypatch: pyt
 
 
 def test_plain_list_graph_sizes_reach_vllm(patched_imports: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """verl 0007: the dataclass holds a plain list; the pristine pin dropped it with a warning."""
+    """verl 0005: the dataclass holds a plain list; the pristine pin dropped it with a warning."""
     _init_rollout(monkeypatch, enforce_eager=False, cudagraph_capture_sizes=[8, 16, 32])
     cc = _RecordingLLM.instances[-1].kwargs["compilation_config"]
     assert list(cc.cudagraph_capture_sizes) == [8, 16, 32]
@@ -108,7 +108,7 @@ def test_plain_list_graph_sizes_reach_vllm(patched_imports: Path, monkeypatch: p
     assert "compilation_config" not in _RecordingLLM.instances[-1].kwargs  # eager: no graphs
 
 
-def test_0011_switch_off_restores_upstream(patched_imports: Path, monkeypatch: pytest.MonkeyPatch,
+def test_switch_off_restores_upstream(patched_imports: Path, monkeypatch: pytest.MonkeyPatch,
                                            caplog: pytest.LogCaptureFixture, clean_hydra: None) -> None:
     """rollout.plain_list_capture_sizes=false: the patched vLLMRollout.__init__ drops the plain list with
     upstream's warning (vLLM's default sizes); true (default, declared in Hydra) passes it."""

@@ -1,4 +1,4 @@
-"""Real torch.compile for the rollout although MindSpeed replaced it (verl patch 0005: the patched tree's
+"""Real torch.compile for the rollout although MindSpeed replaced it (verl patch 0004: the patched tree's
 ``verl/utils/torch_compile.py`` and its two call sites in ``verl/workers/megatron_workers.py``), with MindSpeed's
 replacement simulated on CPU."""
 
@@ -130,7 +130,7 @@ def test_patched_megatron_worker_generate_sequences(tc, monkeypatch) -> None:
     assert src.index("with rollout_torch_compile(rollout_config):") < src.index("get_rollout_class(rollout_config.name")
 
 
-def test_0005_switch_off_restores_upstream(tc, monkeypatch) -> None:
+def test_switch_off_restores_upstream(tc, monkeypatch) -> None:
     """rollout.real_torch_compile=false (declared in verl's RolloutConfig): the patched generate_sequences
     leaves MindSpeed's dummy in place, as the pristine pin does."""
     from omegaconf import OmegaConf

@@ -1,4 +1,4 @@
-"""vllm 0005: the in-process engine client hands draft tokens to the scheduler.
+"""vllm 0002: the in-process engine client hands draft tokens to the scheduler.
 
 Runs the patched ``InprocClient.get_output`` with vLLM's real ``EngineCore.post_step`` bound to a
 stand-in engine core (its scheduler and executor record the calls). In the pristine pin the same

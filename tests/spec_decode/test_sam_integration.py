@@ -567,7 +567,7 @@ def test_train_script_switches_reach_llm(patched_imports: Path, monkeypatch: pyt
 
     off = _llm_kwargs_from_script(patched_imports, monkeypatch, {})
     assert "speculative_config" not in off and "additional_config" not in off
-    # the script's graph sizes reach vLLM as a CompilationConfig (verl 0007: pristine verl 0.6.1 drops
+    # the script's graph sizes reach vLLM as a CompilationConfig (verl 0005: pristine verl 0.6.1 drops
     # rollout.cudagraph_capture_sizes, vllm_rollout_spmd.py:224 wants a ListConfig and the dataclass holds a list);
     # with NPUGRAPH_EX they go to vLLM directly as a dict, below
     script_sizes = [8, 16, 32, 64, 96, 128, 160, 192, 224, 256]  # GRAPH_CAPTURE_SIZES, internal/lib/train_common.sh

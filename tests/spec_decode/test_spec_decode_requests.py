@@ -1,4 +1,4 @@
-"""qwen3_rl.spec_decode.requests: which rollout requests vLLM 0.13 can draft for (verl 0011)."""
+"""qwen3_rl.spec_decode.requests: which rollout requests vLLM 0.13 can draft for (verl 0007)."""
 
 from __future__ import annotations
 

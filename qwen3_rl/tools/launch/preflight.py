@@ -248,7 +248,7 @@ def check_feature_rules(vals: Mapping[str, str], setup: str | None = None) -> li
 def check_spec_decode_requests(vals: Mapping[str, str]) -> list[Finding]:
     """A drafter whose every rollout request vLLM 0.13 would leave undrafted (``vllm/v1/spec_decode/utils.py:9-17``:
     penalties, ``min_p``, log-probs): a warning per setting; ``calculate_log_probs`` with a drafter is an error
-    (verl 0011 stops the rollout at start-up)."""
+    (verl 0007 stops the rollout at start-up)."""
     from qwen3_rl.spec_decode.requests import unsupported_reasons
 
     method = vals.get(R + "engine_kwargs.vllm.speculative_config.method")
@@ -258,7 +258,7 @@ def check_spec_decode_requests(vals: Mapping[str, str]) -> list[Finding]:
     if _get_bool(vals, R + "calculate_log_probs", False):
         out.append(_err("spec-decode", f"speculative_config.method={method} with rollout.calculate_log_probs=True: "
                                        "vLLM 0.13 drafts nothing for requests that ask for log-probs; the rollout "
-                                       "refuses the pair at start-up (patches/verl/0015)"))
+                                       "refuses the pair at start-up (patches/verl/0007)"))
     sampling = {k: vals[R + k] for k in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p")
                 if R + k in vals}
     for why in unsupported_reasons(sampling):

@@ -262,7 +262,7 @@ def test_feature_rules_read_back_from_keys():
 
 def test_spec_decode_requests_a_drafter_can_serve():
     """SAM on through the real 235B script: clean; a penalty the rollout passes to every request is a warning
-    (vLLM drafts nothing for it); calculate_log_probs with SAM is an error (verl 0011 refuses it at start-up)."""
+    (vLLM drafts nothing for it); calculate_log_probs with SAM is an error (verl 0007 refuses it at start-up)."""
     from qwen3_rl.tools.launch.preflight import run_preflight
 
     R = "actor_rollout_ref.rollout."
