@@ -209,11 +209,18 @@ def _rules(env: str, kind: str, raw: object) -> tuple[Rule, ...]:
     return tuple(out)
 
 
-def _seam_key(sets: tuple[Setting, ...]) -> str | None:
-    """The ``qwen3_rl.<feature>.<key>`` a switch sets with its own value (the verl seam's config group), if any."""
+def _seam_key(env: str, sets: tuple[Setting, ...]) -> str | None:
+    """The ``qwen3_rl.<feature>.<key>`` a switch sets with its own value (the verl seam's config group), if any:
+    ``key={value}``, or, for a switch whose one setting is ``qwen3_rl.<feature>.enable=True`` only while the
+    switch is True (the key stays out of the command while off), that ``enable`` key."""
     for s in sets:
         key = s.key.lstrip("+")
         if key.startswith("qwen3_rl.") and s.value == "{value}":
+            return key
+    if len(sets) == 1:
+        s = sets[0]
+        key = s.key.lstrip("+")
+        if key.startswith("qwen3_rl.") and key.endswith(".enable") and s.value == "True" and s.when == {env: ("True",)}:
             return key
     return None
 
@@ -242,7 +249,7 @@ def _feature(env: str, raw: dict) -> Feature:
         raise FeatureError(f"feature.{env}: type must be one of {', '.join(TYPES)}, got {typ!r}")
     sets = tuple(Setting(str(s["key"]), _canon(s["value"]), _conds(s.get("when", {}), f"feature.{env}.sets"))
                  for s in raw.get("sets", []))
-    seam_key = _seam_key(sets)
+    seam_key = _seam_key(env, sets)
     if seam_key is not None and "default" in raw:
         raise FeatureError(f"feature.{env}: sets {seam_key}, whose default is declared in qwen3_rl.trainer.seam; "
                            "drop 'default' here")

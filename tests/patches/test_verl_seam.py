@@ -182,6 +182,9 @@ def test_each_default_declared_once() -> None:
     seen = 0
     for env, f in raw.items():
         keys = [s["key"].lstrip("+") for s in f.get("sets", []) if s["value"] == "{value}"]
+        sets = f.get("sets", [])
+        if len(sets) == 1 and sets[0]["value"] == "True" and sets[0].get("when") == {env: "True"}:
+            keys.append(sets[0]["key"].lstrip("+"))  # the enable key set only while the switch is on (HDP_ENABLE)
         seam = [k for k in keys if k.startswith("qwen3_rl.")]
         if not seam:
             continue
@@ -191,6 +194,7 @@ def test_each_default_declared_once() -> None:
         assert reg.features[env].default == (("True" if want else "False") if isinstance(want, bool) else str(want))
     assert seen >= 8
     assert reg.features["ROLLOUT_REBALANCE_INTERVAL_STEPS"].default == "32"
+    assert reg.features["HDP_ENABLE"].default == "False" and "default" not in raw["HDP_ENABLE"]
     # declaring a default again is refused
     bad = (REPO / "features.toml").read_text().replace(
         '[feature.ROLLOUT_REBALANCE_INTERVAL_STEPS]\n', '[feature.ROLLOUT_REBALANCE_INTERVAL_STEPS]\ndefault = 16\n')
@@ -199,6 +203,11 @@ def test_each_default_declared_once() -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as fh:
         fh.write(bad)
     with pytest.raises(FeatureError, match="declared in qwen3_rl.trainer.seam"):
+        load_registry(fh.name)
+    bad = (REPO / "features.toml").read_text().replace('[feature.HDP_ENABLE]\n', '[feature.HDP_ENABLE]\ndefault = false\n')
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as fh:
+        fh.write(bad)
+    with pytest.raises(FeatureError, match="HDP_ENABLE: sets qwen3_rl.hdp.enable, whose default is declared"):
         load_registry(fh.name)
     # every dataclass field is a plain typed value with a default
     for cls in FEATURES.values():
