@@ -52,6 +52,16 @@ Alone: $QWEN3_RL_ENGINE_VENV/bin/python tests/upstream_own/vllm_cpu.py
 USAGE
 }
 
+collect_background() {
+  # wait for a background check (NAME PID LOG), print its exit code, wait time and log; returns its exit code
+  local name=$1 pid=$2 log=$3 rc=0 t0=${SECONDS}
+  wait "${pid}" || rc=$?
+  echo "== ${name} (exit ${rc}; waited $((SECONDS - t0)) s after the main runs)"
+  cat "${log}"
+  rm -f "${log}"
+  return "${rc}"
+}
+
 main() {
   case "${1:-}" in -h|--help) usage; return 0 ;; esac
   local v
@@ -111,20 +121,12 @@ main() {
       echo "== boundscheck run: $((SECONDS - t0)) s"
     fi
     if [[ -n "${verl_pid}" ]]; then
-      t0=${SECONDS}
       rc_verl=0
-      wait "${verl_pid}" || rc_verl=$?
-      echo "== verl's own CPU tests (exit ${rc_verl}; waited $((SECONDS - t0)) s after the main runs)"
-      cat "${verl_log}"
-      rm -f "${verl_log}"
+      collect_background "verl's own CPU tests" "${verl_pid}" "${verl_log}" || rc_verl=$?
     fi
     if [[ -n "${vllm_pid}" ]]; then
-      t0=${SECONDS}
       rc_vllm=0
-      wait "${vllm_pid}" || rc_vllm=$?
-      echo "== vLLM's own CPU tests (exit ${rc_vllm}; waited $((SECONDS - t0)) s after the main runs)"
-      cat "${vllm_log}"
-      rm -f "${vllm_log}"
+      collect_background "vLLM's own CPU tests" "${vllm_pid}" "${vllm_log}" || rc_vllm=$?
     fi
   fi
   if (( engine_paths || ! main_paths )); then

@@ -138,6 +138,39 @@ def summary(result: dict[str, str]) -> str:
     return ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "nothing collected"
 
 
+def judge(tag: str, upstream: str, procs: dict[str, subprocess.Popen], scratch: Path, t0: float,
+          timeout_s: float = RUN_TIMEOUT_S) -> bool:
+    """Wait for the pristine and the patched run (``procs``: name -> pytest process writing
+    ``scratch/<name>-run/{pytest.log,junit.xml}``), print each run's summary under ``tag`` and whether their
+    outcomes are equal (``t0``: monotonic start, s; ``timeout_s``: per run); False if a run stopped, passed
+    nothing, or the outcomes differ."""
+    results: dict[str, dict[str, str]] = {}
+    ok = True
+    for name, proc in procs.items():
+        rc = proc.wait(timeout=timeout_s)
+        log = (scratch / f"{name}-run" / "pytest.log").read_text(errors="replace")
+        junit = scratch / f"{name}-run" / "junit.xml"
+        results[name] = outcomes(junit) if junit.exists() else {}
+        print(f"{tag}: {name}: pytest exit {rc}; {summary(results[name])}")
+        if rc not in (0, 1) or "passed" not in results[name].values():
+            print(f"error: the {name} run stopped (exit {rc}) or passed nothing; its log:\n{log}", file=sys.stderr)
+            ok = False
+        elif rc == 1:
+            failed = [t for t, o in results[name].items() if o != "passed"]
+            print(f"{tag}: {name}: not passed: {' '.join(failed)}")
+    diff = compare(results["pristine"], results["patched"])
+    if diff:
+        print(f"error: {upstream}'s own CPU tests differ between the pristine and the patched tree:\n" + "\n".join(diff),
+              file=sys.stderr)
+        for name in procs:
+            print(f"--- {name} log\n" + (scratch / f"{name}-run" / "pytest.log").read_text(errors="replace"))
+        ok = False
+    print(f"{tag}: {'equal' if ok else 'NOT equal'} outcomes on both trees "
+          f"({sum(o == 'passed' for o in results['patched'].values())} passed on the patched tree); "
+          f"{time.monotonic() - t0:.0f} s")
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--keep", type=Path, help="scratch directory to use and keep (default: a temporary one)")
@@ -153,31 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"verl-own: {len(files)} files: {' '.join(files)}")
         procs = {name: start_run(tree, files, scratch / f"{name}-run")
                  for name, tree in (("pristine", pristine_tree), ("patched", patched_tree))}
-        results: dict[str, dict[str, str]] = {}
-        ok = True
-        for name, proc in procs.items():
-            rc = proc.wait(timeout=RUN_TIMEOUT_S)
-            log = (scratch / f"{name}-run" / "pytest.log").read_text(errors="replace")
-            junit = scratch / f"{name}-run" / "junit.xml"
-            results[name] = outcomes(junit) if junit.exists() else {}
-            print(f"verl-own: {name}: pytest exit {rc}; {summary(results[name])}")
-            if rc not in (0, 1) or "passed" not in results[name].values():
-                print(f"error: the {name} run stopped (exit {rc}) or passed nothing; its log:\n{log}",
-                      file=sys.stderr)
-                ok = False
-            elif rc == 1:
-                failed = [t for t, o in results[name].items() if o != "passed"]
-                print(f"verl-own: {name}: not passed: {' '.join(failed)}")
-        diff = compare(results["pristine"], results["patched"])
-        if diff:
-            print("error: verl's own CPU tests differ between the pristine and the patched tree:\n" + "\n".join(diff),
-                  file=sys.stderr)
-            for name in procs:
-                print(f"--- {name} log\n" + (scratch / f"{name}-run" / "pytest.log").read_text(errors="replace"))
-            ok = False
-        print(f"verl-own: {'equal' if ok else 'NOT equal'} outcomes on both trees "
-              f"({sum(o == 'passed' for o in results['patched'].values())} passed on the patched tree); "
-              f"{time.monotonic() - t0:.0f} s")
+        ok = judge("verl-own", "verl", procs, scratch, t0)
     return 0 if ok else 1
 
 

