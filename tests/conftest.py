@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import importlib.util
 import os
 import socket
@@ -27,8 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from qwen3_rl.tools.pins import load_pins  # noqa: E402
-from qwen3_rl.tools.upstream.common import default_cache  # noqa: E402
-from qwen3_rl.tools.upstream.download import download_pypi  # noqa: E402
+from qwen3_rl.tools.upstream.download import fill_pristine  # noqa: E402
 
 # vllm-ascend's platform plugin would be picked by every vllm import and fail on torch_npu: load only the
 # recipe's general plugin (qwen3_rl/vllm_plugin.py; its entry point is written beside the patched trees).
@@ -111,20 +108,9 @@ def load_module(path: Path, alias: str) -> ModuleType:
     return mod
 
 
-def _pins_hash() -> str:
-    return hashlib.sha256((REPO / "pins.toml").read_bytes()).hexdigest()[:12]
-
-
 @pytest.fixture(scope="session")
 def pristine_workspace() -> Path:
-    ws = default_cache() / f"pristine-{_pins_hash()}"
-    ws.mkdir(parents=True, exist_ok=True)
-    # tests/upstream_own/verl_cpu.py fills the same cache while this suite runs (tests/run_tests.sh): one at a time
-    with (default_cache() / f"pristine-{_pins_hash()}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        for key in PYPI_KEYS:
-            download_pypi(PINS.frameworks[key], ws, default_cache() / "wheels")
-    return ws
+    return fill_pristine(REPO / "pins.toml", [PINS.frameworks[key] for key in PYPI_KEYS])
 
 
 def _clone(src: Path, dst: Path) -> None:

@@ -78,16 +78,11 @@ def setup(ws: Path, seed: int = 0, sft_steps: int = SFT_STEPS, log=print) -> dic
     from qwen3_rl.tools.pins import load_pins
     from qwen3_rl.tools.tiny_data import make_tiny_data
     from qwen3_rl.tools.tiny_model import TinySpec, make_tiny_model
-    from qwen3_rl.tools.upstream.common import default_cache
-    from qwen3_rl.tools.upstream.download import download_pypi
+    from qwen3_rl.tools.upstream.download import fill_pristine
 
     pins_file = engine_workspace.REPO / "pins.toml"
     pins = load_pins()
-    pristine = default_cache() / f"pristine-{hashlib.sha256(pins_file.read_bytes()).hexdigest()[:12]}"
-    pristine.mkdir(parents=True, exist_ok=True)
-    for fw in pins.frameworks.values():
-        if fw.on_pypi:
-            download_pypi(fw, pristine, default_cache() / "wheels")
+    pristine = fill_pristine(pins_file, [fw for fw in pins.frameworks.values() if fw.on_pypi])
     engine = ws / "cpu-engine"
     engine_workspace.ensure(engine, pristine, log=log)
     tiny = ws / "tiny"

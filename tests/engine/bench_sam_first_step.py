@@ -92,15 +92,14 @@ def main() -> int:
     if args.child:
         child(json.loads(Path(args.child).read_text()))
         return 0
-    import hashlib
 
     from qwen3_rl.tools.tiny_model import TinySpec, make_tiny_model
-    from qwen3_rl.tools.upstream.common import default_cache
+    from qwen3_rl.tools.upstream.download import pristine_dir
 
     import workspace
 
     # the engine tests' pristine upstream tree (tests/conftest.py ``pristine_workspace``)
-    pristine = default_cache() / f"pristine-{hashlib.sha256((REPO / 'pins.toml').read_bytes()).hexdigest()[:12]}"
+    pristine = pristine_dir(REPO / "pins.toml")
     if not pristine.is_dir():
         raise SystemExit(f"no pristine upstream tree at {pristine}: run the engine tests once first")
     with tempfile.TemporaryDirectory() as tmp:

@@ -24,8 +24,6 @@ the tests fail on both trees with ``FileNotFoundError`` and prove nothing about 
 from __future__ import annotations
 
 import argparse
-import fcntl
-import hashlib
 import os
 import subprocess
 import sys
@@ -38,8 +36,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from qwen3_rl.tools.pins import load_pins  # noqa: E402
-from qwen3_rl.tools.upstream.common import default_cache  # noqa: E402
-from qwen3_rl.tools.upstream.download import download_pypi  # noqa: E402
+from qwen3_rl.tools.upstream.download import fill_pristine  # noqa: E402
 
 DESELECT = (
     "tests/trainer/config/test_legacy_config_on_cpu.py::TestConfigComparison::"
@@ -50,17 +47,10 @@ RUN_TIMEOUT_S = 1500
 
 
 def pristine_verl() -> Path:
-    """The pristine verl tree of the pinned wheel (downloaded and unpacked once, cached like the suite's)."""
-    pins = load_pins(REPO / "pins.toml")
-    name = f"pristine-{hashlib.sha256((REPO / 'pins.toml').read_bytes()).hexdigest()[:12]}"
-    ws = default_cache() / name
-    ws.mkdir(parents=True, exist_ok=True)
-    fw = pins.frameworks["verl"]
-    # the main run's pristine_workspace fixture (tests/conftest.py) fills the same cache at the same time
-    with (default_cache() / f"{name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        download_pypi(fw, ws, default_cache() / "wheels")
-    return ws / fw.dir
+    """The pristine verl tree of the pinned wheel (downloaded and unpacked once, in the suite's cache; the main
+    run's ``pristine_workspace`` fixture fills the same cache at the same time)."""
+    fw = load_pins(REPO / "pins.toml").frameworks["verl"]
+    return fill_pristine(REPO / "pins.toml", [fw]) / fw.dir
 
 
 def make_trees(scratch: Path) -> tuple[Path, Path]:

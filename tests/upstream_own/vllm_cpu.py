@@ -64,8 +64,8 @@ TEST_FILES = ("tests/v1/core/test_scheduler.py", "tests/v1/spec_decode/test_ngra
 DESELECT_K = ("not (test_schedule_multimodal_requests or test_schedule_partial_requests or test_no_mm_input_chunking"
               " or test_ec_connector_ or test_priority_scheduling_ec_connector_)")
 RUN_TIMEOUT_S = 900
-#: facebook/opt-125m's config.json as published on the Hugging Face hub (the tests read max_model_len, the
-#: architecture and the vocabulary size from it).
+#: facebook/opt-125m's config.json, written from the published file's fields but not compared with the hub's copy
+#: (no hub access here); the tests read max_model_len, the architecture and the vocabulary size from it.
 OPT_125M_CONFIG = {
     "_name_or_path": "facebook/opt-125m", "activation_dropout": 0.0, "activation_function": "relu",
     "architectures": ["OPTForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 2,

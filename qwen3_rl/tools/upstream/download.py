@@ -15,16 +15,20 @@ vs found and the fix (``--force``).
 
 from __future__ import annotations
 
+import fcntl
 import fnmatch
+import hashlib
 import platform
 import shutil
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from qwen3_rl.tools.pins import Framework, pypi_requirement
 from qwen3_rl.tools.upstream.common import (
     UpstreamError,
     add_local_excludes,
+    default_cache,
     dirty_files,
     git,
     is_git_repo,
@@ -255,3 +259,21 @@ def _checkout(fw: Framework, tree: Path) -> None:
     if fw.submodules:
         git(tree, "submodule", "sync", "--recursive")
         git(tree, "submodule", "update", "-q", "--init", "--recursive", "--force")
+
+
+def pristine_dir(pins_file: Path) -> Path:
+    """``<cache>/pristine-<first 12 hex of sha256(pins file)>``: the shared cache of pristine trees of one pin set."""
+    return default_cache() / f"pristine-{hashlib.sha256(pins_file.read_bytes()).hexdigest()[:12]}"
+
+
+def fill_pristine(pins_file: Path, frameworks: Iterable[Framework]) -> Path:
+    """:func:`pristine_dir` of ``pins_file`` holding the pristine tree of each of ``frameworks`` (from its pinned
+    wheel; made once, verified after). Processes filling the same cache at the same time (the test suite and
+    ``tests/upstream_own/verl_cpu.py``) take turns on a lock file beside it. Returns the cache folder."""
+    ws = pristine_dir(pins_file)
+    ws.mkdir(parents=True, exist_ok=True)
+    with (ws.parent / f"{ws.name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for fw in frameworks:
+            download_pypi(fw, ws, default_cache() / "wheels")
+    return ws
