@@ -171,7 +171,6 @@ _train_add_rollout_overrides() {
     local layout=$1
     overrides+=(
         actor_rollout_ref.rollout.name=vllm
-        actor_rollout_ref.rollout.mode=sync
         "actor_rollout_ref.rollout.n=${N_SAMPLES}"
         actor_rollout_ref.rollout.temperature=1.0
         actor_rollout_ref.rollout.top_p=1.0

@@ -8,7 +8,7 @@ averaged floats can differ in the last bits between ranks, so concat fails with
 
 Rule: keys listed in :data:`TOLERANT_KEYS` are merged with their merge function; every other key
 keeps upstream's behaviour (equal or ``AssertionError``). Besides ``timing``: the rollout's
-speculative-decoding counts (``qwen3_rl.spec_decode.metrics.META_KEY``, verl 0010), one record
+speculative-decoding counts (``qwen3_rl.spec_decode.metrics.META_KEY``, verl 0013), one record
 per engine, are summed.
 """
 

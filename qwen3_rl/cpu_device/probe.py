@@ -1,7 +1,8 @@
 """Observation probes for the tiny CPU training runs (tests/engine/test_e2e_training.py). They change no value.
 
 Installed in every Ray worker by ``sitecustomize.py`` when ``QWEN3_RL_E2E_PROBE_DIR`` is set; they wrap verl's
-sync SPMD rollout (``verl/workers/rollout/vllm_rollout/vllm_rollout_spmd.py`` ``vLLMRollout``) once it is imported:
+sync SPMD rollout (``verl/workers/rollout/vllm_rollout/vllm_rollout_spmd.py`` ``vLLMRollout``) and its server-mode
+worker (``vLLMAsyncRollout``, same module) once imported:
 
 * ``update_weights`` (the weight sync, called by the worker's ``rollout_mode`` before each generation): the
   (name, tensor) stream the actor exports is passed through unchanged and kept; after vLLM has loaded it, every
@@ -12,6 +13,9 @@ sync SPMD rollout (``verl/workers/rollout/vllm_rollout/vllm_rollout_spmd.py`` ``
   Rank 0 also saves what the engine holds after the sync (its named parameters, vLLM's fused layout) as
   ``engine-<n>.safetensors``: the test compares it with an independent conversion of the saved checkpoint.
 * ``generate_sequences``: a start and an end record per call (the fault test kills a worker between them).
+* server mode (``verl/workers/rollout/vllm_rollout/vllm_async_server.py``): every request a vLLM server answers
+  (``vLLMHttpServerBase.generate``): the server's replica rank, the prompt's group key and the response length
+  (the routing test counts sibling pairs per server from these, independently of the router's own counts).
 * verl's ``MegatronCheckpointManager`` (``verl/utils/checkpoint/megatron_checkpoint_manager.py``): after each
   ``save_checkpoint`` and after ``load_checkpoint``, every tensor of the optimizer (each sub-optimizer's main
   parameters and their state: Adam moments, step) is saved as ``optim-<save-step N|load>-rank<r>.pt`` (the resume
@@ -112,9 +116,9 @@ class _Recorder:
             f.write(json.dumps(rec) + "\n")
 
 
-def _wrap_rollout(mod, rec: _Recorder) -> None:
-    cls = mod.vLLMRollout
-    orig_update, orig_generate = cls.update_weights, cls.generate_sequences
+def _wrap_update_weights(cls, rec: _Recorder, worker_of) -> None:
+    """Wrap ``cls.update_weights`` (the weight sync); ``worker_of(rollout)`` is its vLLM worker."""
+    orig_update = cls.update_weights
 
     async def update_weights(self, weights, **kwargs):
         received: dict = {}
@@ -128,7 +132,7 @@ def _wrap_rollout(mod, rec: _Recorder) -> None:
         await orig_update(self, tee(), **kwargs)
         seconds = time.perf_counter() - t0
         rec.syncs += 1
-        worker = self.inference_engine.llm_engine.model_executor.driver_worker.worker
+        worker = worker_of(self)
         model = worker.model_runner.model
         summary = compare(received, dict(model.named_parameters()))
         # which engine the rollout runs: vLLM's CPU worker / runner or vLLM-Ascend's (QWEN3_RL_CPU_ROLLOUT=ascend)
@@ -142,6 +146,16 @@ def _wrap_rollout(mod, rec: _Recorder) -> None:
                       str(rec.root / f"engine-{rec.syncs}.safetensors"))
         rec.write("weight_sync", n=rec.syncs, seconds=seconds, tensors=len(received), **summary)
 
+    cls.update_weights = update_weights
+
+
+def _wrap_rollout(mod, rec: _Recorder) -> None:
+    cls = mod.vLLMRollout
+    orig_generate = cls.generate_sequences
+    _wrap_update_weights(cls, rec, lambda r: r.inference_engine.llm_engine.model_executor.driver_worker.worker)
+    # server mode: the worker process's engine is a WorkerWrapperBase driven by the server's engine core
+    _wrap_update_weights(mod.vLLMAsyncRollout, rec, lambda r: r.inference_engine.worker)
+
     def generate_sequences(self, prompts, **kwargs):
         rec.generations += 1
         n = rec.generations
@@ -153,8 +167,24 @@ def _wrap_rollout(mod, rec: _Recorder) -> None:
                   npu_calls=dict(stand_in.CALLS) if stand_in is not None else None)
         return out
 
-    cls.update_weights = update_weights
     cls.generate_sequences = generate_sequences
+
+
+def _wrap_server(mod, rec: _Recorder) -> None:
+    import hashlib
+    from array import array
+
+    cls = mod.vLLMHttpServerBase
+    orig_generate = cls.generate
+
+    async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
+        key = hashlib.blake2b(array("i", [int(t) for t in prompt_ids]).tobytes(), digest_size=16).hexdigest()
+        out = await orig_generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
+        rec.write("server_request", replica=self.replica_rank, key=key, tokens=len(out.token_ids),
+                  request_id=request_id)
+        return out
+
+    cls.generate = generate
 
 
 def optimizer_tensors(opt) -> dict:
@@ -213,5 +243,6 @@ def install(probe_dir: str) -> None:
     ``probe_dir``."""
     rec = _Recorder(Path(probe_dir))
     post_import.after_import("verl.workers.rollout.vllm_rollout.vllm_rollout_spmd", lambda m: _wrap_rollout(m, rec))
+    post_import.after_import("verl.workers.rollout.vllm_rollout.vllm_async_server", lambda m: _wrap_server(m, rec))
     post_import.after_import("verl.utils.checkpoint.megatron_checkpoint_manager",
                              lambda m: _wrap_checkpoint_manager(m, rec))

@@ -183,7 +183,7 @@ def restore_dataproto_by_index(data: DataProto) -> DataProto:
     return out
 
 
-# ---- trainer wiring (called by verl patch 0010 and qwen3_rl.trainer.dapo) -------------------------
+# ---- trainer wiring (called by verl patch 0013 and qwen3_rl.trainer.dapo) -------------------------
 
 #: verl dispatch mesh of ``generate_sequences`` in the sync rollout (``megatron_workers.py`` registers it).
 ROLLOUT_MESH = "rollout"

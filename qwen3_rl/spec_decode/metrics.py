@@ -1,4 +1,4 @@
-"""vLLM's speculative-decoding counters per rollout, as verl step metrics (verl patch 0010).
+"""vLLM's speculative-decoding counters per rollout, as verl step metrics (verl patch 0013).
 
 Is drafting on? vLLM 0.13 counts, per engine, the drafts it verified and the draft tokens it accepted:
 Prometheus counters ``vllm:spec_decode_num_drafts``, ``vllm:spec_decode_num_draft_tokens`` and
@@ -15,7 +15,7 @@ Prometheus counters ``vllm:spec_decode_num_drafts``, ``vllm:spec_decode_num_draf
 
 Flow:
 
-1. verl's sync rollout (``vLLMRollout.generate_sequences``, verl 0010) reads the counters before and after
+1. verl's sync rollout (``vLLMRollout.generate_sequences``, verl 0013) reads the counters before and after
    its ``generate`` call (:class:`RolloutProbe`, only while ``speculative_config.method`` is set) and puts
    the difference into its output's ``meta_info[META_KEY]``: raw counts
    ``{"num_drafts", "num_draft_tokens", "num_accepted_tokens"}`` of this process's engine.

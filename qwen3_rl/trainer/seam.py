@@ -1,6 +1,6 @@
 """The verl seam: the ``qwen3_rl`` config group, one typed dataclass per feature, and the hooks verl calls.
 
-verl's seam patch (``patches/verl/0010-verl-feature-qwen3_rl_seam.patch``) adds a root config group
+verl's seam patch (``patches/verl/0013-verl-feature-qwen3_rl_seam.patch``) adds a root config group
 ``qwen3_rl`` (empty by default; the rollout workers see it as ``actor_rollout_ref.rollout.qwen3_rl``) and
 ``verl/utils/qwen3_rl_hooks.py``, which imports this module only once the group holds a key. Every
 section of the group is one feature; its dataclass below holds the feature's keys, types and defaults,
@@ -67,6 +67,21 @@ class SpecDecodeMetrics:
 
 
 @dataclass(frozen=True)
+class ServerRouting:
+    """``qwen3_rl.server_routing``: in verl's server rollout (``rollout.mode=async``), a prompt's samples go to
+    one vLLM server: the first picks the server with the fewest requests in flight, its siblings (and the
+    prompt's later visits) follow (:mod:`qwen3_rl.rollout.server_routing`); ``rollout/routing/*`` metrics."""
+
+    enable: bool = False
+    #: prompts remembered per agent-loop worker (least recently used forgotten first)
+    max_prompts: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.max_prompts < 1:
+            raise ValueError(f"max_prompts must be >= 1, got {self.max_prompts}")
+
+
+@dataclass(frozen=True)
 class OldLogProb:
     """``qwen3_rl.old_log_prob``: on-policy update without the old-log-prob forward; the Megatron actor takes
     its own current log-prob (detached) as pi_old (:mod:`qwen3_rl.trainer.old_log_prob`)."""
@@ -103,6 +118,7 @@ FEATURES: dict[str, type] = {
     "data_rebalance": DataRebalance,
     "rollout_rebalance": RebalanceSettings,
     "spec_decode_metrics": SpecDecodeMetrics,
+    "server_routing": ServerRouting,
     "old_log_prob": OldLogProb,
     "hdp": HDPConfig,
     # weight sync
@@ -120,6 +136,7 @@ class RecipeConfig:
     data_rebalance: DataRebalance = field(default_factory=DataRebalance)
     rollout_rebalance: RebalanceSettings = field(default_factory=RebalanceSettings)
     spec_decode_metrics: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
+    server_routing: ServerRouting = field(default_factory=ServerRouting)
     old_log_prob: OldLogProb = field(default_factory=OldLogProb)
     hdp: HDPConfig = field(default_factory=HDPConfig)
     # weight sync
@@ -276,12 +293,18 @@ class TrainerHooks:
         return restore_after_rollout(output, state)
 
     def step_metrics(self, counts: Mapping[str, int]) -> dict[str, float]:
-        """The step's ``rollout/spec_decode/*`` metrics from the counts summed over its generation batches."""
-        if not self.recipe.spec_decode_metrics.enable:
-            return {}
-        from qwen3_rl.spec_decode.metrics import step_metrics
+        """The step's ``rollout/spec_decode/*`` (and, with server routing, ``rollout/routing/*``) metrics from
+        the counts summed over its generation batches."""
+        out: dict[str, float] = {}
+        if self.recipe.spec_decode_metrics.enable:
+            from qwen3_rl.spec_decode.metrics import step_metrics
 
-        return step_metrics(counts)
+            out.update(step_metrics({k: v for k, v in counts.items() if not k.startswith("routing_")}))
+        if self.recipe.server_routing.enable:
+            from qwen3_rl.rollout.server_routing import routing_metrics
+
+            out.update(routing_metrics(counts))
+        return out
 
 
 # ---- rollout side ------------------------------------------------------------------------------------
@@ -334,6 +357,111 @@ class RolloutHooks:
         counts = state.finish()
         # verl's per-worker metrics channel: DataProto.concat lists each collected worker's value per key
         return {"metrics": {f"{META_KEY}/{k}": v for k, v in counts.items()}} if counts else {}
+
+
+# ---- server rollout (verl's agent loop over vLLM servers, rollout.mode=async) ------------------------------
+
+
+class ServerHooks:
+    """Called by verl's server rollout (``verl/experimental/agent_loop/agent_loop.py``):
+
+    * ``AsyncLLMServerManager`` (one per agent-loop worker): :meth:`choose_server` for each request and
+      :meth:`request_done` when its answer is back;
+    * ``AgentLoopWorker.generate_sequences``: :meth:`worker_meta`, the worker's routing counts of the call;
+    * ``AgentLoopManager.generate_sequences`` (the trainer's process): :meth:`before_generate` /
+      :meth:`after_generate` around the call: the servers' spec-decode counter deltas and the workers'
+      routing counts as ``meta_info['metrics']`` entries, which the trainer hooks turn into step metrics.
+    """
+
+    def __init__(self, rollout_config: Any, recipe: RecipeConfig) -> None:
+        self.config = rollout_config
+        self.recipe = recipe
+        self.router: Any = None
+        self._order: dict[Any, int] = {}
+
+    @classmethod
+    def from_rollout_config(cls, rollout_config: Any) -> ServerHooks:
+        """Validate ``actor_rollout_ref.rollout.qwen3_rl`` (DictConfig, dict or RolloutConfig)."""
+        return cls(rollout_config, RecipeConfig.from_group(group_of(rollout_config)))
+
+    # -- in each agent-loop worker --
+
+    def choose_server(self, manager: Any, request_id: str, prompt_ids: Any) -> Any:
+        """The server (Ray actor handle) for one request: verl's own choice unless ``server_routing`` is on."""
+        if not self.recipe.server_routing.enable:
+            return manager._choose_server(request_id)
+        if self.router is None:
+            from qwen3_rl.rollout.server_routing import GroupRouter
+
+            # one order every worker agrees on (each manager shuffles its own list): by Ray actor id
+            handles = sorted(manager.server_handles, key=_actor_key)
+            self._handles = handles
+            self.router = GroupRouter(len(handles), max_keys=self.recipe.server_routing.max_prompts)
+        return self._handles[self.router.choose(request_id, prompt_ids)]
+
+    def request_done(self, request_id: str, output: Any) -> None:
+        """A request's answer is back (``output.token_ids``: its response tokens)."""
+        if self.router is not None:
+            self.router.done(request_id, len(getattr(output, "token_ids", None) or ()))
+
+    def worker_meta(self) -> dict[str, Any]:
+        """The agent-loop worker's routing counts since its last call ({} without routing), for its output's
+        ``meta_info`` (popped again by :meth:`after_generate` before verl concatenates the outputs)."""
+        if self.router is None:
+            return {}
+        return {ROUTING_META_KEY: self.router.take_counts()}
+
+    # -- in the trainer's process (AgentLoopManager) --
+
+    def before_generate(self, server_handles: list[Any]) -> Any:
+        """Before the call: the servers' spec-decode counters (None while the feature or the drafter is off)."""
+        if not self.recipe.spec_decode_metrics.enable:
+            return None
+        from qwen3_rl.spec_decode.requests import speculative_method
+
+        if speculative_method(self.config) is None:
+            return None
+        return _read_server_counters(server_handles)
+
+    def after_generate(self, server_handles: list[Any], state: Any, outputs: list[Any]) -> dict[str, Any]:
+        """After the call, before verl concatenates the workers' ``outputs`` (each one's routing counts are
+        popped from its ``meta_info``): entries for the output's ``meta_info['metrics']``."""
+        from qwen3_rl.spec_decode.metrics import META_KEY, counter_delta, merge_counts
+
+        counts: dict[str, int] = {}
+        for out in outputs:
+            counts = merge_counts(counts, out.meta_info.pop(ROUTING_META_KEY, None))
+        if state is not None:
+            after = _read_server_counters(server_handles)
+            for name, before in state.items():
+                counts = merge_counts(counts, counter_delta(before, after.get(name, {})))
+        return {f"{META_KEY}/{k}": v for k, v in counts.items()}
+
+
+#: an agent-loop worker's output ``meta_info`` key of its routing counts (popped before verl's concat)
+ROUTING_META_KEY = "qwen3_rl_routing"
+
+
+def _actor_key(handle: Any) -> str:
+    actor_id = getattr(handle, "_actor_id", None)
+    return actor_id.hex() if actor_id is not None else repr(handle)
+
+
+def _server_counters(server: Any) -> dict[str, int]:
+    """Inside a vLLM server actor (``__ray_call__``): its engines' spec-decode counters, from vLLM's
+    Prometheus registry in that process (the ``AsyncLLM`` lives there; {} counts with stats off)."""
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+
+    from qwen3_rl.spec_decode.metrics import read_counters
+
+    return read_counters(get_metrics_snapshot())
+
+
+def _read_server_counters(server_handles: list[Any]) -> dict[str, dict[str, int]]:
+    import ray
+
+    counts = ray.get([h.__ray_call__.remote(_server_counters) for h in server_handles])
+    return {_actor_key(h): c for h, c in zip(server_handles, counts, strict=True)}
 
 
 # ---- actor side (verl's Megatron actor, MegatronPPOActor) ------------------------------------------------

@@ -136,7 +136,7 @@ def main() -> int:
         moe.clear()  # the generation below only  # the load of the generation below only (not the profiling and warm-up runs)
     share = len(spec["prompts"]) // world
     mine = spec["prompts"][rank * share:(rank + 1) * share]
-    if spec.get("rebalance"):  # vllm 0003 / verl 0010: rollout rebalance between the DP engines, as verl sets it
+    if spec.get("rebalance"):  # vllm 0003 / verl 0013: rollout rebalance between the DP engines, as verl sets it
         from qwen3_rl.rollout.migration import configure_rollout_rebalance
 
         configure_rollout_rebalance(spec["rebalance"], llm)

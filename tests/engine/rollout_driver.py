@@ -10,7 +10,7 @@ SPEC: {"workspace": DIR, "script": "internal/train_....sh", "env": {VAR: value},
        "ascend": optional bool (vLLM-Ascend's NPUWorker/NPUModelRunner on the CPU stand-in)}
 Result: {"rollout": the resolved rollout config's spec-decode keys, "logprobs": the requests'
 SamplingParams.logprobs, "generations": [{"do_sample", "responses": [[ids]], "metrics": vLLM's
-spec-decode counters accrued by that call, "meta_info": the returned DataProto's meta_info (verl 0010:
+spec-decode counters accrued by that call, "meta_info": the returned DataProto's meta_info (verl 0013:
 the rollout's own counts), "step_metrics": what the trainer logs from it}], "drafter": class}.
 """
 

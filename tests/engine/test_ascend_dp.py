@@ -71,7 +71,7 @@ def _check_eplb_type4(e: dict) -> None:
 
 def test_rollout_rebalance_moves_a_running_request_between_the_dp_engines(engine_ws: Path, tiny_models: dict[str, Path],
                                                                           tmp_path: Path) -> None:
-    """vllm 0003 (seam) + qwen3_rl.rollout (as verl 0010 configures it): rank 0 starts with 3 requests, rank 1 with 1; a
+    """vllm 0003 (seam) + qwen3_rl.rollout (as verl 0013 configures it): rank 0 starts with 3 requests, rank 1 with 1; a
     rebalance round every 4 engine steps moves running requests (their KV blocks) to rank 1, which decodes them on
     and returns the results; every request's output equals HF transformers'."""
     rb = {"rollout_rebalance": True, "rollout_rebalance_interval_steps": 4, "rollout_rebalance_prefill_tokens_per_s": 0}

@@ -70,7 +70,7 @@ def test_sam_drafts_through_verls_rollout(sam_rollout: dict) -> None:
     # temperature 1.0 (the script's): vLLM-Ascend's PyTorch random rejection path verifies the drafts
     print(f"sampled (temperature 1.0) through verl: {sampled['metrics']}")
     assert sampled["metrics"]["spec_decode_num_draft_tokens"] > 0
-    # verl 0010: each call's DataProto carries exactly vLLM's counter deltas of that call
+    # verl 0013: each call's DataProto carries exactly vLLM's counter deltas of that call
     for g in (greedy, sampled):
         m = g["metrics"]
         assert set(g["meta_info"]) == {"metrics"}  # the seam's rollout hook: verl's per-worker metrics channel

@@ -1,4 +1,4 @@
-"""verl bug fix 0010 (self-contained in verl/utils/vllm/patch.py): train->rollout weight sync into vLLM-Ascend's
+"""verl bug fix 0006 (self-contained in verl/utils/vllm/patch.py): train->rollout weight sync into vLLM-Ascend's
 transposed fused-MoE weights.
 
 What runs for real (patched trees via ``patched_imports``):
@@ -45,7 +45,7 @@ import torch
 
 @pytest.fixture(scope="module")
 def vp(patched_imports: Path) -> types.ModuleType:
-    """The patched ``verl.utils.vllm.patch`` (bug fix 0010 applied), with vLLM 0.13 from the patched workspace."""
+    """The patched ``verl.utils.vllm.patch`` (bug fix 0006 applied), with vLLM 0.13 from the patched workspace."""
     import verl.utils.vllm.patch as vp
 
     assert Path(vp.__file__).is_relative_to(patched_imports)

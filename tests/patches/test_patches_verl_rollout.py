@@ -1,4 +1,4 @@
-"""verl patch 0010 (disable_gc switch): declared in Hydra, applied by the real SPMD rollout __init__.
+"""verl patch 0013 (disable_gc switch): declared in Hydra, applied by the real SPMD rollout __init__.
 
 The SPMD ``vLLMRollout.__init__`` of the patched tree runs on CPU with a stand-in ``vllm.LLM`` that
 records its keyword arguments (everything else is the real code path: config dataclass, context

@@ -1,6 +1,6 @@
 """Rollout balancing wired into the trainers and the engine loop.
 
-* data rebalance: verl patch 0010 drives RayPPOTrainer.fit (GRPO, with validation and balance_batch) and
+* data rebalance: verl patch 0013 drives RayPPOTrainer.fit (GRPO, with validation and balance_batch) and
   our DAPO trainer (filter_groups, two generation batches) on the patched verl on CPU with fake worker
   groups: the batch reaches ``generate_sequences`` dealt over the rollout DP pieces and comes back in
   dataset order with each response and reward on its prompt's row; uneven / async errors; Hydra keys.

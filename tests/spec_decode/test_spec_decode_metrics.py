@@ -1,4 +1,4 @@
-"""vLLM's spec-decode counters per rollout as verl step metrics (qwen3_rl.spec_decode.metrics, verl 0010).
+"""vLLM's spec-decode counters per rollout as verl step metrics (qwen3_rl.spec_decode.metrics, verl 0013).
 
 * the pure module: counts from ``LLM.get_metrics()`` items, deltas, sums, step metrics, stats-off warning;
 * the names and types against vLLM 0.13's own ``SpecDecodingProm`` + ``get_metrics_snapshot`` (patched tree);

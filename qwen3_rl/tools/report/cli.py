@@ -28,7 +28,7 @@ TABLE_KEYS = (
     "timing_s/generate_sequences",
     "timing_s/update_actor",
     "timing_s/step",
-    # speculative decoding (verl 0010; only in logs of runs with a drafter and vLLM stats on)
+    # speculative decoding (verl 0013; only in logs of runs with a drafter and vLLM stats on)
     "rollout/spec_decode/draft_tokens",
     "rollout/spec_decode/acceptance_rate",
 )

@@ -232,7 +232,7 @@ def test_dispatcher_report(tmp_path):
 
 
 def test_spec_decode_columns_when_the_log_carries_them(tmp_path, capsys):
-    """verl 0010's rollout/spec_decode/* items (SAM on): the table shows drafted tokens and the acceptance
+    """verl 0013's rollout/spec_decode/* items (SAM on): the table shows drafted tokens and the acceptance
     rate, plus one summary line; logs without them show neither."""
     spec = {1: "rollout/spec_decode/num_drafts:1200 - rollout/spec_decode/draft_tokens:3400 - "
                "rollout/spec_decode/accepted_tokens:1700 - rollout/spec_decode/acceptance_rate:0.5 - "

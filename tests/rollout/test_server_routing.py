@@ -1,0 +1,190 @@
+"""Group routing for verl's server rollout (qwen3_rl.rollout.server_routing) and its seam hooks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from qwen3_rl.rollout.server_routing import GroupRouter, VerlLeastAssigned, prompt_key, routing_metrics
+
+
+def _grpo_requests(prompts: int, n: int, seed: int = 0) -> list[tuple[str, list[int]]]:
+    """``prompts`` x ``n`` requests as verl's agent loop sends them: one request id per sample, a prompt's
+    samples adjacent (``DataProto.repeat(n, interleave=True)``)."""
+    rng = random.Random(seed)
+    out = []
+    for p in range(prompts):
+        ids = [rng.randrange(1, 500) for _ in range(rng.randrange(5, 40))]
+        out += [(f"req-{p}-{s}", ids) for s in range(n)]
+    return out
+
+
+def test_prompt_key_is_the_sam_group_key() -> None:
+    from qwen3_rl.spec_decode.sam import group_key
+
+    for ids in ([1, 2, 3], [70000, 5], list(range(300))):
+        assert prompt_key(ids) == group_key(ids)
+    assert prompt_key([1, 2]) != prompt_key([2, 1])
+
+
+def test_siblings_share_a_server_and_new_prompts_go_to_the_least_loaded() -> None:
+    r = GroupRouter(3)
+    reqs = _grpo_requests(prompts=12, n=8)
+    chosen = {rid: r.choose(rid, ids) for rid, ids in reqs}
+    for p in range(12):
+        assert len({chosen[f"req-{p}-{s}"] for s in range(8)}) == 1
+    # every prompt picked the server with the fewest requests in flight (nothing finished yet): round robin
+    firsts = [chosen[f"req-{p}-0"] for p in range(12)]
+    assert firsts == [0, 1, 2] * 4
+    assert r.in_flight == [32, 32, 32]
+    # finished requests free their server: the next prompt goes where the most finished
+    for s in range(8):
+        r.done(f"req-1-{s}", response_tokens=10)
+    assert r.choose("new-0", [9, 9, 9]) == 1
+
+
+def test_counts_ours_against_verl_replayed_on_the_same_requests() -> None:
+    r = GroupRouter(2)
+    for rid, ids in _grpo_requests(prompts=4, n=8):
+        r.choose(rid, ids)
+        r.done(rid, response_tokens=len(ids))
+    c = r.take_counts()
+    assert c["routing_requests"] == 32
+    assert c["routing_sibling_pairs"] == 4 * 28
+    assert c["routing_sibling_pairs_same"] == 4 * 28  # ours: every pair on one server
+    # verl: least-assigned per request id alternates the two servers, 4 + 4 samples of each prompt
+    assert c["routing_verl_sibling_pairs_same"] == 4 * 2 * 6
+    assert c["routing_requests_s0"] + c["routing_requests_s1"] == 32
+    assert c["routing_verl_requests_s0"] == c["routing_verl_requests_s1"] == 16
+    m = routing_metrics(c)
+    assert m["rollout/routing/sibling_same_engine"] == 1.0
+    assert m["rollout/routing/verl_sibling_same_engine"] == pytest.approx(48 / 112)
+    assert m["rollout/routing/verl_load_spread_requests"] == 1.0
+    # counts are reset by take_counts
+    assert r.take_counts()["routing_requests"] == 0
+
+
+def test_verl_replay_matches_verls_policy() -> None:
+    """Sticky per request id, else fewest assigned so far."""
+    v = VerlLeastAssigned(3)
+    assert [v.choose(f"r{i}") for i in range(6)] == [0, 1, 2, 0, 1, 2]
+    assert v.choose("r1") == 1 and v.assigned == [2, 2, 2]
+
+
+def test_same_request_id_keeps_its_server_and_forgotten_prompts_pick_anew() -> None:
+    r = GroupRouter(2, max_keys=1)
+    a = r.choose("a", [1, 2, 3])
+    assert r.choose("a", [1, 2, 3]) == a  # multi-turn: same request id, same server (verl's stickiness)
+    b = r.choose("b", [4, 5])  # evicts [1, 2, 3]
+    assert b != a and len(r.server_of_key) == 1
+    r.done("a", 5)
+    r.done("b", 5)
+    r.choose("c", [1, 2, 3])  # forgotten: placed as a new prompt (both idle, one request each: index 0)
+    assert r.server_of_key[prompt_key([1, 2, 3])] == 0
+
+
+def test_routing_metrics_of_summed_counts_and_empty() -> None:
+    assert routing_metrics({}) == {}
+    assert routing_metrics({"routing_requests": 0}) == {}
+    c1 = GroupRouter(2)
+    c2 = GroupRouter(2)
+    for r, reqs in ((c1, _grpo_requests(2, 4, seed=1)), (c2, _grpo_requests(2, 4, seed=2))):
+        for rid, ids in reqs:
+            r.choose(rid, ids)
+            r.done(rid, 3)
+    from qwen3_rl.spec_decode.metrics import merge_counts
+
+    total = merge_counts(c1.take_counts(), c2.take_counts())
+    m = routing_metrics(total)
+    assert m["rollout/routing/requests"] == 16
+    assert m["rollout/routing/sibling_same_engine"] == 1.0
+    assert m["rollout/routing/load_spread_tokens"] == pytest.approx(1.0)
+
+
+def test_router_refuses_no_servers() -> None:
+    with pytest.raises(ValueError, match="at least one server"):
+        GroupRouter(0)
+
+
+# ---- the seam's server hooks (qwen3_rl.trainer.seam.ServerHooks) ---------------------------------------
+
+
+class _Handle:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._actor_id = bytes.fromhex(name)
+
+    def __repr__(self) -> str:
+        return f"H({self.name})"
+
+
+class _Manager:
+    """What ServerHooks reads of verl's AsyncLLMServerManager: its (shuffled) handles and _choose_server."""
+
+    def __init__(self, handles: list[_Handle]) -> None:
+        self.server_handles = handles
+        self.calls: list[str] = []
+
+    def _choose_server(self, request_id: str) -> _Handle:
+        self.calls.append(request_id)
+        return self.server_handles[len(self.calls) % len(self.server_handles)]
+
+
+def _hooks(group: dict) -> object:
+    from qwen3_rl.trainer.seam import ServerHooks
+
+    return ServerHooks.from_rollout_config({"qwen3_rl": group})
+
+
+def test_server_hooks_route_by_prompt_in_an_order_every_worker_shares() -> None:
+    from qwen3_rl.trainer.seam import ROUTING_META_KEY
+
+    handles = [_Handle("bb"), _Handle("aa"), _Handle("cc")]
+    seen = []
+    for order in (handles, list(reversed(handles))):  # two workers, each with its own shuffle
+        hooks = _hooks({"server_routing": {"enable": True}})
+        mgr = _Manager(order)
+        got = [hooks.choose_server(mgr, f"r{i}", [7, 7, i // 4]) for i in range(8)]
+        assert mgr.calls == []  # verl's own choice is not asked
+        seen.append([h.name for h in got])
+        for i in range(8):
+            hooks.request_done(f"r{i}", type("O", (), {"token_ids": [1, 2, 3]})())
+        meta = hooks.worker_meta()
+        assert meta[ROUTING_META_KEY]["routing_tokens_s0"] + meta[ROUTING_META_KEY]["routing_tokens_s1"] == 24
+    assert seen[0] == seen[1] == ["aa"] * 4 + ["bb"] * 4
+
+
+def test_server_hooks_without_routing_ask_verl_and_report_nothing() -> None:
+    hooks = _hooks({"spec_decode_metrics": {"enable": True}})
+    mgr = _Manager([_Handle("aa"), _Handle("bb")])
+    assert hooks.choose_server(mgr, "r0", [1]) is mgr.server_handles[1]
+    assert mgr.calls == ["r0"]
+    assert hooks.worker_meta() == {}
+
+
+def test_server_hooks_after_generate_pops_worker_counts_for_the_trainer() -> None:
+    from qwen3_rl.spec_decode.metrics import META_KEY
+    from qwen3_rl.trainer.seam import ROUTING_META_KEY, RecipeConfig, TrainerHooks, pop_rollout_counts
+
+    hooks = _hooks({"server_routing": {"enable": True}})
+    outs = [type("Out", (), {"meta_info": {ROUTING_META_KEY: {"routing_requests": 3, "routing_sibling_pairs": 3,
+                                                                "routing_sibling_pairs_same": 3}}})()
+            for _ in range(2)]
+    metrics = hooks.after_generate([], None, outs)
+    assert all(ROUTING_META_KEY not in o.meta_info for o in outs)
+    assert metrics[f"{META_KEY}/routing_requests"] == 6
+    counts = pop_rollout_counts({"metrics": metrics})
+    trainer = TrainerHooks({}, RecipeConfig.from_group({"server_routing": {"enable": True}}))
+    step = trainer.step_metrics(counts)
+    assert step["rollout/routing/sibling_same_engine"] == 1.0
+    assert not any(k.startswith("rollout/spec_decode/") for k in step)
+
+
+def test_server_routing_config_is_validated() -> None:
+    from qwen3_rl.trainer.seam import SeamConfigError
+
+    with pytest.raises(SeamConfigError, match=r"qwen3_rl.server_routing.enable must be bool"):
+        _hooks({"server_routing": {"enable": "yes"}})
+    with pytest.raises(SeamConfigError, match=r"qwen3_rl.server_routing: max_prompts must be >= 1"):
+        _hooks({"server_routing": {"enable": True, "max_prompts": 0}})
