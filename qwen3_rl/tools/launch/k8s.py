@@ -179,8 +179,12 @@ def main(argv: list[str]) -> int:
     except K8sError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    import yaml
-
+    try:
+        import yaml
+    except ImportError:
+        print(f"error: launch k8s writes the manifest with PyYAML, which {sys.executable} lacks: "
+              "pip install pyyaml", file=sys.stderr)
+        return 2
     text = yaml.safe_dump(doc, sort_keys=False, default_flow_style=False)
     if a.out:
         Path(a.out).write_text(text)

@@ -352,7 +352,11 @@ def check_datasets(vals: Mapping[str, str]) -> list[Finding]:
             continue
         try:
             import pyarrow.parquet as pq
-
+        except ImportError:  # a python without the runtime stack (a dry run on a login node): the file only
+            out.append(_warn("data", f"{key}: {path} exists; its columns are not checked (no pyarrow in "
+                                     f"{sys.executable})"))
+            continue
+        try:
             names = set(pq.read_schema(path).names)
         except Exception as exc:  # pyarrow raises several types for a non-parquet file
             out.append(_err("data", f"{key}: {path} is not a readable parquet file ({type(exc).__name__})"))
