@@ -33,7 +33,8 @@ table instead of the linear model: ``t = table(B, B + drafted, C / B)`` with ``B
 their mean context. The gains are the same; the kept set is still every ``g`` above a threshold, but the step time is
 no longer linear in the drafted tokens, so the threshold is found by a sweep: one pass files the gains in
 ``_BINS`` bins of width ``1 / _BINS`` (count and sum per bin), then the modelled throughput is evaluated for every
-threshold at a bin edge (top bin down) and the best is kept (``_choose_table``). ``uniform=True`` prices each k of
+threshold at a bin edge (top bin down); the gains of the best edge's bin and of the next non-empty bin below it are
+then tried one by one (sorted), and the best threshold is kept (``_choose_table``). ``uniform=True`` prices each k of
 1..k_max at ``table(B, B + n * k, C / B)``.
 """
 
@@ -171,6 +172,7 @@ def _choose_table(a, tail, avail, runs, q_grid, curve, kmin, uniform, cnt, gsum,
                 b = min(int(g * nb), nb - 1)
                 cnt[b] += 1.0
                 gsum[b] += g
+    floor_gain, floor_m = gain, m
     best = gain / price(q_grid, curve, 1.0 + m / runs)
     cut = nb  # keep the gains of bins >= cut
     for b in range(nb - 1, -1, -1):
@@ -182,11 +184,46 @@ def _choose_table(a, tail, avail, runs, q_grid, curve, kmin, uniform, cnt, gsum,
         if val > best:
             best = val
             cut = b
+    # refine at the boundary: the cut bin and the next non-empty bin below it, gain by gain (a bin may hold gains
+    # on both sides of the best threshold when the curve bends inside it)
+    hi = cut if cut < nb else -1
+    lo = min(cut, nb) - 1
+    while lo >= 0 and cnt[lo] == 0.0:
+        lo -= 1
+    top_b = hi if hi >= 0 else lo
+    if top_b < 0:  # nothing beyond the floor
+        thr = 2.0
+    else:
+        gain, m = floor_gain, floor_m
+        for b in range(top_b + 1, nb):
+            gain += gsum[b]
+            m += cnt[b]
+        size = int(cnt[top_b]) + (int(cnt[lo]) if lo >= 0 and lo != top_b else 0)
+        region = np.empty(size)
+        r = 0
+        for i in range(n):
+            top = min(avail[i], km)
+            for j in range(min(top, kmin), top):
+                g = a[i] * tail[j]
+                b = min(int(g * nb), nb - 1)
+                if b == top_b or b == lo:
+                    region[r] = g
+                    r += 1
+        region = -np.sort(-region)
+        thr = (top_b + 1.0) / nb  # none of the region
+        best = gain / price(q_grid, curve, 1.0 + m / runs)
+        for t in range(size):
+            gain += region[t]
+            m += 1.0
+            val = gain / price(q_grid, curve, 1.0 + m / runs)
+            if val > best:
+                best = val
+                thr = region[t]
     longest = 0
     for i in range(n):
         top = min(avail[i], km)
         k = min(top, kmin)
-        while k < top and min(int(a[i] * tail[k] * nb), nb - 1) >= cut:
+        while k < top and a[i] * tail[k] >= thr:
             k += 1
         out[i] = k
         longest = max(longest, k)
