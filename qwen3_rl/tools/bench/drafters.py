@@ -36,6 +36,11 @@ k), ``sam_group_history`` (the earlier responses in the history store), with ``-
 ``bulk_mean_accepted`` / ``tail_mean_accepted`` (steps with more than / at most 8 requests running) and
 ``tail_steps``; their cost runs with the history store filled (``history_texts``: the prompt's responses reversed,
 as for the cache fill; ``--history-cost-verbatim``: verbatim, which holds each sibling's own continuation).
+
+``--cost-table FILE[@SHAPE]`` (repeatable; measured verification step times, ``spec_decode/cost_table.py``):
+``sam_group_adaptive`` chooses its lengths priced by the (first) table, and ``cost_cells`` gives, per shape and
+(B, ctx) cell of every table, the per-step speedup over no drafting of fixed k = 1, 3, 7, 15 and adaptive k on the
+visit replay with ``--history H`` (``cost_cells``: tail steps for B <= 8, bulk steps above; ``priced_speedup``).
 """
 
 from __future__ import annotations
