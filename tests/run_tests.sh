@@ -8,7 +8,8 @@ VENV="${QWEN3_RL_VENV:-${HOME}/.cache/qwen3_rl/venv}"
 ENGINE_VENV="${QWEN3_RL_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/engine-venv}"
 SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_decode/test_sibling_exchange.py tests/spec_decode/test_sam_warm_up.py
                        tests/spec_decode/test_sam_exchange_hook.py tests/spec_decode/test_sam_group_key.py tests/spec_decode/test_sam_boundscheck.py
-                       tests/spec_decode/test_sam_history.py tests/spec_decode/test_sam_adaptive_k.py)
+                       tests/spec_decode/test_sam_history.py tests/spec_decode/test_sam_adaptive_k.py
+                       tests/spec_decode/test_sam_cost_table.py)
 # Tests of those files the boundscheck run leaves out: they run no kernel on inputs the others do not (benchmark and
 # simulator CLIs, warm-up/cache commands that compile every kernel again in fresh processes, config checks, engine
 # hook wiring, the group key (a hash, no kernel) through verl's data rebalance, pure cost models). The main run runs
@@ -25,7 +26,8 @@ BOUNDSCHECK_NOT_KERNELS=(test_benchmark_smoke test_construction_compiles_every_k
                          test_patched_engine_step_calls_the_hook_after_dummy_and_real_steps
                          test_history_needs_group_mode_and_parses_from_sam_config
                          test_group_key_survives_data_rebalance_and_its_inverse
-                         test_out_of_range_index_raises_under_boundscheck)
+                         test_out_of_range_index_raises_under_boundscheck
+                         test_warm_up_compiles_the_table_kernels test_corpus_goals_on_the_h100_table)
 
 usage() {
   cat <<'USAGE'

@@ -27,6 +27,15 @@ about ``base`` whatever the draft length: drafts get long.
 
 ``uniform=True`` (``pad_drafts``, graph mode): one k for the whole step (the best of 1..k_max), every draft
 padded to it, so the step is a uniform decode batch.
+
+With a measured cost table (``table``, ``cost_table.py``; ``sam_config.cost_table``) the step time comes from the
+table instead of the linear model: ``t = table(B, B + drafted, C / B)`` with ``B`` the running sequences and ``C / B``
+their mean context. The gains are the same; the kept set is still every ``g`` above a threshold, but the step time is
+no longer linear in the drafted tokens, so the threshold is found by a sweep: one pass files the gains in
+``_BINS`` bins of width ``1 / _BINS`` (count and sum per bin), then the modelled throughput is evaluated for every
+threshold at a bin edge (top bin down); the gains of the best edge's bin and of the next non-empty bin below it are
+then tried one by one (sorted), and the best threshold is kept (``_choose_table``). ``uniform=True`` prices each k of
+1..k_max at ``table(B, B + n * k, C / B)``.
 """
 
 from __future__ import annotations
@@ -35,10 +44,12 @@ import numpy as np
 from numba import njit
 
 from qwen3_rl.spec_decode._sam_kernels import CACHE
+from qwen3_rl.spec_decode.cost_table import CostTable, curve_into, price
 
 _FIRST_DECAY = 0.7  # weight of a request's past in its first-token acceptance estimate (per step)
 _POS_DECAY = 0.995  # decay of the batch-wide per-position counts (per step)
 _PRIOR = 2.0  # pseudo-observations of the batch prior in a request's estimate
+_BINS = 512  # gain bins of the table-priced threshold sweep (gains are probabilities in [0, 1])
 
 
 @njit(cache=CACHE)
@@ -119,22 +130,137 @@ def _choose(a, tail, avail, runs, base, tok, kmin, uniform, out):  # pragma: no 
     return longest
 
 
+@njit(cache=CACHE)
+def _choose_table(a, tail, avail, runs, q_grid, curve, kmin, uniform, cnt, gsum, out):  # pragma: no cover - numba
+    """Draft lengths into ``out`` (int64[n]) for gains ``g[i, j] = a[i] * tail[j]`` (j < avail[i]) with the step
+    priced on a table curve (``cost_table.curve_into`` over ``q_grid`` = 1 + k, at the step's B and context):
+    drafted tokens ``m`` cost ``price(q_grid, curve, 1 + m / runs)``. ``cnt`` / ``gsum``: float64[_BINS] scratch.
+    Returns the uniform k (uniform mode) or the longest length."""
+    n = a.shape[0]
+    km = tail.shape[0]
+    if uniform:
+        best_k = kmin
+        best = -1.0
+        gain = 0.0
+        for k in range(1, km + 1):
+            for i in range(n):
+                if k <= avail[i]:
+                    gain += a[i] * tail[k - 1]
+            if k >= kmin:
+                val = (runs + gain) / price(q_grid, curve, 1.0 + n * k / runs)
+                if val > best:
+                    best = val
+                    best_k = k
+        for i in range(n):
+            out[i] = min(avail[i], best_k)
+        return best_k
+    nb = cnt.shape[0]
+    for b in range(nb):
+        cnt[b] = 0.0
+        gsum[b] = 0.0
+    gain = runs  # every running request advances its bonus token
+    m = 0.0
+    for i in range(n):  # the floor's tokens are always kept; the rest go to the bins
+        top = min(avail[i], km)
+        floor = min(top, kmin)
+        for j in range(top):
+            g = a[i] * tail[j]
+            if j < floor:
+                gain += g
+                m += 1.0
+            else:
+                b = min(int(g * nb), nb - 1)
+                cnt[b] += 1.0
+                gsum[b] += g
+    floor_gain, floor_m = gain, m
+    best = gain / price(q_grid, curve, 1.0 + m / runs)
+    cut = nb  # keep the gains of bins >= cut
+    for b in range(nb - 1, -1, -1):
+        if cnt[b] == 0.0:
+            continue
+        m += cnt[b]
+        gain += gsum[b]
+        val = gain / price(q_grid, curve, 1.0 + m / runs)
+        if val > best:
+            best = val
+            cut = b
+    # refine at the boundary: the cut bin and the next non-empty bin below it, gain by gain (a bin may hold gains
+    # on both sides of the best threshold when the curve bends inside it)
+    hi = cut if cut < nb else -1
+    lo = min(cut, nb) - 1
+    while lo >= 0 and cnt[lo] == 0.0:
+        lo -= 1
+    top_b = hi if hi >= 0 else lo
+    if top_b < 0:  # nothing beyond the floor
+        thr = 2.0
+    else:
+        gain, m = floor_gain, floor_m
+        for b in range(top_b + 1, nb):
+            gain += gsum[b]
+            m += cnt[b]
+        size = int(cnt[top_b]) + (int(cnt[lo]) if lo >= 0 and lo != top_b else 0)
+        region = np.empty(size)
+        r = 0
+        for i in range(n):
+            top = min(avail[i], km)
+            for j in range(min(top, kmin), top):
+                g = a[i] * tail[j]
+                b = min(int(g * nb), nb - 1)
+                if b == top_b or b == lo:
+                    region[r] = g
+                    r += 1
+        region = -np.sort(-region)
+        thr = (top_b + 1.0) / nb  # none of the region
+        best = gain / price(q_grid, curve, 1.0 + m / runs)
+        for t in range(size):
+            gain += region[t]
+            m += 1.0
+            val = gain / price(q_grid, curve, 1.0 + m / runs)
+            if val > best:
+                best = val
+                thr = region[t]
+    longest = 0
+    for i in range(n):
+        top = min(avail[i], km)
+        k = min(top, kmin)
+        while k < top and a[i] * tail[k] >= thr:
+            k += 1
+        out[i] = k
+        longest = max(longest, k)
+    return longest
+
+
 class AdaptiveK:
     """Per-request draft lengths, one step at a time.
 
     Args:
         k_max: longest draft (vLLM's ``num_speculative_tokens``; vLLM-Ascend's attention takes k + 1 <= 16).
         k_min: floor of a draft that the drafter has tokens for.
-        base_ms, seq_ms, token_ms, kctx_ms: the verification cost model (module docstring).
+        base_ms, seq_ms, token_ms, kctx_ms: the linear verification cost model (module docstring); unused with
+            ``table``.
         uniform: one k per step for every request (pad_drafts).
+        table: measured step times (``cost_table.CostTable``) that price the step instead of the linear model;
+            its grid must reach k_max.
     """
 
     def __init__(self, k_max: int, k_min: int = 1, base_ms: float = 59.64, seq_ms: float = 0.3614,
-                 token_ms: float = 0.0585, kctx_ms: float = 0.07064, uniform: bool = False) -> None:
+                 token_ms: float = 0.0585, kctx_ms: float = 0.07064, uniform: bool = False,
+                 table: CostTable | None = None) -> None:
         if not 1 <= k_min <= k_max:
             raise ValueError(f"need 1 <= k_min <= k_max, got {k_min}, {k_max}")
+        if table is not None and table.k_max < k_max:
+            raise ValueError(f"cost table {table.source or table.shape} measures k <= {table.k_max}, below the "
+                             f"longest draft k_max = {k_max}")
         self.k_max, self.k_min, self.uniform = k_max, k_min, uniform
         self.base_ms, self.seq_ms, self.token_ms, self.kctx_ms = base_ms, seq_ms, token_ms, kctx_ms
+        self.table = table
+        # benches: (B, context tokens per request) that price every step instead of the step's own (``pin``)
+        self.cell: tuple[float, float] | None = None
+        if table is not None:
+            self._q = table.q
+            self._curve = np.empty(table.k.shape[0])
+            self._cnt = np.empty(_BINS)
+            self._gsum = np.empty(_BINS)
         # batch-wide per position: drafts that reached position j (j-1 accepted) and accepted it
         self.reach = np.full(k_max, 2.0)
         self.acc = np.full(k_max, 1.0)
@@ -168,6 +294,13 @@ class AdaptiveK:
         _observe(slots, np.ascontiguousarray(drafted, np.int64), np.ascontiguousarray(accepted, np.int64),
                  self.reach, self.acc, self.first, _POS_DECAY, _FIRST_DECAY)
 
+    def pin(self, n: float, ctx: float) -> None:
+        """Benches: price every step as a step of ``n`` running requests with ``ctx`` context tokens each (one cell
+        of the table), whatever the step's own batch; needs ``table``."""
+        if self.table is None:
+            raise ValueError("pin needs a cost table")
+        self.cell = (float(n), float(ctx))
+
     # ------------------------------------------------------------------ choice
     def cond(self) -> np.ndarray:
         """Batch-wide acceptance of position j given j - 1 accepted, float[k_max]."""
@@ -197,13 +330,27 @@ class AdaptiveK:
         a = np.where(a < 0, prior, a)
         a = (a + _PRIOR * prior) / (1.0 + _PRIOR)
         tail = np.cumprod(np.concatenate(([1.0], c[1:])))  # P_j = c_2 ... c_j
-        base = self.base_ms + self.seq_ms * runs + self.kctx_ms * ctx_tokens / 1000.0
         k_out = np.empty(n, np.int64)
-        self.last_k = int(_choose(a, tail, avail, float(runs), base, self.token_ms, self.k_min, self.uniform, k_out))
+        if self.table is None:
+            base = self.base_ms + self.seq_ms * runs + self.kctx_ms * ctx_tokens / 1000.0
+            self.last_k = int(_choose(a, tail, avail, float(runs), base, self.token_ms, self.k_min, self.uniform,
+                                      k_out))
+        else:
+            t = self.table
+            b, c = self.cell if self.cell is not None else (float(runs), ctx_tokens / runs)
+            curve_into(t.b, t.ctx, t.ms, b, c, self._curve)
+            self.last_k = int(_choose_table(a, tail, avail, float(runs), self._q, self._curve, self.k_min,
+                                            self.uniform, self._cnt, self._gsum, k_out))
         self.k_hist += np.bincount(k_out, minlength=self.k_max + 1)[: self.k_max + 1]
         self.step_hist[self.last_k] += 1
         return k_out
 
     def step_ms(self, n: int, drafted: int, ctx_tokens: float) -> float:
-        """The cost model: modelled verification time (ms) of one step."""
+        """The cost model: modelled verification time (ms) of one step of ``n`` sequences with ``drafted`` draft
+        tokens in all and ``ctx_tokens`` context tokens in all (the table at ``pin``'s cell when pinned)."""
+        if self.table is not None:
+            if n <= 0:
+                return 0.0
+            b, c = self.cell if self.cell is not None else (float(n), ctx_tokens / n)
+            return self.table.step_ms(b, b * (1.0 + drafted / n), c)
         return self.base_ms + self.seq_ms * n + self.token_ms * drafted + self.kctx_ms * ctx_tokens / 1000.0

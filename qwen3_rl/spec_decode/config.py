@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import fields
 from typing import Any
 
+from qwen3_rl.spec_decode.cost_table import CostTable, CostTableError, load_cost_table
 from qwen3_rl.spec_decode.sam import SamConfig
 
 METHOD = "sam"
@@ -41,6 +42,7 @@ SAM_TOP_LEVEL_KEYS = frozenset({
 SAM_OPTIONS = tuple(f.name for f in fields(SamConfig) if f.name != "num_speculative_tokens")
 _BOOL_OPTIONS = frozenset({"group_mode", "pad_drafts", "group_exchange", "adaptive_k"})
 _FLOAT_OPTIONS = frozenset({"verify_base_ms", "verify_seq_ms", "verify_token_ms", "verify_kctx_ms"})
+_STR_OPTIONS = frozenset({"rule", "cost_table"})
 
 
 def _unknown(keys: Iterable[str], known: Iterable[str]) -> list[str]:
@@ -111,15 +113,33 @@ def parse_sam_options(raw: Mapping[str, Any] | None, k: int = SamConfig.num_spec
     if bad:
         raise ValueError(f"speculative_config.sam_config: unknown option(s) {bad}; accepted: {list(SAM_OPTIONS)}")
     for key, val in raw.items():
-        want = bool if key in _BOOL_OPTIONS else str if key == "rule" else float if key in _FLOAT_OPTIONS else int
+        want = bool if key in _BOOL_OPTIONS else str if key in _STR_OPTIONS else float if key in _FLOAT_OPTIONS else int
         ok = (isinstance(val, (int, float)) and not isinstance(val, bool)) if want is float else (
             isinstance(val, want) and (want is bool or not isinstance(val, bool)))
         if not ok:
             raise ValueError(f"speculative_config.sam_config.{key} must be {want.__name__}, got {val!r}")
     try:
-        return SamConfig(num_speculative_tokens=k, **dict(raw))
+        cfg = SamConfig(num_speculative_tokens=k, **dict(raw))
     except ValueError as exc:  # SamConfig's range checks
         raise ValueError(f"speculative_config.sam_config: {exc}") from None
+    if cfg.cost_table:
+        table_for(cfg)  # the file must exist, parse and reach k_max
+    return cfg
+
+
+def table_for(cfg: SamConfig) -> CostTable | None:
+    """The measured cost table ``cfg.cost_table`` names (None when empty); ``ValueError`` (one line) when the file
+    is missing or malformed, names no single shape, or measures no draft as long as k_max."""
+    if not cfg.cost_table:
+        return None
+    try:
+        table = load_cost_table(cfg.cost_table)
+    except CostTableError as exc:
+        raise ValueError(f"speculative_config.sam_config.cost_table: {exc}") from None
+    if table.k_max < cfg.num_speculative_tokens:
+        raise ValueError(f"speculative_config.sam_config.cost_table: {cfg.cost_table} measures k <= {table.k_max}, "
+                         f"below num_speculative_tokens = {cfg.num_speculative_tokens} (the longest draft)")
+    return table
 
 
 def validate_sam_speculative_config(spec: Any) -> SamConfig:

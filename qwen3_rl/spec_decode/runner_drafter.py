@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from qwen3_rl.spec_decode.adaptive_k import AdaptiveK
+from qwen3_rl.spec_decode.config import table_for
 from qwen3_rl.spec_decode.sam import SamConfig, SamProposer, group_key
 from qwen3_rl.spec_decode.sibling_exchange import SiblingExchange
 
@@ -66,7 +67,8 @@ class SamRunnerDrafter:
         # adaptive draft length (sam_config.adaptive_k): k = num_speculative_tokens is then k_max
         self.adaptive: AdaptiveK | None = (
             AdaptiveK(config.num_speculative_tokens, config.adaptive_k_min, config.verify_base_ms,
-                      config.verify_seq_ms, config.verify_token_ms, config.verify_kctx_ms, uniform=config.pad_drafts)
+                      config.verify_seq_ms, config.verify_token_ms, config.verify_kctx_ms, uniform=config.pad_drafts,
+                      table=table_for(config))
             if config.adaptive_k else None)
         self._drafted: dict[str, int] = {}  # adaptive: draft tokens proposed to each request last step
 
@@ -220,13 +222,12 @@ class SamRunnerDrafter:
             lim = int(min(kk[j], room[j]))
             c = int(min(counts[j], lim))
             d = drafts[j, :c].tolist()
+            if pol is not None:  # the policy learns from real draft tokens: pad tokens are no drafts
+                self._drafted[req_ids[i]] = c
             if pad and c < lim:
                 last = d[-1] if d else int(input_batch.token_ids_cpu[i, num[i] - 1])
                 d.extend([last] * (lim - c))
             out[i] = d
-        if pol is not None:
-            for i in rows:
-                self._drafted[req_ids[i]] = len(out[i])
         return out
 
     def step(self, input_batch: Any, valid_sampled_token_ids: Sequence[Sequence[int]],

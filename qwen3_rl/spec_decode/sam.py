@@ -83,6 +83,8 @@ class SamConfig:
         adaptive_k_min: floor of an adaptive draft length (1 <= it <= k_max).
         verify_base_ms, verify_seq_ms, verify_token_ms, verify_kctx_ms: the cost model of one verification
             step (ms): base + per running sequence + per draft token + per 1000 context tokens.
+        cost_table: measured verification step times that price the step instead of that model (adaptive k):
+            ``FILE`` or ``FILE@SHAPE`` (``cost_table.py``); "" = the linear model.
     """
 
     num_speculative_tokens: int = 3
@@ -108,6 +110,7 @@ class SamConfig:
     verify_seq_ms: float = 0.3614
     verify_token_ms: float = 0.0585
     verify_kctx_ms: float = 0.07064
+    cost_table: str = ""
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
@@ -137,6 +140,8 @@ class SamConfig:
         if not 1 <= self.adaptive_k_min <= self.num_speculative_tokens:
             raise ValueError(f"adaptive_k_min must be in [1, num_speculative_tokens={self.num_speculative_tokens}]"
                              f", got {self.adaptive_k_min}")
+        if self.cost_table and not self.adaptive_k:
+            raise ValueError("cost_table prices the adaptive draft length: it needs adaptive_k=True")
         costs = (self.verify_base_ms, self.verify_seq_ms, self.verify_token_ms, self.verify_kctx_ms)
         if not all(c >= 0 for c in costs) or self.verify_base_ms + self.verify_token_ms <= 0:
             raise ValueError("verify_*_ms must be >= 0 (and base + token > 0)")

@@ -350,7 +350,7 @@ def rule_violations(reg: Registry, values: Mapping[str, str | None]) -> list[str
         if mine is None:
             continue
         for r in (*f.requires, *f.excludes):
-            if mine not in r.when:
+            if not any(_holds(w, mine, values.get) for w in r.when):
                 continue
             held = _all_hold(r.conds, values.get)
             if r.kind == "requires" and not held:

@@ -139,7 +139,8 @@ def _switches() -> str:
         for st in f.sets:
             cond = f" when {_when_text(st.when)}" if st.when else ""
             keys.append(f"`{_short_key(st.key)}={st.value}`{cond}")
-        rules = [f"{'/'.join(r.when)}: {r.kind} {r.describe()}" for r in (*f.requires, *f.excludes)]
+        rules = [f"{'/'.join('not empty' if w == '!' else w for w in r.when)}: {r.kind} {r.describe()}"
+                 for r in (*f.requires, *f.excludes)]
         out.append(f"| `{f.env}` | {f.type} | {_default_text(reg, f)} | {_allowed_text(f)} | "
                    f"{'<br>'.join(keys) or '(read by the keys of another switch)'} | {_setup_label(reg, f.setups)} | "
                    f"{'; '.join(rules) or '–'} |")

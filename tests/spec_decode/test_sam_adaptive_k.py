@@ -126,7 +126,9 @@ def test_runner_k_follows_the_batch(pad: bool) -> None:
     bulk = [k for n, k in longest[2:12]]
     tail = [k for n, k in longest[16:]]
     print(f"longest draft per step (running, k): {longest}")
-    assert max(bulk) <= 6 and np.median(tail) >= 10
+    # pad_drafts: the policy learns from the real draft tokens only (pad tokens are no drafts), so the positions the
+    # bulk never drafted keep their prior (0.5) when the tail starts: its k grows from 9 as it sees them
+    assert max(bulk) <= 6 and np.median(tail) >= (9 if pad else 10)
     pol = sam.adaptive
     assert pol is not None and (pol.step_hist > 0).sum() >= 2
 

@@ -186,6 +186,10 @@ RULE_CASES = [
     (MOE, {"SAM_ENABLE": "True", "SAM_ADAPTIVE_K": "True", "SAM_K_MAX": "16"}, MOE_CTX,
      "SAM_ADAPTIVE_K=True excludes SAM_K_MAX > 15: vLLM-Ascend's attention takes k + 1 <= 16 query tokens per "
      "sequence"),
+    # a rule on any non-empty value (when = ["!"])
+    (DENSE, {"SAM_ENABLE": "True", "SAM_COST_TABLE": "/t/cost.json@qwen3-32b-tp8"}, DENSE_CTX,
+     "SAM_COST_TABLE=/t/cost.json@qwen3-32b-tp8 requires SAM_ENABLE=True and SAM_ADAPTIVE_K=True (got SAM_ENABLE=True, "
+     "SAM_ADAPTIVE_K=False): the table prices the draft length that SAM_ADAPTIVE_K chooses"),
 ]
 # rules whose switches set no key while the rule is broken (SAM_ENABLE off): preflight has nothing to read back
 NO_KEY_CASES = ({"SAM_GROUP": "True"}, {"SAM_ADAPTIVE_K": "True"})
@@ -210,6 +214,10 @@ def test_every_rule_is_reported() -> None:
     assert setup_overrides(MOE, {"MOE_ZERO_MEMORY": "level0", "MOE_ALLTOALL_OVERLAP": "True"}, MOE_CTX, REG)
     assert setup_overrides(MOE, {"SAM_ENABLE": "True", "SAM_GROUP": "True", "SAM_GROUP_EXCHANGE": "True"}, MOE_CTX,
                            REG)
+    table = {"SAM_ENABLE": "True", "SAM_ADAPTIVE_K": "True", "SAM_COST_TABLE": "/t/cost.json"}
+    assert ("+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.sam_config.cost_table=/t/cost.json"
+            in setup_overrides(DENSE, table, DENSE_CTX, REG))
+    assert not any("cost_table" in o for o in setup_overrides(DENSE, {**table, "SAM_COST_TABLE": ""}, DENSE_CTX, REG))
 
 
 def _keys_for(setup: str, env: dict[str, str], ctx: list[str]) -> dict[str, str]:

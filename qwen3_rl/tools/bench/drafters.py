@@ -36,6 +36,11 @@ k), ``sam_group_history`` (the earlier responses in the history store), with ``-
 ``bulk_mean_accepted`` / ``tail_mean_accepted`` (steps with more than / at most 8 requests running) and
 ``tail_steps``; their cost runs with the history store filled (``history_texts``: the prompt's responses reversed,
 as for the cache fill; ``--history-cost-verbatim``: verbatim, which holds each sibling's own continuation).
+
+``--cost-table FILE[@SHAPE]`` (repeatable; measured verification step times, ``spec_decode/cost_table.py``):
+``sam_group_adaptive`` chooses its lengths priced by the (first) table, and ``cost_cells`` gives, per shape and
+(B, ctx) cell of every table, the per-step speedup over no drafting of fixed k = 1, 3, 7, 15 and adaptive k on the
+visit replay with ``--history H`` (``cost_cells``: tail steps for B <= 8, bulk steps above; ``priced_speedup``).
 """
 
 from __future__ import annotations
@@ -58,6 +63,15 @@ import numpy as np
 
 from qwen3_rl.spec_decode._sam_kernels import M_LEN
 from qwen3_rl.spec_decode.adaptive_k import AdaptiveK
+from qwen3_rl.spec_decode.config import table_for
+from qwen3_rl.spec_decode.cost_table import (
+    CostTable,
+    CostTableError,
+    load_cost_table,
+    load_cost_tables,
+    parse_spec,
+    price,
+)
 from qwen3_rl.spec_decode.sam import SamConfig, SamProposer, group_key
 from qwen3_rl.spec_decode.sibling_exchange import (
     DEFAULT_MAX_BYTES,
@@ -448,9 +462,10 @@ TAIL_MAX = 8  # a lockstep step with at most this many running requests belongs 
 
 
 def adaptive_from(cfg: SamConfig) -> AdaptiveK:
-    """The runner's draft-length policy for ``cfg`` (``adaptive_k``; k_max = ``num_speculative_tokens``)."""
+    """The runner's draft-length policy for ``cfg`` (``adaptive_k``; k_max = ``num_speculative_tokens``; priced by
+    ``cfg.cost_table`` when set)."""
     return AdaptiveK(cfg.num_speculative_tokens, cfg.adaptive_k_min, cfg.verify_base_ms, cfg.verify_seq_ms,
-                     cfg.verify_token_ms, cfg.verify_kctx_ms, uniform=cfg.pad_drafts)
+                     cfg.verify_token_ms, cfg.verify_kctx_ms, uniform=cfg.pad_drafts, table=table_for(cfg))
 
 
 BOXED = (79075, 90)  # Qwen2.5 tokens of "boxed" and "{"
@@ -485,7 +500,9 @@ def proxy_rewards(g: list[Sample]) -> list[float]:
 
 def replay_visits(groups: list[list[Sample]], cfg: SamConfig, k: int, history: int, *, use_history: bool,
                   adaptive: bool = False, weighted: bool = False, tail_max: int = TAIL_MAX,
-                  on_step: Callable[[int, np.ndarray], None] | None = None) -> dict[str, Any]:
+                  on_step: Callable[[int, np.ndarray], None] | None = None,
+                  cell: tuple[float, float] | None = None,
+                  record: list[tuple[int, int, int]] | None = None) -> dict[str, Any]:
     """Lockstep replay of one rollout step on one engine, with a prompt's earlier visit in the history.
 
     Per prompt, samples ``[0, history)`` stand for the responses of its previous visit (an earlier rollout
@@ -500,12 +517,16 @@ def replay_visits(groups: list[list[Sample]], cfg: SamConfig, k: int, history: i
     ``tail_mean_accepted`` (the same over the lockstep steps with more than / at most ``tail_max`` running
     requests), ``tail_steps``, ``lockstep_steps``, ``modeled_ms`` (the verification cost model summed over
     the steps, ``AdaptiveK.step_ms``; drafted tokens counted as verified) and the draft-length histogram.
-    ``on_step(step, k_per_request)`` sees every step's draft lengths (tests).
+    ``on_step(step, k_per_request)`` sees every step's draft lengths (tests). ``cell`` = (B, context tokens per
+    request): the adaptive policy prices every step at that cell of ``cfg.cost_table`` (``AdaptiveK.pin``).
+    ``record`` gets one ``(running requests, tokens advanced, draft tokens verified)`` per lockstep step.
     """
     p = SamProposer(cfg)
     if weighted and p.history is not None:
         p.history.weighted = True  # measured, not a product option (docs/sam_decoding.md)
     pol = adaptive_from(cfg) if adaptive else None
+    if pol is not None and cell is not None:
+        pol.pin(*cell)
     costm = pol or AdaptiveK(max(k, 1), 1, cfg.verify_base_ms, cfg.verify_seq_ms, cfg.verify_token_ms,
                              cfg.verify_kctx_ms)
     kq = cfg.num_speculative_tokens if adaptive else k
@@ -568,8 +589,10 @@ def replay_visits(groups: list[list[Sample]], cfg: SamConfig, k: int, history: i
             if pos[i] >= r.shape[0]:
                 done.append(i)
         modeled += costm.step_ms(len(live), int(kk.sum()), ctx_tokens)
+        if record is not None:
+            record.append((len(live), int(sum(a.shape[0] for a in adv_l)), int(kk.sum())))
         if pol is not None:
-            pol.observe(slots, kk, accs)
+            pol.observe(slots, np.minimum(kk, cnt), accs)  # real draft tokens (pad tokens are no drafts)
         p.extend_batch(acc_l, adv_l)
         for i in done:
             p.finish(rids[i])
@@ -589,6 +612,111 @@ def replay_visits(groups: list[list[Sample]], cfg: SamConfig, k: int, history: i
             "history_scored_responses": scored if weighted else None,
             "history_store_bytes_after": hist.nbytes() if hist is not None else 0,
             "nbytes_after_seeding": seeded_bytes}
+
+
+COST_KS = (1, 3, 7, 15)  # fixed draft lengths priced by --cost-table
+
+
+def priced_speedup(record: Sequence[tuple[int, int, int]], table: CostTable, b: float, ctx: float, segment: str,
+                   fixed_k: int | None = None, tail_max: int = TAIL_MAX) -> float | None:
+    """Speedup per verification step over no drafting of one replay (``replay_visits(record=...)``) priced at one
+    table cell: every lockstep step of ``segment`` ("tail": at most ``tail_max`` running, "bulk": more) is taken
+    as a step of ``b`` requests of ``ctx`` context tokens, each drafting like the step's mean request.
+
+    speedup = sum(tokens advanced) / sum(running x priced ratio), the ratio = table(b, b * q, ctx) /
+    table(b, b, ctx) at ``q`` = 1 + the step's draft tokens per request (``fixed_k``: 1 + fixed_k, every draft padded
+    to k: the table's own ``ratio_to_k0``). A step without drafts costs 1 and advances 1 token per request.
+    None when the segment has no step."""
+    curve = table.curve(b, ctx)
+    q_grid = table.q
+    tokens = cost = 0.0
+    for n, adv, drafted in record:
+        if (n <= tail_max) != (segment == "tail"):
+            continue
+        q = 1.0 + (fixed_k if fixed_k is not None else drafted / n)
+        tokens += adv
+        cost += n * float(price(q_grid, curve, q) / curve[0])
+    return tokens / cost if cost else None
+
+
+def tables_of(spec: str) -> dict[str, CostTable]:
+    """The tables a ``--cost-table`` names: every shape of ``FILE``, or the one of ``FILE@SHAPE``."""
+    path, shape = parse_spec(spec)
+    return load_cost_tables(path) if shape is None else {shape: load_cost_table(spec)}
+
+
+def first_shape(spec: str) -> str:
+    """``FILE@SHAPE`` as given, or ``FILE@`` its first shape."""
+    path, shape = parse_spec(spec)
+    return spec if shape is not None else f"{path}@{next(iter(tables_of(spec)))}"
+
+
+def cost_cells(groups: list[list[Sample]], cfg: SamConfig, specs: Sequence[str], history: int, k_max: int,
+               tail_max: int = TAIL_MAX) -> dict[str, Any]:
+    """``--cost-table``: per shape and (B, ctx) cell of each table, the per-step speedup over no drafting of fixed
+    k = 1, 3, 7, 15 and of adaptive k (k_max ``k_max``, priced at the cell), on the lockstep visit replay with
+    ``history`` earlier responses per prompt (``replay_visits``; 0 = current group only). Cells with B <= ``tail_max``
+    count the replay's tail steps, larger B its bulk.
+
+    ``speedup``: every method priced by the query tokens it sends (a short draft costs its length; adaptive chooses
+    per request). ``speedup_padded``: graph mode (``pad_drafts``): fixed k priced at k (the table's ratio_to_k0),
+    adaptive with one k per step, every draft padded to it. ``adaptive_linear``: adaptive k choosing on the linear
+    model (no table), priced the same way. Returns ``cost_cells`` and ``cost_goals``: the lowest adaptive / best fixed
+    k over the cells, the mean adaptive / fixed k = 3 over the cells with B <= tail_max, the mean adaptive /
+    adaptive_linear.
+    """
+    use_h = history > 0
+    fixed: dict[int, list[tuple[int, int, int]]] = {}
+    tps: dict[str, dict[str, float]] = {}
+    for k in COST_KS:
+        fixed[k] = []
+        fk = SamConfig(**{**cfg.__dict__, "num_speculative_tokens": k, "adaptive_k": False, "cost_table": ""})
+        r = replay_visits(groups, fk, k, history, use_history=use_h, tail_max=tail_max, record=fixed[k])
+        tps[f"k{k}"] = {"bulk": r["bulk_mean_accepted"], "tail": r["tail_mean_accepted"]}
+    linear: dict[bool, list[tuple[int, int, int]]] = {}  # adaptive k on the linear model (no table), per pad mode
+    for pad in (False, True):
+        linear[pad] = []
+        lc = SamConfig(**{**cfg.__dict__, "num_speculative_tokens": k_max, "adaptive_k": True, "pad_drafts": pad,
+                          "cost_table": ""})
+        replay_visits(groups, lc, k_max, history, use_history=use_h, adaptive=True, tail_max=tail_max,
+                      record=linear[pad])
+    cells: list[dict[str, Any]] = []
+    for spec in specs:
+        path = parse_spec(spec)[0]
+        for shape, table in tables_of(spec).items():
+            for b in table.b.tolist():
+                for ctx in table.ctx.tolist():
+                    seg = "tail" if b <= tail_max else "bulk"
+                    row: dict[str, Any] = {"table": Path(path).name, "shape": shape, "B": int(b), "ctx": int(ctx),
+                                           "segment": seg, "speedup": {}, "speedup_padded": {},
+                                           "tokens_per_step": {}}
+                    for k in COST_KS:
+                        row["speedup"][f"k{k}"] = priced_speedup(fixed[k], table, b, ctx, seg, None, tail_max)
+                        row["speedup_padded"][f"k{k}"] = priced_speedup(fixed[k], table, b, ctx, seg, k, tail_max)
+                        row["tokens_per_step"][f"k{k}"] = tps[f"k{k}"][seg]
+                    for key, pad in (("speedup", False), ("speedup_padded", True)):
+                        ac = SamConfig(**{**cfg.__dict__, "num_speculative_tokens": k_max, "adaptive_k": True,
+                                          "pad_drafts": pad, "cost_table": f"{path}@{shape}"})
+                        rec: list[tuple[int, int, int]] = []
+                        r = replay_visits(groups, ac, k_max, history, use_history=use_h, adaptive=True,
+                                          tail_max=tail_max, cell=(b, ctx), record=rec)
+                        row[key]["adaptive"] = priced_speedup(rec, table, b, ctx, seg, None, tail_max)
+                        row[key]["adaptive_linear"] = priced_speedup(linear[pad], table, b, ctx, seg, None, tail_max)
+                        if not pad:
+                            row["tokens_per_step"]["adaptive"] = r[f"{seg}_mean_accepted"]
+                            steps = [x for x in rec if (x[0] <= tail_max) == (seg == "tail")]
+                            row["adaptive_mean_k"] = sum(x[2] for x in steps) / max(sum(x[0] for x in steps), 1)
+                    cells.append(row)
+    goals: dict[str, Any] = {}
+    for key in ("speedup", "speedup_padded"):
+        vs_best = [c[key]["adaptive"] / max(c[key][f"k{k}"] for k in COST_KS) for c in cells]
+        small = [c[key]["adaptive"] / c[key]["k3"] for c in cells if c["B"] <= tail_max]
+        goals[key] = {"adaptive_vs_best_fixed_min": min(vs_best) if vs_best else None,
+                      "adaptive_vs_k3_mean_small_b": sum(small) / len(small) if small else None,
+                      "cells_below_0.97_of_best": sum(v < 0.97 for v in vs_best),
+                      "adaptive_vs_adaptive_linear_mean": sum(c[key]["adaptive"] / c[key]["adaptive_linear"]
+                                                              for c in cells) / len(cells) if cells else None}
+    return {"cost_cells": cells, "cost_goals": goals, "cost_history": history, "cost_k_max": k_max}
 
 
 def build_contexts(groups: list[list[Sample]], batch: int, context_len: int, extra: int,
@@ -946,6 +1074,8 @@ def _null(reason: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    for spec in args.cost_table or ():  # a bad table stops before the long runs (one line)
+        tables_of(spec)
     groups = load_corpus(args.corpus, args.limit_prompts)
     if not groups:
         raise SystemExit(f"empty corpus {args.corpus}")
@@ -960,7 +1090,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     H = args.history
     hist_cfg = SamConfig(**{**grp_cfg.__dict__, "history_responses": max(H, 1)})
     ada_cfg = SamConfig(**{**hist_cfg.__dict__, "num_speculative_tokens": max(args.adaptive_k, 1), "adaptive_k": True,
-                           "adaptive_k_min": min(args.adaptive_k_min, max(args.adaptive_k, 1))})
+                           "adaptive_k_min": min(args.adaptive_k_min, max(args.adaptive_k, 1)),
+                           "cost_table": first_shape(args.cost_table[0]) if args.cost_table else ""})
     # --history H: lockstep visit replay (samples [0, H) = the prompt's earlier visit), bulk / tail figures
     visits: dict[str, Callable[[], dict[str, Any]]] = {}
     cost_k: dict[str, int] = {}
@@ -1086,11 +1217,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for a in ("sam_group_history", "sam_group_adaptive"):
         if us.get(a) and us.get("vllm_ngram"):
             ratios[f"vllm_ngram/{a} (us per step)"] = us["vllm_ngram"] / us[a]  # type: ignore[operator]
-    return {"corpus": str(args.corpus), "k": k, "prompts": len(groups),
-            "responses": sum(len(g) for g in groups),
-            "response_tokens": sum(int(s.response.shape[0]) for g in groups for s in g),
-            "batch": args.batch, "context_len": args.context_len, "rule": args.rule, "methods": methods,
-            "ratios": ratios}
+    out = {"corpus": str(args.corpus), "k": k, "prompts": len(groups),
+           "responses": sum(len(g) for g in groups),
+           "response_tokens": sum(int(s.response.shape[0]) for g in groups for s in g),
+           "batch": args.batch, "context_len": args.context_len, "rule": args.rule, "methods": methods,
+           "ratios": ratios}
+    if args.cost_table:
+        out.update(cost_cells(groups, hist_cfg, args.cost_table, H, args.adaptive_k or max(COST_KS)))
+    return out
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -1119,6 +1253,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adaptive-k", type=int, default=0, metavar="KMAX",
                    help="with --history: also sam_group_adaptive (history + adaptive draft length up to KMAX)")
     p.add_argument("--adaptive-k-min", type=int, default=1, help="floor of an adaptive draft length")
+    p.add_argument("--cost-table", action="append", default=None, metavar="FILE",
+                   help="measured verification step times (repeatable): the adaptive policy of the cost run is priced "
+                        "by FILE[@SHAPE], and cost_cells prices fixed k = 1, 3, 7, 15 and adaptive k (up to "
+                        "--adaptive-k, default 15) at every (B, ctx) cell of every shape of FILE on the group-mode "
+                        "visit replay with --history H (tail steps for B <= 8, bulk steps above)")
     p.add_argument("--history-cost-verbatim", action="store_true",
                    help="with --history: fill the cost run's history with verbatim responses (each sibling's own "
                         "continuation inside: the older, optimistic setup) instead of reversed ones")
@@ -1139,7 +1278,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    res = run(args)
+    try:
+        res = run(args)
+    except CostTableError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(res, indent=1))
     else:
@@ -1150,7 +1293,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{name:18s} {vals}" + (f"  ({m['unavailable']})" if m.get("unavailable") else ""))
         for key, v in res["ratios"].items():
             print(f"{key}: {v:.3f}")
+        for line in cost_cells_text(res):
+            print(line)
     return 0
+
+
+def cost_cells_text(res: dict[str, Any]) -> list[str]:
+    """The ``cost_cells`` of a result as a Markdown table (speedup; padded in brackets) and the goals' figures."""
+    if not res.get("cost_cells"):
+        return []
+    names = [f"k{k}" for k in COST_KS] + ["adaptive", "adaptive_linear"]
+    lines = ["| shape | B | ctx | segment | " + " | ".join(names) + " |", "|---" * (4 + len(names)) + "|"]
+    for c in res["cost_cells"]:
+        vals = " | ".join(f"{c['speedup'][n]:.2f} ({c['speedup_padded'][n]:.2f})" for n in names)
+        lines.append(f"| {c['shape']} | {c['B']} | {c['ctx']} | {c['segment']} | {vals} |")
+    for key, g in res["cost_goals"].items():
+        lines.append(f"{key}: adaptive / best fixed k >= {g['adaptive_vs_best_fixed_min']:.3f} in every cell "
+                     f"({g['cells_below_0.97_of_best']} below 0.97); adaptive / k = 3, mean over B <= {TAIL_MAX}: "
+                     f"{g['adaptive_vs_k3_mean_small_b']:.3f}; adaptive / adaptive on the linear model, mean: "
+                     f"{g['adaptive_vs_adaptive_linear_mean']:.3f}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ verl command with every default resolved), then checks, all at once:
 * batches: the sizes verl and Megatron divide really divide;
 * features: the requires / excludes rules of ``features.toml`` on the final command (extra Hydra arguments
   included), one ``error: [feature] ...`` line per broken rule;
+* SAM cost table (``SAM_COST_TABLE``): the file exists and parses as a cost table for the longest draft;
 * lengths: prompt + response fits the model's context (and the dynamic-batch token budget);
 * environment contract (:mod:`qwen3_rl.tools.launch.env_contract`): the environment the Ray workers will get
   -- the user's, then the launcher's env file(s) sourced by bash exactly as ``ray_start_npu.sh`` does
@@ -267,6 +268,27 @@ def check_spec_decode_requests(vals: Mapping[str, str]) -> list[Finding]:
     return out
 
 
+def check_sam_cost_table(vals: Mapping[str, str]) -> list[Finding]:
+    """``sam_config.cost_table`` (``SAM_COST_TABLE``): the file must exist, parse as a cost table naming one shape
+    (``FILE@SHAPE`` when it holds several) and measure drafts as long as ``num_speculative_tokens``; one error line
+    otherwise (the engine would refuse it at start-up)."""
+    from qwen3_rl.spec_decode.cost_table import CostTableError, load_cost_table
+
+    sc = R + "engine_kwargs.vllm.speculative_config."
+    spec = (vals.get(sc + "sam_config.cost_table") or "").strip().strip("'\"")
+    if not spec or vals.get(sc + "method") != "sam":
+        return []
+    try:
+        table = load_cost_table(spec)
+    except CostTableError as exc:
+        return [_err("spec-decode", f"sam_config.cost_table: {exc}")]
+    k = _get_int(vals, sc + "num_speculative_tokens", 0) or 0
+    if k > table.k_max:
+        return [_err("spec-decode", f"sam_config.cost_table: {spec} measures k <= {table.k_max}, below "
+                                    f"num_speculative_tokens = {k} (the longest draft)")]
+    return []
+
+
 def check_kv_concurrency(vals: Mapping[str, str], cfg: Mapping[str, Any] | None) -> list[Finding]:
     """Warn when the per-die memory plan leaves room for very few full-length sequences."""
     if not cfg:
@@ -470,6 +492,7 @@ def run_preflight(train_script: str, env_script: str | None = None, nnodes: int 
         findings += check_lengths(vals, cfg)
         findings += check_feature_rules(vals, Path(train_script).name)
         findings += check_spec_decode_requests(vals)
+        findings += check_sam_cost_table(vals)
     except ValueError as exc:
         findings.append(_err("script", f"non-integer size in the train command: {str(exc).splitlines()[0]}"))
     findings += check_kv_concurrency(vals, cfg)

@@ -3,6 +3,7 @@ problems listed at once, stub ``npu-smi`` on PATH, the real ``apply_all_patches.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -281,3 +282,47 @@ def test_spec_decode_requests_a_drafter_can_serve():
     # without a drafter neither matters
     base["SAM_ENABLE"] = "False"
     assert found([f"+{R}repetition_penalty=1.05", f"{R}calculate_log_probs=True"]) == []
+
+
+def test_sam_cost_table_file_checked(tmp_path: Path):
+    """``sam_config.cost_table`` (SAM_COST_TABLE): a table that loads and reaches k is clean; a missing file, a file
+    that is no cost table, a file of two shapes without @SHAPE and a table measuring shorter drafts than k are one
+    error line each; without SAM the key is not read."""
+    from qwen3_rl.tools.launch.preflight import check_sam_cost_table
+
+    sc = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config."
+    h100 = REPO.parent / "shared" / "bench" / "verify_cost_h100.json"
+
+    def lines(spec: str, k: str = "15", method: str = "sam") -> list[str]:
+        return [f.line() for f in check_sam_cost_table({sc + "method": method, sc + "num_speculative_tokens": k,
+                                                         sc + "sam_config.cost_table": spec})]
+
+    assert lines(f"{h100}@qwen3-32b-tp8") == [] and lines("") == []
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rows": [{"model": "s", "B": 1, "k": 0, "ctx": 8, "step_ms": 1.0}]}')
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps({"rows": [{"model": "s", "B": 1, "k": k, "ctx": 8, "step_ms": 1.0 + k} for k in (0, 3)]}))
+    cases = [(str(tmp_path / "none.json"), "cannot read it"), (str(bad), "needs rows at k = 0 and at least one k > 0"),
+             (str(h100), "name one as FILE@SHAPE"), (str(short), "measures k <= 3, below num_speculative_tokens = 15")]
+    for spec, msg in cases:
+        (line,) = lines(spec)
+        assert line.startswith("error: [spec-decode] sam_config.cost_table: ") and msg in line and "\n" not in line
+    assert lines(str(tmp_path / "none.json"), method="ngram") == []
+    # through the real 235B script: the switch sets the key, preflight reads the file back (and the switch's rule)
+    from qwen3_rl.tools.launch.preflight import run_preflight
+
+    base = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "SAM_ENABLE": "True",
+            "SAM_ADAPTIVE_K": "True"}
+
+    def found(env: dict[str, str], extra: list[str] = ()) -> list[str]:
+        got = run_preflight(str(MOE_SCRIPT), node_checks=False, env={**base, **env}, extra_args=list(extra),
+                            npu_env=None)
+        return [f.line() for f in got if f.check in ("spec-decode", "feature")]
+
+    assert found({"SAM_COST_TABLE": f"{h100}@qwen3-30b-a3b"}) == []
+    (line,) = found({"SAM_COST_TABLE": str(tmp_path / "none.json")})
+    assert line.startswith("error: [spec-decode] sam_config.cost_table: cost table ") and "cannot read it" in line
+    # a hand-written key with adaptive k off: the switch's rule, read back from the keys
+    (line,) = found({"SAM_ADAPTIVE_K": "False"}, [f"+{sc}sam_config.cost_table={h100}@qwen3-30b-a3b"])
+    assert line.startswith(f"error: [feature] SAM_COST_TABLE={h100}@qwen3-30b-a3b requires SAM_ENABLE=True and "
+                           "SAM_ADAPTIVE_K=True (got SAM_ENABLE=True, SAM_ADAPTIVE_K=False)")

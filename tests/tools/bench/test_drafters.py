@@ -1,0 +1,62 @@
+"""``python -m qwen3_rl.tools.bench.drafters --cost-table FILE``: fixed k = 1, 3, 7, 15 and adaptive k priced at
+every cell of a measured cost table (``cost_cells``), on a small slice of the dev corpus; a bad table stops before
+any replay with one error line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+BENCH = REPO.parent / "shared" / "bench"  # ../shared beside the checkout
+CORPUS = BENCH / "rollouts_dev.jsonl"
+H100 = BENCH / "verify_cost_h100.json"
+CTX32K = BENCH / "verify_cost_h100_ctx32k.json"
+
+
+def _bench(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "qwen3_rl.tools.bench.drafters", "--corpus", str(CORPUS), "--group", "--history", "4",
+           "--limit-prompts", "3", "--skip-cost", "--methods", "sam_group_history", "--vllm-tree",
+           str(tmp_path / "no-vllm"), *extra]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_cost_table_cells(tmp_path: Path) -> None:
+    proc = _bench(tmp_path, "--cost-table", str(CTX32K), "--cost-table", f"{H100}@qwen3-32b-tp8", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout)
+    cells = res["cost_cells"]
+    # ctx32k: 2 shapes x B {8, 64, 256} x ctx {32768}; the H100 file's dense shape: B {1, 8, 32, 128, 256} x 2 ctx
+    assert len(cells) == 6 + 10
+    assert {(c["table"], c["shape"]) for c in cells} == {
+        (CTX32K.name, "qwen3-30b-a3b"), (CTX32K.name, "qwen3-32b-tp8"), (H100.name, "qwen3-32b-tp8")}
+    methods = {"k1", "k3", "k7", "k15", "adaptive", "adaptive_linear"}
+    for c in cells:
+        assert {"shape", "B", "ctx", "segment", "speedup", "speedup_padded"} <= set(c)
+        assert c["segment"] == ("tail" if c["B"] <= 8 else "bulk")
+        assert set(c["speedup"]) == set(c["speedup_padded"]) == methods
+        assert all(v > 0 for v in (*c["speedup"].values(), *c["speedup_padded"].values()))
+        # a draft helps per step when it is nearly free: the dense shape with few requests
+        if c["shape"] == "qwen3-32b-tp8" and c["B"] <= 8:
+            assert c["speedup"]["k3"] > 1.2 and c["speedup"]["adaptive"] > 1.2
+    assert set(res["cost_goals"]) == {"speedup", "speedup_padded"}
+    assert res["cost_history"] == 4 and res["cost_k_max"] == 15
+    # the text form prints the cell table
+    text = _bench(tmp_path, "--cost-table", str(CTX32K))
+    assert text.returncode == 0 and "| shape | B | ctx | segment | k1 | k3 | k7 | k15 | adaptive |" in text.stdout
+
+
+@pytest.mark.parametrize("spec,msg", [("none.json", "cannot read it"), ("bad.json", "not JSON"),
+                                      (f"{H100}@qwen3-8b", "no shape 'qwen3-8b'")])
+def test_bad_cost_table_is_one_line(tmp_path: Path, spec: str, msg: str) -> None:
+    (tmp_path / "bad.json").write_text("{")
+    if not spec.startswith("/"):
+        spec = str(tmp_path / spec)
+    proc = _bench(tmp_path, "--cost-table", spec, "--json")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: cost table ") and msg in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
