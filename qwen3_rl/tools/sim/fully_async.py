@@ -10,9 +10,15 @@ requests for ``weight_sync_s`` and resumes them afterwards, their context prefil
 old weights is dropped), so the long tail carries into the next period instead of idling the dies.
 
 Rollouter: ``rollout_dies / rank_dies`` DP ranks of ``max_num_seqs`` slots stepping in lockstep (EP across the
-ranks, as in the synchronous simulator), each queued sample admitted on the least-loaded rank (vLLM's DP load
-balancing); step time from the fitted step model, or a :class:`~qwen3_rl.tools.sim.drafting.DraftModel` with SAM
-drafting. The stream of prompts cycles the lengths file, reshuffled each pass (seeded).
+ranks, as in the synchronous simulator), each queued sample admitted on the least-loaded rank with a free slot and
+KV room (vLLM's DP load balancing, late-bound); step time from the fitted step model, or a
+:class:`~qwen3_rl.tools.sim.drafting.DraftModel` with SAM drafting. Streaming keeps the slots full of requests at
+every age, so a rank holds more context than in the synchronous batch (length-biased: a running request holds
+``E[L^2] / (2 E[L])`` response tokens on average) and the KV budget binds: :func:`kv_tokens_per_rank` (the
+memory plan of the 235B rollout at EP = rollout dies); when a step would overflow it, the rank's latest admitted
+requests are preempted to the queue's head and recomputed when readmitted (vLLM's recompute preemption). The
+concurrency defaults to :func:`auto_max_num_seqs`. The stream of prompts cycles the lengths file, reshuffled each
+pass (seeded).
 
 Trainer: seconds per prompt from the published 235B GRPO run ([ref 002 §1.3] table, 128 dies, GBS 512, n 16,
 read from ``qwen3_rl.tools.report.published``): training ("训练时间" = ``timing_s/update_actor``) 797.93 s and the rest

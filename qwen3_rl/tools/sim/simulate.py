@@ -3,6 +3,7 @@
 Commands (``python -m qwen3_rl simulate ...``)::
 
     simulate rollout --lengths FILE --dp N --max-num-seqs M --policy P [--coupling C] [--plot out.png] [--json]
+        [--drafting D] [--step-table F --shape NAME] [--trainer fully-async --staleness S --rollout-dies R ...]
     simulate gen-lengths --out FILE [--num-prompts 512 --n 16 --seed 0 ...]
     simulate fit-step-model --lengths FILE [--dp 32 --max-num-seqs 256]
 
