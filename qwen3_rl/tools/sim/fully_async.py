@@ -74,9 +74,9 @@ KV_GIB_EXPERTS = 422.9
 KV_BYTES_PER_TOKEN_DIE = 48128
 
 
-#: share of the KV budget the automatic concurrency fills on average (``auto_max_num_seqs``): at 0.8 the 235B
-#: Rollouter (64 dies, reference-like lengths) preempts about one request per 20 and runs at its highest
-#: throughput; filling the whole budget preempts every few steps and recomputes the preempted contexts
+#: share of the KV budget the automatic concurrency fills on average (``auto_max_num_seqs``): the 235B Rollouter
+#: alone (64 dies, reference-like lengths; 96, 120, 136, 160, 192, 256 requests per rank) ran fastest at 120 (0.82
+#: of the budget); at 160 preemptions grow a hundredfold and their recomputed contexts slow every step
 KV_FILL = 0.8
 
 
