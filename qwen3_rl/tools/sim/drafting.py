@@ -33,19 +33,25 @@ tokens. The compute term at k = 0 stays below the fitted step (the fitted decode
 so the fit is unchanged without drafts. Not modelled, in both forms: EP dispatch/combine bytes, which grow
 with the query tokens (the fitted ``per_seq`` may hold them: then the linear form is the closer one).
 
+``--step-table F --shape NAME`` (``sim/step_table.py``): a verification step costs the fitted decode step times
+the measured table's ratio (step at k drafts / step at k = 0) at the rank's bucket, k and mean context per request,
+interpolated; the drafter's host cost is added. The table keeps the A3 floor and takes the drafting cost's shape
+from other hardware (e.g. the H100 30B-A3B grid): its ratio also scales the A3 floor, which need not grow with k.
+
 Inputs that differ from the 235B GRPO run (n = 16): the dev corpus holds 8 samples per prompt, so ``TPS`` is
 measured with 4 current siblings (+ 4 earlier responses for ``history``). ``--draft-siblings 8`` takes the
 no-history tables measured with all 8 samples current (``TPS_SIBLINGS8``: more siblings, more to draft from; the
 history tables stay at 4 + 4, the corpus has no more samples).
 
-History coverage (``--history-coverage F``, default 1): ``+history`` tables assume every request of the step
-starts with its prompt's earlier responses, which holds only where the rank running the request kept them: the
-store is per engine (filled from local finishes and, with the exchange, from the shadows of remote siblings of
-the prompts it runs), bounded by ``SAM_HISTORY_MAX_BYTES`` with LRU eviction, and a run's first epoch has none.
-Example, the 235B layout with data rebalance (DP 32, n 16): ``rebalance_permutation`` puts a prompt's 16 samples
-on ranks 0-15 or 16-31 by the parity of its batch position, so with shuffled epochs about half of the next
-visits land where the history is (F about 0.5 with a store that holds an epoch); each rank keeps the responses
-of 256 prompts per step (about 30 MB at 4 responses of 7345 tokens), so the 512 MiB default holds about 18 steps.
+History coverage (``--history-coverage F``; default: what the placement gives, :func:`placement_coverage`):
+``+history`` tables assume every request of the step starts with its prompt's earlier responses, which holds only
+where the rank running the request kept them: the store is per engine (filled from local finishes and, with the
+exchange, from the shadows of remote siblings of the prompts it runs), bounded by ``SAM_HISTORY_MAX_BYTES`` with
+LRU eviction, and a run's first epoch has none (the default is the steady state after it). Example, the 235B
+layout with data rebalance (DP 32, n 16): ``rebalance_permutation`` puts a prompt's 16 samples on ranks 0-15 or
+16-31 by the parity of its batch position, so with shuffled epochs about half of the next visits land where the
+history is; each rank keeps the responses of 256 prompts per step (about 30 MB at 4 responses of 7345 tokens), so
+the 512 MiB default holds about 18 of the epoch's 79 steps: F = 0.5 x 18 / 79 = 0.11.
 With ``F`` < 1, the tables become the per-request-step mean of a batch where a share ``F`` of the requests
 drafts with history: a request of ``L`` tokens spends ``L / tau`` verification steps, so tokens per request-step
 are ``1 / (F / tau_history + (1 - F) / tau_current)`` at every k (harmonic mean; exact at F = 0 and F = 1). The
@@ -55,9 +61,11 @@ are an upper bound of the history's gain at that coverage.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from qwen3_rl.tools.sim.simulate import DRAFTING, SPREAD_POLICIES, Drafting, SimError, StepModel
+from qwen3_rl.tools.sim.step_table import StepTable, interp_ratio
 
 #: Tokens per verification step at fixed k = 1..15 (bonus included), ``python -m qwen3_rl.tools.bench.drafters
 #: --corpus ../shared/bench/rollouts_dev.jsonl --group --history 4 --k K --skip-cost`` (``replay_visits``:
@@ -84,12 +92,19 @@ DRAFT_SIBLINGS = (4, 8)
 TAIL_MAX = 8  # running requests per rank at or below which the tail figures apply
 VERIFY_TOKEN_MS = 0.0585
 MODIFIERS = ("verify", "history", "adaptive")
-VERIFY_MODELS = ("linear", "roofline")
+VERIFY_MODELS = ("linear", "roofline", "table")
 FLOP_PER_TOKEN = 2 * 22e9  # Qwen3-235B-A22B: 2 x active parameters per token
 ATTN_FLOP_PER_CTX = 4 * 64 * 128 * 94  # QK + PV per query token and context token: heads x head_dim x layers
 DIE_TFLOPS = 390.0  # Ascend 910C: 780 TFLOPS bf16 per card of 2 dies (TechPowerUp 2025-04-21)
 RANK_DIES = 4  # one rollout DP rank of the 235B layout: TP4 ([ref 002]: 128 die DP32 TP4 EP128)
 MFU = 0.5  # assumed utilisation of the roof
+HISTORY_RESPONSES = 4  # earlier responses per prompt behind the history tables (``--history 4``)
+HISTORY_MAX_BYTES = 1 << 29  # SAM_HISTORY_MAX_BYTES default (spec_decode.sam.SamConfig.history_max_bytes)
+TOKEN_BYTES = 4  # the history store keeps int32 token ids (spec_decode.history)
+#: steps per epoch of the 235B GRPO run: deepscaler, 40.3k prompts (the Hugging Face dataset viewer of
+#: agentica-org/DeepScaleR-Preview-Dataset) at 512 prompts per step
+EPOCH_STEPS = 79.0
+PLACEMENTS = ("contiguous", "interleaved", "random")
 
 
 @dataclass(frozen=True)
@@ -105,12 +120,15 @@ class DraftModel:
     drafter_ms: float = 0.4
     tail_max: int = TAIL_MAX
     k_steps: dict[int, int] = field(default_factory=dict, compare=False)  # engine steps run at each k
-    verify_model: str = "linear"  # "linear" (token_ms per draft token) or "roofline" (module docstring)
+    verify_model: str = "linear"  # "linear" (token_ms per draft token), "roofline" or "table" (module docstring)
     mfu: float = MFU
+    table: StepTable | None = None  # verify_model "table": measured ratios (sim/step_table.py)
 
     def __post_init__(self) -> None:
         if self.verify_model not in VERIFY_MODELS:
             raise SimError(f"unknown verify model {self.verify_model!r} (choose from {', '.join(VERIFY_MODELS)})")
+        if (self.verify_model == "table") != (self.table is not None):
+            raise SimError("the table verify model needs a step table (--step-table F --shape NAME), and only it")
         if not 0 < self.mfu <= 1:
             raise SimError(f"--mfu must be in (0, 1], got {self.mfu}")
 
@@ -128,6 +146,9 @@ class DraftModel:
         """One verification step (ms) at draft length ``k``, context ``ctx_tokens`` (busiest rank)."""
         if self.verify_model == "roofline":
             return max(sm.step_ms(bucket, ctx_tokens), sm.t0_ms + self.compute_ms(k, bucket, ctx_tokens)) \
+                + self.drafter_ms
+        if self.table is not None:
+            return sm.step_ms(bucket, ctx_tokens) * interp_ratio(self.table, bucket, k, ctx_tokens / max(running, 1)) \
                 + self.drafter_ms
         return sm.step_ms(bucket, ctx_tokens) + self.drafter_ms + self.token_ms * running * k
 
@@ -155,6 +176,9 @@ class DraftModel:
             comp = nsteps * sm.t0_ms + (k + 1) * (FLOP_PER_TOKEN * bucket * nsteps + ATTN_FLOP_PER_CTX * ctx_sum) \
                 / self.rank_flop_per_ms
             verify = max(mem, comp) + nsteps * self.drafter_ms
+        elif self.table is not None:  # mean context per request over the segment
+            ctx = ctx_sum / max(nsteps, 1) / max(running, 1)
+            verify = mem * interp_ratio(self.table, bucket, k, ctx) + nsteps * self.drafter_ms
         else:
             verify = mem + nsteps * (self.drafter_ms + self.token_ms * running * k)
         return verify / tau + sm.per_prefill_ktok_ms * prefill_tokens / 1000.0
@@ -173,10 +197,12 @@ def parse_drafting(name: str) -> tuple[str, frozenset[str]]:
 
 def draft_model(name: str, policy: str, drafting: Drafting, fixed_k: int = 3, k_max: int = 15,
                 token_ms: float = VERIFY_TOKEN_MS, verify_model: str = "linear", mfu: float = MFU,
-                siblings: int = 4, coverage: float = 1.0) -> DraftModel:
-    """The model of drafting ``name`` (``BASE+mods``) under ``policy`` (spread layouts: data rebalance);
-    ``siblings`` 8: the no-history tables measured with 8 current siblings; ``coverage``: share of the requests
-    with history (module docstring)."""
+                siblings: int = 4, coverage: float = 1.0, table: StepTable | None = None,
+                spread: bool | None = None) -> DraftModel:
+    """The model of drafting ``name`` (``BASE+mods``) under ``policy`` (spread layouts: data rebalance; ``spread``
+    overrides the policy's layout); ``siblings`` 8: the no-history tables measured with 8 current siblings;
+    ``coverage``: share of the requests with history (module docstring); ``table``: price verification steps by
+    the measured step table (verify model "table")."""
     base, mods = parse_drafting(name)
     hist = "history" if "history" in mods else "current"
     if not 1 <= fixed_k <= 15 or not 1 <= k_max <= 15:
@@ -188,11 +214,42 @@ def draft_model(name: str, policy: str, drafting: Drafting, fixed_k: int = 3, k_
     cur = TPS_SIBLINGS8 if siblings == 8 else TPS
     tables = cur if hist == "current" else history_tables(coverage, cur)
     layout = drafting.together
-    if policy in SPREAD_POLICIES:
+    if (policy in SPREAD_POLICIES) if spread is None else spread:
         layout = drafting.exchange if base == "sam_group_exchange" else drafting.spread
     return DraftModel(tables[(hist, "bulk")], tables[(hist, "tail")], layout / drafting.together,
                       None if "adaptive" in mods else fixed_k, k_max, token_ms, drafting.drafter_ms,
-                      verify_model=verify_model, mfu=mfu)
+                      verify_model="table" if table is not None else verify_model, mfu=mfu, table=table)
+
+
+def placement_coverage(placement: str, dp: int, n: int, exchange: bool, prompts_per_step: float,
+                       mean_response: float, *, responses: int = HISTORY_RESPONSES,
+                       store_bytes: float = HISTORY_MAX_BYTES, epoch_steps: float = EPOCH_STEPS) -> float:
+    """Share of requests whose rank holds their prompt's earlier responses at the prompt's next visit (one epoch
+    later, shuffled), in [0, 1], weighted by how many of the table's ``responses`` it holds.
+
+    ``placement`` of a prompt's ``n`` samples over ``dp`` ranks: "contiguous" (verl's chunks: one rank; default and
+    rollout-rebalance policies), "interleaved" (data rebalance: row i on rank i mod dp, a prompt on min(n, dp)
+    ranks) or "random" (fully-async dispatch by load: each sample on any rank). A request finds its history with
+    the probability that its rank ran the prompt last time (1/dp, min(n, dp)/dp, 1 - (1 - 1/dp)^n); that rank
+    holds all n responses with the exchange (or contiguous), else its own samples'. The store (``store_bytes`` per
+    engine, ``TOKEN_BYTES`` per token, LRU) keeps ``store_bytes / bytes per step`` steps of the ``epoch_steps``
+    after which the prompt returns. Product of the three, capped at 1."""
+    if placement not in PLACEMENTS:
+        raise SimError(f"unknown placement {placement!r} (choose from {', '.join(PLACEMENTS)})")
+    if dp < 1 or n < 1 or prompts_per_step <= 0 or mean_response <= 0 or epoch_steps <= 0 or store_bytes < 0:
+        raise SimError("placement_coverage: dp, n, prompts per step, mean response and epoch steps must be > 0")
+    if placement == "contiguous":
+        land, held, touched = 1.0 / dp, float(n), 1.0
+    elif placement == "interleaved":
+        m = min(n, dp)
+        land, held, touched = m / dp, float(n) if exchange else float(math.ceil(n / dp)), float(m)
+    else:
+        land = 1.0 - (1.0 - 1.0 / dp) ** n
+        held, touched = (float(n) if exchange else (n / dp) / land), dp * land
+    kept = min(held, float(responses))
+    step_bytes = prompts_per_step * touched / dp * kept * mean_response * TOKEN_BYTES
+    stored = min(1.0, store_bytes / step_bytes / epoch_steps)
+    return min(1.0, land * kept / responses * stored)
 
 
 def history_tables(coverage: float, current: dict[tuple[str, str], tuple[float, ...]] = TPS

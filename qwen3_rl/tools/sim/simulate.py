@@ -3,6 +3,7 @@
 Commands (``python -m qwen3_rl simulate ...``)::
 
     simulate rollout --lengths FILE --dp N --max-num-seqs M --policy P [--coupling C] [--plot out.png] [--json]
+        [--drafting D] [--step-table F --shape NAME] [--trainer fully-async --staleness S --rollout-dies R ...]
     simulate gen-lengths --out FILE [--num-prompts 512 --n 16 --seed 0 ...]
     simulate fit-step-model --lengths FILE [--dp 32 --max-num-seqs 256]
 
@@ -812,6 +813,18 @@ def with_drafting(lengths: Lengths, step: StepModel, tps: float, drafter_ms: flo
 
 
 def _rollout_main(argv: list[str]) -> int:
+    # the drafting, step-table and trainer models import this module: imported here, not at the top
+    from qwen3_rl.tools.sim.drafting import (
+        EPOCH_STEPS,
+        HISTORY_MAX_BYTES,
+        VERIFY_TOKEN_MS,
+        DraftModel,
+        draft_model,
+        placement_coverage,
+    )
+    from qwen3_rl.tools.sim.fully_async import add_async_args, trainer_comparison
+    from qwen3_rl.tools.sim.step_table import StepTableError, load_step_table
+
     p = _Parser(prog="python -m qwen3_rl simulate rollout", description="Simulate one rollout batch.")
     p.add_argument("--lengths", required=True, help="JSON-lines lengths file")
     p.add_argument("--dp", type=int, required=True, help="DP ranks")
@@ -849,20 +862,29 @@ def _rollout_main(argv: list[str]) -> int:
     p.add_argument("--verify-token-ms", type=float, default=None,
                    help="BASE+... drafting: cost of one draft token in a verification step (ms; default 0.0585, "
                         "sim/drafting.py)")
-    p.add_argument("--verify-model", default="linear", choices=("linear", "roofline"),
+    p.add_argument("--verify-model", default=None, choices=("linear", "roofline"),
                    help="BASE+... drafting: verification step = decode step + --verify-token-ms per draft token "
-                        "(linear), or the larger of the decode step and the compute of all query tokens at "
+                        "(linear, default), or the larger of the decode step and the compute of all query tokens at "
                         "--mfu of the rank's bf16 roof (roofline; sim/drafting.py)")
+    p.add_argument("--step-table", default=None,
+                   help="BASE+... drafting: verification step = decode step x the measured table's step ratio at "
+                        "(bucket, k, context), interpolated (verify_cost.py JSON; sim/step_table.py)")
+    p.add_argument("--shape", default=None, help="--step-table: the table's model shape (its rows' 'model')")
     p.add_argument("--mfu", type=float, default=0.5, help="--verify-model roofline: utilisation of the compute roof")
     p.add_argument("--fixed-k", type=int, default=3, help="BASE+verify / BASE+history: the draft length")
     p.add_argument("--k-max", type=int, default=15, help="BASE+adaptive: the longest draft")
     p.add_argument("--draft-siblings", type=int, default=4, choices=(4, 8),
                    help="BASE+... without history: tokens-per-step tables measured with 4 (default) or 8 current "
                         "siblings per prompt (sim/drafting.py)")
-    p.add_argument("--history-coverage", type=float, default=1.0,
+    p.add_argument("--history-coverage", type=float, default=None,
                    help="BASE+history: share of the requests that start with their prompt's earlier responses "
-                        "on the rank that runs them (default 1; sim/drafting.py)")
+                        "on the rank that runs them (default: what the placement gives; sim/drafting.py)")
+    p.add_argument("--history-max-bytes", type=int, default=HISTORY_MAX_BYTES,
+                   help="BASE+history, default coverage: history store bytes per engine (SAM_HISTORY_MAX_BYTES)")
+    p.add_argument("--epoch-steps", type=float, default=EPOCH_STEPS,
+                   help="BASE+history, default coverage: steps until a prompt returns (79: deepscaler at 512)")
     _step_args(p)
+    add_async_args(p)
     ns = p.parse_args(argv)
     drafts = list(DRAFTING) if ns.drafting == "all" else [x.strip() for x in ns.drafting.split(",") if x.strip()]
     for dr in drafts:
@@ -876,8 +898,19 @@ def _rollout_main(argv: list[str]) -> int:
             raise SimError(f"unknown policy {pol!r} (choose from {', '.join(POLICIES)} or 'all')")
     if ns.max_moves < 0 or ns.max_kv_blocks < 0 or ns.max_kv_bytes < 0 or ns.block_size < 1:
         raise SimError("--max-moves/--max-kv-blocks/--max-kv-bytes must be >= 0 and --block-size >= 1")
-    if not 0.0 <= ns.history_coverage <= 1.0:
+    if ns.history_coverage is not None and not 0.0 <= ns.history_coverage <= 1.0:
         raise SimError(f"--history-coverage must be in [0, 1], got {ns.history_coverage}")
+    if ns.history_max_bytes < 0 or not ns.epoch_steps > 0:
+        raise SimError("--history-max-bytes must be >= 0 and --epoch-steps > 0")
+    if ns.step_table is not None and ns.verify_model is not None:
+        raise SimError("--step-table prices the verification step itself: drop --verify-model")
+    if (ns.step_table is None) != (ns.shape is None):
+        raise SimError("--step-table and --shape go together")
+    try:
+        table = load_step_table(ns.step_table, ns.shape) if ns.step_table else None
+    except StepTableError as e:
+        raise SimError(str(e)) from None
+    verify_model = "table" if table is not None else ns.verify_model or "linear"
     if not (ns.max_round_s >= 0) or not math.isfinite(ns.max_round_s):
         raise SimError("--max-round-s must be a finite number >= 0 (0 = no bound)")
     links = _links(ns.link_gb_s)
@@ -893,17 +926,29 @@ def _rollout_main(argv: list[str]) -> int:
     results = []
     tps_of: dict[int, float] = {}
     ksteps: dict[int, dict[int, int]] = {}
+    coverage_of: dict[int, float] = {}
+    tok_ms = VERIFY_TOKEN_MS if ns.verify_token_ms is None else ns.verify_token_ms
+    mean_resp = float(lengths.response_len.mean())
+
+    def make_draft(dr: str, pol: str, dp: int, placement: str) -> tuple[DraftModel, float]:
+        """The per-step draft model of ``dr`` (BASE+...) and its history coverage on ``placement`` over ``dp``."""
+        cov = ns.history_coverage
+        if cov is None:
+            cov = placement_coverage(placement, dp, lengths.n, dr.split("+")[0] == "sam_group_exchange",
+                                     lengths.num_prompts, mean_resp, store_bytes=ns.history_max_bytes,
+                                     epoch_steps=ns.epoch_steps)
+        dm = draft_model(dr, pol, drafting, ns.fixed_k, ns.k_max, tok_ms, verify_model, ns.mfu,
+                         ns.draft_siblings, cov, table=table, spread=placement != "contiguous")
+        return dm, cov
+
     for dr in drafts:
         for pol in policies:
             if dr.split("+")[0] == "sam_group_exchange" and pol not in SPREAD_POLICIES:
                 continue  # the exchange acts only where data rebalance spreads the siblings
             dm = None
+            cov = None
             if "+" in dr:  # verification steps with per-step k (sim/drafting.py)
-                from qwen3_rl.tools.sim.drafting import VERIFY_TOKEN_MS, draft_model
-
-                tok_ms = VERIFY_TOKEN_MS if ns.verify_token_ms is None else ns.verify_token_ms
-                dm = draft_model(dr, pol, drafting, ns.fixed_k, ns.k_max, tok_ms, ns.verify_model, ns.mfu,
-                                 ns.draft_siblings, ns.history_coverage)
+                dm, cov = make_draft(dr, pol, ns.dp, "interleaved" if pol in SPREAD_POLICIES else "contiguous")
                 tps, lens_d, step_d = dm.bulk[2] * dm.layout, lengths, step
             else:
                 tps = drafting.tokens_per_step(dr, pol)
@@ -916,11 +961,16 @@ def _rollout_main(argv: list[str]) -> int:
                                draft=dm)
                 if dm is not None:
                     ksteps[id(res)] = dict(sorted(dm.k_steps.items()))
+                if cov is not None and "history" in dr:
+                    coverage_of[id(res)] = cov
                 res.lower_bound_s = lb
                 if dr != "none":
                     res.policy = f"{pol}+{dr}"
                 tps_of[id(res)] = tps
                 results.append(res)
+    trainer = None
+    if ns.trainer == "fully-async":
+        trainer = trainer_comparison(ns, lengths, base, results, drafts, make_draft)
     if ns.plot and not plot_timelines([r for r in results if r.timeline is not None], ns.plot, ns.max_num_seqs):
         print("warning: matplotlib not installed, no plot written", file=sys.stderr)
     if ns.json:
@@ -928,20 +978,23 @@ def _rollout_main(argv: list[str]) -> int:
             out = results[0].to_json()
         else:
             out = {"coupling": ns.coupling, "lower_bound_s": lb, "results": {_label(r, links): r.to_json() for r in results}}
-        if len(results) > 1:
-            for r in results:
-                out["results"][_label(r, links)]["tokens_per_step"] = tps_of[id(r)]
-                if id(r) in ksteps:
-                    out["results"][_label(r, links)]["engine_steps_per_k"] = ksteps[id(r)]
-        else:
-            out["tokens_per_step"] = tps_of[id(results[0])]
-            if id(results[0]) in ksteps:
-                out["engine_steps_per_k"] = ksteps[id(results[0])]
+        for r in results:
+            row = out["results"][_label(r, links)] if len(results) > 1 else out
+            row["tokens_per_step"] = tps_of[id(r)]
+            if id(r) in ksteps:
+                row["engine_steps_per_k"] = ksteps[id(r)]
+            if id(r) in coverage_of:
+                row["history_coverage"] = coverage_of[id(r)]
+            if trainer is not None:
+                row.update(trainer["sync"][id(r)])
+        if trainer is not None:
+            out["trainer"] = trainer["json"]
         out["config"] = {"dp": ns.dp, "max_num_seqs": ns.max_num_seqs, "samples": lengths.size, "n": lengths.n,
                          "buckets": list(base.graph_buckets), "step_model": asdict(step),
                          "rebalance_interval": ns.rebalance_interval, "max_round_s": ns.max_round_s,
                          "max_kv_bytes": ns.max_kv_bytes, "draft_siblings": ns.draft_siblings,
-                         "history_coverage": ns.history_coverage,
+                         "history_coverage": "placement" if ns.history_coverage is None else ns.history_coverage,
+                         "verify_model": verify_model, "step_table": ns.step_table, "shape": ns.shape,
                          "link_source": DEVICE_LINK_SOURCE if ns.link_gb_s == str(DEVICE_LINK_GB_S) else "--link-gb-s"}
         print(json.dumps(out, indent=1))
         return 0
@@ -972,12 +1025,16 @@ def _rollout_main(argv: list[str]) -> int:
               "plus --drafter-ms; /LB against the lower bound without drafting")
     if ksteps:
         print("BASE+...: each engine step moves a request one token and costs a verification step / tokens per "
-              + ("step, the verification step = max(decode step, compute of all query tokens at --mfu); "
-                 if ns.verify_model == "roofline" else
-                 "step, the verification step including --verify-token-ms per draft token; ")
+              + {"roofline": "step, the verification step = max(decode step, compute of all query tokens at --mfu); ",
+                 "table": "step, the verification step = decode step x the step table's ratio; "}.get(
+                  verify_model, "step, the verification step including --verify-token-ms per draft token; ")
               + f"tables at {ns.draft_siblings} current siblings (history: 4 + 4 earlier), history coverage "
-              f"{ns.history_coverage:g}; tok/step column = the bulk figure at k = 3; k used (engine steps): "
+              + (", ".join(f"{_label(r, links)} {coverage_of[id(r)]:.3f}" for r in results if id(r) in coverage_of)
+                 or "-")
+              + "; tok/step column = the bulk figure at k = 3; k used (engine steps): "
               + "; ".join(f"{_label(r, links)} {ksteps[id(r)]}" for r in results if id(r) in ksteps))
+    if trainer is not None:
+        print(trainer["text"])
     return 0
 
 
