@@ -168,13 +168,16 @@ if [[ "${P[ROLE]}" == head ]]; then
   q3 launch wait-cluster --plan-dir "$PLAN_DIR" --pid "$RAY_PID" || exit 1
   say "training: ${TRAIN_CMD[*]} (log ${P[LOG_FILE]})"
   cd "${P[REPO]}"
+  # the log is appended to across runs: progress reads only what this run writes
+  LOG_START=0
+  if [[ -f "${P[LOG_FILE]}" ]]; then LOG_START=$(stat -c %s "${P[LOG_FILE]}"); fi
   # own session, so that cleanup can stop the whole pipeline; exit status = the train script's
   # shellcheck disable=SC2016  # expanded by the inner bash
   setsid bash -c 'log=$1; shift; "$@" 2>&1 | tee -a "$log"; exit "${PIPESTATUS[0]}"' _ \
     "${P[LOG_FILE]}" "${TRAIN_CMD[@]}" &
   TRAIN_PID=$!
   if [[ "${P[DEVICE]}" == cpu ]]; then  # CPU profile: "step N of M" with each step's time, from the log
-    q3 report "${P[LOG_FILE]}" --follow "$TRAIN_PID" &
+    q3 report "${P[LOG_FILE]}" --follow "$TRAIN_PID" --from-byte "$LOG_START" &
     WATCH_PID=$!
   fi
   rc=0

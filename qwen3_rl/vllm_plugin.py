@@ -17,7 +17,7 @@ engine-step hook ``sam_sibling_exchange`` 20   :class:`~qwen3_rl.spec_decode.exc
                                                when ``sam_config.group_exchange`` is on, else None
 engine-step hook ``rollout_rebalance`` 30      :class:`~qwen3_rl.rollout.vllm_engine_hook.VllmRebalanceHook`,
                                                always: verl configures it after the engine is built
-                                               (``migration.configure_rollout_rebalance``); inert until then
+                                               (``trainer.seam.configure_rollout_rebalance``); inert until then
 drafter ``sam``                        -       :class:`~qwen3_rl.spec_decode.vllm_proposer.SamVllmProposer`
                                                (options key ``sam_config``), one per engine; on vLLM-Ascend its
                                                ``Proposer`` subclass ``ascend_adapter.SamAscendProposer``

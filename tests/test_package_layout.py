@@ -61,3 +61,29 @@ def test_tests_mirror_the_package() -> None:
                   "test_suite_rules.py", "test_train_configs.py", "test_setup_env.py", "test_package_layout.py",
                   "test_docs.py"}
     assert set(top) <= repo_level, f"tests/ holds package tests at its top: {sorted(set(top) - repo_level)}"
+
+
+def _imported_modules(path: Path) -> set[str]:
+    import ast
+
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
+def test_features_do_not_import_the_seam() -> None:
+    """The verl seam (qwen3_rl.trainer.seam) imports the features it configures; a feature module never imports the
+    seam (no import circle). Tooling may read the seam's declared defaults."""
+    pkg = Path(__file__).resolve().parents[1] / "qwen3_rl"
+    seam = pkg / "trainer" / "seam.py"
+    offenders = [str(p.relative_to(pkg)) for p in sorted(pkg.rglob("*.py"))
+                 if p != seam and "tools" not in p.relative_to(pkg).parts
+                 and "qwen3_rl.trainer.seam" in _imported_modules(p)]
+    assert not offenders, f"feature modules importing the seam: {offenders}"
+    # positive control: the seam does import features
+    assert any(m.startswith("qwen3_rl.rollout.") for m in _imported_modules(seam))

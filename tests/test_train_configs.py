@@ -161,6 +161,38 @@ def _compose(cmd_or_overrides, config_name: str, verl_config_dir: Path):
         return compose(config_name=config_name, overrides=list(cmd_or_overrides))
 
 
+def test_compose_every_setup_in_server_mode(patched_imports: Path) -> None:
+    """ROLLOUT_MODE=async: every setup composes against the patched verl config with server mode's keys, and the
+    vLLM servers verl's AgentLoopManager will start cover the rollout layout: world / (TP x DP x PP) replicas
+    (verl/experimental/agent_loop/agent_loop.py:665-679), vLLM DP as verl's own rollout.data_parallel_size with
+    expert parallel across the replica (the server then starts the DP engines) and no engine_kwargs DP."""
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RolloutConfig
+
+    from qwen3_rl.trainer.seam import RecipeConfig
+
+    verl_config_dir = patched_imports / "verl" / "verl" / "trainer" / "config"
+    for name, (_, _, world, gbs, n, _, _, rtp, vdp) in SETUPS.items():
+        env = dict(BASE_ENV, ROLLOUT_MODE="async", SERVER_ROUTING="True")
+        cmd = parse_train_script(INTERNAL / name, env=env)
+        cfg = _compose(cmd.overrides, cmd.config_name, verl_config_dir)
+        OmegaConf.resolve(cfg)
+        r = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout, dataclass_type=RolloutConfig)
+        assert r.mode == "async" and cfg.data.return_raw_chat is True, name
+        assert (gbs * n) % r.agent.num_workers == 0, name
+        replica = r.tensor_model_parallel_size * r.data_parallel_size * r.pipeline_model_parallel_size
+        assert world % replica == 0, name
+        vllm_kwargs = r.engine_kwargs["vllm"]
+        if vdp is not None and vdp > 1:  # MoE: one replica whose server starts vLLM DP x EP over the whole world
+            assert (r.data_parallel_size, r.expert_parallel_size) == (vdp, vdp * rtp), name
+            assert vllm_kwargs.get("data_parallel_size") is None and world // replica == 1, name
+        else:  # dense / tiny: independent TP engines, one server each
+            assert r.data_parallel_size == 1 and world // replica == world // rtp, name
+        recipe = RecipeConfig.from_group(r.qwen3_rl)
+        assert recipe.server_routing.enable and recipe.server_auth.enable, name
+
+
 def test_compose_every_setup_with_patched_verl(patched_imports: Path) -> None:
     """Hydra composes each command against the patched verl 0.6.1 config; verl's dataclasses and
     validate_config accept it; unknown or mistyped keys fail."""
@@ -357,6 +389,10 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
                                       "ROLLOUT_EPLB_ALGO_INTERVAL": "7", "NNODES": "4"}, []),
     "balance_and_old_log_prob": ({"DATA_REBALANCE": "True", "USE_CURRENT_LOG_PROB_AS_OLD": "True"}, []),
     "rollout_rebalance": ({"ROLLOUT_REBALANCE": "True"}, []),  # 235B: on; 32B (vLLM DP 1): refused
+    # server mode: verl's agent loop over vLLM servers (MoE: verl's rollout DP x EP, no engine_kwargs DP)
+    "server_mode": ({"ROLLOUT_MODE": "async", "SERVER_ROUTING": "True"}, []),
+    "bad_server_mode_with_data_rebalance": ({"ROLLOUT_MODE": "async", "DATA_REBALANCE": "True"}, []),
+    "bad_server_routing_in_sync_mode": ({"SERVER_ROUTING": "True"}, []),
     "bad_rollout_rebalance_vllm_dp1": ({"ROLLOUT_REBALANCE": "True", "ROLLOUT_DP": "1"}, []),
     # SAM across DP ranks: 235B / 30B: on; vLLM DP 1 setups: refused
     "sam_group_exchange": ({"SAM_ENABLE": "True", "SAM_GROUP": "True", "SAM_GROUP_EXCHANGE": "True",
@@ -391,9 +427,9 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
 # every_var: the feature switches (features.toml, validated) get a valid value: bools True except those whose
 # True breaks a rule with another switch on or with the default sizes (each has its own case), enums this value,
 # lists a one-element list; every other variable (shell sizes and paths, int switches) a distinct number
-_EVERY_VAR_FALSE = ("MOE_ALLTOALLV", "USE_MBRIDGE", "SAM_GROUP_EXCHANGE", "ROLLOUT_REBALANCE",
+_EVERY_VAR_FALSE = ("MOE_ALLTOALLV", "USE_MBRIDGE", "SAM_GROUP_EXCHANGE", "ROLLOUT_REBALANCE", "SERVER_ROUTING",
                     "USE_CURRENT_LOG_PROB_AS_OLD")
-_CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1", "SAM_K_MAX": "15", "ROLLOUT_REBALANCE_KV_PATH": "host"}  # values the rules accept
+_CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1", "SAM_K_MAX": "15", "ROLLOUT_REBALANCE_KV_PATH": "host", "ROLLOUT_MODE": "sync"}  # values the rules accept
 _RUNTIME_ENV = ("PWD", "OLDPWD", "SHLVL", "_")
 
 
@@ -635,8 +671,11 @@ def test_compose_every_feature_key(patched_imports: Path) -> None:
         on.update(MOE_ALLTOALLV="False", USE_MBRIDGE="False", USE_CURRENT_LOG_PROB_AS_OLD="False",
                   ROLLOUT_REBALANCE="True" if vllm_dp > 1 else "False",
                   SAM_GROUP_EXCHANGE="True" if vllm_dp > 1 else "False", MOE_ZERO_MEMORY="level1",
-                  MOE_ZERO_MEMORY_NUM_LAYERS="2", MOE_PREFILL_CHUNK_SIZE="4096", SAM_BS_THRESHOLD="8", SAM_HISTORY="4")
-        envs = [{}, on, {**on, "NPUGRAPH_EX": "False"}, {"USE_MBRIDGE": "True"}]
+                  MOE_ZERO_MEMORY_NUM_LAYERS="2", MOE_PREFILL_CHUNK_SIZE="4096", SAM_BS_THRESHOLD="8", SAM_HISTORY="4",
+                  SERVER_ROUTING="False",
+                  SAM_COST_TABLE=str(REPO.parent / "shared" / "bench" / "verify_cost_h100.json") + "@qwen3-32b-tp8")
+        server = {"ROLLOUT_MODE": "async", "SERVER_ROUTING": "True", "SAM_ENABLE": "True", "SAM_GROUP": "True"}
+        envs = [{}, on, {**on, "NPUGRAPH_EX": "False"}, {"USE_MBRIDGE": "True"}, server]
         for env in envs:
             cmd = parse_train_script(INTERNAL / name, env={**BASE_ENV, **env})
             cfg = _compose(cmd.overrides, cmd.config_name, verl_config_dir)

@@ -15,7 +15,9 @@ worker (``vLLMAsyncRollout``, same module) once imported:
 * ``generate_sequences``: a start and an end record per call (the fault test kills a worker between them).
 * server mode (``verl/workers/rollout/vllm_rollout/vllm_async_server.py``): every request a vLLM server answers
   (``vLLMHttpServerBase.generate``): the server's replica rank, the prompt's group key and the response length
-  (the routing test counts sibling pairs per server from these, independently of the router's own counts).
+  (the routing test counts sibling pairs per server from these, independently of the router's own counts);
+  once a server is up (``launch_server``), the HTTP status of ``GET /v1/models`` without a key, with a wrong one
+  and with the server's own key (server_auth).
 * verl's ``MegatronCheckpointManager`` (``verl/utils/checkpoint/megatron_checkpoint_manager.py``): after each
   ``save_checkpoint`` and after ``load_checkpoint``, every tensor of the optimizer (each sub-optimizer's main
   parameters and their state: Adam moments, step) is saved as ``optim-<save-step N|load>-rank<r>.pt`` (the resume
@@ -185,6 +187,35 @@ def _wrap_server(mod, rec: _Recorder) -> None:
         return out
 
     cls.generate = generate
+    orig_launch = cls.launch_server
+
+    async def launch_server(self, *args, **kwargs):
+        out = await orig_launch(self, *args, **kwargs)
+        key = getattr(getattr(self, "qwen3_rl_hooks", None), "api_key", None)
+        if self._server_port is not None:  # the HTTP endpoint is up: who gets an answer from /v1/models
+            import asyncio
+
+            url = f"http://{self._server_address}:{self._server_port}/v1/models"
+            loop = asyncio.get_running_loop()
+            status = {name: await loop.run_in_executor(None, _http_status, url, k)
+                      for name, k in (("no_key", None), ("wrong_key", "not-the-key"), ("right_key", key))}
+            rec.write("server_auth", replica=self.replica_rank, key=key, status=status)
+        return out
+
+    cls.launch_server = launch_server
+
+
+def _http_status(url: str, key: str | None) -> int:
+    """HTTP status of a GET to ``url`` (with ``Authorization: Bearer key`` when given)."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def optimizer_tensors(opt) -> dict:

@@ -189,13 +189,6 @@ def restore_dataproto_by_index(data: DataProto) -> DataProto:
 ROLLOUT_MESH = "rollout"
 
 
-def data_rebalance_enabled(config: Any) -> bool:
-    """``qwen3_rl.data_rebalance.enable`` of the trainer config (validated by :mod:`qwen3_rl.trainer.seam`)."""
-    from qwen3_rl.trainer.seam import RecipeConfig, group_of
-
-    return RecipeConfig.from_group(group_of(config)).data_rebalance.enable
-
-
 def rollout_dp_size_from_config(config: Any) -> int:
     """Number of contiguous pieces verl's sync rollout cuts a generation batch into, from the config.
 
@@ -233,32 +226,6 @@ def rollout_dp_size(worker_group: Any, config: Any) -> int:
             raise DataRebalanceError("the rollout worker group reported no dispatch ranks")
         return int(max(mapping)) + 1
     return rollout_dp_size_from_config(config)
-
-
-def permute_for_rollout(
-    config: Any, worker_group: Any, batch: DataProto, *, n: int = 1, async_mode: bool = False
-) -> tuple[DataProto, np.ndarray | None]:
-    """Before ``generate_sequences``: deal the repeated batch over the rollout DP pieces if switched on.
-
-    Args:
-        config: trainer config (reads ``qwen3_rl.data_rebalance.enable`` and, as fallback, sizes).
-        worker_group: ``actor_rollout_wg`` (gives the dispatch DP size, see :func:`rollout_dp_size`).
-        batch: the generation batch, ``num_prompts * n`` rows, samples of a prompt adjacent.
-        n: samples per prompt (only checks that rows are whole groups; 1 skips the check, e.g. for a
-            validation batch padded to the worker count).
-        async_mode: the trainer's ``async_rollout_mode``; data rebalance needs the sync rollout.
-
-    Returns:
-        ``(batch_for_generation, perm)``; ``perm`` is None (batch returned as is) when the switch is off.
-
-    Raises:
-        DataRebalanceError: switch on in async mode (requests go to DP ranks by load there, so a batch
-        order has no effect), or the batch size is not a multiple of the rollout DP size (verl's
-        ``DataProto.chunk`` would refuse it too; the message names both numbers).
-    """
-    if not data_rebalance_enabled(config):
-        return batch, None
-    return permute_for_rollout_on(config, worker_group, batch, n=n, async_mode=async_mode)
 
 
 def permute_for_rollout_on(

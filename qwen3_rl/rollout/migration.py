@@ -663,35 +663,6 @@ class RebalanceCoordinator:
 ENGINE_HOOK_ATTR = "qwen3_rl_rebalance_hook"
 
 
-def settings_from_rollout_config(rollout_cfg: Any) -> tuple[RebalanceSettings, int]:
-    """``(RebalanceSettings, max_moves)`` from ``actor_rollout_ref.rollout`` (dataclass, DictConfig or dict): its
-    ``qwen3_rl.rollout_rebalance`` section, validated by :mod:`qwen3_rl.trainer.seam` (defaults: the dataclass).
-
-    A plain mapping without the group may give the section as flat keys (``rollout_rebalance`` = ``enable``,
-    ``rollout_rebalance_<key>`` = ``<key>``), as the engine drivers do; the same validation applies."""
-    from qwen3_rl.trainer.seam import RecipeConfig, group_of
-
-    group = group_of(rollout_cfg)
-    if not group and isinstance(rollout_cfg, dict):
-        flat = {("enable" if k == "rollout_rebalance" else k[len("rollout_rebalance_"):]): v
-                for k, v in rollout_cfg.items() if k == "rollout_rebalance" or k.startswith("rollout_rebalance_")}
-        group = {"rollout_rebalance": flat} if flat else None
-    settings = RecipeConfig.from_group(group).rollout_rebalance
-    return settings, settings.max_moves
-
-
-def configure_rollout_rebalance(rollout_cfg: Any, llm: Any) -> RebalanceSettings:
-    """Apply ``rollout.qwen3_rl.rollout_rebalance`` to a freshly built ``vllm.LLM``.
-
-    Off (default): returns the settings, touches nothing. On: the engine must carry the engine-loop
-    hook (``LLMEngine.<ENGINE_HOOK_ATTR>``, installed by a vLLM patch that calls
-    :class:`RebalanceCoordinator` every step); without it this raises instead of silently running an
-    unbalanced rollout. The settings are handed to the hook's ``configure(settings, max_moves)``.
-    """
-    settings, _ = settings_from_rollout_config(rollout_cfg)
-    return apply_rebalance_settings(settings, llm)
-
-
 def apply_rebalance_settings(settings: RebalanceSettings, llm: Any) -> RebalanceSettings:
     """Hand validated settings to a ``vllm.LLM``'s engine-loop hook (the seam's ``engine_built`` hook).
 

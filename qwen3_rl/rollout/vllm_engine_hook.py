@@ -2,7 +2,7 @@
 
 The plugin (:mod:`qwen3_rl.vllm_plugin`) registers the engine-step hook ``rollout_rebalance`` (order 30) with the
 vLLM seam patch: every ``LLMEngine`` gets one :class:`VllmRebalanceHook` (also set as
-``llm_engine.qwen3_rl_rebalance_hook``, where ``migration.configure_rollout_rebalance`` finds it), called at the
+``llm_engine.qwen3_rl_rebalance_hook``, where ``qwen3_rl.trainer.seam.configure_rollout_rebalance`` finds it), called at the
 seam's points of the engine loop (``vllm/v1/engine/llm_engine.py``):
 
 * ``has_unfinished_requests``: ``hook.has_unfinished()`` is OR-ed into the local flag *before* vLLM's DP

@@ -63,7 +63,8 @@ class Rule:
 
 @dataclass(frozen=True)
 class ContextVar:
-    """A value the shell passes (sizes): its type, and the Hydra key preflight reads it from."""
+    """A value the shell passes (sizes): its type, and the Hydra key preflight reads it from (``also``: keys read
+    in order when ``key`` is absent or null, e.g. where another rollout mode carries the same size)."""
 
     name: str
     type: str
@@ -71,6 +72,7 @@ class ContextVar:
     default: str | None = None
     product: tuple[str, ...] = ()
     doc: str = ""
+    also: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -287,7 +289,7 @@ def load_registry(path: str | os.PathLike[str] | None = None) -> Registry:
     groups = {str(g): tuple(v) for g, v in data.get("groups", {}).items()}
     context = {n: ContextVar(n, str(c.get("type", "str")), str(c.get("key", "")),
                              None if "default" not in c else _canon(c["default"]), tuple(c.get("product", [])),
-                             str(c.get("doc", "")))
+                             str(c.get("doc", "")), tuple(c.get("also", [])))
                for n, c in data.get("context", {}).items()}
     features = {env: _feature(env, raw) for env, raw in data.get("feature", {}).items()}
     reg = Registry(groups, context, features, {str(k): str(v) for k, v in data.get("non_feature_patches", {}).items()})
@@ -452,8 +454,11 @@ def values_from_overrides(reg: Registry, vals: Mapping[str, str], setup: str | N
     of its own gives that value; otherwise the setup's default. Context values from their keys."""
     ctx: dict[str, str] = {}
     for name, cv in reg.context.items():
-        if cv.key and cv.key in vals:
-            ctx[name] = vals[cv.key].strip().strip("'\"")
+        for key in (cv.key, *cv.also) if cv.key else ():
+            raw = vals[key].strip().strip("'\"") if key in vals else ""
+            if raw not in ("", "null", "None", "~"):
+                ctx[name] = raw
+                break
     ctx = _derive_context(reg, ctx)
     values: dict[str, str | None] = dict(ctx)
     for f in reg.features.values():

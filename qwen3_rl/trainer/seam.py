@@ -82,6 +82,17 @@ class ServerRouting:
 
 
 @dataclass(frozen=True)
+class ServerAuth:
+    """``qwen3_rl.server_auth``: each vLLM server of the server rollout requires an API key on its OpenAI
+    endpoint (vLLM's own ``--api-key`` check on ``/v1/*``); the key is made in the server's process at start-up
+    (``secrets.token_urlsafe``, per server and run), never printed (:meth:`ServerHooks.printable`), and handed
+    only to who asks the server actor for it. verl's own rollout calls the servers through Ray, not HTTP.
+    On by default (a security fix: verl 0.6.1 serves the endpoint open on the node's address)."""
+
+    enable: bool = True
+
+
+@dataclass(frozen=True)
 class OldLogProb:
     """``qwen3_rl.old_log_prob``: on-policy update without the old-log-prob forward; the Megatron actor takes
     its own current log-prob (detached) as pi_old (:mod:`qwen3_rl.trainer.old_log_prob`)."""
@@ -119,6 +130,7 @@ FEATURES: dict[str, type] = {
     "rollout_rebalance": RebalanceSettings,
     "spec_decode_metrics": SpecDecodeMetrics,
     "server_routing": ServerRouting,
+    "server_auth": ServerAuth,
     "old_log_prob": OldLogProb,
     "hdp": HDPConfig,
     # weight sync
@@ -137,6 +149,7 @@ class RecipeConfig:
     rollout_rebalance: RebalanceSettings = field(default_factory=RebalanceSettings)
     spec_decode_metrics: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
     server_routing: ServerRouting = field(default_factory=ServerRouting)
+    server_auth: ServerAuth = field(default_factory=ServerAuth)
     old_log_prob: OldLogProb = field(default_factory=OldLogProb)
     hdp: HDPConfig = field(default_factory=HDPConfig)
     # weight sync
@@ -377,12 +390,32 @@ class ServerHooks:
         self.config = rollout_config
         self.recipe = recipe
         self.router: Any = None
-        self._order: dict[Any, int] = {}
+        self.api_key: str | None = None
 
     @classmethod
     def from_rollout_config(cls, rollout_config: Any) -> ServerHooks:
         """Validate ``actor_rollout_ref.rollout.qwen3_rl`` (DictConfig, dict or RolloutConfig)."""
         return cls(rollout_config, RecipeConfig.from_group(group_of(rollout_config)))
+
+    # -- in each vLLM server actor (vLLMHttpServerBase.launch_server) --
+
+    def server_args(self, args: dict[str, Any]) -> dict[str, Any]:
+        """The server's ``vllm serve`` arguments (name -> value), with the recipe's additions (server_auth: a new
+        ``api_key``, kept as :attr:`api_key` in this process)."""
+        if not self.recipe.server_auth.enable:
+            return args
+        import secrets
+
+        self.api_key = secrets.token_urlsafe(32)
+        return {**args, "api_key": self.api_key}
+
+    def printable(self, server_args: list[str]) -> list[str]:
+        """``server_args`` as verl prints them: the value after ``--api_key`` masked."""
+        out = list(server_args)
+        for i, a in enumerate(out[:-1]):
+            if a in ("--api_key", "--api-key"):
+                out[i + 1] = "***"
+        return out
 
     # -- in each agent-loop worker --
 
@@ -653,3 +686,68 @@ class WeightSyncHooks:
 
             return GroupedMLPGatherSync.from_megatron(mpu, transformer_config.num_moe_experts)
         return None
+
+
+# ---- config readers of the features (a feature module never imports the seam; the seam imports them) -----
+
+
+def data_rebalance_enabled(config: Any) -> bool:
+    """``qwen3_rl.data_rebalance.enable`` of the trainer config (validated here)."""
+    return RecipeConfig.from_group(group_of(config)).data_rebalance.enable
+
+
+def permute_for_rollout(
+    config: Any, worker_group: Any, batch: Any, *, n: int = 1, async_mode: bool = False
+) -> tuple[Any, Any]:
+    """Before ``generate_sequences``: deal the repeated batch over the rollout DP pieces if switched on.
+
+    Args:
+        config: trainer config (reads ``qwen3_rl.data_rebalance.enable`` and, as fallback, sizes).
+        worker_group: ``actor_rollout_wg`` (gives the dispatch DP size, see :func:`rollout_dp_size`).
+        batch: the generation batch, ``num_prompts * n`` rows, samples of a prompt adjacent.
+        n: samples per prompt (only checks that rows are whole groups; 1 skips the check, e.g. for a
+            validation batch padded to the worker count).
+        async_mode: the trainer's ``async_rollout_mode``; data rebalance needs the sync rollout.
+
+    Returns:
+        ``(batch_for_generation, perm)``; ``perm`` is None (batch returned as is) when the switch is off.
+
+    Raises:
+        DataRebalanceError: switch on in async mode (requests go to DP ranks by load there, so a batch
+        order has no effect), or the batch size is not a multiple of the rollout DP size (verl's
+        ``DataProto.chunk`` would refuse it too; the message names both numbers).
+    """
+    if not data_rebalance_enabled(config):
+        return batch, None
+    from qwen3_rl.rollout.data_rebalance import permute_for_rollout_on
+
+    return permute_for_rollout_on(config, worker_group, batch, n=n, async_mode=async_mode)
+
+
+def settings_from_rollout_config(rollout_cfg: Any) -> tuple[RebalanceSettings, int]:
+    """``(RebalanceSettings, max_moves)`` from ``actor_rollout_ref.rollout`` (dataclass, DictConfig or dict): its
+    ``qwen3_rl.rollout_rebalance`` section, validated here (defaults: the dataclass).
+
+    A plain mapping without the group may give the section as flat keys (``rollout_rebalance`` = ``enable``,
+    ``rollout_rebalance_<key>`` = ``<key>``), as the engine drivers do; the same validation applies."""
+    group = group_of(rollout_cfg)
+    if not group and isinstance(rollout_cfg, dict):
+        flat = {("enable" if k == "rollout_rebalance" else k[len("rollout_rebalance_"):]): v
+                for k, v in rollout_cfg.items() if k == "rollout_rebalance" or k.startswith("rollout_rebalance_")}
+        group = {"rollout_rebalance": flat} if flat else None
+    settings = RecipeConfig.from_group(group).rollout_rebalance
+    return settings, settings.max_moves
+
+
+def configure_rollout_rebalance(rollout_cfg: Any, llm: Any) -> RebalanceSettings:
+    """Apply ``rollout.qwen3_rl.rollout_rebalance`` to a freshly built ``vllm.LLM``.
+
+    Off (default): returns the settings, touches nothing. On: the engine must carry the engine-loop
+    hook (``LLMEngine.<ENGINE_HOOK_ATTR>``, installed by a vLLM patch that calls
+    :class:`RebalanceCoordinator` every step); without it this raises instead of silently running an
+    unbalanced rollout. The settings are handed to the hook's ``configure(settings, max_moves)``.
+    """
+    from qwen3_rl.rollout.migration import apply_rebalance_settings
+
+    settings, _ = settings_from_rollout_config(rollout_cfg)
+    return apply_rebalance_settings(settings, llm)

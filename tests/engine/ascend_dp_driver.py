@@ -137,7 +137,7 @@ def main() -> int:
     share = len(spec["prompts"]) // world
     mine = spec["prompts"][rank * share:(rank + 1) * share]
     if spec.get("rebalance"):  # vllm 0003 / verl 0013: rollout rebalance between the DP engines, as verl sets it
-        from qwen3_rl.rollout.migration import configure_rollout_rebalance
+        from qwen3_rl.trainer.seam import configure_rollout_rebalance
 
         configure_rollout_rebalance(spec["rebalance"], llm)
         mine = [spec["prompts"][i] for i in spec["rebalance_split"][rank]]

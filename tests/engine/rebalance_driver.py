@@ -53,7 +53,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from qwen3_rl.rollout.migration import configure_rollout_rebalance
+    from qwen3_rl.trainer.seam import configure_rollout_rebalance
 
     keep_external_launcher_on_cpu()
     rank = int(os.environ["RANK"])

@@ -99,9 +99,10 @@ def launch_env(ws: Path, run_dir: Path, ckpt: Path, env: dict[str, str] | None =
 
 
 def launch(ws: Path, script: str, run_dir: Path, env: dict[str, str] | None = None, ckpt: Path | None = None,
-           on_event=None, timeout_s: float = RUN_TIMEOUT_S) -> Run:
-    """``bash ray_start_npu.sh <script> --device cpu`` with ``QWEN3_RL_WORKSPACE=ws``: the launcher's CPU profile
-    finds the engine environment and the patched trees itself (``python -m qwen3_rl cpu-env``).
+           on_event=None, timeout_s: float = RUN_TIMEOUT_S, args: list[str] | None = None) -> Run:
+    """``bash ray_start_npu.sh <script> --device cpu [-- ARGS]`` with ``QWEN3_RL_WORKSPACE=ws``: the launcher's CPU
+    profile finds the engine environment and the patched trees itself (``python -m qwen3_rl cpu-env``); ``args``:
+    extra Hydra overrides for the train script.
 
     ``on_event(events, proc)`` is called every second while the run is alive (the fault test kills from it).
     """
@@ -112,7 +113,7 @@ def launch(ws: Path, script: str, run_dir: Path, env: dict[str, str] | None = No
     ray_tmp = tempfile.mkdtemp(prefix="q3r", dir="/tmp")  # Ray's socket paths must stay under 107 characters
     cmd = ["bash", str(REPO / "ray_start_npu.sh"), str(REPO / script), "--device", "cpu",
            "--port", str(gloo_port()), "--temp-dir", ray_tmp, "--log-dir", str(run_dir / "logs"),
-           "--timeout", "180"]
+           "--timeout", "180", *(["--", *args] if args else [])]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=REPO, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

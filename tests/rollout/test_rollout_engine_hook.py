@@ -413,7 +413,8 @@ def test_preempted_request_moves_with_its_generator(patched_imports: Path, monke
 
 
 def test_configure_refuses_unsupported_engines(patched_imports: Path) -> None:
-    from qwen3_rl.rollout.migration import MigrationError, RebalanceSettings, configure_rollout_rebalance
+    from qwen3_rl.rollout.migration import MigrationError, RebalanceSettings
+    from qwen3_rl.trainer.seam import configure_rollout_rebalance
 
     eng = _engine()
     hook = eng.qwen3_rl_rebalance_hook

@@ -267,8 +267,7 @@ def test_dp_size_derivation(patched_imports: Path) -> None:
     with pytest.raises(DataRebalanceError, match="not divisible"):
         rollout_dp_size_from_config(cfg)
     bad = OmegaConf.create({"qwen3_rl": {"data_rebalance": {"enable": "true"}}})
-    from qwen3_rl.rollout.data_rebalance import data_rebalance_enabled
-    from qwen3_rl.trainer.seam import SeamConfigError
+    from qwen3_rl.trainer.seam import SeamConfigError, data_rebalance_enabled
 
     with pytest.raises(SeamConfigError, match="qwen3_rl.data_rebalance.enable must be bool"):
         data_rebalance_enabled(bad)
@@ -625,9 +624,8 @@ def test_switches_declared_and_mapped_from_scripts(patched_imports: Path) -> Non
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.config import RolloutConfig
 
-    from qwen3_rl.rollout.migration import settings_from_rollout_config
     from qwen3_rl.tools.launch.train_script import parse_train_script
-    from qwen3_rl.trainer.seam import RecipeConfig, SeamConfigError
+    from qwen3_rl.trainer.seam import RecipeConfig, SeamConfigError, settings_from_rollout_config
 
     default = _compose_verl(patched_imports, ["actor_rollout_ref.rollout.name=vllm"])
     OmegaConf.resolve(default)  # as verl's main_ppo does before the workers get their sub-configs
@@ -672,7 +670,8 @@ def test_switches_declared_and_mapped_from_scripts(patched_imports: Path) -> Non
 def test_configure_rollout_rebalance_needs_engine_hook() -> None:
     from types import SimpleNamespace
 
-    from qwen3_rl.rollout.migration import ENGINE_HOOK_ATTR, MigrationError, configure_rollout_rebalance
+    from qwen3_rl.rollout.migration import ENGINE_HOOK_ATTR, MigrationError
+    from qwen3_rl.trainer.seam import configure_rollout_rebalance
 
     llm = SimpleNamespace(llm_engine=SimpleNamespace())
     assert configure_rollout_rebalance({"rollout_rebalance": False}, llm).enable is False

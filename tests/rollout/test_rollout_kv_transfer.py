@@ -17,7 +17,6 @@ from qwen3_rl.rollout.migration import (
     RebalanceCoordinator,
     RebalanceSettings,
     RequestState,
-    settings_from_rollout_config,
 )
 from qwen3_rl.rollout.rebalance import (
     RankState,
@@ -35,6 +34,7 @@ from qwen3_rl.tools.bench import kv_transfer
 from qwen3_rl.tools.sim.lengths import generate_lengths
 from qwen3_rl.tools.sim.simulate import SimConfig, StepModel, simulate
 from qwen3_rl.tools.sim.simulate import main as sim_main
+from qwen3_rl.trainer.seam import settings_from_rollout_config
 
 # one TP4 shard of Qwen3-235B-A22B: 94 layers x K,V x 1 KV head x 128 dims x bf16 = 47 KiB per token
 BYTES_PER_TOKEN = 94 * 2 * 1 * 128 * 2

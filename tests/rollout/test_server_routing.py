@@ -188,3 +188,18 @@ def test_server_routing_config_is_validated() -> None:
         _hooks({"server_routing": {"enable": "yes"}})
     with pytest.raises(SeamConfigError, match=r"qwen3_rl.server_routing: max_prompts must be >= 1"):
         _hooks({"server_routing": {"enable": True, "max_prompts": 0}})
+
+
+def test_server_auth_adds_a_fresh_key_and_masks_it_when_printed() -> None:
+    a, b = _hooks({"server_routing": {"enable": True}}), _hooks({"server_routing": {"enable": True}})
+    args = {"dtype": "float32", "max_model_len": 160}
+    got_a, got_b = a.server_args(args), b.server_args(args)
+    assert args == {"dtype": "float32", "max_model_len": 160}  # input untouched
+    assert got_a["api_key"] == a.api_key and got_b["api_key"] == b.api_key
+    assert a.api_key != b.api_key and len(a.api_key) >= 40  # one per server: 32 random bytes, urlsafe
+    cli = ["serve", "/m", "--api_key", a.api_key, "--dtype", "float32"]
+    assert a.printable(cli) == ["serve", "/m", "--api_key", "***", "--dtype", "float32"]
+    assert cli[3] == a.api_key  # the arguments vLLM parses keep the key
+    # switched off: no key, nothing masked
+    off = _hooks({"server_auth": {"enable": False}})
+    assert off.server_args(args) == args and off.api_key is None

@@ -39,7 +39,8 @@ def test_group_key_survives_data_rebalance_and_its_inverse(patched_imports: Path
     from verl import DataProto
     from verl.workers.rollout.vllm_rollout.vllm_rollout_spmd import _pre_process_inputs
 
-    from qwen3_rl.rollout.data_rebalance import permute_for_rollout, restore_after_rollout
+    from qwen3_rl.rollout.data_rebalance import restore_after_rollout
+    from qwen3_rl.trainer.seam import permute_for_rollout
 
     num_prompts, n, dp, width = 6, 4, 4, 12
     rng = np.random.default_rng(0)

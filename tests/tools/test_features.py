@@ -191,8 +191,31 @@ RULE_CASES = [
      "SAM_COST_TABLE=/t/cost.json@qwen3-32b-tp8 requires SAM_ENABLE=True and SAM_ADAPTIVE_K=True (got SAM_ENABLE=True, "
      "SAM_ADAPTIVE_K=False): the table prices the draft length that SAM_ADAPTIVE_K chooses"),
 ]
-# rules whose switches set no key while the rule is broken (SAM_ENABLE off): preflight has nothing to read back
-NO_KEY_CASES = ({"SAM_GROUP": "True"}, {"SAM_ADAPTIVE_K": "True"})
+# server mode (ROLLOUT_MODE=async)
+RULE_CASES += [
+    (MOE, {"ROLLOUT_MODE": "async", "DATA_REBALANCE": "True"}, MOE_CTX,
+     "ROLLOUT_MODE=async excludes DATA_REBALANCE=True: the agent loop sends each request to a server by load, not a "
+     "batch piece to a DP rank (qwen3_rl/rollout/data_rebalance.py refuses it); SERVER_ROUTING keeps a prompt's samples "
+     "together instead"),
+    (MOE, {"ROLLOUT_MODE": "async", "ROLLOUT_REBALANCE": "True"}, MOE_CTX,
+     "ROLLOUT_MODE=async excludes ROLLOUT_REBALANCE=True: the rebalance coordinator runs in LLMEngine.step of the sync "
+     "rollout; the servers' engine core loop has no such hook (docs/rollout_mode.md)"),
+    (MOE, {"ROLLOUT_MODE": "async", "MOE_ALLTOALLV": "True"}, MOE_CTX,
+     "ROLLOUT_MODE=async excludes MOE_ALLTOALLV=True: its expert placement is the sync rollout's (vLLM DP rank = "
+     "RANK // TP under the external launcher); server mode's DP ranks come from verl's server "
+     "(vllm_async_server.py:258-268) and are not checked against it"),
+    (MOE, {"ROLLOUT_MODE": "async", "SAM_ENABLE": "True", "SAM_GROUP": "True", "SAM_GROUP_EXCHANGE": "True"}, MOE_CTX,
+     "ROLLOUT_MODE=async excludes SAM_GROUP_EXCHANGE=True: the exchange runs between the vLLM DP ranks of the sync "
+     "rollout's batch pieces; in server mode SERVER_ROUTING puts a prompt's samples on one engine instead"),
+    (MOE, {"ROLLOUT_MODE": "async", "ROLLOUT_ENABLE_EP": "False"}, MOE_CTX,
+     "ROLLOUT_MODE=async excludes VLLM_DP > 1 and ROLLOUT_ENABLE_EP=False: verl's server starts vLLM's DP engines "
+     "only with expert parallel (vllm_async_server.py:251: expert_parallel_size > 1)"),
+    (DENSE, {"SERVER_ROUTING": "True"}, DENSE_CTX,
+     "SERVER_ROUTING=True requires ROLLOUT_MODE=async (got ROLLOUT_MODE=sync): routing chooses among the vLLM servers "
+     "of verl's agent loop; the sync rollout has none"),
+]
+# rules whose switches set no key while the rule is broken (SAM_ENABLE off, sync mode): preflight has nothing to read
+NO_KEY_CASES = ({"SAM_GROUP": "True"}, {"SAM_ADAPTIVE_K": "True"}, {"SERVER_ROUTING": "True"})
 
 
 def test_every_rule_is_reported() -> None:

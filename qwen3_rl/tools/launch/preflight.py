@@ -268,6 +268,27 @@ def check_spec_decode_requests(vals: Mapping[str, str]) -> list[Finding]:
     return out
 
 
+def check_server_mode(vals: Mapping[str, str]) -> list[Finding]:
+    """Server-mode rollout (``rollout.mode=async``, verl's agent loop over vLLM servers): what verl 0.6.1 needs of
+    the command that the sync rollout does not (one error each)."""
+    if (vals.get(R + "mode") or "sync").strip("'\"") != "async":
+        return []
+    out = []
+    if not _get_bool(vals, "data.return_raw_chat", False):
+        out.append(_err("server-mode", "rollout.mode=async needs data.return_raw_chat=True: the agent loop builds each "
+                                       "request from the chat messages (verl/experimental/agent_loop/"
+                                       "single_turn_agent_loop.py:38 reads raw_prompt, which verl/utils/dataset/"
+                                       "rl_dataset.py:434-435 fills only then); ROLLOUT_MODE=async sets it"))
+    workers = _get_int(vals, R + "agent.num_workers", 8) or 8
+    rows = (_get_int(vals, "data.train_batch_size", 0) or 0) * (_get_int(vals, R + "n", 1) or 1)
+    if rows and rows % workers:
+        out.append(_err("server-mode", f"rollout.mode=async splits each generation batch of {rows} rows (prompts x n) "
+                                       f"over rollout.agent.num_workers={workers} agent-loop workers in equal pieces "
+                                       "(verl/protocol.py:895-898 DataProto.chunk asserts it): use a worker count that "
+                                       "divides it (ROLLOUT_AGENT_WORKERS)"))
+    return out
+
+
 def check_sam_cost_table(vals: Mapping[str, str]) -> list[Finding]:
     """``sam_config.cost_table`` (``SAM_COST_TABLE``): the file must exist, parse as a cost table naming one shape
     (``FILE@SHAPE`` when it holds several) and measure drafts as long as ``num_speculative_tokens``; one error line
@@ -493,6 +514,7 @@ def run_preflight(train_script: str, env_script: str | None = None, nnodes: int 
         findings += check_feature_rules(vals, Path(train_script).name)
         findings += check_spec_decode_requests(vals)
         findings += check_sam_cost_table(vals)
+        findings += check_server_mode(vals)
     except ValueError as exc:
         findings.append(_err("script", f"non-integer size in the train command: {str(exc).splitlines()[0]}"))
     findings += check_kv_concurrency(vals, cfg)

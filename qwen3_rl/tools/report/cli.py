@@ -150,6 +150,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print a JSON document instead of text")
     p.add_argument("--follow", metavar="PID", type=int,
                    help="print one progress line per new step while process PID runs, then exit")
+    p.add_argument("--from-byte", metavar="N", type=int, default=0,
+                   help="with --follow: read LOG from byte N on (the size it had when this run started)")
     return p
 
 
@@ -161,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from qwen3_rl.tools.report.progress import follow
 
-        follow(Path(args.log), args.follow)
+        follow(Path(args.log), args.follow, start=args.from_byte)
         return 0
     try:
         setup = None

@@ -35,13 +35,16 @@ def step_line(step: int, total: int | None, metrics: dict[str, float]) -> str:
     return line
 
 
-def follow(log: Path, pid: int, poll_s: float = 2.0, out=sys.stdout) -> int:
-    """Print a line per new step until ``pid`` exits; returns the number of steps printed."""
+def follow(log: Path, pid: int, poll_s: float = 2.0, out=sys.stdout, start: int = 0) -> int:
+    """Print a line per new step until ``pid`` exits; returns the number of steps printed.
+
+    ``start``: byte offset where this run's output begins (the launcher appends every run to the same log, so
+    earlier runs' steps and step totals are not this run's)."""
     seen: set[int] = set()
     total: int | None = None
     while True:
         alive = pid_alive(pid)
-        text = log.read_text(errors="replace") if log.is_file() else ""
+        text = _read_from(log, start)
         if total is None and (m := _TOTAL_RE.search(text)):
             total = int(m.group(1))
         parsed = parse_lines(text.splitlines())
@@ -52,3 +55,12 @@ def follow(log: Path, pid: int, poll_s: float = 2.0, out=sys.stdout) -> int:
         if not alive:
             return len(seen)
         time.sleep(poll_s)
+
+
+def _read_from(log: Path, start: int) -> str:
+    """The text of ``log`` from byte ``start`` ("" while it does not exist)."""
+    if not log.is_file():
+        return ""
+    with open(log, "rb") as f:
+        f.seek(start)
+        return f.read().decode(errors="replace")

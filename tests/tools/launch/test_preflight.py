@@ -326,3 +326,31 @@ def test_sam_cost_table_file_checked(tmp_path: Path):
     (line,) = found({"SAM_ADAPTIVE_K": "False"}, [f"+{sc}sam_config.cost_table={h100}@qwen3-30b-a3b"])
     assert line.startswith(f"error: [feature] SAM_COST_TABLE={h100}@qwen3-30b-a3b requires SAM_ENABLE=True and "
                            "SAM_ADAPTIVE_K=True (got SAM_ENABLE=True, SAM_ADAPTIVE_K=False)")
+
+
+def test_server_mode_needs_raw_chat_and_whole_worker_pieces():
+    """rollout.mode=async: data.return_raw_chat must be on, and prompts x n must split evenly over the agent-loop
+    workers; nothing is checked in sync mode (positive control: the same values pass there)."""
+    from qwen3_rl.tools.launch.preflight import check_server_mode
+
+    base = {"data.train_batch_size": "16", "actor_rollout_ref.rollout.n": "8"}
+    assert check_server_mode({**base, "actor_rollout_ref.rollout.mode": "sync"}) == []
+    assert check_server_mode(base) == []  # verl's default mode is sync
+    bad = check_server_mode({**base, "actor_rollout_ref.rollout.mode": "async",
+                             "actor_rollout_ref.rollout.agent.num_workers": "3"})
+    assert [f.check for f in bad] == ["server-mode", "server-mode"]
+    assert "data.return_raw_chat=True" in bad[0].message and "single_turn_agent_loop.py:38" in bad[0].message
+    assert "128 rows" in bad[1].message and "num_workers=3" in bad[1].message
+    good = {**base, "actor_rollout_ref.rollout.mode": "async", "data.return_raw_chat": "True",
+            "actor_rollout_ref.rollout.agent.num_workers": "8"}
+    assert check_server_mode(good) == []
+    # ROLLOUT_MODE=async on a cluster setup: the registry's settings pass both checks
+    env = {**os.environ, "ROLLOUT_MODE": "async", "SERVER_ROUTING": "True"}
+    out = subprocess.run(["python3", "-m", "qwen3_rl", "features", "overrides", "--setup",
+                          "train_grpo_qwen3_235b_128die_true_weight.sh"], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).resolve().parents[3], timeout=60)
+    assert out.returncode == 0, out.stderr
+    keys = dict(kv.split("=", 1) for kv in out.stdout.split("\0") if "=" in kv)
+    assert keys["actor_rollout_ref.rollout.mode"] == "async" and keys["data.return_raw_chat"] == "True"
+    assert keys["actor_rollout_ref.rollout.agent.num_workers"] == "8"
+    assert keys["+qwen3_rl.server_routing.enable"] == "True" and keys["+qwen3_rl.server_auth.enable"] == "True"

@@ -316,3 +316,14 @@ def test_progress_lines(tmp_path):
     assert follow(log, dead.pid, poll_s=0.01, out=out) == 2
     assert out.getvalue().splitlines() == ["[ray_start_npu] progress: step 1 of 2: 3.0 s ()",
                                            "[ray_start_npu] progress: step 2 of 2: 4.0 s ()"]
+    # the launcher appends every run to the same log: from the byte where this run began, only its own steps
+    # and its own total count (the earlier run's "Total training steps: 2" and step 1-2 lines are not read)
+    start = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("(TaskRunner pid=9) Total training steps: 5\nstep:3 - timing_s/step:6.0\n")
+    out = io.StringIO()
+    assert follow(log, dead.pid, poll_s=0.01, out=out, start=start) == 1
+    assert out.getvalue().splitlines() == ["[ray_start_npu] progress: step 3 of 5: 6.0 s ()"]
+    # positive control: from byte 0 the stale lines come back
+    out = io.StringIO()
+    assert follow(log, dead.pid, poll_s=0.01, out=out) == 3
