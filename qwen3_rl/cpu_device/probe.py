@@ -203,6 +203,12 @@ def _wrap_server(mod, rec: _Recorder) -> None:
         return out
 
     cls.launch_server = launch_server
+    # Ray's actor class (@ray.remote at import) captured the methods when the module ran: the process that
+    # creates the server actors exports that copy, so it gets the wrapped methods too
+    meta = getattr(getattr(mod, "vLLMHttpServer", None), "__ray_metadata__", None)
+    if meta is not None:
+        meta.modified_class.generate = generate
+        meta.modified_class.launch_server = launch_server
 
 
 def _http_status(url: str, key: str | None) -> int:

@@ -1,16 +1,22 @@
-"""Group routing for verl's server rollout: a prompt's samples go to one vLLM server.
+"""Group routing for verl's server rollout: a prompt's samples go to one vLLM engine.
 
 verl 0.6.1's agent loop sends every sample as its own request (its own request id) through
 ``AsyncLLMServerManager._choose_server`` (``verl/experimental/agent_loop/agent_loop.py:78-88``): sticky per
 request id, otherwise the server with the fewest requests assigned so far. A prompt's ``n`` samples therefore
-spread over the servers, and the SAM drafter's group mode (siblings drafting from each other's tokens) and
-its history (a prompt's earlier responses) see only the part of the group that landed on their engine.
+spread over the servers, and inside a server with vLLM DP > 1 vLLM's DP balancer spreads them again. The SAM
+drafter's group mode (siblings drafting from each other's tokens) and its history (a prompt's earlier responses)
+see only the part of the group that landed on their engine.
 
-:class:`GroupRouter` keys each request by its prompt (:func:`prompt_key`, the same digest as the SAM
-drafter's ``group_key``): the first request of a key picks the server with the fewest requests in flight
-(ties: the fewest sent so far), and later requests of the key (its siblings, and the prompt's next visit in a later step) follow it. It
-also replays verl's own policy on the same requests (:class:`VerlLeastAssigned`, never used to route) so
-one run reports both: the share of sibling pairs on one engine and the load spread over servers.
+:class:`GroupRouter` chooses a *target*, one engine: a (server, vLLM DP rank) pair, ``servers x dp`` of them. It
+keys each request by its prompt (:func:`prompt_key`, the same digest as the SAM drafter's ``group_key``):
+
+* siblings (the same key within one generation batch) follow the first sample's target;
+* the first sample of a batch goes, among the targets whose requests in flight are within ``slack`` of the least
+  busy one, to the target the key ranks highest (rendezvous hashing, :func:`_rank`). The same prompt in a later
+  batch thus returns to the same engine (the one holding its history) whenever that engine is not overloaded,
+  also when another agent-loop worker (another router, which cannot see this one's state) places it;
+* verl's own policy is replayed on the same requests (:class:`VerlLeastAssigned`, never used to route), so one
+  run reports both: the share of sibling pairs on one engine and the load spread over engines.
 
 Counts (:meth:`GroupRouter.take_counts`) are plain ints keyed ``routing_*`` so they add up over agent-loop
 workers and generation batches; :func:`routing_metrics` turns a step's sum into ``rollout/routing/*``.
@@ -33,13 +39,22 @@ def prompt_key(prompt_ids: Sequence[int]) -> str:
     return hashlib.blake2b(array("i", [int(t) for t in prompt_ids]).tobytes(), digest_size=16).hexdigest()
 
 
-class VerlLeastAssigned:
-    """verl 0.6.1's server choice, replayed: sticky per request id, else the server with the fewest requests
-    assigned so far (ties: the lowest index, as its heap of ``[count, ...]`` pairs gives for equal counts
-    after a shuffle; the exact tie order does not change the spread)."""
+def _rank(key: str, target: int) -> int:
+    """Rendezvous weight of ``target`` for ``key`` (the same in every process)."""
+    return int.from_bytes(hashlib.blake2b(f"{key}/{target}".encode(), digest_size=8).digest(), "big")
 
-    def __init__(self, n_servers: int) -> None:
+
+class VerlLeastAssigned:
+    """verl 0.6.1's engine choice, replayed: the server sticky per request id, else the one with the fewest
+    requests assigned so far (ties: the lowest index; verl breaks them by a heap over shuffled servers, which does
+    not change the spread); inside a server with vLLM DP > 1, vLLM's DP balancer (the least loaded engine,
+    ``vllm/v1/engine/core_client.py:1211``), replayed as the engine with the fewest requests assigned (all of a
+    batch arrive before any finishes). Returns the engine index ``server * dp + dp_rank``."""
+
+    def __init__(self, n_servers: int, dp: int = 1) -> None:
+        self.dp = dp
         self.assigned = [0] * n_servers
+        self.engine_assigned = [0] * (n_servers * dp)
         self.by_request: dict[str, int] = {}
 
     def choose(self, request_id: str) -> int:
@@ -47,28 +62,34 @@ class VerlLeastAssigned:
             return self.by_request[request_id]
         i = min(range(len(self.assigned)), key=lambda s: self.assigned[s])
         self.assigned[i] += 1
-        self.by_request[request_id] = i
-        return i
+        engine = min(range(i * self.dp, (i + 1) * self.dp), key=lambda e: self.engine_assigned[e])
+        self.engine_assigned[engine] += 1
+        self.by_request[request_id] = engine
+        return engine
 
 
 class GroupRouter:
-    """Chooses a server index per request so that requests of one prompt share a server.
+    """Chooses an engine (target index ``server * dp + dp_rank``) per request so that a prompt's requests share it.
 
     Args:
-        n_servers: servers to choose from (indices 0..n-1, in a fixed order every router agrees on).
-        max_keys: prompts remembered (least recently used forgotten first); a forgotten prompt picks anew.
+        n_servers: servers (indices in a fixed order every router agrees on).
+        dp: vLLM DP ranks per server (1: the server's engine is one).
+        slack: requests in flight a prompt's preferred engine may exceed the least busy one by and still get it.
+        max_keys: prompts remembered (least recently used forgotten first); a forgotten prompt is placed anew.
     """
 
-    def __init__(self, n_servers: int, max_keys: int = 100_000) -> None:
-        if n_servers < 1:
-            raise ValueError(f"group routing needs at least one server, got {n_servers}")
-        self.n = n_servers
-        self.max_keys = max_keys
-        self.server_of_key: OrderedDict[str, int] = OrderedDict()
-        self.in_flight = [0] * n_servers
-        self.assigned = [0] * n_servers  # requests ever sent (tie-break among equally busy servers)
-        self.shadow = VerlLeastAssigned(n_servers)
-        self._placed: dict[Hashable, tuple[str, int, int]] = {}  # request id -> (key, ours, verl's)
+    def __init__(self, n_servers: int, dp: int = 1, slack: int = 0, max_keys: int = 100_000) -> None:
+        if n_servers < 1 or dp < 1:
+            raise ValueError(f"group routing needs at least one server and DP rank, got {n_servers} x {dp}")
+        if slack < 0:
+            raise ValueError(f"slack must be >= 0, got {slack}")
+        self.n_servers, self.dp, self.n = n_servers, dp, n_servers * dp
+        self.slack, self.max_keys = slack, max_keys
+        self.target_of_key: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (target, batch)
+        self.in_flight = [0] * self.n
+        self.batch = 0
+        self.shadow = VerlLeastAssigned(n_servers, dp)
+        self._placed: dict[Hashable, tuple[str, int, int]] = {}  # request id -> (key, target, verl's server)
         self._reset_counts()
 
     def _reset_counts(self) -> None:
@@ -77,44 +98,54 @@ class GroupRouter:
         self.verl_requests: Counter[int] = Counter()
         self.verl_tokens: Counter[int] = Counter()
         self.groups: dict[str, tuple[Counter[int], Counter[int]]] = {}
+        self.revisits = self.revisits_same = 0
+
+    def _place(self, key: str) -> int:
+        floor = min(self.in_flight) + self.slack
+        return max((t for t in range(self.n) if self.in_flight[t] <= floor), key=lambda t: _rank(key, t))
 
     def choose(self, request_id: str, prompt_ids: Sequence[int]) -> int:
-        """The server index for this request (siblings of an earlier request follow it)."""
+        """The target index for this request: ``server = target // dp``, ``dp_rank = target % dp``."""
         if request_id in self._placed:  # verl's stickiness per request id (multi-turn): keep it
             return self._placed[request_id][1]
         key = prompt_key(prompt_ids)
-        server = self.server_of_key.get(key)
-        if server is None:
-            server = min(range(self.n), key=lambda s: (self.in_flight[s], self.assigned[s]))
-            self.server_of_key[key] = server
-            while len(self.server_of_key) > self.max_keys:
-                self.server_of_key.popitem(last=False)
+        seen = self.target_of_key.get(key)
+        if seen is not None and seen[1] == self.batch:  # a sibling
+            target = seen[0]
         else:
-            self.server_of_key.move_to_end(key)
+            target = self._place(key)
+            if seen is not None:  # the prompt's later visit: back on the engine that served it?
+                self.revisits += 1
+                self.revisits_same += int(target == seen[0])
+        self.target_of_key[key] = (target, self.batch)
+        self.target_of_key.move_to_end(key)
+        while len(self.target_of_key) > self.max_keys:
+            self.target_of_key.popitem(last=False)
         verl = self.shadow.choose(request_id)
-        self._placed[request_id] = (key, server, verl)
-        self.in_flight[server] += 1
-        self.assigned[server] += 1
-        self.requests[server] += 1
+        self._placed[request_id] = (key, target, verl)
+        self.in_flight[target] += 1
+        self.requests[target] += 1
         self.verl_requests[verl] += 1
         ours, theirs = self.groups.setdefault(key, (Counter(), Counter()))
-        ours[server] += 1
+        ours[target] += 1
         theirs[verl] += 1
-        return server
+        return target
 
     def done(self, request_id: str, response_tokens: int) -> None:
         """A request finished with ``response_tokens`` generated tokens (load accounting)."""
         placed = self._placed.pop(request_id, None)
         if placed is None:
             return
-        _, server, verl = placed
-        self.in_flight[server] -= 1
-        self.tokens[server] += int(response_tokens)
+        _, target, verl = placed
+        self.in_flight[target] -= 1
+        self.tokens[target] += int(response_tokens)
         self.verl_tokens[verl] += int(response_tokens)
 
     def take_counts(self) -> dict[str, int]:
-        """The counts since the last call (then reset): requests, sibling pairs and those on one server
-        (ours and verl's), and per server index the requests and response tokens (ours and verl's)."""
+        """The counts since the last call (then reset; the next requests are a new generation batch): requests,
+        sibling pairs and those on one engine (ours; verl's on one server), a prompt's visits from an earlier batch
+        and those back on their engine, and per engine (``_s<target>``, ours and ``_verl_``) the requests and
+        response tokens."""
         pairs = same = verl_same = 0
         for ours, theirs in self.groups.values():
             k = sum(ours.values())
@@ -126,18 +157,21 @@ class GroupRouter:
             "routing_sibling_pairs": pairs,
             "routing_sibling_pairs_same": same,
             "routing_verl_sibling_pairs_same": verl_same,
+            "routing_revisits": self.revisits,
+            "routing_revisits_same": self.revisits_same,
         }
-        for s in range(self.n):
-            out[f"routing_requests_s{s}"] = self.requests[s]
-            out[f"routing_tokens_s{s}"] = self.tokens[s]
-            out[f"routing_verl_requests_s{s}"] = self.verl_requests[s]
-            out[f"routing_verl_tokens_s{s}"] = self.verl_tokens[s]
+        for t in range(self.n):
+            out[f"routing_requests_s{t}"] = self.requests[t]
+            out[f"routing_tokens_s{t}"] = self.tokens[t]
+            out[f"routing_verl_requests_s{t}"] = self.verl_requests[t]
+            out[f"routing_verl_tokens_s{t}"] = self.verl_tokens[t]
         self._reset_counts()
+        self.batch += 1
         return out
 
 
 def _spread(values: Sequence[int]) -> float | None:
-    """max / mean of per-server loads (1.0 = even); None when nothing was served."""
+    """max / mean of per-engine loads (1.0 = even); None when nothing was served."""
     total = sum(values)
     return None if total <= 0 else max(values) / (total / len(values))
 
@@ -145,9 +179,10 @@ def _spread(values: Sequence[int]) -> float | None:
 def routing_metrics(counts: Mapping[str, int]) -> dict[str, float]:
     """``rollout/routing/*`` of one step's summed counts ({} without routing counts).
 
-    ``sibling_same_engine``: share of sibling pairs (two samples of one prompt) served by one server, ours;
-    ``verl_sibling_same_engine``: the same for verl's least-assigned routing replayed on the same requests;
-    ``load_spread_tokens`` / ``verl_load_spread_tokens``: max / mean response tokens per server;
+    ``sibling_same_engine``: share of sibling pairs (two samples of one prompt) served by one engine, ours;
+    ``verl_sibling_same_engine``: the same for verl's routing (and vLLM's DP balancer) replayed on the same requests;
+    ``history_same_engine``: share of a prompt's visits from an earlier batch that went back to its engine;
+    ``load_spread_tokens`` / ``verl_load_spread_tokens``: max / mean response tokens per engine;
     ``load_spread_requests`` / ``verl_load_spread_requests``: the same for requests.
     """
     if not counts.get("routing_requests"):
@@ -157,11 +192,16 @@ def routing_metrics(counts: Mapping[str, int]) -> dict[str, float]:
     if pairs:
         out[PREFIX + "sibling_same_engine"] = counts.get("routing_sibling_pairs_same", 0) / pairs
         out[PREFIX + "verl_sibling_same_engine"] = counts.get("routing_verl_sibling_pairs_same", 0) / pairs
-    servers = sorted({int(k.rsplit("_s", 1)[1]) for k in counts if k.startswith("routing_requests_s")})
+    if counts.get("routing_revisits"):
+        out[PREFIX + "history_same_engine"] = counts.get("routing_revisits_same", 0) / counts["routing_revisits"]
+
+    def indices(prefix: str) -> list[int]:
+        return sorted({int(k[len(prefix):]) for k in counts if k.startswith(prefix) and k[len(prefix):].isdigit()})
+
     for name, prefix in (("load_spread_tokens", "routing_tokens_s"), ("load_spread_requests", "routing_requests_s"),
                          ("verl_load_spread_tokens", "routing_verl_tokens_s"),
                          ("verl_load_spread_requests", "routing_verl_requests_s")):
-        spread = _spread([counts.get(f"{prefix}{s}", 0) for s in servers])
+        spread = _spread([counts.get(f"{prefix}{s}", 0) for s in indices(prefix)])
         if spread is not None:
             out[PREFIX + name] = spread
     return out

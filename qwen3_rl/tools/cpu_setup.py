@@ -171,6 +171,14 @@ def env_main(argv: list[str] | None = None) -> int:
             return 0
         print(f"error: {what}", file=sys.stderr)
         return 1
+    if engine_workspace.stale(ws / "cpu-engine"):
+        what = (f"the patched trees in {ws / 'cpu-engine'} were built from other patches than this checkout's: "
+                f"run {SETUP_COMMAND}")
+        if launcher_args is not None and "--dry-run" in launcher_args:
+            print(f"warning: {what}", file=sys.stderr)
+            return 0
+        print(f"error: {what}", file=sys.stderr)
+        return 1
     venv_bin = engine_venv() / "bin"
     env = {"PATH": f"{venv_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}", "QWEN3_RL_PYTHON": str(venv_bin / "python"),
            "VIRTUAL_ENV": str(engine_venv()), "NPUS_PER_NODE": os.environ.get("NPUS_PER_NODE") or "2",

