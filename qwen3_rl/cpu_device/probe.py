@@ -211,17 +211,24 @@ def _wrap_server(mod, rec: _Recorder) -> None:
         meta.modified_class.launch_server = launch_server
 
 
-def _http_status(url: str, key: str | None) -> int:
-    """HTTP status of a GET to ``url`` (with ``Authorization: Bearer key`` when given)."""
+def _http_status(url: str, key: str | None, wait_s: float = 60.0) -> int | str:
+    """HTTP status of a GET to ``url`` (with ``Authorization: Bearer key`` when given); the endpoint may still be
+    starting: refused connections are retried for ``wait_s``, then ``"unreachable"``."""
     import urllib.error
     import urllib.request
 
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status
-    except urllib.error.HTTPError as e:
-        return e.code
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except urllib.error.URLError:
+            if time.monotonic() > deadline:
+                return "unreachable"
+            time.sleep(0.5)
 
 
 def optimizer_tensors(opt) -> dict:

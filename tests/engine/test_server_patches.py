@@ -1,4 +1,4 @@
-"""verl's server rollout on vLLM 0.13 (bug fixes verl 0010-0012, 0014): the patched upstream code in the engine
+"""verl's server rollout on vLLM 0.13 (bug fixes verl 0010-0012, 0014, 0015): the patched upstream code in the engine
 environment (vLLM 0.13.0's CPU build), each probe in a fresh interpreter on the patched engine tree and, as the
 control, on the same tree with the fix reversed (``tree_without``).
 
@@ -11,7 +11,8 @@ The real-engine run of the same code (Ray, AgentLoopManager, vLLMHttpServer, Asy
 * 0011: the parsed ``enable_sleep_mode`` follows ``free_cache_engine``;
 * 0012: ``AgentLoopManager.generate_sequences`` calls ``wake_up`` / ``sleep`` (the weight sync) with
   ``free_cache_engine=False``;
-* 0014: ``RayPPOTrainer._dump_generations`` writes numpy scalars.
+* 0014: ``RayPPOTrainer._dump_generations`` writes numpy scalars;
+* 0015: ``run_unvicorn`` returns with the endpoint listening.
 
 Stand-ins (named): Ray's ``ray.get`` inside ``launch_server`` (no worker actors: it is handed an empty list) and the
 final ``run_server`` call (no engine is started; the parsed arguments are kept); the agent-loop workers of
@@ -157,6 +158,34 @@ DUMP = textwrap.dedent('''
     print(open(sys.argv[1] + "/0.jsonl").read())
 ''')
 
+UVICORN = textwrap.dedent('''
+    import asyncio, json, urllib.error, urllib.request
+    from fastapi import FastAPI
+    from verl.workers.rollout.utils import run_unvicorn
+
+    app = FastAPI()
+
+    @app.get("/ping")
+    def ping():
+        return {"ok": True}
+
+    def get(url):
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                return r.status
+        except urllib.error.URLError as e:
+            return type(e.reason).__name__ if not isinstance(e, urllib.error.HTTPError) else e.code
+
+    async def main():
+        port, task = await run_unvicorn(app, None, "127.0.0.1")
+        loop = asyncio.get_running_loop()
+        status = await loop.run_in_executor(None, get, f"http://127.0.0.1:{port}/ping")
+        task.cancel()
+        return status
+
+    print(json.dumps(asyncio.run(main())))
+''')
+
 
 def _run(code: str, ws: Path, *args: str) -> dict | list:
     """``python -c code args`` in the CPU profile's environment of tree ``ws``; its last stdout line as JSON."""
@@ -169,10 +198,11 @@ def _run(code: str, ws: Path, *args: str) -> dict | list:
 @pytest.fixture(scope="module")
 def trees(engine_ws: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The patched engine tree; the same without verl 0010 and later ("unfixed": the server fixes and the seam
-    reversed) and without 0014 alone ("no_dump_fix")."""
+    reversed), without 0014 alone ("no_dump_fix") and without 0015 alone ("no_uvicorn_fix")."""
     root = tmp_path_factory.mktemp("server-patches")
     return {"patched": engine_ws, "unfixed": tree_without(engine_ws, root / "unfixed", "verl", 10),
-            "no_dump_fix": tree_without(engine_ws, root / "no-dump-fix", "verl", 14, only=True)}
+            "no_dump_fix": tree_without(engine_ws, root / "no-dump-fix", "verl", 14, only=True),
+            "no_uvicorn_fix": tree_without(engine_ws, root / "no-uvicorn-fix", "verl", 15, only=True)}
 
 
 def test_server_arguments_reach_vllm_parser(trees: dict[str, Path]) -> None:
@@ -219,3 +249,10 @@ def test_dumps_take_numpy_scalars(trees: dict[str, Path], tmp_path: Path) -> Non
     row = _run(DUMP, trees["patched"], str(tmp_path / "patched"))
     assert row["acc"] is True and row["score2"] == 0.5 and row["input"] == "q"
     assert "bool_" in _run(DUMP, trees["no_dump_fix"], str(tmp_path / "unfixed"))["error"]
+
+
+def test_endpoint_keeps_listening(trees: dict[str, Path]) -> None:
+    """0015: the server's HTTP endpoint answers after run_unvicorn returns; unfixed (uvicorn shuts it down as serve()
+    returns) the connection is refused."""
+    assert _run(UVICORN, trees["patched"]) == 200
+    assert _run(UVICORN, trees["no_uvicorn_fix"]) == "ConnectionRefusedError"
