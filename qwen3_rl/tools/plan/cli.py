@@ -53,6 +53,8 @@ SCRIPT_KEYS: dict[str, tuple[str, type]] = {
     "actor_rollout_ref.rollout.engine_kwargs.vllm.data_parallel_size": ("rollout_dp", int),
     "actor_rollout_ref.rollout.engine_kwargs.vllm.enable_expert_parallel": ("rollout_ep_enabled", bool),
     "qwen3_rl.hdp.enable": ("actor_hdp", bool),
+    "actor_rollout_ref.rollout.mode": ("rollout_mode", str),
+    "actor_rollout_ref.rollout.agent.num_workers": ("agent_workers", int),
     "trainer.nnodes": ("nnodes", int),
     "trainer.n_gpus_per_node": ("n_gpus_per_node", int),
 }
@@ -223,6 +225,7 @@ def build_plan(spec: ModelSpec, vals: Mapping[str, Any], args: argparse.Namespac
         "rollout": plan_rollout(spec, lay, dev),
         "training": None,
     }
+    plan["rollout"]["mode"] = rollout_mode_plan(vals)
     world = vals.get("train_dies")
     if world is None and vals.get("nnodes") and vals.get("n_gpus_per_node"):
         world = vals["nnodes"] * vals["n_gpus_per_node"]
@@ -245,6 +248,23 @@ def build_plan(spec: ModelSpec, vals: Mapping[str, Any], args: argparse.Namespac
     return plan
 
 
+def rollout_mode_plan(vals: Mapping[str, Any]) -> dict[str, Any]:
+    """The rollout mode and what it starts: ``sync`` (verl's SPMD engines inside the workers) or ``async`` (server
+    mode: one vLLM server per replica of TP x DP dies, verl/experimental/agent_loop/agent_loop.py:665-679, and the
+    agent-loop workers that send the requests). ``servers`` is None while the world size is unknown."""
+    mode = str(vals.get("rollout_mode") or "sync")
+    out: dict[str, Any] = {"mode": mode}
+    if mode != "async":
+        return out
+    world = vals.get("train_dies")
+    if world is None and vals.get("nnodes") and vals.get("n_gpus_per_node"):
+        world = vals["nnodes"] * vals["n_gpus_per_node"]
+    replica = (vals.get("rollout_tp") or 1) * (vals.get("rollout_dp") or 1)
+    out.update(replica_dies=replica, servers=None if world is None else world // replica,
+               agent_workers=vals.get("agent_workers", 8))
+    return out
+
+
 def format_plan(plan: Mapping[str, Any]) -> str:
     """Human-readable summary of :func:`build_plan`'s result."""
     r = plan["rollout"]
@@ -265,6 +285,13 @@ def format_plan(plan: Mapping[str, Any]) -> str:
         f"  max concurrent seqs   {r['max_concurrent_seqs']} at full length "
         f"(max_num_seqs {lay['max_num_seqs']})",
     ]
+    m = r.get("mode") or {"mode": "sync"}
+    if m["mode"] == "async":
+        servers = "?" if m["servers"] is None else m["servers"]
+        lines.append(f"  mode                  async: {servers} vLLM server(s) of {m['replica_dies']} dies, "
+                     f"{m['agent_workers']} agent-loop workers (memory per die as in sync mode)")
+    else:
+        lines.append("  mode                  sync: SPMD engines in the worker processes")
     t = plan.get("training")
     if t:
         tl = t["layout"]

@@ -86,6 +86,28 @@ def spec_decode_summary(log: StepLog) -> str | None:
     return line
 
 
+ROUTING = "rollout/routing/"
+
+
+def routing_summary(log: StepLog) -> str | None:
+    """One line on server-mode routing when the log carries ``rollout/routing/*`` (SERVER_ROUTING, else None): the
+    mean over steps of the share of sibling pairs on one engine and of the token spread, ours against verl's routing
+    replayed on the same requests."""
+    def mean(key: str) -> float | None:
+        vals = finite(log.series(ROUTING + key)[1])
+        return statistics.fmean(vals) if vals else None
+
+    same, verl_same = mean("sibling_same_engine"), mean("verl_sibling_same_engine")
+    if same is None:
+        return None
+    steps = len(log.series(ROUTING + "sibling_same_engine")[0])
+    line = f"server routing over {steps} steps: siblings on one engine {same:.3f} (verl's routing {_fmt(verl_same)})"
+    spread, verl_spread = mean("load_spread_tokens"), mean("verl_load_spread_tokens")
+    if spread is not None:
+        line += f", token spread {spread:.3f} (verl's {_fmt(verl_spread)})"
+    return line
+
+
 def compare(log: StepLog, figures: Sequence[Figure]) -> list[dict[str, Any]]:
     """One row per published figure: the log's value at the figure's step (or the mean over the run
     when the figure is a run average), the best value, and measured / published."""
@@ -203,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{len(log.steps)} steps, {len(log.keys())} metrics in {args.log}")
     print(format_table(log, keys))
-    spec = spec_decode_summary(log)
-    if spec:
-        print(spec)
+    for summary in (spec_decode_summary(log), routing_summary(log)):
+        if summary:
+            print(summary)
     if log.repeated_steps:
         print(f"note: steps logged more than once (last kept): {sorted(set(log.repeated_steps))}")
     if setup:

@@ -333,3 +333,23 @@ def test_30b_a3b_setup_plan(capsys):
     assert r["max_concurrent_seqs"] >= 128 * 16 // 16  # one engine's share of the batch fits at full length
     assert (t["layout"]["tp"], t["layout"]["pp"], t["layout"]["ep"], t["stage_layers"]) == (2, 2, 8, [24, 24])
     assert round(t["static_gib"], 2) == 22.96
+
+
+def test_plan_knows_the_rollout_mode(capsys, monkeypatch):
+    """ROLLOUT_MODE=async: the plan names the vLLM servers verl will start (one per TP x DP replica) and the agent-loop
+    workers, with the same memory per die as sync mode (positive control: the sync line without the switch)."""
+    args = ["--model-config", str(DATA / "qwen3_235b_a22b_config.json"),
+            "--train-script", str(REPO / "internal" / "train_grpo_qwen3_235b_128die_true_weight.sh"), "--json"]
+    assert plan_main(args) == 0
+    sync = json.loads(capsys.readouterr().out)
+    assert sync["rollout"]["mode"] == {"mode": "sync"}
+    monkeypatch.setenv("ROLLOUT_MODE", "async")
+    assert plan_main(args) == 0
+    server = json.loads(capsys.readouterr().out)
+    assert server["rollout"]["mode"] == {"mode": "async", "replica_dies": 128, "servers": 1, "agent_workers": 8}
+    assert server["rollout"]["kv_budget_gib"] == sync["rollout"]["kv_budget_gib"]
+    monkeypatch.setenv("ROLLOUT_MODE", "async")
+    args32 = ["--model-config", str(DATA / "qwen3_32b_config.json"),
+              "--train-script", str(REPO / "internal" / "train_grpo_qwen3_32b_32die_true_weight.sh")]
+    assert plan_main(args32) == 0
+    assert "async: 4 vLLM server(s) of 8 dies, 8 agent-loop workers" in capsys.readouterr().out

@@ -327,3 +327,18 @@ def test_progress_lines(tmp_path):
     # positive control: from byte 0 the stale lines come back
     out = io.StringIO()
     assert follow(log, dead.pid, poll_s=0.01, out=out) == 3
+
+
+def test_routing_summary(tmp_path):
+    """Server-mode routing metrics (SERVER_ROUTING) in the text report: ours against verl's replayed routing;
+    a log without them has no such line."""
+    from qwen3_rl.tools.report.cli import routing_summary
+    from qwen3_rl.tools.report.parse import parse_lines
+
+    lines = ["step:1 - rollout/routing/sibling_same_engine:1.0 - rollout/routing/verl_sibling_same_engine:0.4 - "
+             "rollout/routing/load_spread_tokens:1.2 - rollout/routing/verl_load_spread_tokens:1.0",
+             "step:2 - rollout/routing/sibling_same_engine:1.0 - rollout/routing/verl_sibling_same_engine:0.5 - "
+             "rollout/routing/load_spread_tokens:1.1 - rollout/routing/verl_load_spread_tokens:1.1"]
+    assert routing_summary(parse_lines(lines)) == ("server routing over 2 steps: siblings on one engine 1.000 "
+                                                   "(verl's routing 0.45), token spread 1.150 (verl's 1.05)")
+    assert routing_summary(parse_lines(["step:1 - timing_s/step:3.0"])) is None
