@@ -1,9 +1,9 @@
 """``python -m qwen3_rl report LOG --follow PID``: one progress line per training step while a run writes LOG.
 
-Prints ``[ray_start_npu] progress: step N of M: T s (gen a s, update b s, ...)`` for every new step record (verl's console line,
-``timing_s/*``; M from verl's ``Total training steps: M`` line), and the validation accuracy when a step carries
-``val-core`` metrics; returns once process PID has exited and the log has been read a last time. Used by the CPU
-profile of ``ray_start_npu.sh``.
+Prints ``[ray_start_npu] progress: step N of M: T s (gen a s, update b s, ...)`` for every new step record (verl's
+console line, ``timing_s/*``; M from verl's ``Total training steps: M`` line), the drafted / accepted tokens when the
+step carries ``rollout/spec_decode/*`` and the validation accuracy when it carries ``val-core`` metrics; returns once
+process PID has exited and the log has been read a last time. Used by the CPU profile of ``ray_start_npu.sh``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ def step_line(step: int, total: int | None, metrics: dict[str, float]) -> str:
         line = f"[ray_start_npu] progress: step {step}{of}: {metrics['timing_s/step']:.1f} s ({parts})"
     else:
         line = f"[ray_start_npu] progress: validation before step 1{of}"
+    drafted, accepted = metrics.get("rollout/spec_decode/draft_tokens"), metrics.get("rollout/spec_decode/accepted_tokens")
+    if drafted is not None and accepted is not None:
+        line += f"; drafted {drafted:.0f}, accepted {accepted:.0f} tokens"
     val = {k: v for k, v in metrics.items() if k.startswith("val-core/") and "/mean@" in k}
     if val:
         line += "; " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(val.items()))

@@ -304,6 +304,9 @@ def test_progress_lines(tmp_path):
 
     assert step_line(2, 6, {"timing_s/step": 21.04, "timing_s/gen": 2.0, "timing_s/update_actor": 13.2}) == \
         "[ray_start_npu] progress: step 2 of 6: 21.0 s (gen 2.0 s, update_actor 13.2 s)"
+    assert step_line(3, 6, {"timing_s/step": 5.0, "rollout/spec_decode/draft_tokens": 961.0,
+                            "rollout/spec_decode/accepted_tokens": 678.0}) == \
+        "[ray_start_npu] progress: step 3 of 6: 5.0 s (); drafted 961, accepted 678 tokens"
     assert step_line(0, 6, {"val-core/x/acc/mean@1": 0.25}) == \
         "[ray_start_npu] progress: validation before step 1 of 6; val-core/x/acc/mean@1 0.250"
     log = tmp_path / "train.log"
