@@ -5,10 +5,12 @@
 * :mod:`qwen3_rl.tools.sim.simulate` -- event-driven rollout simulator (data / rollout rebalancing policies,
   KV transfer, drafting), its step-time model and fit, plot and CLI;
 * :mod:`qwen3_rl.tools.sim.drafting` -- SAM verification steps with per-step k, history coverage by placement;
+* :mod:`qwen3_rl.tools.sim.server` -- server-mode placements (verl's spread, group routing) with the product's routers;
 * :mod:`qwen3_rl.tools.sim.step_table` -- verification cost from a measured step table (interpolated ratios);
 * :mod:`qwen3_rl.tools.sim.fully_async` -- verl's fully-async trainer: Rollouter and Trainer on separate dies,
   priced per trained sample against the synchronous step.
 
 Nothing in the training or rollout runtime imports this package; it imports the runtime's balancing
-logic (:mod:`qwen3_rl.rollout.data_rebalance`, :mod:`qwen3_rl.rollout.rebalance`) to simulate it.
+logic (:mod:`qwen3_rl.rollout.data_rebalance`, :mod:`qwen3_rl.rollout.rebalance`,
+:mod:`qwen3_rl.rollout.server_routing`) to simulate it.
 """

@@ -1,4 +1,4 @@
-"""Verification steps of SAM drafting in the lockstep rollout simulator: per-step k, history, token cost.
+"""Verification steps of SAM drafting in the rollout simulator: per-step k, history, token cost, sibling count.
 
 ``simulate rollout --drafting BASE+verify|BASE+history|BASE+adaptive|BASE+history+adaptive`` (BASE =
 ``sam_group`` or ``sam_group_exchange``) runs the lockstep engine with a :class:`DraftModel`: every engine step
@@ -17,7 +17,11 @@ each prompt in the history store), scaled by the layout's figure at k = 3 relati
 cost of one more query token in a verification step: 2 x 22e9 FLOP (Qwen3-235B-A22B active parameters) on
 the 4 dies of one DP rank at 376 TFLOPS bf16 each and 50 % utilisation = 0.0585 ms (assumed inputs, not
 measured on an NPU); the other terms are the fitted decode-step model (``simulate fit-step-model``).
-Rebalance intervals stay in engine steps (tokens), not verification steps.
+Rebalance intervals stay in engine steps (tokens), not verification steps. With ``--coupling independent`` each
+rank's segments are priced the same way from its own ``R`` and ``C``.
+
+Server placements (``--placement spread|group``): the no-history tables come from the siblings each request has on
+its engine (:func:`sibling_tables`); history and the exchange are not modelled there.
 
 ``--verify-model roofline``: decode on A3 is memory- and latency-bound (a 60 ms step at the smallest batch,
 [ref 002 §2.2]), so the compute of the extra query tokens hides under the fitted step until the batch's tokens
@@ -63,6 +67,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from qwen3_rl.tools.sim.simulate import DRAFTING, SPREAD_POLICIES, Drafting, SimError, StepModel
 from qwen3_rl.tools.sim.step_table import StepTable, interp_ratio
@@ -166,11 +172,13 @@ class DraftModel:
         return best
 
     def segment_ms(self, sm: StepModel, nsteps: int, running: int, bucket: int, ctx_sum: float,
-                   prefill_tokens: float) -> float:
+                   prefill_tokens: float, record: bool = True) -> float:
         """Time (ms) of ``nsteps`` engine steps (one token per request each) at ``running`` requests on the
-        busiest rank; ``ctx_sum`` = its context tokens summed over the steps."""
+        busiest rank (lockstep) or the rank (independent); ``ctx_sum`` = its context tokens summed over the steps;
+        ``record``: count the steps in ``k_steps`` (False: a probe, as a step budget's search runs)."""
         k, tau, _ = self.pick(sm, running, bucket, ctx_sum / max(nsteps, 1))
-        self.k_steps[k] = self.k_steps.get(k, 0) + nsteps
+        if record:
+            self.k_steps[k] = self.k_steps.get(k, 0) + nsteps
         mem = nsteps * (sm.t0_ms + sm.per_seq_ms * bucket) + sm.per_kctx_ms * ctx_sum / 1000.0
         if self.verify_model == "roofline":  # segment sums of both sides (context grows within a segment)
             comp = nsteps * sm.t0_ms + (k + 1) * (FLOP_PER_TOKEN * bucket * nsteps + ATTN_FLOP_PER_CTX * ctx_sum) \
@@ -198,13 +206,21 @@ def parse_drafting(name: str) -> tuple[str, frozenset[str]]:
 def draft_model(name: str, policy: str, drafting: Drafting, fixed_k: int = 3, k_max: int = 15,
                 token_ms: float = VERIFY_TOKEN_MS, verify_model: str = "linear", mfu: float = MFU,
                 siblings: int = 4, coverage: float = 1.0, table: StepTable | None = None,
-                spread: bool | None = None) -> DraftModel:
+                spread: bool | None = None, current: dict[tuple[str, str], tuple[float, ...]] | None = None
+                ) -> DraftModel:
     """The model of drafting ``name`` (``BASE+mods``) under ``policy`` (spread layouts: data rebalance; ``spread``
     overrides the policy's layout); ``siblings`` 8: the no-history tables measured with 8 current siblings;
     ``coverage``: share of the requests with history (module docstring); ``table``: price verification steps by
-    the measured step table (verify model "table")."""
+    the measured step table (verify model "table"); ``current``: the no-history tables of a server placement
+    (:func:`sibling_tables`, layout already in them; sam_group without history only)."""
     base, mods = parse_drafting(name)
     hist = "history" if "history" in mods else "current"
+    if current is not None:
+        if hist == "history" or base != "sam_group":
+            raise SimError(f"{name}: server placements model sam_group without history (no exchange, no history)")
+        return DraftModel(current[("current", "bulk")], current[("current", "tail")], 1.0,
+                          None if "adaptive" in mods else fixed_k, k_max, token_ms, drafting.drafter_ms,
+                          verify_model="table" if table is not None else verify_model, mfu=mfu, table=table)
     if not 1 <= fixed_k <= 15 or not 1 <= k_max <= 15:
         raise SimError("--fixed-k and --k-max must be in [1, 15] (the measured tables)")
     if siblings not in DRAFT_SIBLINGS:
@@ -263,4 +279,29 @@ def history_tables(coverage: float, current: dict[tuple[str, str], tuple[float, 
     for seg in ("bulk", "tail"):
         h, c = TPS[("history", seg)], current[("current", seg)]
         out[("history", seg)] = tuple(1.0 / (coverage / a + (1.0 - coverage) / b) for a, b in zip(h, c, strict=True))
+    return out
+
+
+def sibling_tables(siblings: np.ndarray, weights: np.ndarray, drafting: Drafting
+                   ) -> dict[tuple[str, str], tuple[float, ...]]:
+    """No-history tables (k = 1..15, bulk and tail) of a batch whose request ``i`` runs beside ``siblings[i]``
+    samples of its prompt (itself included) on its engine, weighted by its tokens ``weights[i]``.
+
+    Per sibling count ``s``, the measured tables: ``s`` = 4 ``TPS``, ``s`` = 8 ``TPS_SIBLINGS8``, ``s`` = 1 the
+    8-sibling tables times ``Drafting.spread / together`` (the drafter bench's ratio of one sibling per engine to
+    eight on one); linear in ``s`` between them, the 8-sibling tables above 8 (the corpus has no more). The batch's
+    table is the token-weighted harmonic mean (a request of ``L`` tokens spends ``L / tau`` steps)."""
+    s = np.asarray(siblings, dtype=np.float64)
+    w = np.asarray(weights, dtype=np.float64)
+    if s.shape != w.shape or s.size == 0 or (s < 1).any() or (w < 0).any() or w.sum() <= 0:
+        raise SimError("sibling_tables: one sibling count >= 1 and one weight >= 0 per request, weights not all 0")
+    ratio = drafting.spread / drafting.together
+    out = {}
+    for seg in ("bulk", "tail"):
+        four = np.asarray(TPS[("current", seg)])
+        eight = np.asarray(TPS_SIBLINGS8[("current", seg)])
+        one = eight * ratio
+        x = np.minimum(s, 8.0)[:, None]
+        tau = np.where(x <= 4, one + (four - one) * (x - 1) / 3, four + (eight - four) * (x - 4) / 4)
+        out[("current", seg)] = tuple(float(v) for v in w.sum() / (w[:, None] / tau).sum(axis=0))
     return out

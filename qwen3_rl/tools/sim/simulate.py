@@ -4,6 +4,7 @@ Commands (``python -m qwen3_rl simulate ...``)::
 
     simulate rollout --lengths FILE --dp N --max-num-seqs M --policy P [--coupling C] [--plot out.png] [--json]
         [--drafting D] [--step-table F --shape NAME] [--trainer fully-async --staleness S --rollout-dies R ...]
+        [--placement sync|spread|group --servers S --routing-slack N --agent-workers W]
     simulate gen-lengths --out FILE [--num-prompts 512 --n 16 --seed 0 ...]
     simulate fit-step-model --lengths FILE [--dp 32 --max-num-seqs 256]
 
@@ -37,7 +38,13 @@ sizes up to ``max_num_seqs`` unless ``--buckets`` is given).
 ``interval * t(max bucket, C=0)`` seconds (independent) the ranks exchange load and apply
 :func:`qwen3_rl.rollout.rebalance.plan_rebalance`; a round costs ``round_overhead_ms`` plus the KV
 transfer time ``max_r bytes_r / link`` (bytes sent + received by rank ``r``, ``kv_bytes_per_token`` per
-context token of a migrated running request).
+context token of a migrated running request). ``abort-reprefill``: the same rounds without a KV path, every moved
+running request prefilled again (prompt + generated tokens) on its target.
+
+Server mode (``--placement spread|group``, ``sim/server.py``): the batch is placed request by request by the
+product's routers instead of verl's chunks; ``--servers S`` splits the ``dp`` engines into servers (lockstep
+coupling: one server). KV moves (``rollout-rebalance``) stay inside a server; ``abort-reprefill`` may cross servers
+(verl's agent loop resubmits the aborted request). Gains are against the sync default.
 
 Lower bound: the makespan if requests could be rebalanced perfectly and for free at every step — one
 pooled queue with ``dp * max_num_seqs`` slots, each step costing ``t0 + per_seq * bucket(ceil(R/dp)) +
@@ -93,6 +100,12 @@ from qwen3_rl.tools.sim.lengths import (
 )
 
 POLICIES = ("default", "data-rebalance", "rollout-rebalance", "both")
+#: rollout rebalance without the KV: a moved running request is aborted and prefilled again (prompt + generated
+#: tokens) on its target engine, any engine of the cluster (server mode: the agent loop resubmits it)
+REPREFILL = "abort-reprefill"
+#: policies of the server placements (``--placement spread|group``): no rebalance, KV moves inside a server, re-prefill
+SERVER_POLICIES = ("default", "rollout-rebalance", REPREFILL)
+PLACEMENTS = ("sync", "spread", "group")  # sync: verl's SPMD chunks; spread / group: server mode (sim/server.py)
 COUPLINGS = ("lockstep", "independent")
 KV_BYTES_PER_TOKEN = 1.47e9 / 32768  # [ref 002 §2.1]: one 32K sequence holds 1.47 GB of KV cache
 #: default KV link per rank, GB/s: a device-class figure, one 200 Gb/s RoCE port per NPU (the scale-out
@@ -151,14 +164,30 @@ class SimConfig:
     max_kv_bytes: int = DEFAULT_MAX_KV_BYTES
     max_round_s: float = DEFAULT_MAX_ROUND_S
     recompute: bool = True
+    placement: str = "sync"
+    servers: int = 1  # the dp engines form this many servers; KV moves stay inside one
+    routing_slack: int = 0  # group placement: GroupRouter's slack
+    agent_workers: int = 8  # server placements: routers, one per agent-loop worker
 
     def __post_init__(self) -> None:
         if self.dp < 1:
             raise SimError(f"--dp must be >= 1, got {self.dp}")
         if self.max_num_seqs < 1:
             raise SimError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
-        if self.policy not in POLICIES:
-            raise SimError(f"unknown policy {self.policy!r} (choose from {', '.join(POLICIES)})")
+        if self.policy not in (*POLICIES, REPREFILL):
+            raise SimError(f"unknown policy {self.policy!r} (choose from {', '.join((*POLICIES, REPREFILL))})")
+        if self.placement not in PLACEMENTS:
+            raise SimError(f"unknown placement {self.placement!r} (choose from {', '.join(PLACEMENTS)})")
+        if self.servers < 1 or self.dp % self.servers:
+            raise SimError(f"--dp {self.dp} must be a multiple of --servers {self.servers}")
+        if self.placement != "sync" and self.data_rebalance:
+            raise SimError("data rebalance permutes the SPMD batch; server placements route each request")
+        if self.coupling == "lockstep" and self.servers > 1:
+            raise SimError("lockstep coupling spans one server's DP ranks: use --servers 1 or --coupling independent")
+        if self.routing_slack < 0 or self.agent_workers < 1:
+            raise SimError("--routing-slack must be >= 0 and --agent-workers >= 1")
+        if self.policy == REPREFILL and (not self.recompute or self.step.per_prefill_ktok_ms <= 0):
+            raise SimError(f"{REPREFILL} re-prefills moved requests: it needs recompute and a prefill cost > 0")
         if self.coupling not in COUPLINGS:
             raise SimError(f"unknown coupling {self.coupling!r} (choose from {', '.join(COUPLINGS)})")
         if self.rebalance_interval < 1:
@@ -176,7 +205,9 @@ class SimConfig:
         prefill = 1e6 / sm.per_prefill_ktok_ms if self.recompute and sm.per_prefill_ktok_ms > 0 else 0.0
         base = RebalanceConfig(buckets=self.graph_buckets, block_size=self.block_size, max_moves=self.max_moves,
                                max_kv_blocks=self.max_kv_blocks)
-        return round_config(base, kv_bytes_per_block=bpb, link_bytes_per_s=sm.link_gb_s * 1e9,
+        # abort-reprefill: no KV path (link 0), so every running move is a recompute (rebalance._options)
+        link = 0.0 if self.policy == REPREFILL else sm.link_gb_s * 1e9
+        return round_config(base, kv_bytes_per_block=bpb, link_bytes_per_s=link,
                             prefill_tokens_per_s=prefill, max_round_s=self.max_round_s, max_kv_bytes=self.max_kv_bytes)
 
     @property
@@ -192,7 +223,20 @@ class SimConfig:
     @property
     def rollout_rebalance(self) -> bool:
         """Whether ranks migrate requests during the rollout."""
-        return self.policy in ("rollout-rebalance", "both")
+        return self.policy in ("rollout-rebalance", "both", REPREFILL)
+
+    @property
+    def rebalance_groups(self) -> list[range]:
+        """Ranks that exchange requests: one server's DP ranks each (KV moves), all ranks for abort-reprefill."""
+        if self.policy == REPREFILL:
+            return [range(self.dp)]
+        size = self.dp // self.servers
+        return [range(g * size, (g + 1) * size) for g in range(self.servers)]
+
+    @property
+    def rebalancing(self) -> bool:
+        """Whether a rebalance round can move anything (a policy that migrates, a group of two ranks or more)."""
+        return self.rollout_rebalance and max(len(g) for g in self.rebalance_groups) > 1
 
 
 @dataclass
@@ -345,9 +389,10 @@ class _Engine:
         """Plan and apply one round. Returns (#moves, bytes sent+received per rank, #moves recomputed).
 
         A recomputed move carries no KV: its context is prefilled on the target in the next step."""
-        plan = plan_rebalance(plan_states, rcfg)
+        moves = [m for g in self.cfg.rebalance_groups if len(g) > 1
+                 for m in plan_rebalance([plan_states[r] for r in g], rcfg).moves]
         io = np.zeros(self.ndp, dtype=np.float64)
-        for m in plan.moves:
+        for m in moves:
             i = int(m.req_id)
             if m.phase == 1:
                 self.waiting[m.src].remove(i)
@@ -370,12 +415,20 @@ class _Engine:
             nbytes = ctx * self.cfg.step.kv_bytes_per_token
             io[m.src] += nbytes
             io[m.dst] += nbytes
-        return len(plan.moves), io, sum(1 for m in plan.moves if m.recompute)
+        return len(moves), io, sum(1 for m in moves if m.recompute)
 
 
-def _assignment(lengths: Lengths, dp: int, data_rebalance: bool) -> list[np.ndarray]:
-    """Rows (request ids, in rank queue order) that each DP rank receives."""
+def _assignment(lengths: Lengths, dp: int, data_rebalance: bool, cfg: SimConfig | None = None) -> list[np.ndarray]:
+    """Rows (request ids, in rank queue order) that each DP rank receives (``cfg``'s server placement if any)."""
     size = lengths.size
+    if cfg is not None and cfg.placement != "sync":
+        from qwen3_rl.tools.sim.server import server_assignment
+
+        try:
+            return server_assignment(lengths.num_prompts, lengths.n, dp, cfg.servers, cfg.placement,
+                                     cfg.routing_slack, cfg.agent_workers)
+        except ValueError as e:
+            raise SimError(str(e)) from None
     if data_rebalance:
         perm = rebalance_permutation(size, lengths.n, dp, uneven="array_split")
         offs = np.r_[0, np.cumsum(rank_sizes(size, dp))]
@@ -401,10 +454,10 @@ def _sum_max_lines(C: np.ndarray, R: np.ndarray, k: int) -> tuple[float, float]:
 
 
 class DraftModelLike(Protocol):
-    """``sim.drafting.DraftModel``: the time of a lockstep segment run as SAM verification steps."""
+    """``sim.drafting.DraftModel``: the time of a segment run as SAM verification steps (``record``: count its k)."""
 
     def segment_ms(self, sm: StepModel, nsteps: int, running: int, bucket: int, ctx_sum: float,
-                   prefill_tokens: float) -> float: ...
+                   prefill_tokens: float, record: bool = True) -> float: ...
 
 
 @dataclass
@@ -429,7 +482,7 @@ def _run_lockstep(eng: _Engine, cfg: SimConfig, share: int = 1, draft: DraftMode
     st = _Stats()
     rcfg = cfg.rebalance_config()
     next_round = cfg.rebalance_interval
-    rebalancing = cfg.rollout_rebalance and share == 1 and eng.ndp > 1  # one rank: nothing to balance
+    rebalancing = cfg.rebalancing and share == 1 and eng.ndp > 1  # one rank: nothing to balance
     t = 0.0
     S = 0
     while True:
@@ -499,8 +552,29 @@ def _steps_until(sm: StepModel, bucket: int, C: int, R: int, budget_ms: float, p
     return max(1, k)
 
 
-def _advance_independent(eng: _Engine, cfg: SimConfig, r: int, until_s: float, st: _Stats) -> None:
-    """Run rank ``r`` on its own clock until it passes ``until_s`` or runs out of work."""
+def _draft_steps_until(draft: DraftModelLike, sm: StepModel, k_max: int, running: int, bucket: int, C0: float,
+                       budget_ms: float, prefill_tokens: float) -> int:
+    """Smallest k in [1, k_max] whose drafted segment (independent rank) reaches ``budget_ms``, else ``k_max``."""
+
+    def seg(k: int) -> float:
+        return draft.segment_ms(sm, k, running, bucket, k * C0 + running * k * (k - 1) / 2, prefill_tokens,
+                                record=False)
+
+    if seg(k_max) < budget_ms:
+        return k_max
+    lo, hi = 1, k_max
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if seg(mid) >= budget_ms:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _advance_independent(eng: _Engine, cfg: SimConfig, r: int, until_s: float, st: _Stats,
+                         draft: DraftModelLike | None = None) -> None:
+    """Run rank ``r`` on its own clock until it passes ``until_s`` or runs out of work (``draft``: SAM steps)."""
     sm = cfg.step
     buckets = cfg.graph_buckets
     while eng.t[r] < until_s:
@@ -512,11 +586,15 @@ def _advance_independent(eng: _Engine, cfg: SimConfig, r: int, until_s: float, s
         k = int(f - eng.S[r])
         bucket = bucket_for(int(eng.R[r]), buckets)
         pre_ms = sm.per_prefill_ktok_ms * float(eng.P[r]) / 1000.0
-        if math.isfinite(until_s):
-            k = min(k, _steps_until(sm, bucket, int(eng.C[r]), int(eng.R[r]), (until_s - eng.t[r]) * 1000.0, pre_ms))
         C0, R0 = float(eng.C[r]), float(eng.R[r])
+        if math.isfinite(until_s):
+            budget = (until_s - eng.t[r]) * 1000.0
+            k = min(k, _steps_until(sm, bucket, int(eng.C[r]), int(eng.R[r]), budget, pre_ms)) if draft is None \
+                else _draft_steps_until(draft, sm, k, int(R0), bucket, C0, budget, float(eng.P[r]))
         seg_ms = k * (sm.t0_ms + sm.per_seq_ms * bucket + sm.per_kctx_ms * C0 / 1000.0) \
             + sm.per_kctx_ms * R0 * k * (k - 1) / 2 / 1000.0 + pre_ms
+        if draft is not None:
+            seg_ms = draft.segment_ms(sm, k, int(R0), bucket, k * C0 + R0 * k * (k - 1) / 2, float(eng.P[r]))
         st.peak_step_ms = max(st.peak_step_ms, sm.step_ms(bucket, C0 + R0 * (k - 1)), sm.step_ms(bucket, C0) + pre_ms)
         t1 = eng.t[r] + seg_ms / 1000.0
         eng.record(r, float(eng.t[r]), t1, int(eng.R[r]))
@@ -528,11 +606,11 @@ def _advance_independent(eng: _Engine, cfg: SimConfig, r: int, until_s: float, s
         eng.advance(r, k)
 
 
-def _run_independent(eng: _Engine, cfg: SimConfig) -> _Stats:
+def _run_independent(eng: _Engine, cfg: SimConfig, draft: DraftModelLike | None = None) -> _Stats:
     st = _Stats()
-    if not cfg.rollout_rebalance or eng.ndp == 1:
+    if not cfg.rebalancing or eng.ndp == 1:
         for r in range(eng.ndp):
-            _advance_independent(eng, cfg, r, math.inf, st)
+            _advance_independent(eng, cfg, r, math.inf, st, draft)
         return st
     sm = cfg.step
     buckets = cfg.graph_buckets
@@ -542,7 +620,7 @@ def _run_independent(eng: _Engine, cfg: SimConfig) -> _Stats:
     while eng.any_work():
         tau += period
         for r in range(eng.ndp):
-            _advance_independent(eng, cfg, r, tau, st)
+            _advance_independent(eng, cfg, r, tau, st, draft)
         if not eng.any_work():
             break
         st.rounds += 1
@@ -566,11 +644,9 @@ def _run_independent(eng: _Engine, cfg: SimConfig) -> _Stats:
 def simulate(lengths: Lengths, cfg: SimConfig, *, record_timeline: bool = False,
              draft: DraftModelLike | None = None) -> SimResult:
     """Simulate one rollout of ``lengths`` under ``cfg``; returns makespan, rank finish times, idle share.
-    ``draft`` (lockstep only): SAM verification steps with per-step k (``sim/drafting.py``)."""
-    eng = _Engine(lengths, cfg, _assignment(lengths, cfg.dp, cfg.data_rebalance), record_timeline)
-    if draft is not None and cfg.coupling != "lockstep":
-        raise SimError("drafting with per-step k (BASE+...) is modelled for --coupling lockstep only")
-    st = _run_lockstep(eng, cfg, draft=draft) if cfg.coupling == "lockstep" else _run_independent(eng, cfg)
+    ``draft``: SAM verification steps with per-step k (``sim/drafting.py``)."""
+    eng = _Engine(lengths, cfg, _assignment(lengths, cfg.dp, cfg.data_rebalance, cfg), record_timeline)
+    st = _run_lockstep(eng, cfg, draft=draft) if cfg.coupling == "lockstep" else _run_independent(eng, cfg, draft)
     finish = [float(x) for x in eng.finish]
     makespan = max(finish) if finish else 0.0
     idle = (makespan - min(finish)) / makespan if makespan > 0 else 0.0
@@ -588,7 +664,7 @@ def simulate(lengths: Lengths, cfg: SimConfig, *, record_timeline: bool = False,
 def lower_bound(lengths: Lengths, cfg: SimConfig) -> float:
     """Makespan (s) with perfect, free rebalancing at every step: one pooled queue, load split evenly."""
     pooled = replace(cfg, policy="default", coupling="lockstep", max_num_seqs=cfg.dp * cfg.max_num_seqs,
-                     buckets=cfg.graph_buckets)
+                     buckets=cfg.graph_buckets, placement="sync", servers=1)
     eng = _Engine(lengths, pooled, [np.arange(lengths.size)], False)
     _run_lockstep(eng, pooled, share=cfg.dp)
     return float(eng.t.max()) if lengths.size else 0.0
@@ -821,8 +897,10 @@ def _rollout_main(argv: list[str]) -> int:
         DraftModel,
         draft_model,
         placement_coverage,
+        sibling_tables,
     )
     from qwen3_rl.tools.sim.fully_async import add_async_args, trainer_comparison
+    from qwen3_rl.tools.sim.server import siblings_on_engine
     from qwen3_rl.tools.sim.step_table import StepTableError, load_step_table
 
     p = _Parser(prog="python -m qwen3_rl simulate rollout", description="Simulate one rollout batch.")
@@ -883,6 +961,14 @@ def _rollout_main(argv: list[str]) -> int:
                    help="BASE+history, default coverage: history store bytes per engine (SAM_HISTORY_MAX_BYTES)")
     p.add_argument("--epoch-steps", type=float, default=EPOCH_STEPS,
                    help="BASE+history, default coverage: steps until a prompt returns (79: deepscaler at 512)")
+    g = p.add_argument_group("server mode (sim/server.py)")
+    g.add_argument("--placement", default="sync",
+                   help="sync (verl's SPMD chunks) | spread (server mode, verl's least-assigned routing) | group "
+                        "(server mode, GroupRouter), a comma list, or 'all'")
+    g.add_argument("--servers", type=int, default=1,
+                   help="server placements: the --dp engines form this many vLLM servers (KV moves stay inside one)")
+    g.add_argument("--routing-slack", type=int, default=0, help="group placement: GroupRouter slack (requests)")
+    g.add_argument("--agent-workers", type=int, default=8, help="server placements: agent-loop workers (routers)")
     _step_args(p)
     add_async_args(p)
     ns = p.parse_args(argv)
@@ -892,10 +978,17 @@ def _rollout_main(argv: list[str]) -> int:
             raise SimError(f"unknown drafting {dr!r} (choose from {', '.join(DRAFTING)}, BASE+verify|history|"
                            "adaptive, or 'all')")
     drafting = Drafting(ns.tps_together, ns.tps_spread, ns.tps_exchange, ns.drafter_ms)
+    placements = list(PLACEMENTS) if ns.placement == "all" else [x.strip() for x in ns.placement.split(",")
+                                                                    if x.strip()]
+    for pl in placements:
+        if pl not in PLACEMENTS:
+            raise SimError(f"unknown placement {pl!r} (choose from {', '.join(PLACEMENTS)} or 'all')")
     policies = list(POLICIES) if ns.policy == "all" else [x.strip() for x in ns.policy.split(",") if x.strip()]
+    if ns.policy == "all" and placements != ["sync"]:
+        policies += [REPREFILL]
     for pol in policies:
-        if pol not in POLICIES:
-            raise SimError(f"unknown policy {pol!r} (choose from {', '.join(POLICIES)} or 'all')")
+        if pol not in (*POLICIES, REPREFILL):
+            raise SimError(f"unknown policy {pol!r} (choose from {', '.join((*POLICIES, REPREFILL))} or 'all')")
     if ns.max_moves < 0 or ns.max_kv_blocks < 0 or ns.max_kv_bytes < 0 or ns.block_size < 1:
         raise SimError("--max-moves/--max-kv-blocks/--max-kv-bytes must be >= 0 and --block-size >= 1")
     if ns.history_coverage is not None and not 0.0 <= ns.history_coverage <= 1.0:
@@ -921,7 +1014,8 @@ def _rollout_main(argv: list[str]) -> int:
                      rebalance_interval=ns.rebalance_interval, max_moves=ns.max_moves,
                      max_kv_blocks=ns.max_kv_blocks, block_size=ns.block_size,
                      kv_blocks_per_rank=ns.kv_blocks_per_rank, max_kv_bytes=ns.max_kv_bytes,
-                     max_round_s=ns.max_round_s, recompute=not ns.no_recompute)
+                     max_round_s=ns.max_round_s, recompute=not ns.no_recompute, servers=ns.servers,
+                     routing_slack=ns.routing_slack, agent_workers=ns.agent_workers)
     lb = lower_bound(lengths, base)
     results = []
     tps_of: dict[int, float] = {}
@@ -941,33 +1035,54 @@ def _rollout_main(argv: list[str]) -> int:
                          ns.draft_siblings, cov, table=table, spread=placement != "contiguous")
         return dm, cov
 
-    for dr in drafts:
-        for pol in policies:
+    server_tables: dict[str, dict] = {}  # server placement -> no-history tables from its sibling counts
+    skipped: set[str] = set()
+    for pl in placements:
+        if pl != "sync":
+            assign = _assignment(lengths, ns.dp, False, replace(base, placement=pl))
+            server_tables[pl] = sibling_tables(siblings_on_engine(assign, lengths.n, lengths.size),
+                                               lengths.response_len, drafting)
+    for dr, pl, pol in ((d, x, y) for d in drafts for x in placements for y in policies):
+        if pl == "sync":
             if dr.split("+")[0] == "sam_group_exchange" and pol not in SPREAD_POLICIES:
                 continue  # the exchange acts only where data rebalance spreads the siblings
-            dm = None
-            cov = None
-            if "+" in dr:  # verification steps with per-step k (sim/drafting.py)
-                dm, cov = make_draft(dr, pol, ns.dp, "interleaved" if pol in SPREAD_POLICIES else "contiguous")
-                tps, lens_d, step_d = dm.bulk[2] * dm.layout, lengths, step
-            else:
-                tps = drafting.tokens_per_step(dr, pol)
-                lens_d, step_d = with_drafting(lengths, step, tps, drafting.drafter_ms)
-            for link in links if pol in ("rollout-rebalance", "both") else links[:1]:
-                cfg = replace(base, policy=pol, step=replace(step_d, link_gb_s=link))
-                if dm is not None:
-                    dm.k_steps.clear()
-                res = simulate(lens_d, cfg, record_timeline=bool(ns.plot) and link == links[0] and dr == drafts[0],
-                               draft=dm)
-                if dm is not None:
-                    ksteps[id(res)] = dict(sorted(dm.k_steps.items()))
-                if cov is not None and "history" in dr:
-                    coverage_of[id(res)] = cov
-                res.lower_bound_s = lb
-                if dr != "none":
-                    res.policy = f"{pol}+{dr}"
-                tps_of[id(res)] = tps
-                results.append(res)
+        elif pol not in SERVER_POLICIES:
+            continue
+        elif dr != "none" and (not dr.startswith("sam_group+") or "history" in dr):
+            skipped.add(dr)  # server placements: sam_group+verify|adaptive only (sim/drafting.py)
+            continue
+        dm = None
+        cov = None
+        if "+" in dr and pl != "sync":
+            dm = draft_model(dr, pol, drafting, ns.fixed_k, ns.k_max, tok_ms, verify_model, ns.mfu,
+                             table=table, current=server_tables[pl])
+            tps, lens_d, step_d = dm.bulk[2], lengths, step
+        elif "+" in dr:  # verification steps with per-step k (sim/drafting.py)
+            dm, cov = make_draft(dr, pol, ns.dp, "interleaved" if pol in SPREAD_POLICIES else "contiguous")
+            tps, lens_d, step_d = dm.bulk[2] * dm.layout, lengths, step
+        else:
+            tps = drafting.tokens_per_step(dr, pol)
+            lens_d, step_d = with_drafting(lengths, step, tps, drafting.drafter_ms)
+        for link in links if pol in ("rollout-rebalance", "both") else links[:1]:
+            cfg = replace(base, policy=pol, placement=pl, step=replace(step_d, link_gb_s=link))
+            if dm is not None:
+                dm.k_steps.clear()
+            res = simulate(lens_d, cfg, record_timeline=bool(ns.plot) and link == links[0] and dr == drafts[0],
+                           draft=dm)
+            if dm is not None:
+                ksteps[id(res)] = dict(sorted(dm.k_steps.items()))
+            if cov is not None and "history" in dr:
+                coverage_of[id(res)] = cov
+            res.lower_bound_s = lb
+            res.policy = ("" if pl == "sync" else f"{pl}:") + pol + ("" if dr == "none" else f"+{dr}")
+            tps_of[id(res)] = tps
+            results.append(res)
+    if not results:
+        raise SimError(f"no row: policies {', '.join(policies)} do not apply to placements {', '.join(placements)} "
+                       f"(server placements: {', '.join(SERVER_POLICIES)})")
+    ref = next((r.makespan_s for r in results if r.policy == "default"), None)
+    if ref is None and placements != ["sync"]:  # the gains of server rows are against the sync default
+        ref = simulate(lengths, replace(base, policy="default")).makespan_s
     trainer = None
     if ns.trainer == "fully-async":
         trainer = trainer_comparison(ns, lengths, base, results, drafts, make_draft)
@@ -985,6 +1100,8 @@ def _rollout_main(argv: list[str]) -> int:
                 row["engine_steps_per_k"] = ksteps[id(r)]
             if id(r) in coverage_of:
                 row["history_coverage"] = coverage_of[id(r)]
+            if ref:
+                row["gain_vs_sync_default"] = ref / r.makespan_s
             if trainer is not None:
                 row.update(trainer["sync"][id(r)])
         if trainer is not None:
@@ -995,7 +1112,9 @@ def _rollout_main(argv: list[str]) -> int:
                          "max_kv_bytes": ns.max_kv_bytes, "draft_siblings": ns.draft_siblings,
                          "history_coverage": "placement" if ns.history_coverage is None else ns.history_coverage,
                          "verify_model": verify_model, "step_table": ns.step_table, "shape": ns.shape,
-                         "link_source": DEVICE_LINK_SOURCE if ns.link_gb_s == str(DEVICE_LINK_GB_S) else "--link-gb-s"}
+                         "link_source": DEVICE_LINK_SOURCE if ns.link_gb_s == str(DEVICE_LINK_GB_S) else "--link-gb-s",
+                         "placements": placements, "servers": ns.servers, "routing_slack": ns.routing_slack,
+                         "agent_workers": ns.agent_workers, "sync_default_makespan_s": ref}
         print(json.dumps(out, indent=1))
         return 0
     print(f"{lengths.size} samples ({lengths.num_prompts} prompts x {lengths.n}), dp {ns.dp}, "
@@ -1006,20 +1125,26 @@ def _rollout_main(argv: list[str]) -> int:
           + (f", byte cap {ns.max_kv_bytes} B" if ns.max_kv_bytes else ", no byte cap")
           + ("" if ns.no_recompute else f", recompute at {1e6 / step.per_prefill_ktok_ms:g} tokens/s"
              if step.per_prefill_ktok_ms > 0 else ""))
-    base_ms = {r.policy: r.makespan_s for r in results}
-    ref = base_ms.get("default")
+    if placements != ["sync"]:
+        print(f"server placements: {ns.servers} server(s) x DP {ns.dp // ns.servers}, {ns.agent_workers} agent-loop "
+              f"workers, group routing slack {ns.routing_slack}; rollout-rebalance moves KV inside a server, "
+              f"{REPREFILL} re-prefills on any engine")
+    w = max([40] + [len(_label(r, links)) + 1 for r in results])
     tps_col = any(v != 1.0 for v in tps_of.values())
-    print(f"{'policy':<40} {'makespan_s':>10} {'/LB':>6} {'gain':>6} " + (f"{'tok/step':>8} " if tps_col else "")
+    print(f"{'policy':<{w}} {'makespan_s':>10} {'/LB':>6} {'gain':>6} " + (f"{'tok/step':>8} " if tps_col else "")
           + f"{'first_idle':>10} {'first_fin_s':>11} "
           f"{'mean_step_ms':>12} {'migrated':>8} {'recomp':>6} {'kv_GB':>7} {'xfer_s':>7}")
     for r in results:
         gain = f"{ref / r.makespan_s:>6.3f}" if ref else f"{'-':>6}"
         tcol = f"{tps_of[id(r)]:>8.3f} " if tps_col else ""
-        print(f"{_label(r, links):<40} {r.makespan_s:>10.1f} {r.makespan_s / lb:>6.3f} {gain} {tcol}"
+        print(f"{_label(r, links):<{w}} {r.makespan_s:>10.1f} {r.makespan_s / lb:>6.3f} {gain} {tcol}"
               f"{100 * r.first_idle_share:>9.2f}% {min(r.rank_finish_s):>11.1f} {r.mean_step_ms:>12.2f} "
               f"{r.migrations:>8d} {r.recomputed:>6d} {r.kv_gb_moved:>7.2f} {r.transfer_s:>7.1f}")
     if ref:
-        print("gain = default makespan / policy makespan; xfer_s = KV transfer time on the busiest rank, summed")
+        print(f"gain = {'sync ' if placements != ['sync'] else ''}default makespan ({ref:.1f} s) / row makespan; "
+              "xfer_s = KV transfer time on the busiest rank, summed")
+    if skipped:
+        print(f"server placements: no rows for {', '.join(sorted(skipped))} (modelled: sam_group+verify|adaptive)")
     if tps_col:
         print("with drafting: steps are verification steps (ceil(tokens / tok/step)), charged as decode steps "
               "plus --drafter-ms; /LB against the lower bound without drafting")
@@ -1028,7 +1153,8 @@ def _rollout_main(argv: list[str]) -> int:
               + {"roofline": "step, the verification step = max(decode step, compute of all query tokens at --mfu); ",
                  "table": "step, the verification step = decode step x the step table's ratio; "}.get(
                   verify_model, "step, the verification step including --verify-token-ms per draft token; ")
-              + f"tables at {ns.draft_siblings} current siblings (history: 4 + 4 earlier), history coverage "
+              + f"tables at {ns.draft_siblings} current siblings (history: 4 + 4 earlier; server placements: their "
+              "sibling counts, sim/drafting.py sibling_tables), history coverage "
               + (", ".join(f"{_label(r, links)} {coverage_of[id(r)]:.3f}" for r in results if id(r) in coverage_of)
                  or "-")
               + "; tok/step column = the bulk figure at k = 3; k used (engine steps): "
@@ -1040,7 +1166,7 @@ def _rollout_main(argv: list[str]) -> int:
 
 def _label(res: SimResult, links: Sequence[float]) -> str:
     """Policy name, with ``@<link> GB/s`` for rebalancing policies when several links are simulated."""
-    if len(links) > 1 and res.policy in ("rollout-rebalance", "both"):
+    if len(links) > 1 and res.policy.split("+")[0].split(":")[-1] in ("rollout-rebalance", "both"):
         return f"{res.policy}@{res.link_gb_s:g}GB/s"
     return res.policy
 
