@@ -33,6 +33,8 @@ import pytest
 import workspace
 from conftest import tree_without
 
+pytestmark = pytest.mark.server
+
 LAUNCH = textwrap.dedent('''
     import asyncio, json, sys, types
     import ray

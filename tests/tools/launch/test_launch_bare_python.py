@@ -158,7 +158,10 @@ def _guard(tmp_path: Path, runs: list[list[str]], touch: list[str]) -> tuple[lis
     """Run ``python -m qwen3_rl`` commands in one process of the test venv; returns their exit codes, the
     top-level packages of :data:`RUNTIME` in ``sys.modules`` afterwards and the ``qwen3_rl`` modules."""
     bin_dir = make_stubs(tmp_path, ray=False)
-    env = stub_env(tmp_path, bin_dir, PYTHONPATH=str(REPO), STUB_IP_ADDRS=f"eth0={MASTER},lo=127.0.0.1")
+    # an empty workspace: with a checkout's own tiny data on disk preflight would read its parquet columns (pyarrow,
+    # when installed), which is data reading, not the runtime stack this guard is about
+    env = stub_env(tmp_path, bin_dir, PYTHONPATH=str(REPO), STUB_IP_ADDRS=f"eth0={MASTER},lo=127.0.0.1",
+                   QWEN3_RL_WORKSPACE=str(tmp_path / "empty-workspace"))
     out = tmp_path / "guard.json"
     p = subprocess.run([sys.executable, "-c", GUARD, json.dumps(runs), str(out), *touch], env=env, cwd=REPO,
                        capture_output=True, text=True, timeout=300)
