@@ -14,7 +14,7 @@ the reason it exists (vLLM-Ascend 0.13.0 file:line):
 | ``torch.histc`` -> ``runtime.histc`` | integer input counted on a float copy, result in the input's dtype | the NPU kernel takes the int32 expert ids of the all-to-all dispatcher (``ops/fused_moe/token_dispatcher.py:537``); the host kernel is float-only |
 | ``NpuOnHost`` function mode | ``device="npu"``, ``.to("npu")``, ``pin_memory`` -> host | the engine's tensors must exist somewhere; pinning changes no value |
 | ``torch_npu`` module | the 12 kernels of ``ops.py`` + ``torch_npu.npu`` = ``torch.npu`` | ``import torch_npu`` at module level (``worker/worker.py:27`` and 18 others) |
-| kernels without a host reference (:data:`NO_HOST_REFERENCE`, ``torch_npu.atb``) | present, calling one raises with its name | as on a real torch_npu, ``hasattr`` checks see them and ``mock.patch`` finds them: vLLM-Ascend's unit tests patch them (``tests/ut/quantization/test_w8a8.py`` and 25 other files, run by ``tests/upstream_own/vllm_ascend_cpu.py``) |
+| kernels without a host reference (:data:`NO_HOST_REFERENCE`, ``torch_npu.atb``) | present, calling one raises with its name | as on a real torch_npu, ``hasattr`` checks see them and ``mock.patch`` finds them: vLLM-Ascend's unit tests patch them (``tests/ut/{attention,ops,quantization}``, run by ``tests/upstream_own/vllm_ascend_cpu.py``) |
 | ``torch.ops.npu.<kernel>`` | the ``torch_npu`` callable of the same name | torch_npu registers its kernels in the ``npu`` op namespace; vLLM-Ascend calls six through it (``attention/context_parallel/attention_cp.py:304``, the compilation passes) |
 | ``torch.version.cann`` = None | no CANN on the host | read by ``utils.py:285`` (``find_hccl_library``); torch_npu sets it |
 | ``torch_npu._C._npu_get_soc_version``, ``_npu_setStream`` | the SoC of ``get_soc_version``; no-op (one host stream) | ``cpu_binding.py:79,120``; torch_npu's ``torch.npu.set_stream`` calls it (vLLM-Ascend's unit tests patch it) |
@@ -46,8 +46,9 @@ _INSTALLED = False
 #: transformers' NPU flash-attention integration imports ``npu_fusion_attention`` and verl's NPU model patches
 #: (``verl/models/transformers/npu_patch.py:24``, imported by ``verl/__init__.py`` on an NPU) ``npu_rotary_mul``.
 IMPORTED_ONLY = ("npu_fusion_attention", "npu_rotary_mul")
-#: torch_npu 2.8 kernels vLLM-Ascend 0.13.0 names (its package, or its unit tests' ``mock.patch`` targets: the last
-#: five) that have no host reference here: graph-mode, quantised, MLA / context-parallel, MC2 v1 and fused kernels.
+#: torch_npu 2.8 kernels vLLM-Ascend 0.13.0 names (its package, as ``torch_npu.<name>`` or ``torch.ops.npu.<name>``;
+#: the last four only as its unit tests' ``mock.patch`` targets) that have no host reference here: graph-mode,
+#: quantised, MLA / context-parallel, MC2 v1 and fused kernels.
 NO_HOST_REFERENCE = (
     "_npu_flash_attention_unpad", "_npu_fused_infer_attention_score_get_max_workspace", "_npu_group_topk",
     "_npu_paged_attention", "_npu_paged_attention_get_workspace", "_reshape_and_cache", "npu_add_rms_norm_quant",
