@@ -106,3 +106,26 @@ def test_the_control_shows_only_when_its_test_flips_from_passed_to_failed() -> N
     assert ascend_cpu.control_shows(pristine, {t: "passed", other: "passed"}) == []
     assert ascend_cpu.control_shows(pristine, {t: "error", other: "passed"}) == []
     assert ascend_cpu.control_shows(pristine, {other: "passed"}) == []
+
+
+def test_run_env_loads_vllm_ascends_plugins_only_with_the_tree_first(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "vllm_ascend.egg-info").mkdir()
+    (tmp_path / "vllm_ascend.egg-info" / "entry_points.txt").write_text(ENTRY_POINTS)
+    monkeypatch.setenv("VLLM_PLUGINS", "qwen3_rl")
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "ERROR")
+    env = ascend_cpu.run_env(tmp_path, tmp_path / "out")
+    assert env["VLLM_PLUGINS"] == "ascend,ascend_kv_connector,ascend_model_loader,ascend_service_profiling"
+    assert "VLLM_LOGGING_LEVEL" not in env and env["TORCH_DEVICE_BACKEND_AUTOLOAD"] == "0"
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path), str(ascend_cpu.SITE), str(REPO)]
+
+
+def test_every_process_of_a_run_starts_with_the_stand_in(tmp_path: Path) -> None:
+    """The run's sitecustomize installs the torch_npu stand-in before any user code (a subprocess vLLM starts
+    imports vLLM-Ascend, which imports torch_npu)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ascend_cpu.SITE), str(REPO)])}
+    code = ("import sys; assert 'torch_npu' in sys.modules; import torch, torch_npu; "
+            "print(torch.npu.is_available(), torch_npu.npu is torch.npu)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.split() == ["True", "True"], proc.stdout + proc.stderr
