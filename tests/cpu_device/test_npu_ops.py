@@ -395,11 +395,28 @@ RUNTIME_PROBE = textwrap.dedent("""
         active_expert_range=[0, 8], quant_mode=-1)
     assert int(cnt.sum()) == 8
     try:
-        torch_npu.npu_moe_distribute_dispatch
+        torch_npu.npu_not_a_kernel
         raise SystemExit("missing kernel did not raise")
     except AttributeError as e:
         assert "stand-in" in str(e)
-    assert not hasattr(torch_npu, "npu_moe_distribute_dispatch") and hasattr(torch_npu, "npu_moe_distribute_dispatch_v2")
+    assert not hasattr(torch_npu, "npu_not_a_kernel") and hasattr(torch_npu, "npu_moe_distribute_dispatch_v2")
+    # named without a host reference: present (hasattr, mock.patch), raising with the name when called
+    for name, f in (("npu_moe_distribute_dispatch", torch_npu.npu_moe_distribute_dispatch),
+                    ("npu_quant_matmul", torch_npu.npu_quant_matmul), ("atb.npu_ring_mla", torch_npu.atb.npu_ring_mla),
+                    ("npu_fused_infer_attention_score.out", torch_npu.npu_fused_infer_attention_score.out),
+                    ("profiler.ProfilerActivity", torch_npu.profiler.ProfilerActivity),
+                    ("NPU graph", torch.npu.graph_task_update_begin)):
+        try:
+            f()
+            raise SystemExit(f"{name} did not raise")
+        except RuntimeError as e:
+            assert name in str(e) and "stand-in" in str(e), e
+    assert torch.ops.npu.npu_rms_norm is torch_npu.npu_rms_norm
+    assert torch.ops.npu.npu_fused_infer_attention_score is torch_npu.npu_fused_infer_attention_score
+    assert torch.version.cann is None and torch.distributed.is_hccl_available()
+    assert torch_npu._C._npu_get_soc_version() == torch.npu.get_soc_version()
+    assert torch_npu._C._npu_setStream(torch.npu.current_stream()) is None
+    assert torch.npu.graph_pool_handle() != torch.npu.graph_pool_handle()
     # seeded generators "on the NPU" are host generators: same numbers as the host's for the same seed
     g = torch.Generator(device="npu").manual_seed(7)
     assert isinstance(g, torch.Generator) and isinstance(torch.default_generator, torch.Generator)

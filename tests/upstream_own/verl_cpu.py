@@ -96,10 +96,15 @@ def start_run(tree: Path, files: list[str], out: Path) -> subprocess.Popen[bytes
 
 
 def outcomes(junit: Path) -> dict[str, str]:
-    """Test id (``file::Class::name``) -> passed / failed / error / skipped, from pytest's junit XML."""
+    """Test id (``file::Class::name``) -> passed / failed / error / skipped, from pytest's junit XML. A file that
+    fails to import (``--continue-on-collection-errors``) is one ``error`` under its path, without ``::``."""
     result: dict[str, str] = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         classname, name = case.get("classname", ""), case.get("name", "")
+        if not classname:  # a collection error: name is the module's dotted path
+            test_id = name.replace(".", "/") + ".py"
+            result[test_id] = "error"
+            continue
         parts = classname.split(".")
         # classname is the dotted module path plus classes; the file is the longest prefix that names a module
         mod_len = next((i for i in range(len(parts), 0, -1) if parts[i - 1].startswith("test_")), len(parts))

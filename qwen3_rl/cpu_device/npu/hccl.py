@@ -13,6 +13,7 @@ dispatchers are built up front, so even one device reaches it). Here:
 * ``ProcessGroupHCCL.Options`` is a plain class with ``hccl_config`` (dict); each group's ``hccl_config`` is
   recorded in :data:`GROUP_OPTIONS` (group name -> dict), which is what a real HCCL communicator would be
   configured from (torch_npu 2.8.0.post2 reads it into ``HcclCommConfig``);
+* ``torch.distributed.is_hccl_available()`` is True (torch_npu adds the function);
 * the comm name resolves back to its backend (:func:`backend_for_comm_name`): the MC2 kernels
   (``npu_moe_distribute_dispatch_v2`` / ``combine_v2``, ``ops.py``) are collectives that take the group by name.
 """
@@ -84,6 +85,8 @@ def install() -> None:
         return name
 
     dist.ProcessGroupGloo.get_hccl_comm_name = get_hccl_comm_name
+    # torch_npu adds it to torch.distributed; netloader imports it (model_loader/netloader/executor/netloader_pg.py:27)
+    dist.is_hccl_available = lambda: True
     _INSTALLED = True
 
 

@@ -30,6 +30,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 import time
@@ -278,6 +279,11 @@ class _GraphNotOnHost:
         raise RuntimeError("NPU graph capture is not available on the CPU stand-in: run with enforce_eager=True")
 
 
+#: ``torch.npu`` calls of the NPU graph runtime that vLLM-Ascend makes in graph mode only.
+GRAPH_RUNTIME_CALLS = ("graph_task_group_begin", "graph_task_group_end", "graph_task_update_begin",
+                       "graph_task_update_end", "_launch_host_func", "_subscribe_report", "_unsubscribe_report")
+
+
 # ------------------------------------------------------------------ the torch.npu module
 
 
@@ -296,6 +302,7 @@ def _visible_devices() -> int:
 
 
 _CURRENT = threading.local()
+_POOL_IDS = itertools.count(1)
 
 
 def build_npu_module() -> types.ModuleType:
@@ -304,6 +311,14 @@ def build_npu_module() -> types.ModuleType:
     m.__doc__ = __doc__
     m.Stream, m.Event, m.ExternalEvent = Stream, Event, Event
     m.NPUGraph = m.graph = _GraphNotOnHost
+    # an opaque pool id, as torch.cuda.graph_pool_handle returns: NPUPlatform.get_global_graph_pool
+    # (vllm/platforms/interface.py:602) takes one when an ACLGraphWrapper is built (compilation/acl_graph.py:79),
+    # before any capture; capturing still raises (NPUGraph)
+    m.graph_pool_handle = lambda: (0, next(_POOL_IDS))
+    # the graph runtime's parameter updates and host callbacks (compilation/acl_graph.py: full-graph attention
+    # updates; worker/model_runner_v1.py): graph mode only, raising like NPUGraph
+    for name in GRAPH_RUNTIME_CALLS:
+        setattr(m, name, _GraphNotOnHost)
     m.stream, m.current_stream, m.default_stream = stream, current_stream, default_stream
     m.set_stream = lambda s=None: None
     m.is_available = lambda: True
