@@ -14,7 +14,8 @@ untouched):
 * with ``QWEN3_RL_CPU_ROLLOUT=ascend``: the rollout on vLLM-Ascend's own engine (``NPUWorker`` ->
   ``NPUModelRunner``) instead of vLLM's CPU runner. When ``vllm`` is first imported (in the rollout workers, after
   verl has settled on the CPU device), the NPU stand-in (``npu/stand_in.py``) is installed, the workspace's patched
-  vLLM-Ascend tree is put on ``sys.path`` and its platform plugin selected (``npu/run.py``'s ``prepare``).
+  vLLM-Ascend tree is put on ``sys.path`` and its platform plugin selected (``npu/run.py``'s ``prepare``); in the
+  engine core that verl's vLLM server spawns (server mode: ``VERL_VLLM_ZMQ_ADDRESSES`` set) at start-up.
 """
 
 import os
@@ -58,7 +59,13 @@ if os.environ.get("QWEN3_RL_CPU_SHIMS") == "1":
 
             vllm.triton_utils.HAS_TRITON = vllm.triton_utils.importing.HAS_TRITON = False
 
-        post_import.after_import("vllm", _ascend_rollout)
+        if os.environ.get("VERL_VLLM_ZMQ_ADDRESSES"):
+            # verl's server mode: this is the engine core verl's vLLM server spawned (the server sets the variable right
+            # before it starts AsyncLLM); the spawned child unpickles vllm_ascend objects (which import torch_npu)
+            # before anything imports vllm, so the stand-in goes in now
+            _ascend_rollout(None)
+        else:
+            post_import.after_import("vllm", _ascend_rollout)
     if os.environ.get("QWEN3_RL_E2E_PROBE_DIR"):
         import probe
 

@@ -45,3 +45,25 @@ def test_grpo_step_with_the_rollout_on_vllm_ascend(cpu_ws: Path, tmp_path: Path)
         assert e["all_equal"] and e["compared"] == e["engine_params"] > 0
     for e in gens:
         assert e["npu_calls"] and e["npu_calls"].get("torch_npu.npu_fused_infer_attention_score", 0) > 0, e
+
+
+@pytest.mark.server
+@pytest.mark.timeout(2400)
+def test_grpo_step_with_vllm_ascend_behind_the_servers(cpu_ws: Path, tmp_path: Path) -> None:
+    """Server mode (``ROLLOUT_MODE=async``, routing on): verl's vLLM servers run vLLM-Ascend's engine core over the
+    stand-in (the device layer installs it in the engine core the server spawns), the model runner in the worker
+    processes is vLLM-Ascend's: the step trains, SAM drafts in the servers' engines, every sync is exact."""
+    env = {**ASCEND_ROLLOUT, "ROLLOUT_MODE": "async", "SERVER_ROUTING": "True"}
+    run = launch(cpu_ws, "internal/train_grpo_tiny_cpu.sh", tmp_path / "ascend-server", env=env)
+    assert run.rc == 0, _tail(run)
+    step = check_step_log_and_ckpt(run, [1])["steps"]["1"]
+    drafted, accepted = step.get("rollout/spec_decode/draft_tokens", 0), step.get("rollout/spec_decode/accepted_tokens", 0)
+    print(f"GRPO step, vLLM-Ascend behind the servers: {drafted} draft tokens, {accepted} accepted ({run.seconds:.0f} s)")
+    assert drafted > 0 and accepted > 0, {k: v for k, v in step.items() if "spec_decode" in k}
+    assert step["rollout/routing/sibling_same_engine"] == 1.0
+    syncs = run.of("weight_sync")
+    assert {e["rank"] for e in syncs} == {0, 1}
+    for e in syncs:
+        assert (e["worker"], e["runner"], e["drafter"]) == ("NPUWorker", "NPUModelRunner", "SamAscendProposer")
+        assert e["all_equal"] and e["compared"] == e["engine_params"] > 0
+    assert len(run.of("server_request")) == 16 * 8  # the step's requests, answered by the two servers
