@@ -131,6 +131,10 @@ class GroupRouter:
         theirs[verl] += 1
         return target
 
+    def verl_engine(self, request_id: str) -> int:
+        """The engine verl's replayed routing gave a request that is still in flight."""
+        return self._placed[request_id][2]
+
     def done(self, request_id: str, response_tokens: int) -> None:
         """A request finished with ``response_tokens`` generated tokens (load accounting)."""
         placed = self._placed.pop(request_id, None)

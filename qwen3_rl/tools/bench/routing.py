@@ -61,7 +61,6 @@ def replay(servers: int, dp: int, prompts: int, n: int, agent_workers: int, data
     lengths = generate_lengths(dataset_prompts, n, seed=seed).response_len.reshape(dataset_prompts, n)
     ids = np.random.default_rng(seed + 1).integers(1, 150_000, size=(dataset_prompts, 8))
     routers = [GroupRouter(servers, dp=dp, slack=slack) for _ in range(agent_workers)]
-    engines = servers * dp
     # policy -> prompt -> responses per engine (the previous epoch's visit)
     held: dict[str, dict[int, dict[int, int]]] = {"verl": {}, "group": {}}
     stats: dict[str, dict[str, list[float]]] = {p: defaultdict(list) for p in held}
@@ -79,7 +78,7 @@ def replay(servers: int, dp: int, prompts: int, n: int, agent_workers: int, data
                 for p, s in mine:
                     rid = f"{_epoch}-{p}-{s}"
                     target = router.choose(rid, ids[p].tolist())
-                    placed.append((rid, p, s, target, router._placed[rid][2]))
+                    placed.append((rid, p, s, target, router.verl_engine(rid)))
                 for rid, p, s, target, verl in placed:
                     router.done(rid, int(lengths[p, s]))
                     for pol, eng in (("group", target), ("verl", verl)):
@@ -97,7 +96,6 @@ def replay(servers: int, dp: int, prompts: int, n: int, agent_workers: int, data
             stats["verl"]["load_spread_tokens"].append(m["rollout/routing/verl_load_spread_tokens"])
             for pol in held:
                 held[pol].update(now[pol])
-    _ = engines
     return {pol: Result(float(np.mean(s["sibling_same_engine"])), float(np.mean(s["load_spread_tokens"])),
                         float(np.max(s["load_spread_tokens"])), float(np.mean(s["history_any"] or [0.0])),
                         float(np.mean(s["history_share"] or [0.0]))) for pol, s in stats.items()}
