@@ -54,26 +54,39 @@ EXCHANGE_HOOK_ATTR = "qwen3_rl_sibling_exchange"
 
 
 def gc_step_hook(engine: Any) -> Any:
-    """``gc_guard``: Python gc off during each step while the per-process policy is on."""
-    from qwen3_rl.rollout.gc_control import GcStepHook
+    """``gc_guard``: Python gc off during each step while the per-process policy is on. In an engine core
+    process (server mode) the policy is taken from the engine's ``additional_config`` here."""
+    from qwen3_rl.compat.step_hook import is_engine_core
+    from qwen3_rl.rollout.gc_control import GcStepHook, configure_from_vllm_config
 
+    if is_engine_core(engine):
+        configure_from_vllm_config(engine.vllm_config)
     return GcStepHook()
 
 
 def sibling_exchange_step_hook(engine: Any) -> Any:
     """``sam_sibling_exchange``: the SAM sibling exchange between DP ranks, or None when it is off."""
+    from qwen3_rl.compat.step_hook import is_engine_core
     from qwen3_rl.spec_decode.exchange_hook import SiblingExchangeHook, exchange_enabled
 
     if not exchange_enabled(getattr(engine, "vllm_config", None)):
         return None
+    if is_engine_core(engine):
+        raise RuntimeError("sam_config.group_exchange needs verl's sync rollout (the in-process LLMEngine); in "
+                           "server mode a prompt's samples share one engine through SERVER_ROUTING instead")
     hook = SiblingExchangeHook(engine)
     setattr(engine, EXCHANGE_HOOK_ATTR, hook)
     return hook
 
 
 def rebalance_step_hook(engine: Any) -> Any:
-    """``rollout_rebalance``: the rebalance hook (inert until verl configures it)."""
+    """``rollout_rebalance``: the rebalance hook of an ``LLMEngine`` (inert until verl configures it); none in an
+    engine core process."""
+    from qwen3_rl.compat.step_hook import is_engine_core
     from qwen3_rl.rollout.vllm_engine_hook import VllmRebalanceHook
+
+    if is_engine_core(engine):
+        return None
 
     hook = VllmRebalanceHook(engine)
     setattr(engine, REBALANCE_HOOK_ATTR, hook)
