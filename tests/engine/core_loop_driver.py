@@ -12,7 +12,8 @@ through ``collective_rpc``): it wraps the worker's ``execute_model`` and appends
 core process's pid, its vLLM DP rank, ``gc.isenabled()`` and the request ids scheduled in that step to
 ``<probe_dir>/<run>-<pid>.jsonl``. The worker runs in the engine core process on vLLM's CPU platform (uniproc
 executor), so ``execute_model`` runs inside the engine core loop's step (within the step hooks' contexts).
-Each result: {"name", "driver_pid", "outputs": [[token ids] per prompt], "steps": [probe records]}.
+Each result: {"name", "driver_pid", "outputs": [[token ids] per prompt], "steps": [probe records],
+"gc_between_steps": ``[[pid, gc.isenabled()]]`` of a utility call to the (first) engine core after the requests}.
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ class CoreProbe:
         self.execute_model = execute_model
         return os.getpid()
 
+    def probe_gc(self) -> list:
+        """``[pid, gc.isenabled()]`` of the engine core process, read between steps (a utility call)."""
+        return [os.getpid(), gc.isenabled()]
+
 
 async def run_one(spec: dict, run: dict) -> dict:
     from vllm import SamplingParams
@@ -75,12 +80,14 @@ async def run_one(spec: dict, run: dict) -> dict:
             return list(final.outputs[0].token_ids)
 
         outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(spec["prompts"])))
+        between = await engine.collective_rpc("probe_gc")
     finally:
         engine.shutdown()
     steps = []
     for f in sorted(Path(spec["probe_dir"]).glob(f"{run['name']}-*.jsonl")):
         steps += [json.loads(line) for line in f.read_text().splitlines()]
-    return {"name": run["name"], "driver_pid": os.getpid(), "outputs": outputs, "steps": steps}
+    return {"name": run["name"], "driver_pid": os.getpid(), "outputs": outputs, "steps": steps,
+            "gc_between_steps": between}
 
 
 def main() -> int:
