@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from conftest import run_engine
 
 pytestmark = pytest.mark.server
