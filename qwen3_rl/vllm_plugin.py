@@ -80,13 +80,19 @@ def sibling_exchange_step_hook(engine: Any) -> Any:
 
 
 def rebalance_step_hook(engine: Any) -> Any:
-    """``rollout_rebalance``: the rebalance hook of an ``LLMEngine`` (inert until verl configures it); none in an
-    engine core process."""
+    """``rollout_rebalance``: the rebalance hook of an ``LLMEngine`` (inert until verl configures it); in an
+    engine core process (server mode) the engine-core variant when its ``additional_config`` switches it on,
+    else none."""
     from qwen3_rl.compat.step_hook import is_engine_core
-    from qwen3_rl.rollout.vllm_engine_hook import VllmRebalanceHook
+    from qwen3_rl.rollout.vllm_engine_hook import CoreRebalanceHook, VllmRebalanceHook, core_settings
 
     if is_engine_core(engine):
-        return None
+        settings = core_settings(getattr(engine, "vllm_config", None))
+        if settings is None or not settings.enable:
+            return None
+        hook = CoreRebalanceHook(engine)
+        setattr(engine, REBALANCE_HOOK_ATTR, hook)
+        return hook
 
     hook = VllmRebalanceHook(engine)
     setattr(engine, REBALANCE_HOOK_ATTR, hook)

@@ -589,6 +589,113 @@ class VllmRebalanceHook:
         self._ready.extend(res.request_outputs)
 
 
+#: ``additional_config[ENGINE_CONFIG_KEY]`` section of an engine core process's rebalance settings (server mode)
+CORE_SETTINGS_KEY = "rollout_rebalance"
+
+
+def core_settings(vllm_config: Any) -> RebalanceSettings | None:
+    """The rebalance settings an engine core process reads from its own config,
+    ``additional_config = {"qwen3_rl": {"rollout_rebalance": {<RebalanceSettings fields>}}}`` (None when absent;
+    a bad value raises as ``RebalanceSettings`` does)."""
+    from qwen3_rl.rollout.gc_control import ENGINE_CONFIG_KEY
+
+    extra = getattr(vllm_config, "additional_config", None)
+    section = extra.get(ENGINE_CONFIG_KEY) if isinstance(extra, dict) else None
+    raw = section.get(CORE_SETTINGS_KEY) if isinstance(section, dict) else None
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise MigrationError(f"additional_config.{ENGINE_CONFIG_KEY}.{CORE_SETTINGS_KEY} must be a mapping, got "
+                             f"{raw!r}")
+    return RebalanceSettings(**raw)
+
+
+class CoreRebalanceHook(VllmRebalanceHook):
+    """The rebalance hook of one DP engine core process (``DPEngineCoreProc``, server mode: ``AsyncLLM`` with
+    ``data_parallel_size`` > 1), called by the seam's engine-core loop points.
+
+    Same coordinator and engine access as :class:`VllmRebalanceHook`, with what differs there:
+
+    * the engine is the ``EngineCoreProc`` itself (scheduler; the model runner of its uniproc executor, in this
+      process); there is no ``OutputProcessor`` in the process;
+    * settings come from the engine's own ``additional_config`` (:func:`core_settings`); the hook configures
+      itself at its first ``after_engine_core_step``, which every DP engine core reaches in lockstep (real or
+      dummy step);
+    * rounds run from ``after_engine_core_step``; an own request's result that came back, or the tokens of an
+      own request back home, leave as one ``EngineCoreOutput`` of this (origin) engine to the request's client
+      (``Request.client_index``, kept while the request is away), so ``AsyncLLM``'s output processor in the
+      front end finishes it like any other; hosted requests' outputs are filtered out as in sync mode.
+
+    Refused at configure (besides the sync checks): an executor that runs the model outside this process
+    (verl's ``ExternalZeroMQDistributedExecutor`` on the hybrid workers, multiprocess executors): the KV cache
+    is not reachable from the engine core there.
+    """
+
+    def __init__(self, engine_core: Any) -> None:
+        super().__init__(engine_core)
+        self._core = engine_core
+        self._settings = core_settings(getattr(engine_core, "vllm_config", None))
+        self._client_of: dict[str, int] = {}  # own (scheduler) id -> client index, while away
+        self._out: dict[int, list[Any]] = {}  # client index -> EngineCoreOutput to send
+
+    @property
+    def core(self) -> Any:
+        return self._core
+
+    @property
+    def model_runner(self) -> Any:
+        worker = getattr(getattr(self._core.model_executor, "driver_worker", None), "worker", None)
+        runner = getattr(worker, "model_runner", None)
+        if runner is None:
+            raise MigrationError("rollout rebalance in an engine core needs the model runner in that process "
+                                 f"(uniproc executor); this engine runs {type(self._core.model_executor).__name__}")
+        return runner
+
+    def configure(self, settings: RebalanceSettings, max_moves: int, **kwargs: Any) -> None:
+        if settings.enable:
+            _ = self.model_runner  # refuses executors whose model runs elsewhere
+        super().configure(settings, max_moves, **kwargs)
+
+    def has_unfinished(self) -> bool:
+        return bool(super().has_unfinished() or any(self._out.values()))
+
+    def export_request(self, req_id: str) -> tuple[RequestState, list[int]]:
+        st, blocks = super().export_request(req_id)
+        if st.origin_rank == self.rank:
+            sid = self._sched_id(req_id)
+            self._client_of[sid] = int(self.scheduler.requests[sid].client_index)
+        return st, blocks
+
+    def _build_request(self, state: RequestState) -> Any:
+        req = super()._build_request(state)
+        if state.origin_rank == self.rank:  # home again: its client
+            req.client_index = self._client_of.pop(req.request_id, 0)
+        return req
+
+    def _feed_origin(self, req_id: str, away: AwayOutput, total_out: int) -> None:
+        out = away.engine_core_output(req_id)
+        client = self._client_of.pop(req_id, None) if out.finished else self._client_of.get(req_id)
+        if client is None:
+            client = int(getattr(self.scheduler.requests.get(req_id), "client_index", 0))
+        self._out.setdefault(client, []).append(out)
+
+    def after_engine_core_step(self) -> dict[int, Any]:
+        """Count the step (real or dummy), configure at the first one, run a round when due; returns the
+        ``EngineCoreOutputs`` of own requests whose results or tokens came back, per client index."""
+        from vllm.v1.engine import EngineCoreOutputs
+
+        if self._settings is not None:
+            settings, self._settings = self._settings, None
+            self.configure(settings, settings.max_moves)
+        if self.coordinator is None:
+            return {}
+        self.steps += 1
+        self.coordinator.on_step(self.steps)
+        out, self._out = self._out, {}
+        idx = int(getattr(self._core, "engine_index", 0))
+        return {client: EngineCoreOutputs(engine_index=idx, outputs=outs) for client, outs in out.items() if outs}
+
+
 def _dp_device_group() -> Any:
     """The vLLM DP group's device group (``GroupCoordinator.device_group``: HCCL / NCCL / gloo on CPU), or None
     when vLLM's parallel state has none."""
@@ -617,6 +724,6 @@ def _dp_rebalance_group(timeout_s: float) -> Any:
     return own
 
 
-__all__: Sequence[str] = ("VllmRebalanceHook", "AwayOutput", "sampling_params_to_dict", "sampling_params_from_dict",
+__all__: Sequence[str] = ("VllmRebalanceHook", "CoreRebalanceHook", "core_settings", "AwayOutput", "sampling_params_to_dict", "sampling_params_from_dict",
                           "kv_block_axis", "dp_groups_from_ranks", "default_buckets", "encode_array",
                           "decode_array")

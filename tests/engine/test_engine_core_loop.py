@@ -1,7 +1,7 @@
-"""The vLLM seam's engine-step hooks in the engine core process that ``AsyncLLM`` drives (verl's servers), and
-vLLM DP-rank routing in a real DP engine: vLLM 0.13.0's ``AsyncLLM`` on the CPU build with the patch series, its
-engine cores in their own processes (``core_loop_driver.py``; what the cores saw is recorded by a probe in their
-worker, in the core process).
+"""The vLLM seam's engine-step hooks in the engine core process that ``AsyncLLM`` drives (verl's servers),
+vLLM DP-rank routing in a real DP engine, and rollout rebalance between the DP engine cores of one server: vLLM
+0.13.0's ``AsyncLLM`` on the CPU build with the patch series, its engine cores in their own processes
+(``core_loop_driver.py``; what the cores saw is recorded by a probe in their worker, in the core process).
 
 vLLM's CPU worker binds OpenMP threads per NUMA node by default and refuses two DP engines on this kind of host
 (``cpu_worker.py`` ``_get_autobind_cpu_ids``: "VLLM_CPU_NUM_OF_RESERVED_CPU (1) should less than 0"); the tests
@@ -101,3 +101,55 @@ def test_data_parallel_rank_lands_on_that_engine_core(dp_runs: dict) -> None:
         for i in range(0, len(want), 2):  # siblings
             assert seen[f"req-{i}"] == seen[f"req-{i + 1}"]
         assert r["outputs"] == dp_runs["dp1"]["outputs"]
+
+
+REBALANCE_PROMPTS = [[(11 * i + k) % 200 + 10 for k in range(6 + 2 * i)] for i in range(4)] + [
+    [(7 * i + k) % 200 + 10 for k in range(5)] for i in range(2)]
+REBALANCE_RANKS = [0, 0, 0, 0, 1, 1]
+REBALANCE_TOKENS = [60 + 10 * i for i in range(4)] + [6, 8]
+
+
+@pytest.fixture(scope="module")
+def rebalance_runs(engine_ws: Path, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("core-rebalance")
+    (tmp / "probe").mkdir()
+    engine = {"data_parallel_size": 2, "max_num_seqs": 4}
+    on = {**engine, "additional_config": {"qwen3_rl": {"rollout_rebalance": {
+        "enable": True, "interval_steps": 4, "timeout_s": 120.0}}}}
+    base = {"max_tokens": REBALANCE_TOKENS, "dp_ranks": REBALANCE_RANKS}
+    spec = {"workspace": str(engine_ws), "model": str(tiny_models["dense"]), "prompts": REBALANCE_PROMPTS,
+            "probe_dir": str(tmp / "probe"), "runs": [
+                {"name": "off", **base, "engine": engine},
+                {"name": "on", **base, "engine": on},
+                {"name": "control", **base, "engine": on, "corrupt_kv": True},
+            ]}
+    return run_engine(spec, tmp, env=core_env(engine_ws), driver="core_loop_driver.py")
+
+
+def test_rollout_rebalance_moves_running_requests_between_a_servers_dp_engine_cores(rebalance_runs: dict) -> None:
+    # rollout_rebalance (order 30) in DPEngineCoreProc's loop: rank 0's engine core gets 4 long requests, rank 1's
+    # two short ones; once rank 1 is done, running requests move with their KV blocks from rank 0 to rank 1 (over
+    # the vLLM DP group's device group: gloo on the CPU platform), run there (the engine cores' own records), and
+    # their results return as rank 0's EngineCoreOutputs to AsyncLLM's front end: greedy outputs equal the run
+    # without rebalance token for token. Negative control: the same moves with the KV zeroed on arrival change them.
+    off, on, bad = rebalance_runs["off"], rebalance_runs["on"], rebalance_runs["control"]
+    assert engine_of(off["steps"]) == {f"req-{i}": {r} for i, r in enumerate(REBALANCE_RANKS)}
+    rounds = {r: [x for x in on["rounds"] if x["dp_rank"] == r] for r in (0, 1)}
+    assert rounds[0] and [x["moves"] for x in rounds[0]] == [x["moves"] for x in rounds[1]]  # one plan
+    moves = [tuple(m) for x in rounds[0] for m in x["moves"]]
+    kv_moves = [m for m in moves if m[3] == 2 and m[4] > 0 and not m[5]]
+    assert kv_moves and all(m[1:3] == (0, 1) for m in kv_moves), moves
+    sent = sum(x["kv_bytes_sent"] for x in rounds[0])
+    assert sent > 0 and sent == sum(x["kv_bytes_received"] for x in rounds[1])
+    assert all(x["kv_path"] == "device" for x in on["rounds"]) and rounds[0][0]["link_gb_s"] > 0
+    # the moved requests ran on rank 1's engine core under their global id, and came home to rank 0's front end
+    seen = engine_of(on["steps"])
+    for req_id, *_ in kv_moves:
+        assert req_id.startswith("r0|req-") and seen[req_id] == {1}, (req_id, seen)
+    delivered = {d for x in rounds[0] for d in x["delivered"]}
+    assert {m[0] for m in kv_moves} <= delivered
+    assert on["outputs"] == off["outputs"]
+    assert [len(o) for o in on["outputs"]] == REBALANCE_TOKENS
+    assert [tuple(m) for x in bad["rounds"] if x["dp_rank"] == 0 for m in x["moves"]] == moves
+    assert bad["outputs"] != off["outputs"]
+    print("moves", moves, "KV bytes", sent, "link GB/s", rounds[0][0]["link_gb_s"])
