@@ -1,4 +1,5 @@
-"""vLLM 0.13 engine-loop hook for rollout rebalance (sync SPMD rollout, external-launcher DP).
+"""vLLM 0.13 engine-loop hook for rollout rebalance (sync SPMD rollout, external-launcher DP; and the DP engine core
+processes of ``AsyncLLM``: :class:`CoreRebalanceHook`, at the end).
 
 The plugin (:mod:`qwen3_rl.vllm_plugin`) registers the engine-step hook ``rollout_rebalance`` (order 30) with the
 vLLM seam patch: every ``LLMEngine`` gets one :class:`VllmRebalanceHook` (also set as
