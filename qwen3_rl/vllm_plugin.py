@@ -12,12 +12,16 @@ What it registers (each factory returns None, or an inert object, while its feat
 point                                  order   object / when
 =====================================  ======  ===============================================================
 engine-step hook ``gc_guard``          10      :class:`~qwen3_rl.rollout.gc_control.GcStepHook`, always (the
-                                               policy is switched per process later, by verl; off = no-op)
+                                               policy is switched per process later, by verl; off = no-op; in
+                                               an engine core process: from ``additional_config``)
 engine-step hook ``sam_sibling_exchange`` 20   :class:`~qwen3_rl.spec_decode.exchange_hook.SiblingExchangeHook`
-                                               when ``sam_config.group_exchange`` is on, else None
+                                               when ``sam_config.group_exchange`` is on, else None (refused in
+                                               an engine core process)
 engine-step hook ``rollout_rebalance`` 30      :class:`~qwen3_rl.rollout.vllm_engine_hook.VllmRebalanceHook`,
                                                always: verl configures it after the engine is built
-                                               (``trainer.seam.configure_rollout_rebalance``); inert until then
+                                               (``trainer.seam.configure_rollout_rebalance``); inert until then.
+                                               Engine core process: ``CoreRebalanceHook`` when
+                                               ``additional_config.qwen3_rl.rollout_rebalance.enable``, else None
 drafter ``sam``                        -       :class:`~qwen3_rl.spec_decode.vllm_proposer.SamVllmProposer`
                                                (options key ``sam_config``), one per engine; on vLLM-Ascend its
                                                ``Proposer`` subclass ``ascend_adapter.SamAscendProposer``
@@ -31,6 +35,11 @@ factory ``ascend_moe_forward_impl``    -       vLLM-Ascend: the chunked-MoE-pref
 The hooks of one engine run in ascending order at the seam's four points (``has_unfinished_requests``, around
 ``step``, on the engine-core outputs, on the request outputs); the SAM exchange therefore runs before the
 rebalance round of the same step, on real and dummy steps alike.
+
+Two engine loops build the hooks (:func:`qwen3_rl.compat.step_hook.is_engine_core` tells them apart): the in-process
+``LLMEngine`` of verl's sync rollout, and the engine core process (``EngineCoreProc`` / ``DPEngineCoreProc``) that
+``AsyncLLM`` drives in verl's servers, where the hooks' settings come from the engine's own ``additional_config``
+(``{"qwen3_rl": {"disable_gc": ..., "rollout_rebalance": {...}}}``): verl's trainer does not reach that process.
 """
 
 from __future__ import annotations
@@ -54,26 +63,45 @@ EXCHANGE_HOOK_ATTR = "qwen3_rl_sibling_exchange"
 
 
 def gc_step_hook(engine: Any) -> Any:
-    """``gc_guard``: Python gc off during each step while the per-process policy is on."""
-    from qwen3_rl.rollout.gc_control import GcStepHook
+    """``gc_guard``: Python gc off during each step while the per-process policy is on. In an engine core
+    process (server mode) the policy is taken from the engine's ``additional_config`` here."""
+    from qwen3_rl.compat.step_hook import is_engine_core
+    from qwen3_rl.rollout.gc_control import GcStepHook, configure_from_vllm_config
 
+    if is_engine_core(engine):
+        configure_from_vllm_config(engine.vllm_config)
     return GcStepHook()
 
 
 def sibling_exchange_step_hook(engine: Any) -> Any:
     """``sam_sibling_exchange``: the SAM sibling exchange between DP ranks, or None when it is off."""
+    from qwen3_rl.compat.step_hook import is_engine_core
     from qwen3_rl.spec_decode.exchange_hook import SiblingExchangeHook, exchange_enabled
 
     if not exchange_enabled(getattr(engine, "vllm_config", None)):
         return None
+    if is_engine_core(engine):
+        raise RuntimeError("sam_config.group_exchange needs verl's sync rollout (the in-process LLMEngine); in "
+                           "server mode a prompt's samples share one engine through SERVER_ROUTING instead")
     hook = SiblingExchangeHook(engine)
     setattr(engine, EXCHANGE_HOOK_ATTR, hook)
     return hook
 
 
 def rebalance_step_hook(engine: Any) -> Any:
-    """``rollout_rebalance``: the rebalance hook (inert until verl configures it)."""
-    from qwen3_rl.rollout.vllm_engine_hook import VllmRebalanceHook
+    """``rollout_rebalance``: the rebalance hook of an ``LLMEngine`` (inert until verl configures it); in an
+    engine core process (server mode) the engine-core variant when its ``additional_config`` switches it on,
+    else none."""
+    from qwen3_rl.compat.step_hook import is_engine_core
+    from qwen3_rl.rollout.vllm_engine_hook import CoreRebalanceHook, VllmRebalanceHook, core_settings
+
+    if is_engine_core(engine):
+        settings = core_settings(getattr(engine, "vllm_config", None))
+        if settings is None or not settings.enable:
+            return None
+        hook = CoreRebalanceHook(engine)
+        setattr(engine, REBALANCE_HOOK_ATTR, hook)
+        return hook
 
     hook = VllmRebalanceHook(engine)
     setattr(engine, REBALANCE_HOOK_ATTR, hook)

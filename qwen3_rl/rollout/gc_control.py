@@ -17,6 +17,13 @@ How it is switched (default: off):
   ``set_decode_gc_disabled(bool(...))`` directly) before generating. The config key is
   :data:`CONFIG_KEY` under the rollout config, i.e.
   ``actor_rollout_ref.rollout.disable_gc_in_engine_step`` (bool, default ``false``).
+* Server mode (``AsyncLLM``, engine core in its own process): vLLM's engine core process builds the same hook
+  (``EngineCoreProc.step_hooks``) around each loop step; the policy there comes from the engine's own config,
+  ``additional_config = {"qwen3_rl": {"disable_gc": true}}`` (:data:`ENGINE_CONFIG_KEY`; verl's server adds it
+  through the verl seam's ``server_args`` when ``qwen3_rl.disable_gc.enable`` is on), read by
+  :func:`configure_from_vllm_config` when the hook is built in that process. It covers the engine core's loop
+  (scheduling, output handling, and the model step when the executor runs in that process); model workers in
+  other processes (verl's hybrid workers behind its ZeroMQ executor) are not switched.
 
 The guard restores exactly what it found: whether the collector was enabled and the three
 generation thresholds, also when the step raises. It never calls ``gc.collect`` itself.
@@ -36,7 +43,9 @@ __all__ = [
     "CONFIG_KEY",
     "GcState",
     "GcStepHook",
+    "ENGINE_CONFIG_KEY",
     "configure_from_rollout_config",
+    "configure_from_vllm_config",
     "decode_gc_disabled",
     "engine_step_gc_guard",
     "set_decode_gc_disabled",
@@ -44,6 +53,9 @@ __all__ = [
 
 #: Key of the switch inside verl's rollout config (``actor_rollout_ref.rollout.<CONFIG_KEY>``).
 CONFIG_KEY = "disable_gc_in_engine_step"
+
+#: Key of vLLM's ``additional_config`` holding ``{"disable_gc": bool}`` for an engine core process.
+ENGINE_CONFIG_KEY = "qwen3_rl"
 
 _lock = threading.Lock()
 _disabled = False
@@ -103,6 +115,18 @@ def configure_from_rollout_config(rollout_config: Mapping[str, object] | None) -
         value = False
     if not isinstance(value, bool):
         raise TypeError(f"rollout.{CONFIG_KEY} must be a bool, got {value!r}")
+    set_decode_gc_disabled(value)
+    return value
+
+
+def configure_from_vllm_config(vllm_config: object) -> bool:
+    """Apply ``additional_config[ENGINE_CONFIG_KEY]["disable_gc"]`` of a vLLM config in this process (the engine
+    core process of server mode); returns the resulting policy. Absent = off; a non-bool value is an error."""
+    extra = getattr(vllm_config, "additional_config", None)
+    section = extra.get(ENGINE_CONFIG_KEY) if isinstance(extra, Mapping) else None
+    value = section.get("disable_gc", False) if isinstance(section, Mapping) else False
+    if not isinstance(value, bool):
+        raise TypeError(f"additional_config.{ENGINE_CONFIG_KEY}.disable_gc must be a bool, got {value!r}")
     set_decode_gc_disabled(value)
     return value
 

@@ -269,6 +269,33 @@ def move_kv_blocks(spec: KVCacheSpec, comm: Communicator, sends: Sequence[tuple[
     return sent, received
 
 
+def probe_link_time(spec: KVCacheSpec, kv_comm: Communicator, probe_bytes: int, chunk_bytes: int,
+                    staging: torch.device | None) -> tuple[float, int, int]:
+    """Collective over ``kv_comm``: send ``probe_bytes`` of this rank's KV blocks (read only) to the next rank and
+    receive as much from the previous one into a scratch cache, twice. Returns (the faster time in s, bytes sent,
+    bytes received)."""
+    bpb = spec.bytes_per_block
+    size, rank = kv_comm.size, kv_comm.rank
+    avail = min(c.shape[a] for c, a in zip(spec.caches, spec.block_axes, strict=True))
+    nb = max(1, min(avail, -(-probe_bytes // max(bpb, 1))))
+    shapes = []
+    for c, a in zip(spec.caches, spec.block_axes, strict=True):
+        shape = list(c.shape)
+        shape[a] = nb
+        shapes.append(torch.zeros(shape, dtype=c.dtype, device=c.device))  # touched before the clock starts
+    scratch = KVCacheSpec(tuple(shapes), spec.block_axes)
+    ids = list(range(nb))
+    nxt, prv = (rank + 1) % size, (rank - 1) % size
+    times = []
+    out = inn = 0
+    for _ in range(2):  # the faster of two: the first pays one-off set-up (buffers, connections)
+        t0 = time.perf_counter()
+        out, inn = move_kv_blocks(spec, kv_comm, [(nxt, ids)], [(prv, ids)], staging=staging,
+                                  chunk_bytes=chunk_bytes, recv_spec=scratch, what="KV link probe (P2P)")
+        times.append(time.perf_counter() - t0)
+    return min(times), out, inn
+
+
 def scatter_kv_blocks(spec: KVCacheSpec, block_ids: Sequence[int], flat: torch.Tensor) -> None:
     """Write a :func:`gather_kv_blocks` buffer into ``block_ids`` of every cache (in place)."""
     expect = len(block_ids) * spec.bytes_per_block
@@ -413,7 +440,13 @@ class FinishedRemote:
 
 
 class EngineHooks(Protocol):
-    """What the engine (vLLM scheduler + worker, or a toy engine) provides to the coordinator."""
+    """What the engine (vLLM scheduler + worker, or a toy engine) provides to the coordinator.
+
+    An engine whose KV cache lives in other processes (the model workers behind a vLLM engine core) also has an
+    attribute ``remote_kv`` with ``move_kv(sends, recvs, chunk_bytes, what) -> (bytes sent, bytes received)`` and
+    ``probe_link(probe_bytes, chunk_bytes) -> (seconds, bytes sent, bytes received)``: the coordinator then hands
+    the KV moves of a round and the link probe to it (``kv_cache_spec`` need only give ``bytes_per_block``).
+    """
 
     def load_state(self, rank: int) -> RankState:
         """Waiting (FCFS order) and running requests with token counts and KV blocks held; capacities."""
@@ -524,29 +557,15 @@ class RebalanceCoordinator:
         own KV blocks (read only) to the next rank and receives as much from the previous one into a
         scratch cache, through :func:`move_kv_blocks`, twice; link = bytes sent + received / the slowest
         rank's faster time. Returns bytes/s (the same on every rank) and logs it."""
-        spec = self.hooks.kv_cache_spec()
-        bpb = spec.bytes_per_block
         size = self.comm.size
         if size < 2:
             return float("inf")
-        avail = min(c.shape[a] for c, a in zip(spec.caches, spec.block_axes, strict=True))
-        nb = max(1, min(avail, -(-self.probe_bytes // max(bpb, 1))))
-        shapes = []
-        for c, a in zip(spec.caches, spec.block_axes, strict=True):
-            shape = list(c.shape)
-            shape[a] = nb
-            shapes.append(torch.zeros(shape, dtype=c.dtype, device=c.device))  # touched before the clock starts
-        scratch = KVCacheSpec(tuple(shapes), spec.block_axes)
-        ids = list(range(nb))
-        nxt, prv = (self.rank + 1) % size, (self.rank - 1) % size
-        times = []
-        for _ in range(2):  # the faster of two: the first pays one-off set-up (buffers, connections)
-            t0 = time.perf_counter()
-            out, inn = move_kv_blocks(spec, self.kv_comm, [(nxt, ids)], [(prv, ids)], staging=self.staging,
-                                      chunk_bytes=self.chunk_bytes, recv_spec=scratch, what="KV link probe (P2P)")
-            times.append(time.perf_counter() - t0)
-        dt = min(times)
-        del scratch, shapes
+        remote = getattr(self.hooks, "remote_kv", None)
+        if remote is not None:  # the KV lives in worker processes: they probe the link
+            dt, out, inn = remote.probe_link(self.probe_bytes, self.chunk_bytes)
+        else:
+            dt, out, inn = probe_link_time(self.hooks.kv_cache_spec(), self.kv_comm, self.probe_bytes,
+                                           self.chunk_bytes, self.staging)
         slowest = max(float(x) for x in self.comm.all_gather_object(dt, "KV link probe time (all_gather)"))
         link = (out + inn) / max(slowest, 1e-9)
         logger.info("rollout rebalance: DP rank %d, KV path %s (%s): measured %.3f GB/s (bytes sent + received "
@@ -638,10 +657,16 @@ class RebalanceCoordinator:
                 raise MigrationError(f"DP rank {me}: got {len(blocks)} blocks for {st.req_id}, need {st.num_kv_blocks}")
             states.append(st)
             in_blocks.append(blocks)
-        kv_out, kv_in = move_kv_blocks(spec, self.kv_comm, [(m.dst, b) for m, b in zip(outgoing, out_blocks, strict=True)],
-                                       [(m.src, b) for m, b in zip(incoming, in_blocks, strict=True)],
-                                       staging=self.staging, chunk_bytes=self.chunk_bytes,
-                                       what=f"KV blocks over the {self.kv_path} path (P2P)")
+        kv_sends = [(m.dst, b) for m, b in zip(outgoing, out_blocks, strict=True)]
+        kv_recvs = [(m.src, b) for m, b in zip(incoming, in_blocks, strict=True)]
+        remote = getattr(self.hooks, "remote_kv", None)
+        if remote is not None:  # the workers of both ends move their KV (shards) themselves
+            kv_out, kv_in = remote.move_kv(kv_sends, kv_recvs, self.chunk_bytes,
+                                           f"KV blocks over the {self.kv_path} path (P2P)")
+        else:
+            kv_out, kv_in = move_kv_blocks(spec, self.kv_comm, kv_sends, kv_recvs, staging=self.staging,
+                                           chunk_bytes=self.chunk_bytes,
+                                           what=f"KV blocks over the {self.kv_path} path (P2P)")
         for m in outgoing:
             self.hooks.release_request(m.req_id)
         received = []

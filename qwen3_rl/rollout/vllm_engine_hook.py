@@ -1,4 +1,5 @@
-"""vLLM 0.13 engine-loop hook for rollout rebalance (sync SPMD rollout, external-launcher DP).
+"""vLLM 0.13 engine-loop hook for rollout rebalance (sync SPMD rollout, external-launcher DP; and the DP engine core
+processes of ``AsyncLLM``: :class:`CoreRebalanceHook`, at the end).
 
 The plugin (:mod:`qwen3_rl.vllm_plugin`) registers the engine-step hook ``rollout_rebalance`` (order 30) with the
 vLLM seam patch: every ``LLMEngine`` gets one :class:`VllmRebalanceHook` (also set as
@@ -207,6 +208,43 @@ def default_buckets(capture_sizes: Sequence[int] | None, max_num_seqs: int) -> t
         sizes = {1 << k for k in range(max(1, max_num_seqs).bit_length()) if (1 << k) < max_num_seqs}
     sizes.add(int(max_num_seqs))
     return tuple(sorted(sizes))
+
+
+def generator_state(runner: Any, req_id: str) -> bytes | None:
+    """The sampler generator state of ``req_id`` in a model runner (None without a seeded generator)."""
+    cached = runner.requests.get(req_id)
+    if cached is None or cached.generator is None:
+        return None
+    return cached.generator.get_state().cpu().numpy().tobytes()
+
+
+def worker_request_state(runner: Any, state: RequestState, req_id: str, sp: Any, block_ids: list[int]) -> Any:
+    """The ``CachedRequestState`` of a migrated request for a model runner (prompt / output ids, KV block ids,
+    the sampler generator with its state restored, as ``GPUModelRunner._update_states`` would build it)."""
+    from vllm.sampling_params import SamplingType
+    from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+    gen = None
+    if sp.sampling_type == SamplingType.RANDOM_SEED:  # as GPUModelRunner._update_states
+        gen = torch.Generator(device=getattr(runner, "device", "cpu"))
+        if state.generator_state is not None:
+            gen.set_state(torch.frombuffer(bytearray(state.generator_state), dtype=torch.uint8))
+        else:
+            gen.manual_seed(sp.seed)
+    return CachedRequestState(req_id=req_id, prompt_token_ids=list(state.prompt_token_ids),
+                              mm_features=[], sampling_params=sp, generator=gen, block_ids=(list(block_ids),),
+                              num_computed_tokens=int(state.num_computed_tokens),
+                              output_token_ids=list(state.output_token_ids), lora_request=None, prompt_embeds=None)
+
+
+def runner_kv_cache_spec(runner: Any, num_blocks: int) -> KVCacheSpec:
+    """The KV cache tensors of a model runner with their block axes."""
+    caches: list[torch.Tensor] = []
+    for layer in runner.kv_caches:
+        caches.extend(layer if isinstance(layer, list | tuple) else [layer])
+    if not caches:
+        raise MigrationError("the model runner has no KV cache tensors")
+    return KVCacheSpec(tuple(caches), tuple(kv_block_axis(c.shape, num_blocks) for c in caches))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -451,10 +489,7 @@ class VllmRebalanceHook:
         blocks = list(self.scheduler.kv_cache_manager.get_block_ids(sid)[0][:nb]) if running else []
         if len(blocks) != nb:
             raise MigrationError(f"DP rank {self.rank}: request {req_id} holds {len(blocks)} blocks, needs {nb}")
-        gen_state = None
-        cached = self.model_runner.requests.get(sid)
-        if cached is not None and cached.generator is not None:
-            gen_state = cached.generator.get_state().cpu().numpy().tobytes()
+        gen_state = self._generator_state(sid)
         origin, away = self._foreign.get(req_id, (self.rank, AwayOutput()))
         sp = req.sampling_params
         extra = {"status": "running" if running else ("preempted" if req.num_output_tokens else "waiting"),
@@ -466,6 +501,15 @@ class VllmRebalanceHook:
                           tuple(int(t) for t in req.output_token_ids), sampling_params_to_dict(sp), sp.seed,
                           gen_state, n_computed, nb, extra)
         return st, blocks
+
+    def _generator_state(self, sid: str) -> bytes | None:
+        """The sampler generator state of a request in the worker (None without a seeded generator)."""
+        return generator_state(self.model_runner, sid)
+
+    def _install_worker_state(self, state: RequestState, req: Any, block_ids: list[int]) -> None:
+        """Put the migrated request's ``CachedRequestState`` into the worker's model runner."""
+        self.model_runner.requests[req.request_id] = worker_request_state(self.model_runner, state, req.request_id,
+                                                                          req.sampling_params, block_ids)
 
     def release_request(self, req_id: str) -> None:
         from vllm.v1.request import RequestStatus
@@ -504,13 +548,7 @@ class VllmRebalanceHook:
         return ids
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        num_blocks = int(self.scheduler.kv_cache_config.num_blocks)
-        caches: list[torch.Tensor] = []
-        for layer in self.model_runner.kv_caches:
-            caches.extend(layer if isinstance(layer, list | tuple) else [layer])
-        if not caches:
-            raise MigrationError("the model runner has no KV cache tensors")
-        return KVCacheSpec(tuple(caches), tuple(kv_block_axis(c.shape, num_blocks) for c in caches))
+        return runner_kv_cache_spec(self.model_runner, int(self.scheduler.kv_cache_config.num_blocks))
 
     def _check_new_id(self, req_id: str) -> None:
         sched = self.scheduler
@@ -519,24 +557,6 @@ class VllmRebalanceHook:
         if req_id in sched.finished_req_ids:
             raise MigrationError(f"DP rank {self.rank}: request {req_id} left this rank and comes back before a "
                                  "step flushed its worker state (rounds must be >= 1 step apart)")
-
-    def _worker_state(self, state: RequestState, req: Any, block_ids: list[int]) -> Any:
-        from vllm.sampling_params import SamplingType
-        from vllm.v1.worker.gpu_input_batch import CachedRequestState
-
-        runner = self.model_runner
-        gen = None
-        sp = req.sampling_params
-        if sp.sampling_type == SamplingType.RANDOM_SEED:  # as GPUModelRunner._update_states
-            gen = torch.Generator(device=getattr(runner, "device", "cpu"))
-            if state.generator_state is not None:
-                gen.set_state(torch.frombuffer(bytearray(state.generator_state), dtype=torch.uint8))
-            else:
-                gen.manual_seed(sp.seed)
-        return CachedRequestState(req_id=req.request_id, prompt_token_ids=list(state.prompt_token_ids),
-                                  mm_features=[], sampling_params=sp, generator=gen, block_ids=(list(block_ids),),
-                                  num_computed_tokens=int(state.num_computed_tokens),
-                                  output_token_ids=list(state.output_token_ids), lora_request=None, prompt_embeds=None)
 
     def import_request(self, state: RequestState, block_ids: list[int]) -> None:
         from vllm.v1.request import RequestStatus
@@ -549,13 +569,13 @@ class VllmRebalanceHook:
             req.num_computed_tokens = int(state.num_computed_tokens)
             sched.requests[req.request_id] = req
             sched.running.append(req)
-            self.model_runner.requests[req.request_id] = self._worker_state(state, req, block_ids)
+            self._install_worker_state(state, req, block_ids)
         else:
             self._check_new_id(sid)
             req = self._build_request(state)
             if state.output_token_ids:  # resumes like a local preemption: KV recomputed, worker state kept
                 req.status = RequestStatus.PREEMPTED
-                self.model_runner.requests[req.request_id] = self._worker_state(state, req, [])
+                self._install_worker_state(state, req, [])
             sched.add_request(req)
         away = AwayOutput.from_json(state.extra.get("away"))
         if state.origin_rank != self.rank:
@@ -589,6 +609,285 @@ class VllmRebalanceHook:
         self._ready.extend(res.request_outputs)
 
 
+#: ``additional_config[ENGINE_CONFIG_KEY]`` section of an engine core process's rebalance settings (server mode)
+CORE_SETTINGS_KEY = "rollout_rebalance"
+
+
+def core_settings(vllm_config: Any) -> RebalanceSettings | None:
+    """The rebalance settings an engine core process reads from its own config,
+    ``additional_config = {"qwen3_rl": {"rollout_rebalance": {<RebalanceSettings fields>}}}`` (None when absent;
+    a bad value raises as ``RebalanceSettings`` does)."""
+    from qwen3_rl.rollout.gc_control import ENGINE_CONFIG_KEY
+
+    extra = getattr(vllm_config, "additional_config", None)
+    section = extra.get(ENGINE_CONFIG_KEY) if isinstance(extra, dict) else None
+    raw = section.get(CORE_SETTINGS_KEY) if isinstance(section, dict) else None
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise MigrationError(f"additional_config.{ENGINE_CONFIG_KEY}.{CORE_SETTINGS_KEY} must be a mapping, got "
+                             f"{raw!r}")
+    return RebalanceSettings(**raw)
+
+
+class CoreRebalanceHook(VllmRebalanceHook):
+    """The rebalance hook of one DP engine core process (``DPEngineCoreProc``, server mode: ``AsyncLLM`` with
+    ``data_parallel_size`` > 1), called by the seam's engine-core loop points.
+
+    Same coordinator and engine access as :class:`VllmRebalanceHook`, with what differs there:
+
+    * the engine is the ``EngineCoreProc`` itself (scheduler; the model runner of its uniproc executor, in this
+      process); there is no ``OutputProcessor`` in the process;
+    * settings come from the engine's own ``additional_config`` (:func:`core_settings`); the hook configures
+      itself at its first ``after_engine_core_step``, which every DP engine core reaches in lockstep (real or
+      dummy step);
+    * rounds run from ``after_engine_core_step``; an own request's result that came back, or the tokens of an
+      own request back home, leave as one ``EngineCoreOutput`` of this (origin) engine to the request's client
+      (``Request.client_index``, kept while the request is away), so ``AsyncLLM``'s output processor in the
+      front end finishes it like any other; hosted requests' outputs are filtered out as in sync mode.
+
+    When the executor runs the model in other processes (vLLM's multiprocess executor; verl's
+    ``ExternalZeroMQDistributedExecutor`` on its hybrid workers) the engine core cannot reach the KV cache: the
+    coordination then goes over the engine cores' own DP group (:class:`ProcessGroupCommunicator`), and the
+    worker state and KV of a round go through the executor's ``collective_rpc`` to the workers (:class:`WorkerKV`,
+    the coordinator's ``remote_kv``), which move their KV shards over their vLLM DP group.
+    """
+
+    def __init__(self, engine_core: Any) -> None:
+        super().__init__(engine_core)
+        self._core = engine_core
+        self._settings = core_settings(getattr(engine_core, "vllm_config", None))
+        self._client_of: dict[str, int] = {}  # own (scheduler) id -> client index, while away
+        self._out: dict[int, list[Any]] = {}  # client index -> EngineCoreOutput to send
+        #: set when the model (and KV cache) runs in worker processes: the coordinator hands KV moves to it
+        self.remote_kv: WorkerKV | None = None
+
+    @property
+    def core(self) -> Any:
+        return self._core
+
+    def _local_runner(self) -> Any:
+        worker = getattr(getattr(self._core.model_executor, "driver_worker", None), "worker", None)
+        return getattr(worker, "model_runner", None)
+
+    @property
+    def model_runner(self) -> Any:
+        runner = self._local_runner()
+        if runner is None:
+            raise MigrationError(f"DP rank {self.rank}: the model runs in worker processes "
+                                 f"({type(self._core.model_executor).__name__}); use the workers' KV path")
+        return runner
+
+    def configure(self, settings: RebalanceSettings, max_moves: int, **kwargs: Any) -> None:
+        """As :meth:`VllmRebalanceHook.configure`; when the executor runs the model in other processes, the
+        coordination goes over the engine cores' own DP group (vLLM's stateless gloo group of
+        ``DPEngineCoreProc``) and the KV over the workers' DP device group (:class:`WorkerKV`)."""
+        if not settings.enable or self._local_runner() is not None:
+            super().configure(settings, max_moves, **kwargs)
+            return
+        group = getattr(self._core, "dp_group", None)
+        if group is None:
+            raise MigrationError("rollout rebalance in an engine core with remote workers needs DPEngineCoreProc's "
+                                 "DP group (vLLM data_parallel_size > 1)")
+        comm = ProcessGroupCommunicator(group, settings.timeout_s)
+        self.remote_kv = WorkerKV(self._core.model_executor, int(self.scheduler.kv_cache_config.num_blocks),
+                                  settings.timeout_s)
+        super().configure(settings, max_moves, comm=comm, kv_comm=comm)
+        assert self.coordinator is not None
+        self.coordinator.kv_path = "workers"
+        logger.info("rollout rebalance: DP rank %d, the KV moves between the model workers over their vLLM DP "
+                    "group (%s executor)", self.rank, type(self._core.model_executor).__name__)
+
+    def _generator_state(self, sid: str) -> bytes | None:
+        if self.remote_kv is None:
+            return super()._generator_state(sid)
+        return self.remote_kv.call(worker_generator_state, sid)[0]
+
+    def _install_worker_state(self, state: RequestState, req: Any, block_ids: list[int]) -> None:
+        if self.remote_kv is None:
+            super()._install_worker_state(state, req, block_ids)
+            return
+        self.remote_kv.call(worker_install_request, state, req.request_id,
+                            sampling_params_to_dict(req.sampling_params), list(block_ids))
+
+    def kv_cache_spec(self) -> Any:
+        if self.remote_kv is None:
+            return super().kv_cache_spec()
+        return self.remote_kv.spec()
+
+    def has_unfinished(self) -> bool:
+        return bool(super().has_unfinished() or any(self._out.values()))
+
+    def export_request(self, req_id: str) -> tuple[RequestState, list[int]]:
+        st, blocks = super().export_request(req_id)
+        if st.origin_rank == self.rank:
+            sid = self._sched_id(req_id)
+            self._client_of[sid] = int(self.scheduler.requests[sid].client_index)
+        return st, blocks
+
+    def _build_request(self, state: RequestState) -> Any:
+        req = super()._build_request(state)
+        if state.origin_rank == self.rank:  # home again: its client
+            req.client_index = self._client_of.pop(req.request_id, 0)
+        return req
+
+    def _feed_origin(self, req_id: str, away: AwayOutput, total_out: int) -> None:
+        out = away.engine_core_output(req_id)
+        client = self._client_of.pop(req_id, None) if out.finished else self._client_of.get(req_id)
+        if client is None:
+            client = int(getattr(self.scheduler.requests.get(req_id), "client_index", 0))
+        self._out.setdefault(client, []).append(out)
+
+    def after_engine_core_step(self) -> dict[int, Any]:
+        """Count the step (real or dummy), configure at the first one, run a round when due; returns the
+        ``EngineCoreOutputs`` of own requests whose results or tokens came back, per client index."""
+        from vllm.v1.engine import EngineCoreOutputs
+
+        if self._settings is not None:
+            settings, self._settings = self._settings, None
+            self.configure(settings, settings.max_moves)
+        if self.coordinator is None:
+            return {}
+        self.steps += 1
+        self.coordinator.on_step(self.steps)
+        out, self._out = self._out, {}
+        idx = int(getattr(self._core, "engine_index", 0))
+        return {client: EngineCoreOutputs(engine_index=idx, outputs=outs) for client, outs in out.items() if outs}
+
+
+class ProcessGroupCommunicator:
+    """:class:`~qwen3_rl.rollout.migration.Communicator` over a ``ProcessGroup`` object that torch.distributed has no
+    name for (vLLM's stateless DP group of the engine core processes): the group's own ``allgather`` / ``send`` /
+    ``recv``, each waited with ``timeout_s``. Ranks are the group's ranks (the DP ranks)."""
+
+    def __init__(self, group: Any, timeout_s: float = 60.0) -> None:
+        self.group = group
+        self.rank, self.size = int(group.rank()), int(group.size())
+        self.timeout_s = float(timeout_s)
+        self.round = 0
+        self.backend = "gloo"
+
+    def _wait(self, work: Any, what: str, peers: Sequence[int]) -> None:
+        from qwen3_rl.rollout.migration import RebalanceTimeoutError
+
+        try:
+            ok = work.wait(datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as e:
+            raise RebalanceTimeoutError(f"rollout rebalance round {self.round}, DP rank {self.rank}: {what} with DP "
+                                        f"rank(s) {sorted(set(peers))} failed: {e}") from e
+        if ok is False:
+            raise RebalanceTimeoutError(f"rollout rebalance round {self.round}, DP rank {self.rank}: {what} with DP "
+                                        f"rank(s) {sorted(set(peers))} did not complete within {self.timeout_s:g} s")
+
+    def all_gather_object(self, obj: Any, what: str) -> list[Any]:
+        import pickle
+
+        others = [r for r in range(self.size) if r != self.rank]
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        n = torch.tensor([data.numel()], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self._wait(self.group.allgather([sizes], [n]), what, others)
+        width = int(max(int(x[0]) for x in sizes))
+        buf = torch.zeros(width, dtype=torch.uint8)
+        buf[:data.numel()] = data
+        outs = [torch.zeros(width, dtype=torch.uint8) for _ in range(self.size)]
+        self._wait(self.group.allgather([outs], [buf]), what, others)
+        return [pickle.loads(o[:int(k[0])].numpy().tobytes()) for o, k in zip(outs, sizes, strict=True)]
+
+    def exchange(self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+                 what: str) -> None:
+        seq: dict[tuple[str, int], int] = {}
+        works = []
+        for dst, t in sends:
+            tag = seq.setdefault(("s", dst), 0)
+            seq["s", dst] = tag + 1
+            works.append((self.group.send([t.contiguous()], dst, tag), dst))
+        for src, t in recvs:
+            tag = seq.setdefault(("r", src), 0)
+            seq["r", src] = tag + 1
+            works.append((self.group.recv([t], src, tag), src))
+        for w, peer in works:
+            self._wait(w, what, [peer])
+
+
+class WorkerKV:
+    """The KV side of a round when the model runs in worker processes (``remote_kv`` of
+    :class:`~qwen3_rl.rollout.migration.EngineHooks`): each call is one ``collective_rpc`` of the engine core's
+    executor to all its workers (every TP rank moves its own KV shard to the same TP rank of the other DP rank,
+    over the workers' vLLM DP group, ``get_dp_group().device_group``: HCCL on an A3, gloo on vLLM's CPU platform).
+    Both DP ranks' engine cores call it in the same round, so their workers meet in the same P2P exchange."""
+
+    def __init__(self, executor: Any, num_blocks: int, timeout_s: float) -> None:
+        self.executor, self.num_blocks, self.timeout_s = executor, int(num_blocks), float(timeout_s)
+        self._spec: Any = None
+
+    def call(self, fn: Any, *args: Any) -> list[Any]:
+        return list(self.executor.collective_rpc(fn, args=args))
+
+    def spec(self) -> Any:
+        if self._spec is None:
+            bpb = max(int(b) for b in self.call(worker_kv_bytes_per_block, self.num_blocks))
+            self._spec = _RemoteKVSpec(bpb)
+        return self._spec
+
+    def move_kv(self, sends: list, recvs: list, chunk_bytes: int, what: str) -> tuple[int, int]:
+        res = self.call(worker_move_kv, self.num_blocks, sends, recvs, int(chunk_bytes), self.timeout_s, what)
+        return sum(int(r[0]) for r in res), sum(int(r[1]) for r in res)
+
+    def probe_link(self, probe_bytes: int, chunk_bytes: int) -> tuple[float, int, int]:
+        res = self.call(worker_probe_link, self.num_blocks, int(probe_bytes), int(chunk_bytes), self.timeout_s)
+        return max(float(r[0]) for r in res), sum(int(r[1]) for r in res), sum(int(r[2]) for r in res)
+
+
+@dataclass(frozen=True)
+class _RemoteKVSpec:
+    bytes_per_block: int
+
+
+# -- run in the model worker processes (collective_rpc: ``fn(worker, *args)``) --------------------------------
+def _worker_dp_kv_comm(worker: Any, timeout_s: float) -> TorchDistCommunicator:
+    group = _dp_device_group()
+    if group is None:
+        raise MigrationError("the model worker has no vLLM DP device group")
+    return TorchDistCommunicator(group, timeout_s=timeout_s, batched=True)
+
+
+def worker_kv_bytes_per_block(worker: Any, num_blocks: int) -> int:
+    """Bytes of one KV block of this worker's cache (its TP shard)."""
+    return int(runner_kv_cache_spec(worker.model_runner, num_blocks).bytes_per_block)
+
+
+def worker_generator_state(worker: Any, req_id: str) -> bytes | None:
+    """A request's sampler generator state in this worker."""
+    return generator_state(worker.model_runner, req_id)
+
+
+def worker_install_request(worker: Any, state: RequestState, req_id: str, sp: dict[str, Any],
+                           block_ids: list[int]) -> None:
+    """Put a migrated request's ``CachedRequestState`` into this worker's model runner."""
+    runner = worker.model_runner
+    runner.requests[req_id] = worker_request_state(runner, state, req_id, sampling_params_from_dict(sp), block_ids)
+
+
+def worker_move_kv(worker: Any, num_blocks: int, sends: list, recvs: list, chunk_bytes: int, timeout_s: float,
+                   what: str) -> tuple[int, int]:
+    """This worker's part of a round's KV moves (its shard), over its vLLM DP device group."""
+    from qwen3_rl.rollout import migration
+
+    spec = runner_kv_cache_spec(worker.model_runner, num_blocks)
+    return migration.move_kv_blocks(spec, _worker_dp_kv_comm(worker, timeout_s), sends, recvs, staging=None,
+                                    chunk_bytes=chunk_bytes, what=what)
+
+
+def worker_probe_link(worker: Any, num_blocks: int, probe_bytes: int, chunk_bytes: int,
+                      timeout_s: float) -> tuple[float, int, int]:
+    """This worker's part of the KV link probe (``migration.probe_link_time``)."""
+    from qwen3_rl.rollout.migration import probe_link_time
+
+    spec = runner_kv_cache_spec(worker.model_runner, num_blocks)
+    return probe_link_time(spec, _worker_dp_kv_comm(worker, timeout_s), probe_bytes, chunk_bytes, None)
+
+
 def _dp_device_group() -> Any:
     """The vLLM DP group's device group (``GroupCoordinator.device_group``: HCCL / NCCL / gloo on CPU), or None
     when vLLM's parallel state has none."""
@@ -617,6 +916,6 @@ def _dp_rebalance_group(timeout_s: float) -> Any:
     return own
 
 
-__all__: Sequence[str] = ("VllmRebalanceHook", "AwayOutput", "sampling_params_to_dict", "sampling_params_from_dict",
+__all__: Sequence[str] = ("VllmRebalanceHook", "CoreRebalanceHook", "core_settings", "AwayOutput", "sampling_params_to_dict", "sampling_params_from_dict",
                           "kv_block_axis", "dp_groups_from_ranks", "default_buckets", "encode_array",
                           "decode_array")

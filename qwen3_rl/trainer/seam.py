@@ -408,13 +408,26 @@ class ServerHooks:
 
     def server_args(self, args: dict[str, Any]) -> dict[str, Any]:
         """The server's ``vllm serve`` arguments (name -> value), with the recipe's additions (server_auth: a new
-        ``api_key``, kept as :attr:`api_key` in this process)."""
-        if not self.recipe.server_auth.enable:
-            return args
-        import secrets
+        ``api_key``, kept as :attr:`api_key` in this process; disable_gc: ``additional_config.qwen3_rl.disable_gc``,
+        which the ``gc_guard`` hook reads in the server's engine core processes)."""
+        out = dict(args)
+        if self.recipe.disable_gc.enable:
+            from qwen3_rl.rollout.gc_control import ENGINE_CONFIG_KEY
 
-        self.api_key = secrets.token_urlsafe(32)
-        return {**args, "api_key": self.api_key}
+            extra = _plain(out.get("additional_config"))  # verl json-dumps a dict argument (verl patch 0010)
+            if isinstance(extra, str):
+                import json
+
+                extra = json.loads(extra)
+            extra = dict(extra)
+            extra[ENGINE_CONFIG_KEY] = {**dict(extra.get(ENGINE_CONFIG_KEY) or {}), "disable_gc": True}
+            out["additional_config"] = extra
+        if self.recipe.server_auth.enable:
+            import secrets
+
+            self.api_key = secrets.token_urlsafe(32)
+            out["api_key"] = self.api_key
+        return out
 
     def printable(self, server_args: list[str]) -> list[str]:
         """``server_args`` as verl prints them: the value after ``--api_key`` masked."""

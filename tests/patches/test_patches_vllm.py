@@ -20,15 +20,18 @@ import textwrap
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from qwen3_rl.rollout import gc_control
 from qwen3_rl.rollout.gc_control import (
     CONFIG_KEY,
+    ENGINE_CONFIG_KEY,
     GcState,
     GcStepHook,
     configure_from_rollout_config,
+    configure_from_vllm_config,
     decode_gc_disabled,
     engine_step_gc_guard,
     set_decode_gc_disabled,
@@ -98,6 +101,44 @@ def test_configure_from_rollout_config(gc_sandbox: None) -> None:
         configure_from_rollout_config({CONFIG_KEY: "true"})
     with pytest.raises(TypeError):
         set_decode_gc_disabled(1)  # type: ignore[arg-type]
+
+
+def test_configure_from_vllm_config(gc_sandbox: None) -> None:
+    # server mode: the engine core process takes the policy from vLLM's additional_config
+    def cfg(extra: object) -> SimpleNamespace:
+        return SimpleNamespace(additional_config=extra)
+
+    assert configure_from_vllm_config(cfg({ENGINE_CONFIG_KEY: {"disable_gc": True}, "other": 1})) is True
+    assert decode_gc_disabled() is True
+    for extra in ({}, None, {ENGINE_CONFIG_KEY: {}}, {"other": {"disable_gc": True}}):
+        set_decode_gc_disabled(True)
+        assert configure_from_vllm_config(cfg(extra)) is False and decode_gc_disabled() is False
+    with pytest.raises(TypeError, match="disable_gc"):
+        configure_from_vllm_config(cfg({ENGINE_CONFIG_KEY: {"disable_gc": "true"}}))
+
+
+def test_plugin_factories_in_the_engine_core(gc_sandbox: None) -> None:
+    # the factories tell the two engine loops apart: an engine core (scheduler, no output processor) gets gc_guard
+    # with its config's policy, no rollout_rebalance hook, and refuses the sibling exchange; an LLMEngine keeps
+    # its hooks and its policy
+    from qwen3_rl.compat.step_hook import is_engine_core
+    from qwen3_rl.vllm_plugin import gc_step_hook, rebalance_step_hook, sibling_exchange_step_hook
+
+    def spec(exchange: bool) -> SimpleNamespace:
+        return SimpleNamespace(method="sam", drafter_config={"group_exchange": exchange})
+
+    core = SimpleNamespace(scheduler=object(), vllm_config=SimpleNamespace(
+        additional_config={ENGINE_CONFIG_KEY: {"disable_gc": True}}, speculative_config=spec(False)))
+    llm_engine = SimpleNamespace(output_processor=object(), vllm_config=SimpleNamespace(
+        additional_config={ENGINE_CONFIG_KEY: {"disable_gc": False}}, speculative_config=None))
+    assert is_engine_core(core) and not is_engine_core(llm_engine)
+    assert isinstance(gc_step_hook(core), GcStepHook) and decode_gc_disabled() is True
+    assert isinstance(gc_step_hook(llm_engine), GcStepHook) and decode_gc_disabled() is True  # not read there
+    assert rebalance_step_hook(core) is None and rebalance_step_hook(llm_engine) is not None
+    assert sibling_exchange_step_hook(core) is None
+    core.vllm_config.speculative_config = spec(True)
+    with pytest.raises(RuntimeError, match="SERVER_ROUTING"):
+        sibling_exchange_step_hook(core)
 
 
 # ------------------------------------- gc_guard: LLM._run_engine -> the patched LLMEngine.step, executed

@@ -5,6 +5,10 @@
 * The patched ``LLMEngine`` calls hooks at its four points, in order (hooks registered here, engine core and
   output processing stood in): ``has_unfinished``, ``step_context`` around the step, ``filter_outputs``,
   ``after_step`` on real and dummy steps.
+* The patched engine core process loops (``EngineCoreProc`` / ``DPEngineCoreProc.run_busy_loop``, scheduler and
+  model stood in) call them at theirs: ``has_unfinished`` (input wait, DP flag), ``step_context`` around the step
+  and the DP dummy batch, ``filter_outputs`` per client before queueing, ``after_engine_core_step`` outputs
+  queued. The real ``AsyncLLM`` runs are ``tests/engine/test_engine_core_loop.py``.
 * No load-time dependency: in a process where ``qwen3_rl`` cannot be imported, the patched vLLM modules and the
   patched vLLM-Ascend files import / parse without it, the registries stay empty and ``SpeculativeConfig``
   behaves as pristine (``"sam"`` is an unknown method, ``ngram`` unchanged). The greedy-output comparison with
@@ -28,6 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: files the vLLM / vLLM-Ascend patches touch (checked for imports of our package)
 PATCHED_FILES = {
     "vllm": ["vllm/plugins/extensions.py", "vllm/config/speculative.py", "vllm/v1/engine/llm_engine.py",
+             "vllm/v1/engine/core.py",
              "vllm/v1/worker/gpu_model_runner.py", "vllm/v1/engine/core_client.py",
              "vllm/model_executor/layers/rotary_embedding/common.py"],
     "vllm-ascend": ["vllm_ascend/utils.py", "vllm_ascend/worker/model_runner_v1.py",
@@ -93,6 +98,10 @@ class _Recorder:
         self.log.append((self.name, "after"))
         return [*request_outputs, self.name]
 
+    def after_engine_core_step(self) -> dict:
+        self.log.append((self.name, "after_core"))
+        return {7: self.name}
+
 
 def test_engine_calls_hooks_at_four_points_in_order(patched_imports: Path) -> None:
     from vllm.plugins import extensions
@@ -141,6 +150,77 @@ def test_engine_calls_hooks_at_four_points_in_order(patched_imports: Path) -> No
     log.clear()
     eng.step_hooks = []
     assert eng.step() == [] and log == [("core", "real")]
+
+
+class _LoopDone(Exception):
+    pass
+
+
+def _core_standin(cls: type, log: list, hooks: list, step_result: tuple, loops: int) -> object:
+    """An ``EngineCoreProc`` / ``DPEngineCoreProc`` without ``__init__``: scheduler, model and queues stood in; the
+    busy loop stops after ``loops`` passes."""
+    import queue
+
+    eng = object.__new__(cls)
+    eng.step_hooks = hooks
+    eng.output_queue, eng.input_queue = queue.Queue(), queue.Queue()
+    eng.engines_running, eng.batch_queue = False, None
+    eng.scheduler = SimpleNamespace(has_requests=lambda: False, has_unfinished_requests=lambda: False)
+    eng.step_fn = lambda: log.append(("core", "step")) or step_result
+    eng.post_step = lambda executed: None
+    eng.execute_dummy_batch = lambda: log.append(("core", "dummy"))
+    calls = []
+
+    def input_queue_pass() -> None:
+        calls.append(1)
+        if len(calls) > loops:
+            raise _LoopDone
+
+    eng._process_input_queue = input_queue_pass
+    return eng
+
+
+def test_engine_core_loops_call_hooks_in_order(patched_imports: Path) -> None:
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
+
+    log: list = []
+    early, late = _Recorder("early", log, unfinished=True), _Recorder("late", log)
+    # has_unfinished: a hook's work ends the wait for input (no request, no wave) instead of blocking
+    eng = _core_standin(EngineCoreProc, log, [early, late], ({}, False), loops=1)
+    EngineCoreProc._process_input_queue(eng)
+    assert log == [("early", "has_unfinished")]
+    log.clear()
+    # one pass of EngineCoreProc's loop: contexts around the step, each client's outputs filtered by each hook in
+    # order before they are queued, then the hooks' own outputs queued
+    out = EngineCoreOutputs(outputs=[EngineCoreOutput(request_id="a", new_token_ids=[1])])
+    eng = _core_standin(EngineCoreProc, log, [early, late], ({0: out}, True), loops=1)
+    with pytest.raises(_LoopDone):
+        eng.run_busy_loop()
+    assert log == [("early", "enter"), ("late", "enter"), ("core", "step"), ("early", "filter"), ("late", "filter"),
+                   ("early", "after_core"), ("late", "after_core"), ("late", "exit"), ("early", "exit")]
+    assert [eng.output_queue.get_nowait() for _ in range(3)] == [(0, out), (7, "early"), (7, "late")]
+    log.clear()
+    # DPEngineCoreProc: nothing scheduled, no wave, but a hook holds work: it joins the DP flag as unfinished and
+    # the rank runs a dummy batch inside the hooks' contexts; after_engine_core_step follows the dummy batch
+    eng = _core_standin(DPEngineCoreProc, log, [early, late], ({}, False), loops=1)
+    eng._maybe_publish_request_counts = lambda: None
+    flags: list = []
+    eng._has_global_unfinished_reqs = lambda local: flags.append(local) or True
+    with pytest.raises(_LoopDone):
+        eng.run_busy_loop()
+    assert log == [("early", "enter"), ("late", "enter"), ("core", "step"), ("early", "has_unfinished"),
+                   ("core", "dummy"), ("early", "after_core"), ("late", "after_core"), ("late", "exit"),
+                   ("early", "exit")]
+    assert flags == [True]
+    log.clear()
+    # without hooks: the pristine DP loop (idle rank, no wave: no dummy batch, no all-reduce)
+    eng = _core_standin(DPEngineCoreProc, log, [], ({}, False), loops=1)
+    eng._maybe_publish_request_counts = lambda: None
+    eng._has_global_unfinished_reqs = lambda local: flags.append(local) or True
+    with pytest.raises(_LoopDone):
+        eng.run_busy_loop()
+    assert log == [("core", "step")] and flags == [True] and eng.output_queue.empty()
 
 
 def test_speculative_config_with_a_registered_drafter(patched_imports: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -261,3 +262,23 @@ def test_server_auth_adds_a_fresh_key_and_masks_it_when_printed() -> None:
     # switched off: no key, nothing masked
     off = _hooks({"server_auth": {"enable": False}})
     assert off.server_args(args) == args and off.api_key is None
+
+
+def test_disable_gc_reaches_the_servers_engine_cores_through_additional_config() -> None:
+    # DISABLE_GC_IN_ENGINE_STEP in server mode: the server's vLLM arguments carry the policy to its engine core
+    # processes (gc_control.configure_from_vllm_config reads it there), merged into an existing additional_config
+    from omegaconf import OmegaConf
+
+    from qwen3_rl.rollout.gc_control import ENGINE_CONFIG_KEY
+
+    on = _hooks({"disable_gc": {"enable": True}, "server_auth": {"enable": False}})
+    assert on.server_args({"dtype": "float32"}) == {
+        "dtype": "float32", "additional_config": {ENGINE_CONFIG_KEY: {"disable_gc": True}}}
+    kept = on.server_args({"additional_config": OmegaConf.create({"ascend_scheduler_config": {"enabled": True}})})
+    assert kept["additional_config"] == {"ascend_scheduler_config": {"enabled": True},
+                                         ENGINE_CONFIG_KEY: {"disable_gc": True}}
+    assert json.loads(json.dumps(kept["additional_config"])) == kept["additional_config"]  # plain, as verl dumps it
+    assert on.server_args({"additional_config": '{"a": 1}'})["additional_config"] == {
+        "a": 1, ENGINE_CONFIG_KEY: {"disable_gc": True}}
+    off = _hooks({"disable_gc": {"enable": False}, "server_auth": {"enable": False}})
+    assert off.server_args({"dtype": "float32"}) == {"dtype": "float32"}

@@ -198,8 +198,9 @@ RULE_CASES += [
      "batch piece to a DP rank (qwen3_rl/rollout/data_rebalance.py refuses it); SERVER_ROUTING keeps a prompt's samples "
      "together instead"),
     (MOE, {"ROLLOUT_MODE": "async", "ROLLOUT_REBALANCE": "True"}, MOE_CTX,
-     "ROLLOUT_MODE=async excludes ROLLOUT_REBALANCE=True: the rebalance coordinator runs in LLMEngine.step of the sync "
-     "rollout; the servers' engine core loop has no such hook (docs/rollout_mode.md)"),
+     "ROLLOUT_MODE=async excludes ROLLOUT_REBALANCE=True: the rebalance hook runs in vLLM's DP engine core loop "
+     "(tested with AsyncLLM on the CPU engine), but not yet behind verl's servers: the verl seam does not pass its "
+     "settings to them and no server run with vLLM DP > 1 (MoE, expert parallel) checks it (docs/rollout_mode.md)"),
     (MOE, {"ROLLOUT_MODE": "async", "MOE_ALLTOALLV": "True"}, MOE_CTX,
      "ROLLOUT_MODE=async excludes MOE_ALLTOALLV=True: its expert placement is the sync rollout's (vLLM DP rank = "
      "RANK // TP under the external launcher); server mode's DP ranks come from verl's server "
