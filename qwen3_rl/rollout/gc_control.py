@@ -22,8 +22,10 @@ How it is switched (default: off):
   ``additional_config = {"qwen3_rl": {"disable_gc": true}}`` (:data:`ENGINE_CONFIG_KEY`; verl's server adds it
   through the verl seam's ``server_args`` when ``qwen3_rl.disable_gc.enable`` is on), read by
   :func:`configure_from_vllm_config` when the hook is built in that process. It covers the engine core's loop
-  (scheduling, output handling, and the model step when the executor runs in that process); model workers in
-  other processes (verl's hybrid workers behind its ZeroMQ executor) are not switched.
+  (scheduling, output handling, and the model step when the executor runs in that process).
+* verl's hybrid workers, which run the model for a server's engine core behind verl's ZeroMQ executor
+  (``vLLMAsyncRollout``), wrap each ``execute_model`` / ``sample_tokens`` call in :func:`gc_disabled` through the
+  verl seam (``RolloutHooks.worker_call``) when their rollout config's ``qwen3_rl.disable_gc.enable`` is on.
 
 The guard restores exactly what it found: whether the collector was enabled and the three
 generation thresholds, also when the step raises. It never calls ``gc.collect`` itself.
@@ -48,6 +50,7 @@ __all__ = [
     "configure_from_vllm_config",
     "decode_gc_disabled",
     "engine_step_gc_guard",
+    "gc_disabled",
     "set_decode_gc_disabled",
 ]
 
@@ -132,6 +135,19 @@ def configure_from_vllm_config(vllm_config: object) -> bool:
 
 
 @contextmanager
+def gc_disabled() -> Iterator[bool]:
+    """The collector off for the body (yields True); its enabled state and thresholds restored on exit, also when
+    the body raises. Unconditional: the caller holds the policy (verl's hybrid worker in server mode, whose
+    rollout config says it, :meth:`qwen3_rl.trainer.seam.RolloutHooks.worker_call`)."""
+    saved = GcState.capture()
+    gc.disable()
+    try:
+        yield True
+    finally:
+        saved.restore()
+
+
+@contextmanager
 def engine_step_gc_guard() -> Iterator[bool]:
     """Context manager around one engine step; yields whether the collector was switched off.
 
@@ -142,12 +158,8 @@ def engine_step_gc_guard() -> Iterator[bool]:
     if not _disabled:
         yield False
         return
-    saved = GcState.capture()
-    gc.disable()
-    try:
+    with gc_disabled():
         yield True
-    finally:
-        saved.restore()
 
 
 class GcStepHook(EngineStepHookDefaults):

@@ -13,7 +13,8 @@ Hook points (called by verl's ``RayPPOTrainer`` / SPMD ``vLLMRollout`` and by ou
   ``step_metrics`` once per step (data rebalance, spec-decode metrics);
 * :class:`RolloutHooks`: ``engine_built`` after the ``vllm.LLM`` exists (gc policy, rollout rebalance),
   ``generate_kwargs`` for ``LLM.generate`` (progress bar), ``before_generate`` / ``after_generate``
-  around it (spec-decode counters into the output's ``meta_info['metrics']``);
+  around it (spec-decode counters into the output's ``meta_info['metrics']``); in server mode
+  ``worker_call`` around each call of a server's engine core to the hybrid worker (gc policy);
 * :class:`WeightSyncHooks` (verl's Megatron ``rollout_mode`` -> ``per_tensor_generator``): ``expert_sync``
   claims the routed-expert tensors of the train -> rollout weight sync (GroupedMLP weights, all-to-allv).
 """
@@ -350,6 +351,19 @@ class RolloutHooks:
 
             apply_rebalance_settings(self.recipe.rollout_rebalance, llm)
 
+    def worker_call(self, worker: Any, method: Any) -> Any:
+        """Server rollout, in the hybrid worker (``vLLMAsyncRollout``, verl's ZeroMQ executor): the context of one
+        call ``method`` (a name, or a pickled callable) of the server's engine core to ``worker`` (vLLM's
+        ``WorkerWrapperBase``). ``disable_gc``: the collector off during the model's steps (``execute_model`` /
+        ``sample_tokens``), as ``gc_guard`` does in the engine core process."""
+        from contextlib import nullcontext
+
+        if self.recipe.disable_gc.enable and method in MODEL_STEP_METHODS:
+            from qwen3_rl.rollout.gc_control import gc_disabled
+
+            return gc_disabled()
+        return nullcontext()
+
     def generate_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``LLM.generate`` (``use_tqdm``: the bar on TP rank 0 of each replica)."""
         from qwen3_rl.compat.rollout_progress import rollout_use_tqdm
@@ -375,6 +389,10 @@ class RolloutHooks:
         counts = state.finish()
         # verl's per-worker metrics channel: DataProto.concat lists each collected worker's value per key
         return {"metrics": {f"{META_KEY}/{k}": v for k, v in counts.items()}} if counts else {}
+
+
+#: the calls of vLLM's engine core to its executor's workers that run the model (``vllm/v1/executor/abstract.py``)
+MODEL_STEP_METHODS = ("execute_model", "sample_tokens")
 
 
 # ---- server rollout (verl's agent loop over vLLM servers, rollout.mode=async) ------------------------------
