@@ -427,9 +427,18 @@ class ServerHooks:
     def server_args(self, args: dict[str, Any]) -> dict[str, Any]:
         """The server's ``vllm serve`` arguments (name -> value), with the recipe's additions (server_auth: a new
         ``api_key``, kept as :attr:`api_key` in this process; disable_gc: ``additional_config.qwen3_rl.disable_gc``,
-        which the ``gc_guard`` hook reads in the server's engine core processes)."""
+        which the ``gc_guard`` hook reads in the server's engine core processes; rollout_rebalance: its settings as
+        ``additional_config.qwen3_rl.rollout_rebalance``, which the ``rollout_rebalance`` hook of each DP engine
+        core reads, :func:`qwen3_rl.rollout.vllm_engine_hook.core_settings`)."""
         out = dict(args)
+        engine: dict[str, Any] = {}
         if self.recipe.disable_gc.enable:
+            engine["disable_gc"] = True
+        if self.recipe.rollout_rebalance.enable:
+            from qwen3_rl.rollout.vllm_engine_hook import CORE_SETTINGS_KEY
+
+            engine[CORE_SETTINGS_KEY] = dataclasses.asdict(self.recipe.rollout_rebalance)
+        if engine:
             from qwen3_rl.rollout.gc_control import ENGINE_CONFIG_KEY
 
             extra = _plain(out.get("additional_config"))  # verl json-dumps a dict argument (verl patch 0010)
@@ -438,7 +447,7 @@ class ServerHooks:
 
                 extra = json.loads(extra)
             extra = dict(extra)
-            extra[ENGINE_CONFIG_KEY] = {**dict(extra.get(ENGINE_CONFIG_KEY) or {}), "disable_gc": True}
+            extra[ENGINE_CONFIG_KEY] = {**dict(extra.get(ENGINE_CONFIG_KEY) or {}), **engine}
             out["additional_config"] = extra
         if self.recipe.server_auth.enable:
             import secrets

@@ -7,7 +7,8 @@ hybrid workers) over ZeroMQ. Print one JSON line.
     python tests/engine/server_worker_driver.py --worker SPEC.json RUN_INDEX   (a worker process; started by the driver)
 
 SPEC: {"workspace": DIR, "model": DIR, "prompts": [[token ids], ...], "probe_dir": DIR, "runs": [RUN, ...]}
-RUN:  {"name": str, "dp": int (vLLM DP ranks = worker processes; > 1 turns on expert parallel, as verl's server),
+RUN:  {"name": str, "dp": int (vLLM DP ranks = worker processes), "expert_parallel": bool (verl's server sets it
+       with DP > 1; vLLM 0.13 refuses it for a dense model, and its CPU MoE kernel ignores the expert map),
        "qwen3_rl": the rollout config's ``qwen3_rl`` group in the workers, "engine": {AsyncEngineArgs kwargs},
        "max_tokens": int or [int per prompt], "dp_ranks": optional [DP rank per prompt],
        "corrupt_kv": optional bool}
@@ -91,8 +92,9 @@ async def run_one(spec: dict, index: int, run: dict) -> dict:
                       compilation_config={"custom_ops": ["none"]}, gpu_memory_utilization=0.5,
                       worker_extension_cls="core_loop_driver.CoreProbe",
                       distributed_executor_backend=ExternalZeroMQDistributedExecutor)
-        if dp > 1:  # verl's server: vLLM DP only with expert parallel (vllm_async_server.py)
-            kwargs.update(data_parallel_size=dp, data_parallel_size_local=dp, enable_expert_parallel=True)
+        if dp > 1:  # verl's server adds enable_expert_parallel (it starts vLLM DP only with it): "expert_parallel"
+            kwargs.update(data_parallel_size=dp, data_parallel_size_local=dp,
+                          enable_expert_parallel=bool(run.get("expert_parallel", False)))
         kwargs.update(run.get("engine", {}))
         engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
         probe = str(Path(spec["probe_dir"]) / f"{run['name']}-{{pid}}.jsonl")

@@ -173,3 +173,76 @@ def test_rollout_rebalance_moves_the_kv_between_model_workers_behind_the_engine_
     assert on["outputs"] == off["outputs"]
     assert bad["outputs"] != off["outputs"]
     print("moved", moved)
+
+
+@pytest.fixture(scope="module")
+def worker_gc_runs(engine_ws: Path, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("worker-gc")
+    (tmp / "probe").mkdir()
+    core_on = {"additional_config": {"qwen3_rl": {"disable_gc": True}}}
+    spec = {"workspace": str(engine_ws), "model": str(tiny_models["dense"]), "prompts": PROMPTS[:3],
+            "probe_dir": str(tmp / "probe"), "runs": [
+                {"name": "core_only", "max_tokens": 8, "engine": core_on,
+                 "qwen3_rl": {"disable_gc": {"enable": False}}},
+                {"name": "on", "max_tokens": 8, "engine": core_on, "qwen3_rl": {"disable_gc": {"enable": True}}},
+            ]}
+    return run_engine(spec, tmp, env=core_env(engine_ws), driver="server_worker_driver.py")
+
+
+def test_gc_control_in_verl_hybrid_worker_behind_the_zeromq_executor(worker_gc_runs: dict) -> None:
+    # verl's server layout: the engine core drives the model in verl's rollout worker (vLLMAsyncRollout, its own
+    # process) through verl's ExternalZeroMQDistributedExecutor. The engine core's policy (additional_config) does
+    # not reach that process (positive control "core_only": gc on in every model step of the worker); with the
+    # rollout config's qwen3_rl.disable_gc on, the verl seam's worker_call switches the collector off in every
+    # model step of the worker, and it is on again between steps; same outputs.
+    core_only, on = worker_gc_runs["core_only"], worker_gc_runs["on"]
+    for r in (core_only, on):
+        assert len(r["steps"]) >= 8
+        assert {s["pid"] for s in r["steps"]} == set(r["worker_pids"]) and r["driver_pid"] not in r["worker_pids"]
+    assert all(s["gc_enabled"] for s in core_only["steps"])
+    assert not any(s["gc_enabled"] for s in on["steps"])
+    (pid, enabled), = on["gc_between_steps"]
+    assert [pid] == on["worker_pids"] and enabled is True
+    assert on["outputs"] == core_only["outputs"] and all(len(o) == 8 for o in on["outputs"])
+
+
+@pytest.fixture(scope="module")
+def worker_rebalance_runs(engine_ws: Path, tiny_models: dict[str, Path],
+                          tmp_path_factory: pytest.TempPathFactory) -> dict:
+    from qwen3_rl.trainer.seam import ServerHooks
+
+    tmp = tmp_path_factory.mktemp("worker-rebalance")
+    (tmp / "probe").mkdir()
+    # the engine cores' additional_config as the verl seam's server_args makes it from the rollout config's group
+    group = {"rollout_rebalance": {"enable": True, "interval_steps": 4, "timeout_s": 120.0},
+             "server_auth": {"enable": False}}
+    extra = ServerHooks.from_rollout_config({"qwen3_rl": group}).server_args({})["additional_config"]
+    base = {"dp": 2, "max_tokens": REBALANCE_TOKENS, "dp_ranks": REBALANCE_RANKS}
+    on = {"max_num_seqs": 4, "additional_config": extra}
+    spec = {"workspace": str(engine_ws), "model": str(tiny_models["dense"]), "prompts": REBALANCE_PROMPTS,
+            "probe_dir": str(tmp / "probe"), "runs": [
+                {"name": "off", **base, "engine": {"max_num_seqs": 4}},
+                {"name": "on", **base, "engine": on, "qwen3_rl": group},
+                {"name": "control", **base, "engine": on, "qwen3_rl": group, "corrupt_kv": True},
+            ]}
+    return run_engine(spec, tmp, env=core_env(engine_ws), driver="server_worker_driver.py")
+
+
+def test_rollout_rebalance_through_verls_zeromq_executor_and_hybrid_workers(worker_rebalance_runs: dict) -> None:
+    # verl's server layout with vLLM DP 2: two DP engine cores, each driving its own verl rollout worker
+    # (vLLMAsyncRollout, a process of its own) through verl's ExternalZeroMQDistributedExecutor; the settings come
+    # from the verl seam's server_args. The rebalance hook's worker calls (collective_rpc of pickled functions)
+    # reach the workers through verl's executor, and the workers move the KV over their vLLM DP group: running
+    # requests of rank 0 ran in rank 1's worker (its records), outputs equal the run without rebalance, and zeroing
+    # the moved KV on arrival changes them. (No expert parallel here: verl's server adds it with DP > 1, which
+    # vLLM 0.13 refuses for a dense model, and vLLM's CPU MoE kernel does not run expert parallel.)
+    off, on, bad = (worker_rebalance_runs[k] for k in ("off", "on", "control"))
+    assert {s["pid"] for s in on["steps"]} == set(on["worker_pids"]) and len(on["worker_pids"]) == 2
+    assert engine_of(off["steps"]) == {f"req-{i}": {r} for i, r in enumerate(REBALANCE_RANKS)}
+    seen = engine_of(on["steps"])
+    moved = sorted(r for r in seen if r.startswith("r0|req-"))
+    assert moved and all(seen[r] == {1} for r in moved), seen
+    assert on["outputs"] == off["outputs"] and [len(o) for o in on["outputs"]] == REBALANCE_TOKENS
+    assert sorted(r for r in engine_of(bad["steps"]) if r.startswith("r0|req-")) == moved
+    assert bad["outputs"] != off["outputs"]
+    print("moved through verl's executor", moved)

@@ -282,3 +282,47 @@ def test_disable_gc_reaches_the_servers_engine_cores_through_additional_config()
         "a": 1, ENGINE_CONFIG_KEY: {"disable_gc": True}}
     off = _hooks({"disable_gc": {"enable": False}, "server_auth": {"enable": False}})
     assert off.server_args({"dtype": "float32"}) == {"dtype": "float32"}
+
+
+def test_rollout_rebalance_settings_reach_the_servers_dp_engine_cores() -> None:
+    # ROLLOUT_REBALANCE in server mode: the server's vLLM arguments carry the settings to each DP engine core
+    # (additional_config.qwen3_rl.rollout_rebalance), where core_settings reads back the same RebalanceSettings
+    # (after verl's json dump of the argument); merged with the gc policy; off: nothing added
+    from types import SimpleNamespace
+
+    from qwen3_rl.rollout.gc_control import ENGINE_CONFIG_KEY
+    from qwen3_rl.rollout.rebalance import RebalanceSettings
+    from qwen3_rl.rollout.vllm_engine_hook import core_settings
+
+    group = {"rollout_rebalance": {"enable": True, "interval_steps": 4, "max_moves": 3},
+             "disable_gc": {"enable": True}, "server_auth": {"enable": False}}
+    args = _hooks(group).server_args({"dtype": "float32"})
+    extra = json.loads(json.dumps(args["additional_config"]))
+    assert extra[ENGINE_CONFIG_KEY]["disable_gc"] is True
+    got = core_settings(SimpleNamespace(additional_config=extra))
+    assert got == RebalanceSettings(enable=True, interval_steps=4, max_moves=3)
+    off = _hooks({"rollout_rebalance": {"enable": False}, "server_auth": {"enable": False}})
+    assert off.server_args({"dtype": "float32"}) == {"dtype": "float32"}
+
+
+def test_rollout_hooks_worker_call_switches_gc_off_for_model_steps_only() -> None:
+    # verl's hybrid worker in server mode (vLLMAsyncRollout): each call of the server's engine core runs inside
+    # worker_call; with disable_gc on, the collector is off during execute_model / sample_tokens and restored after
+    # (also when the call raises); other calls and the feature off leave it alone
+    import gc
+
+    from qwen3_rl.trainer.seam import RolloutHooks
+
+    on = RolloutHooks.from_rollout_config({"qwen3_rl": {"disable_gc": {"enable": True}}})
+    off = RolloutHooks.from_rollout_config({"qwen3_rl": {"disable_gc": {"enable": False}}})
+    assert gc.isenabled()
+    for method in ("execute_model", "sample_tokens"):
+        with on.worker_call(None, method):
+            assert not gc.isenabled()
+        assert gc.isenabled()
+    with pytest.raises(RuntimeError), on.worker_call(None, "execute_model"):
+        raise RuntimeError("step failed")
+    assert gc.isenabled()
+    for hooks, method in ((on, "collective_rpc_fn"), (on, b"pickled"), (off, "execute_model")):
+        with hooks.worker_call(None, method):
+            assert gc.isenabled()
