@@ -63,12 +63,11 @@ def worker_main(spec: dict, run: dict) -> None:
 
 
 async def run_one(spec: dict, index: int, run: dict) -> dict:
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import ExternalZeroMQDistributedExecutor
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
-
-    from verl.workers.rollout.vllm_rollout.vllm_async_server import ExternalZeroMQDistributedExecutor
 
     dp = int(run.get("dp", 1))
     env = {**os.environ, "WORLD_SIZE": str(dp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
