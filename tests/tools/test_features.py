@@ -199,8 +199,9 @@ RULE_CASES += [
      "together instead"),
     (MOE, {"ROLLOUT_MODE": "async", "ROLLOUT_REBALANCE": "True"}, MOE_CTX,
      "ROLLOUT_MODE=async excludes ROLLOUT_REBALANCE=True: the rebalance hook runs in vLLM's DP engine core loop "
-     "(tested with AsyncLLM on the CPU engine), but not yet behind verl's servers: the verl seam does not pass its "
-     "settings to them and no server run with vLLM DP > 1 (MoE, expert parallel) checks it (docs/rollout_mode.md)"),
+     "and reaches verl's hybrid workers through its ZeroMQ executor (tested at vLLM DP 2 without expert parallel), "
+     "but verl's server starts vLLM DP only with expert parallel (MoE) and no such server run checks it: vLLM's CPU "
+     "engine cannot run a MoE with expert parallel (docs/rollout_mode.md)"),
     (MOE, {"ROLLOUT_MODE": "async", "MOE_ALLTOALLV": "True"}, MOE_CTX,
      "ROLLOUT_MODE=async excludes MOE_ALLTOALLV=True: its expert placement is the sync rollout's (vLLM DP rank = "
      "RANK // TP under the external launcher); server mode's DP ranks come from verl's server "
