@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import types
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,8 @@ LAUNCH = textwrap.dedent('''
     cc = {"custom_ops": list(cc.custom_ops), "cudagraph_capture_sizes": cc.cudagraph_capture_sizes}
     print(json.dumps({"compilation_config": cc, "speculative_config": a.speculative_config,
                       "enable_sleep_mode": a.enable_sleep_mode, "api_key": a.api_key,
-                      "hook_key": getattr(hooks, "api_key", None)}, default=str))
+                      "hook_key": getattr(hooks, "api_key", None), "additional_config": a.additional_config},
+                     default=str))
 ''')
 
 EXECUTOR = textwrap.dedent('''
@@ -226,6 +228,22 @@ def test_server_auth_key_reaches_vllm_and_is_masked(trees: dict[str, Path]) -> N
     group = {"server_auth": {"enable": True}}
     got = _run(LAUNCH, trees["patched"], json.dumps([False, group]))
     assert got["hook_key"] and got["api_key"] in (got["hook_key"], [got["hook_key"]]), got
+
+
+def test_engine_core_settings_reach_vllm_parser(trees: dict[str, Path]) -> None:
+    """The seam's server_args for the engine cores: disable_gc and the rollout_rebalance settings become vLLM's
+    parsed ``additional_config`` (what each engine core's hooks read: the same RebalanceSettings come back)."""
+    from qwen3_rl.rollout.rebalance import RebalanceSettings
+    from qwen3_rl.rollout.vllm_engine_hook import core_settings
+
+    group = {"disable_gc": {"enable": True}, "rollout_rebalance": {"enable": True, "interval_steps": 4},
+             "server_auth": {"enable": False}}
+    got = _run(LAUNCH, trees["patched"], json.dumps([False, group]))
+    extra = got["additional_config"]
+    assert extra["qwen3_rl"]["disable_gc"] is True, got
+    assert core_settings(types.SimpleNamespace(additional_config=extra)) == RebalanceSettings(enable=True,
+                                                                                              interval_steps=4)
+    assert _run(LAUNCH, trees["patched"], json.dumps([False, None]))["additional_config"] == {}
 
 
 def test_executor_answers_non_block_with_a_done_future(trees: dict[str, Path]) -> None:
