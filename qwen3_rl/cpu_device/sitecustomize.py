@@ -9,7 +9,8 @@ untouched):
 * ``gloo_shims.install()``: collective shapes gloo refuses (0-d all_gather);
 * the rejection-sampling kernels of ``shims.py`` (vLLM-Ascend's PyTorch implementations in place of
   vLLM's Triton kernels), installed when ``vllm.v1.sample.rejection_sampler`` is first imported, from the engine
-  workspace ``QWEN3_RL_ENGINE_WS``;
+  workspace ``QWEN3_RL_ENGINE_WS``; its expert-parallel dispatch / combine and expert map of vLLM's CPU MoE kernel
+  when ``vllm.model_executor.layers.fused_moe.cpu_fused_moe`` is first imported;
 * the observation probes of ``probe.py`` when ``QWEN3_RL_E2E_PROBE_DIR`` is set;
 * with ``QWEN3_RL_CPU_ROLLOUT=ascend``: the rollout on vLLM-Ascend's own engine (``NPUWorker`` ->
   ``NPUModelRunner``) instead of vLLM's CPU runner. When ``vllm`` is first imported (in the rollout workers, after
@@ -44,6 +45,13 @@ if os.environ.get("QWEN3_RL_CPU_SHIMS") == "1":
         shims.install_ascend_pytorch_rejection_sampler(Path(os.environ["QWEN3_RL_ENGINE_WS"]) / "vllm-ascend")
 
     post_import.after_import("vllm.v1.sample.rejection_sampler", _rejection_sampler)
+
+    def _expert_parallel(_module):  # noqa: ANN001
+        import shims
+
+        shims.install_cpu_expert_parallel()
+
+    post_import.after_import("vllm.model_executor.layers.fused_moe.cpu_fused_moe", _expert_parallel)
     if os.environ.get("QWEN3_RL_CPU_ROLLOUT") == "ascend":
 
         def _ascend_rollout(_module):  # noqa: ANN001

@@ -8,7 +8,7 @@ hybrid workers) over ZeroMQ. Print one JSON line.
 
 SPEC: {"workspace": DIR, "model": DIR, "prompts": [[token ids], ...], "probe_dir": DIR, "runs": [RUN, ...]}
 RUN:  {"name": str, "dp": int (vLLM DP ranks = worker processes), "expert_parallel": bool (verl's server sets it
-       with DP > 1; vLLM 0.13 refuses it for a dense model, and its CPU MoE kernel ignores the expert map),
+       with DP > 1; vLLM 0.13 refuses it for a dense model; on the CPU engine it needs shims.py's EP shims),
        "qwen3_rl": the rollout config's ``qwen3_rl`` group in the workers, "engine": {AsyncEngineArgs kwargs},
        "max_tokens": int or [int per prompt], "dp_ranks": optional [DP rank per prompt],
        "corrupt_kv": optional bool}

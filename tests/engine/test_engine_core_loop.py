@@ -217,10 +217,11 @@ def worker_rebalance_runs(engine_ws: Path, tiny_models: dict[str, Path],
     group = {"rollout_rebalance": {"enable": True, "interval_steps": 4, "timeout_s": 120.0},
              "server_auth": {"enable": False}}
     extra = ServerHooks.from_rollout_config({"qwen3_rl": group}).server_args({})["additional_config"]
-    base = {"dp": 2, "max_tokens": REBALANCE_TOKENS, "dp_ranks": REBALANCE_RANKS}
+    base = {"dp": 2, "expert_parallel": True, "max_tokens": REBALANCE_TOKENS, "dp_ranks": REBALANCE_RANKS}
     on = {"max_num_seqs": 4, "additional_config": extra}
-    spec = {"workspace": str(engine_ws), "model": str(tiny_models["dense"]), "prompts": REBALANCE_PROMPTS,
+    spec = {"workspace": str(engine_ws), "model": str(tiny_models["moe"]), "prompts": REBALANCE_PROMPTS,
             "probe_dir": str(tmp / "probe"), "runs": [
+                {"name": "dp1", "dp": 1, "max_tokens": REBALANCE_TOKENS, "engine": {"max_num_seqs": 4}},
                 {"name": "off", **base, "engine": {"max_num_seqs": 4}},
                 {"name": "on", **base, "engine": on, "qwen3_rl": group},
                 {"name": "control", **base, "engine": on, "qwen3_rl": group, "corrupt_kv": True},
@@ -229,14 +230,15 @@ def worker_rebalance_runs(engine_ws: Path, tiny_models: dict[str, Path],
 
 
 def test_rollout_rebalance_through_verls_zeromq_executor_and_hybrid_workers(worker_rebalance_runs: dict) -> None:
-    # verl's server layout with vLLM DP 2: two DP engine cores, each driving its own verl rollout worker
-    # (vLLMAsyncRollout, a process of its own) through verl's ExternalZeroMQDistributedExecutor; the settings come
-    # from the verl seam's server_args. The rebalance hook's worker calls (collective_rpc of pickled functions)
-    # reach the workers through verl's executor, and the workers move the KV over their vLLM DP group: running
-    # requests of rank 0 ran in rank 1's worker (its records), outputs equal the run without rebalance, and zeroing
-    # the moved KV on arrival changes them. (No expert parallel here: verl's server adds it with DP > 1, which
-    # vLLM 0.13 refuses for a dense model, and vLLM's CPU MoE kernel does not run expert parallel.)
-    off, on, bad = (worker_rebalance_runs[k] for k in ("off", "on", "control"))
+    # verl's server layout for a MoE with vLLM DP 2 x EP 2 (the tiny Qwen3-MoE): two DP engine cores, each driving
+    # its own verl rollout worker (vLLMAsyncRollout, a process of its own) through verl's
+    # ExternalZeroMQDistributedExecutor; the settings come from the verl seam's server_args. Expert parallel on the
+    # CPU engine (shims.py EP_DISPATCH_COMBINE, MOE_EXPERT_MAP) gives the outputs of one engine without EP. The
+    # rebalance hook's worker calls (collective_rpc of pickled functions) reach the workers through verl's executor,
+    # and the workers move the KV over their vLLM DP group: running requests of rank 0 ran in rank 1's worker (its
+    # records), outputs equal the run without rebalance, and zeroing the moved KV on arrival changes them.
+    dp1, off, on, bad = (worker_rebalance_runs[k] for k in ("dp1", "off", "on", "control"))
+    assert off["outputs"] == dp1["outputs"]
     assert {s["pid"] for s in on["steps"]} == set(on["worker_pids"]) and len(on["worker_pids"]) == 2
     assert engine_of(off["steps"]) == {f"req-{i}": {r} for i, r in enumerate(REBALANCE_RANKS)}
     seen = engine_of(on["steps"])
