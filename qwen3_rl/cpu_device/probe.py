@@ -18,6 +18,8 @@ worker (``vLLMAsyncRollout``, same module) once imported:
   (the routing test counts sibling pairs per server from these, independently of the router's own counts);
   once a server is up (``launch_server``), the HTTP status of ``GET /v1/models`` without a key, with a wrong one
   and with the server's own key (server_auth).
+* rollout rebalance (``qwen3_rl/rollout/migration.py`` ``RebalanceCoordinator.run_round``, in the engine or, in
+  server mode, its DP engine core processes): each round that planned moves, with its DP rank, moves and KV bytes.
 * verl's ``MegatronCheckpointManager`` (``verl/utils/checkpoint/megatron_checkpoint_manager.py``): after each
   ``save_checkpoint`` and after ``load_checkpoint``, every tensor of the optimizer (each sub-optimizer's main
   parameters and their state: Adam moments, step) is saved as ``optim-<save-step N|load>-rank<r>.pt`` (the resume
@@ -290,3 +292,19 @@ def install(probe_dir: str) -> None:
     post_import.after_import("verl.workers.rollout.vllm_rollout.vllm_async_server", lambda m: _wrap_server(m, rec))
     post_import.after_import("verl.utils.checkpoint.megatron_checkpoint_manager",
                              lambda m: _wrap_checkpoint_manager(m, rec))
+    post_import.after_import("qwen3_rl.rollout.migration", lambda m: _wrap_rebalance_round(m, rec))
+
+
+def _wrap_rebalance_round(migration, rec: _Recorder) -> None:  # noqa: ANN001
+    """Record each rollout-rebalance round of this engine (``RebalanceCoordinator.run_round``; in server mode it
+    runs in the DP engine core processes): its DP rank, the planned moves ``[req_id, src, dst]`` and the KV bytes."""
+    run_round = migration.RebalanceCoordinator.run_round
+
+    def recorded(coord):  # noqa: ANN001, ANN202
+        rep = run_round(coord)
+        if rep.plan.moves:
+            rec.write("rebalance_round", dp_rank=coord.rank, round=rep.round, kv_path=rep.kv_path,
+                      moves=[[m.req_id, m.src, m.dst] for m in rep.plan.moves], kv_bytes_sent=rep.kv_bytes_sent)
+        return rep
+
+    migration.RebalanceCoordinator.run_round = recorded

@@ -197,11 +197,6 @@ RULE_CASES += [
      "ROLLOUT_MODE=async excludes DATA_REBALANCE=True: the agent loop sends each request to a server by load, not a "
      "batch piece to a DP rank (qwen3_rl/rollout/data_rebalance.py refuses it); SERVER_ROUTING keeps a prompt's samples "
      "together instead"),
-    (MOE, {"ROLLOUT_MODE": "async", "ROLLOUT_REBALANCE": "True"}, MOE_CTX,
-     "ROLLOUT_MODE=async excludes ROLLOUT_REBALANCE=True: the rebalance hook runs in vLLM's DP engine core loop "
-     "and reaches verl's hybrid workers through its ZeroMQ executor (tested at vLLM DP 2 without expert parallel), "
-     "but verl's server starts vLLM DP only with expert parallel (MoE) and no such server run checks it: vLLM's CPU "
-     "engine cannot run a MoE with expert parallel (docs/rollout_mode.md)"),
     (MOE, {"ROLLOUT_MODE": "async", "MOE_ALLTOALLV": "True"}, MOE_CTX,
      "ROLLOUT_MODE=async excludes MOE_ALLTOALLV=True: its expert placement is the sync rollout's (vLLM DP rank = "
      "RANK // TP under the external launcher); server mode's DP ranks come from verl's server "
@@ -235,7 +230,9 @@ def test_every_rule_is_reported() -> None:
     rules = [(f.env, r.kind) for f in REG.features.values() for r in (*f.requires, *f.excludes)]
     assert len(RULE_CASES) == len(rules), "a rule without a case (or a case without a rule)"
     assert {(m.split("=")[0], m.split(" ")[1]) for *_, m in RULE_CASES} == set(rules)
-    # satisfied rules pass
+    # satisfied rules pass; rollout rebalance in server mode: the settings go to the servers' engine cores
+    srv = setup_overrides(MOE, {"ROLLOUT_MODE": "async", "ROLLOUT_REBALANCE": "True"}, MOE_CTX, REG)
+    assert "+qwen3_rl.rollout_rebalance.enable=True" in srv and "actor_rollout_ref.rollout.data_parallel_size=32" in srv
     assert setup_overrides(MOE, {"MOE_ZERO_MEMORY": "level0", "MOE_ALLTOALL_OVERLAP": "True"}, MOE_CTX, REG)
     assert setup_overrides(MOE, {"SAM_ENABLE": "True", "SAM_GROUP": "True", "SAM_GROUP_EXCHANGE": "True"}, MOE_CTX,
                            REG)
