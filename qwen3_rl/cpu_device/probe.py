@@ -19,7 +19,8 @@ worker (``vLLMAsyncRollout``, same module) once imported:
   once a server is up (``launch_server``), the HTTP status of ``GET /v1/models`` without a key, with a wrong one
   and with the server's own key (server_auth).
 * rollout rebalance (``qwen3_rl/rollout/migration.py`` ``RebalanceCoordinator.run_round``, in the engine or, in
-  server mode, its DP engine core processes): each round that planned moves, with its DP rank, moves and KV bytes.
+  server mode, its DP engine core processes): the first round and each round that planned moves, with its DP
+  rank, moves and KV bytes.
 * verl's ``MegatronCheckpointManager`` (``verl/utils/checkpoint/megatron_checkpoint_manager.py``): after each
   ``save_checkpoint`` and after ``load_checkpoint``, every tensor of the optimizer (each sub-optimizer's main
   parameters and their state: Adam moments, step) is saved as ``optim-<save-step N|load>-rank<r>.pt`` (the resume
@@ -302,7 +303,7 @@ def _wrap_rebalance_round(migration, rec: _Recorder) -> None:  # noqa: ANN001
 
     def recorded(coord):  # noqa: ANN001, ANN202
         rep = run_round(coord)
-        if rep.plan.moves:
+        if rep.plan.moves or rep.round <= 1:
             rec.write("rebalance_round", dp_rank=coord.rank, round=rep.round, kv_path=rep.kv_path,
                       moves=[[m.req_id, m.src, m.dst] for m in rep.plan.moves], kv_bytes_sent=rep.kv_bytes_sent)
         return rep
