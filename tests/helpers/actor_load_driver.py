@@ -1,17 +1,14 @@
-"""verl's HF -> Megatron converter, then the Megatron actor's load of what it wrote, in one gloo process.
+"""Load a converted Megatron checkpoint as verl's Megatron actor does, in one gloo process; its logits.
 
-    python tests/helpers/converter_driver.py SCRIPT HF_DIR CKPT_DIR OUT.pt [--moe_use_legacy_grouped_gemm]
+    python tests/helpers/actor_load_driver.py HF_DIR CKPT_DIR OUT.pt [--moe_use_legacy_grouped_gemm]
 
-1. ``SCRIPT`` (the patched ``scripts/converter_hf_to_mcore.py``) runs as ``__main__`` with
-   ``--hf_model_path HF_DIR --output_path CKPT_DIR`` (and the flag): what ``python SCRIPT ...`` does, on the
-   environment's RANK / WORLD_SIZE / MASTER_* (world 1); the device shims come from ``QWEN3_RL_CPU_SHIMS=1``
-   (``qwen3_rl/cpu_device/sitecustomize.py``: its ``nccl`` process group is gloo).
-2. The model ``ActorRolloutRefWorker._build_model_optimizer`` builds for the actor (``hf_to_mcore_config`` ->
-   ``init_mcore_model`` via verl's ``get_model``; float32 here, not DDP-wrapped), every parameter set to NaN, is
-   loaded from CKPT_DIR twice: first by a bare ``dist_checkpointing.load`` of its sharded state dict (what verl
-   0.6.1's ``load_mcore_dist_weights`` did), recording the parameters still NaN, then by
-   ``verl.utils.model.load_mcore_dist_weights`` (the actor's load with ``megatron.use_dist_checkpointing=True``).
-3. Logits of the ids in HF_DIR/tokens.pt ([b, s] int64, all attended) through verl's packed ``model_forward``.
+On the environment's RANK / WORLD_SIZE / MASTER_* (world 1), device shims from ``QWEN3_RL_CPU_SHIMS=1``
+(``qwen3_rl/cpu_device/sitecustomize.py``). The model ``ActorRolloutRefWorker._build_model_optimizer`` builds for
+the actor (``hf_to_mcore_config`` -> ``init_mcore_model`` via verl's ``get_model``; float32 here, not DDP-wrapped),
+every parameter set to NaN, is loaded from CKPT_DIR twice: first by a bare ``dist_checkpointing.load`` of its
+sharded state dict (what verl 0.6.1's ``load_mcore_dist_weights`` did), recording the parameters still NaN, then by
+``verl.utils.model.load_mcore_dist_weights`` (the actor's load with ``megatron.use_dist_checkpointing=True``).
+Logits of the ids in HF_DIR/tokens.pt ([b, s] int64, all attended) through verl's packed ``model_forward``.
 
 OUT.pt: {"logits": [b, s, V] float32, "experts": expert module class names, "nan_after_bare_load": [names],
 "nan_after_verl_load": [names]}.
@@ -19,17 +16,12 @@ OUT.pt: {"logits": [b, s, V] float32, "experts": expert module class names, "nan
 
 from __future__ import annotations
 
-import runpy
 import sys
 
 
 def main() -> int:
-    script, hf_dir, ckpt, out = sys.argv[1:5]
-    flags = [a for a in sys.argv[5:] if a == "--moe_use_legacy_grouped_gemm"]
-    argv = sys.argv
-    sys.argv = [script, "--hf_model_path", hf_dir, "--output_path", ckpt, *flags]
-    runpy.run_path(script, run_name="__main__")
-    sys.argv = argv
+    hf_dir, ckpt, out = sys.argv[1:4]
+    flags = [a for a in sys.argv[4:] if a == "--moe_use_legacy_grouped_gemm"]
 
     import torch
     import torch.distributed as dist
@@ -43,7 +35,10 @@ def main() -> int:
     from verl.utils.megatron_utils import get_model
     from verl.utils.model import load_mcore_dist_weights
 
-    assert dist.is_initialized(), "the converter script did not initialise torch.distributed"
+    dist.init_process_group("gloo")
+    from megatron.core import parallel_state as mpu
+
+    mpu.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(0)
     hf_config = AutoConfig.from_pretrained(hf_dir)
     tf = hf_to_mcore_config(hf_config, torch.float32, **({"moe_use_legacy_grouped_gemm": True} if flags else {}))
