@@ -110,7 +110,7 @@ TOKEN_BYTES = 4  # the history store keeps int32 token ids (spec_decode.history)
 #: steps per epoch of the 235B GRPO run: deepscaler, 40.3k prompts (the Hugging Face dataset viewer of
 #: agentica-org/DeepScaleR-Preview-Dataset) at 512 prompts per step
 EPOCH_STEPS = 79.0
-PLACEMENTS = ("contiguous", "interleaved", "random")
+PLACEMENTS = ("contiguous", "interleaved", "keyed", "random")
 
 
 @dataclass(frozen=True)
@@ -245,8 +245,10 @@ def placement_coverage(placement: str, dp: int, n: int, exchange: bool, prompts_
 
     ``placement`` of a prompt's ``n`` samples over ``dp`` ranks: "contiguous" (verl's chunks: one rank; default and
     rollout-rebalance policies), "interleaved" (data rebalance: row i on rank i mod dp, a prompt on min(n, dp)
-    ranks) or "random" (fully-async dispatch by load: each sample on any rank). A request finds its history with
-    the probability that its rank ran the prompt last time (1/dp, min(n, dp)/dp, 1 - (1 - 1/dp)^n); that rank
+    ranks), "keyed" (data rebalance by group key: a prompt on the same min(n, dp) ranks at every visit, unless its
+    home was full) or "random" (fully-async dispatch by load: each sample on any rank). A request finds its history
+    with the probability that its rank ran the prompt last time (1/dp, min(n, dp)/dp, :func:`keyed_home_share`,
+    1 - (1 - 1/dp)^n); that rank
     holds all n responses with the exchange (or contiguous), else its own samples'. The store (``store_bytes`` per
     engine, ``TOKEN_BYTES`` per token, LRU) keeps ``store_bytes / bytes per step`` steps of the ``epoch_steps``
     after which the prompt returns. Product of the three, capped at 1."""
@@ -256,9 +258,10 @@ def placement_coverage(placement: str, dp: int, n: int, exchange: bool, prompts_
         raise SimError("placement_coverage: dp, n, prompts per step, mean response and epoch steps must be > 0")
     if placement == "contiguous":
         land, held, touched = 1.0 / dp, float(n), 1.0
-    elif placement == "interleaved":
+    elif placement in ("interleaved", "keyed"):
         m = min(n, dp)
-        land, held, touched = m / dp, float(n) if exchange else float(math.ceil(n / dp)), float(m)
+        land = m / dp if placement == "interleaved" else keyed_home_share(int(round(prompts_per_step)), n, dp)
+        held, touched = float(n) if exchange else float(math.ceil(n / dp)), float(m)
     else:
         land = 1.0 - (1.0 - 1.0 / dp) ** n
         held, touched = (float(n) if exchange else (n / dp) / land), dp * land
@@ -266,6 +269,20 @@ def placement_coverage(placement: str, dp: int, n: int, exchange: bool, prompts_
     step_bytes = prompts_per_step * touched / dp * kept * mean_response * TOKEN_BYTES
     stored = min(1.0, store_bytes / step_bytes / epoch_steps)
     return min(1.0, land * kept / responses * stored)
+
+
+def keyed_home_share(prompts: int, n: int, dp: int, trials: int = 4, seed: int = 0) -> float:
+    """Share of rows data rebalance by group key puts on their home rank (``keyed_rank_of_rows``) for a step of
+    ``prompts`` prompts of ``n`` samples over ``dp`` ranks, random keys, mean of ``trials`` draws; a prompt's next
+    visit lands where its history is about this often (``sim/placement.py`` replays it: within 0.015)."""
+    from qwen3_rl.rollout.data_rebalance import keyed_rank_of_rows
+
+    if (prompts * n) % dp:  # the keyed layout needs whole ranks: the nearest batch that has them
+        prompts = max(dp // math.gcd(n, dp), prompts - prompts % (dp // math.gcd(n, dp)))
+    rng = np.random.default_rng(seed)
+    shares = [keyed_rank_of_rows(rng.integers(0, np.iinfo(np.int64).max, prompts).astype(np.uint64), n, dp)[1].mean()
+              for _ in range(trials)]
+    return float(np.mean(shares))
 
 
 def history_tables(coverage: float, current: dict[tuple[str, str], tuple[float, ...]] = TPS
