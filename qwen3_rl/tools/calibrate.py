@@ -298,11 +298,12 @@ def _device_name(torch: Any) -> str:
 # ---------------------------------------------------------------------------------------------- CLI
 HELP = """Measure the verification-cost table of a setup's rollout engine (dummy weights) for SAM_COST_TABLE.
 
-Time: one engine start (about 30 s on CPU with the tiny model; minutes on an A3 with graph capture), then per cell
-(B, ctx) a prefill of B x ctx tokens and len(k) x (warmup + steps) engine steps. The default grid (B 1..256,
-k 0,1,3,7,15, ctx 1K and 8K: 10 cells, 500 steps) takes a few minutes on an A3; the tiny CPU test grid
-(2 x 2 cells, k 0,1,3, 3 steps) about 1 minute. The table goes to --out (default
-<workspace>/calibration/verify_cost_<setup>.json); give it to training with SAM_COST_TABLE=<file>."""
+Time: one engine start, then per cell (B, ctx) a prefill of B x ctx tokens and len(k) x (warmup + steps) engine
+steps. On CPU, the tiny test grid (B 1,4 x k 0,1,3,7 x ctx 32,128, 5 steps) takes about 10 s with warm caches
+(25 s with a cold compile cache). On an A3 (not measured here) the default grid (B 1..256, k 0,1,3,7,15, ctx 1K and
+8K: 10 cells, 500 timed and warm-up steps, 2.6M prefill tokens for the largest cell) should take minutes, most of
+it prefill and graph capture. The table goes to --out (default <workspace>/calibration/verify_cost_<setup>.json);
+give it to training with SAM_COST_TABLE=<file>, or let the launcher run this first with SAM_CALIBRATE=True."""
 
 
 def main(argv: list[str] | None = None) -> int:

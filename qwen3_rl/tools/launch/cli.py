@@ -414,11 +414,54 @@ def cmd_k8s(argv: list[str]) -> int:
     return run(argv)
 
 
+def calibrate_env(setup: str, env: dict[str, str] | os._Environ[str]) -> bool:
+    """Whether ``SAM_CALIBRATE`` is on for ``setup`` (its env value, else the registry default); a bad value or a
+    table given as well is a :class:`LaunchError` (one line)."""
+    from qwen3_rl.tools.features import FeatureError, load_registry
+
+    reg = load_registry()
+    f = reg.features["SAM_CALIBRATE"]
+    raw = env.get(f.env, "")
+    try:
+        on = (f.parse(raw) if raw else reg.default(f, setup, {})) == "True"
+    except FeatureError as exc:
+        raise LaunchError(str(exc)) from None
+    if on and env.get("SAM_COST_TABLE", ""):
+        raise LaunchError("SAM_CALIBRATE=True measures the table SAM_COST_TABLE would give: set one of them")
+    return on and reg.applies(f, setup)
+
+
+def cmd_calibrate(argv: list[str]) -> int:
+    """Head, before preflight: with ``SAM_CALIBRATE=True`` run ``python -m qwen3_rl calibrate`` on the train
+    script's rollout engine and write ``SAM_COST_TABLE=<table>`` and ``SAM_CALIBRATE=`` (NUL-separated) to
+    ``--env-out`` for the launcher to export; with it off, write nothing there."""
+    ap = argparse.ArgumentParser(prog="launch calibrate")
+    ap.add_argument("--train-script", required=True)
+    ap.add_argument("--out", required=True, help="the table file")
+    ap.add_argument("--env-out", required=True, help="the environment to export (NUL-separated)")
+    a = ap.parse_args(argv)
+    Path(a.env_out).write_text("")
+    try:
+        if not calibrate_env(Path(a.train_script).name, os.environ):
+            return 0
+    except LaunchError as exc:
+        return _die(str(exc), 2)
+    import subprocess
+
+    _log(f"SAM_CALIBRATE: measuring the verification-cost table of {a.train_script} -> {a.out}")
+    proc = subprocess.run([sys.executable, "-m", "qwen3_rl", "calibrate", "--setup", a.train_script, "--out", a.out],
+                          stdout=sys.stderr, check=False)
+    if proc.returncode != 0:
+        return _die(f"SAM_CALIBRATE: calibrate exited with {proc.returncode} (see above)")
+    _write_nul(Path(a.env_out), [f"SAM_COST_TABLE={a.out}", "SAM_CALIBRATE="])
+    return 0
+
+
 STEPS: dict[str, Callable[[list[str]], int]] = {
     "resolve": cmd_resolve, "show": cmd_show, "wait-started": cmd_wait_started, "wait-cluster": cmd_wait_cluster,
     "wait-head": cmd_wait_head, "watch-head": cmd_watch_head, "cpu-map": cmd_cpu_map, "cpu-bind": cmd_cpu_bind,
     "stop": cmd_stop, "auth": cmd_auth, "address-file": cmd_address_file, "slurm-plan": cmd_slurm_plan,
-    "slurm-task": cmd_slurm_task, "k8s": cmd_k8s,
+    "slurm-task": cmd_slurm_task, "k8s": cmd_k8s, "calibrate": cmd_calibrate,
 }
 
 

@@ -105,7 +105,7 @@ DIE_TFLOPS = 390.0  # Ascend 910C: 780 TFLOPS bf16 per card of 2 dies (TechPower
 RANK_DIES = 4  # one rollout DP rank of the 235B layout: TP4 ([ref 002]: 128 die DP32 TP4 EP128)
 MFU = 0.5  # assumed utilisation of the roof
 HISTORY_RESPONSES = 4  # earlier responses per prompt behind the history tables (``--history 4``)
-HISTORY_MAX_BYTES = 1 << 29  # SAM_HISTORY_MAX_BYTES default (spec_decode.sam.SamConfig.history_max_bytes)
+HISTORY_MAX_BYTES = 1 << 29  # the store bound placement_coverage assumes unless told (the former fixed default)
 TOKEN_BYTES = 4  # the history store keeps int32 token ids (spec_decode.history)
 #: steps per epoch of the 235B GRPO run: deepscaler, 40.3k prompts (the Hugging Face dataset viewer of
 #: agentica-org/DeepScaleR-Preview-Dataset) at 512 prompts per step

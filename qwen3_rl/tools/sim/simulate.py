@@ -904,7 +904,6 @@ def _rollout_main(argv: list[str]) -> int:
     # the drafting, step-table and trainer models import this module: imported here, not at the top
     from qwen3_rl.tools.sim.drafting import (
         EPOCH_STEPS,
-        HISTORY_MAX_BYTES,
         VERIFY_TOKEN_MS,
         DraftModel,
         draft_model,
@@ -969,8 +968,9 @@ def _rollout_main(argv: list[str]) -> int:
     p.add_argument("--history-coverage", type=float, default=None,
                    help="BASE+history: share of the requests that start with their prompt's earlier responses "
                         "on the rank that runs them (default: what the placement gives; sim/drafting.py)")
-    p.add_argument("--history-max-bytes", type=int, default=HISTORY_MAX_BYTES,
-                   help="BASE+history, default coverage: history store bytes per engine (SAM_HISTORY_MAX_BYTES)")
+    p.add_argument("--history-max-bytes", type=int, default=None,
+                   help="BASE+history, default coverage: history store bytes per engine (SAM_HISTORY_MAX_BYTES; "
+                        "default: the store holds the epoch, as the host-memory default does where the host allows)")
     p.add_argument("--rebalance-by-key", action="store_true",
                    help="data rebalance places a prompt's samples by its group key (DATA_REBALANCE_BY_KEY), not by "
                         "batch position: the default history coverage follows (sim/placement.py)")
@@ -1008,7 +1008,7 @@ def _rollout_main(argv: list[str]) -> int:
         raise SimError("--max-moves/--max-kv-blocks/--max-kv-bytes must be >= 0 and --block-size >= 1")
     if ns.history_coverage is not None and not 0.0 <= ns.history_coverage <= 1.0:
         raise SimError(f"--history-coverage must be in [0, 1], got {ns.history_coverage}")
-    if ns.history_max_bytes < 0 or not ns.epoch_steps > 0:
+    if (ns.history_max_bytes is not None and ns.history_max_bytes < 0) or not ns.epoch_steps > 0:
         raise SimError("--history-max-bytes must be >= 0 and --epoch-steps > 0")
     if ns.step_table is not None and ns.verify_model is not None:
         raise SimError("--step-table prices the verification step itself: drop --verify-model")
@@ -1044,7 +1044,7 @@ def _rollout_main(argv: list[str]) -> int:
         cov = ns.history_coverage
         if cov is None:
             cov = placement_coverage(placement, dp, lengths.n, dr.split("+")[0] == "sam_group_exchange",
-                                     lengths.num_prompts, mean_resp, store_bytes=ns.history_max_bytes,
+                                     lengths.num_prompts, mean_resp, store_bytes=math.inf if ns.history_max_bytes is None else ns.history_max_bytes,
                                      epoch_steps=ns.epoch_steps)
         dm = draft_model(dr, pol, drafting, ns.fixed_k, ns.k_max, tok_ms, verify_model, ns.mfu,
                          ns.draft_siblings, cov, table=table, spread=placement != "contiguous")

@@ -60,3 +60,34 @@ def test_simulator_default_coverage_follows_the_placement() -> None:
     assert full["keyed"] == pytest.approx(keyed_home_share(512, 16, 32)) and full["keyed"] > 0.95
     assert placement_coverage("keyed", 32, 16, True, 512, 7345.0, store_bytes=epoch_bytes / 2) == pytest.approx(
         full["keyed"] / 2)
+
+
+def test_rollout_by_key_takes_the_keyed_coverage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``simulate rollout --rebalance-by-key``: the data-rebalance row runs the keyed layout and, without
+    --history-coverage, carries the keyed placement's coverage (store holding the epoch, the default); by
+    position it carries the interleaved one."""
+    import math
+
+    from qwen3_rl.tools.sim.lengths import load_lengths
+    from qwen3_rl.tools.sim.simulate import main as sim_main
+
+    lens = tmp_path / "len.jsonl"
+    assert sim_main(["gen-lengths", "--out", str(lens), "--num-prompts", "64", "--n", "4", "--seed", "4"]) == 0
+    capsys.readouterr()
+    mean = float(load_lengths(lens).response_len.mean())
+    base = ["rollout", "--lengths", str(lens), "--dp", "16", "--max-num-seqs", "16", "--policy", "both",
+            "--drafting", "sam_group_exchange+history", "--json"]
+    runs = {}
+    for name, extra in (("position", []), ("key", ["--rebalance-by-key"])):
+        assert sim_main([*base, *extra]) == 0
+        runs[name] = json.loads(capsys.readouterr().out)  # one row: the output is the row
+    pos, key = runs["position"], runs["key"]
+    assert pos["policy"] == key["policy"] == "both+sam_group_exchange+history"
+    assert pos["history_coverage"] == pytest.approx(
+        placement_coverage("interleaved", 16, 4, True, 64, mean, store_bytes=math.inf)) == pytest.approx(0.25)
+    assert key["history_coverage"] == pytest.approx(
+        placement_coverage("keyed", 16, 4, True, 64, mean, store_bytes=math.inf))
+    assert key["history_coverage"] > 0.8
+    print(f"makespan both+exchange+history: by position {pos['makespan_s']:.1f} s (coverage "
+          f"{pos['history_coverage']:.3f}), by key {key['makespan_s']:.1f} s (coverage {key['history_coverage']:.3f})")
+    assert key["makespan_s"] < pos["makespan_s"]
