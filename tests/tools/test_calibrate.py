@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from qwen3_rl.tools.calibrate import CalibrateError, default_out, main, plan_from_command
-from qwen3_rl.tools.launch.cli import calibrate_env, cmd_calibrate
-from qwen3_rl.tools.launch.options import LaunchError
+from qwen3_rl.tools.launch.cli import calibrate_wanted, cmd_calibrate
 from qwen3_rl.tools.launch.train_script import parse_train_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,27 +66,31 @@ def test_help_says_how_long_and_where(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_launcher_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    setup = TINY.name
-    assert calibrate_env(setup, {}) is False  # off by default
-    assert calibrate_env(setup, {"SAM_CALIBRATE": "True"}) is True
-    with pytest.raises(LaunchError, match="set one of them"):
-        calibrate_env(setup, {"SAM_CALIBRATE": "True", "SAM_COST_TABLE": "/t.json"})
-    with pytest.raises(LaunchError, match="SAM_CALIBRATE"):
-        calibrate_env(setup, {"SAM_CALIBRATE": "yes"})
+    """``launch calibrate`` (ray_start_npu.sh, head): SAM_COST_TABLE=calibrate runs the command and hands its table
+    on; any other value (a file, empty) runs nothing."""
+    assert calibrate_wanted({"SAM_COST_TABLE": "calibrate"}) and not calibrate_wanted({"SAM_COST_TABLE": "/t.json"})
+    assert not calibrate_wanted({})
     env_out = tmp_path / "cal.env"
     args = ["--train-script", str(TINY), "--out", str(tmp_path / "t.json"), "--env-out", str(env_out)]
-    monkeypatch.delenv("SAM_CALIBRATE", raising=False)
-    monkeypatch.delenv("SAM_COST_TABLE", raising=False)
-    assert cmd_calibrate(args) == 0 and env_out.read_bytes() == b""  # off: nothing to export
     ran = []
 
     def fake_run(cmd, **kw):  # noqa: ANN001, ANN003
         ran.append(cmd)
         return subprocess.CompletedProcess(cmd, 0)
 
-    monkeypatch.setenv("SAM_CALIBRATE", "True")
     monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setenv("SAM_COST_TABLE", "/t.json")
+    assert cmd_calibrate(args) == 0 and env_out.read_bytes() == b"" and ran == []  # a table given: nothing to do
+    monkeypatch.setenv("SAM_COST_TABLE", "calibrate")
     assert cmd_calibrate(args) == 0
     assert ran == [[sys.executable, "-m", "qwen3_rl", "calibrate", "--setup", str(TINY), "--out",
                     str(tmp_path / "t.json")]]
-    assert env_out.read_bytes() == f"SAM_COST_TABLE={tmp_path / 't.json'}\0SAM_CALIBRATE=\0".encode()
+    assert env_out.read_bytes() == f"SAM_COST_TABLE={tmp_path / 't.json'}\0".encode()
+
+
+def test_preflight_names_an_unreplaced_calibrate() -> None:
+    from qwen3_rl.tools.launch.preflight import check_sam_cost_table
+
+    sc = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config."
+    (f,) = check_sam_cost_table({sc + "method": "sam", sc + "sam_config.cost_table": "calibrate"})
+    assert "replaced by the launcher" in str(f) and "python -m qwen3_rl calibrate" in str(f)

@@ -191,6 +191,12 @@ RULE_CASES = [
      "SAM_COST_TABLE=/t/cost.json@qwen3-32b-tp8 requires SAM_ENABLE=True and SAM_ADAPTIVE_K=True (got SAM_ENABLE=True, "
      "SAM_ADAPTIVE_K=False): the table prices the draft length that SAM_ADAPTIVE_K chooses"),
 ]
+# data rebalance by group key
+RULE_CASES += [
+    (MOE, {"DATA_REBALANCE": "False", "DATA_REBALANCE_BY_KEY": "True"}, MOE_CTX,
+     "DATA_REBALANCE_BY_KEY=True requires DATA_REBALANCE=True (got DATA_REBALANCE=False): it is a placement of data "
+     "rebalance"),
+]
 # server mode (ROLLOUT_MODE=async)
 RULE_CASES += [
     (MOE, {"ROLLOUT_MODE": "async", "DATA_REBALANCE": "True"}, MOE_CTX,

@@ -21,7 +21,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from qwen3_rl.tools.launch.cpu_binding import (
@@ -414,46 +414,35 @@ def cmd_k8s(argv: list[str]) -> int:
     return run(argv)
 
 
-def calibrate_env(setup: str, env: dict[str, str] | os._Environ[str]) -> bool:
-    """Whether ``SAM_CALIBRATE`` is on for ``setup`` (its env value, else the registry default); a bad value or a
-    table given as well is a :class:`LaunchError` (one line)."""
-    from qwen3_rl.tools.features import FeatureError, load_registry
+#: ``SAM_COST_TABLE`` value asking the launcher to measure the table first (``launch calibrate``)
+CALIBRATE = "calibrate"
 
-    reg = load_registry()
-    f = reg.features["SAM_CALIBRATE"]
-    raw = env.get(f.env, "")
-    try:
-        on = (f.parse(raw) if raw else reg.default(f, setup, {})) == "True"
-    except FeatureError as exc:
-        raise LaunchError(str(exc)) from None
-    if on and env.get("SAM_COST_TABLE", ""):
-        raise LaunchError("SAM_CALIBRATE=True measures the table SAM_COST_TABLE would give: set one of them")
-    return on and reg.applies(f, setup)
+
+def calibrate_wanted(env: Mapping[str, str]) -> bool:
+    """Whether ``SAM_COST_TABLE=calibrate`` asks for a measured table before training."""
+    return env.get("SAM_COST_TABLE", "").strip() == CALIBRATE
 
 
 def cmd_calibrate(argv: list[str]) -> int:
-    """Head, before preflight: with ``SAM_CALIBRATE=True`` run ``python -m qwen3_rl calibrate`` on the train
-    script's rollout engine and write ``SAM_COST_TABLE=<table>`` and ``SAM_CALIBRATE=`` (NUL-separated) to
-    ``--env-out`` for the launcher to export; with it off, write nothing there."""
+    """Head, before preflight: with ``SAM_COST_TABLE=calibrate`` run ``python -m qwen3_rl calibrate`` on the train
+    script's rollout engine and write ``SAM_COST_TABLE=<table>`` (NUL-terminated) to ``--env-out`` for the launcher
+    to export; otherwise write nothing there."""
     ap = argparse.ArgumentParser(prog="launch calibrate")
     ap.add_argument("--train-script", required=True)
     ap.add_argument("--out", required=True, help="the table file")
     ap.add_argument("--env-out", required=True, help="the environment to export (NUL-separated)")
     a = ap.parse_args(argv)
     Path(a.env_out).write_text("")
-    try:
-        if not calibrate_env(Path(a.train_script).name, os.environ):
-            return 0
-    except LaunchError as exc:
-        return _die(str(exc), 2)
+    if not calibrate_wanted(os.environ):
+        return 0
     import subprocess
 
-    _log(f"SAM_CALIBRATE: measuring the verification-cost table of {a.train_script} -> {a.out}")
+    _log(f"SAM_COST_TABLE=calibrate: measuring the verification-cost table of {a.train_script} -> {a.out}")
     proc = subprocess.run([sys.executable, "-m", "qwen3_rl", "calibrate", "--setup", a.train_script, "--out", a.out],
                           stdout=sys.stderr, check=False)
     if proc.returncode != 0:
-        return _die(f"SAM_CALIBRATE: calibrate exited with {proc.returncode} (see above)")
-    _write_nul(Path(a.env_out), [f"SAM_COST_TABLE={a.out}", "SAM_CALIBRATE="])
+        return _die(f"SAM_COST_TABLE=calibrate: calibrate exited with {proc.returncode} (see above)")
+    _write_nul(Path(a.env_out), [f"SAM_COST_TABLE={a.out}"])
     return 0
 
 
