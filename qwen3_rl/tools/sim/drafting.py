@@ -55,7 +55,9 @@ LRU eviction, and a run's first epoch has none (the default is the steady state 
 layout with data rebalance (DP 32, n 16): ``rebalance_permutation`` puts a prompt's 16 samples on ranks 0-15 or
 16-31 by the parity of its batch position, so with shuffled epochs about half of the next visits land where the
 history is; each rank keeps the responses of 256 prompts per step (about 30 MB at 4 responses of 7345 tokens), so
-the 512 MiB default holds about 18 of the epoch's 79 steps: F = 0.5 x 18 / 79 = 0.11.
+a 512 MiB store holds about 18 of the epoch's 79 steps: F = 0.5 x 18 / 79 = 0.11. ``simulate rollout`` assumes by
+default a store that holds the epoch (the runtime's bound from host memory, ``SAM_HISTORY_MAX_BYTES=0``, where the
+host allows); with ``--rebalance-by-key`` the placement is "keyed" (:func:`keyed_home_share`: 0.975 there).
 With ``F`` < 1, the tables become the per-request-step mean of a batch where a share ``F`` of the requests
 drafts with history: a request of ``L`` tokens spends ``L / tau`` verification steps, so tokens per request-step
 are ``1 / (F / tau_history + (1 - F) / tau_current)`` at every k (harmonic mean; exact at F = 0 and F = 1). The
@@ -105,7 +107,7 @@ DIE_TFLOPS = 390.0  # Ascend 910C: 780 TFLOPS bf16 per card of 2 dies (TechPower
 RANK_DIES = 4  # one rollout DP rank of the 235B layout: TP4 ([ref 002]: 128 die DP32 TP4 EP128)
 MFU = 0.5  # assumed utilisation of the roof
 HISTORY_RESPONSES = 4  # earlier responses per prompt behind the history tables (``--history 4``)
-HISTORY_MAX_BYTES = 1 << 29  # the store bound placement_coverage assumes unless told (the former fixed default)
+HISTORY_MAX_BYTES = 1 << 29  # the store bound (512 MiB) placement_coverage assumes unless told
 TOKEN_BYTES = 4  # the history store keeps int32 token ids (spec_decode.history)
 #: steps per epoch of the 235B GRPO run: deepscaler, 40.3k prompts (the Hugging Face dataset viewer of
 #: agentica-org/DeepScaleR-Preview-Dataset) at 512 prompts per step
