@@ -5,9 +5,11 @@ It starts the setup's rollout engine (the model, TP size, dtype, eager / graph m
 script gives verl) with dummy weights (vLLM's ``load_format="dummy"``: only the model's config is read) and the SAM
 drafter at ``k_max`` with ``pad_drafts`` (every draft padded to exactly k tokens). Per cell (B, ctx) of the grid it
 adds ``B`` requests of ``ctx`` random prompt tokens, runs the engine until all are decoding, then for each k of the
-grid (ascending) sets the drafter's length to k (k = 0: the drafts are dropped, the step decodes one token per
-request) and times ``--steps`` engine steps (``LLMEngine.step``: schedule, forward over ``B * (k + 1)`` query
-tokens, rejection sampling, drafting) after ``--warmup`` untimed ones; the row's ``step_ms`` is their median.
+grid sets the drafter's length to k (k = 0: the drafts are dropped, the step decodes one token per request), runs
+``--warmup`` untimed steps (the first step after a change still verifies the previous k's drafts) and times one
+engine step (``LLMEngine.step``: schedule, forward over ``B * (k + 1)`` query tokens, rejection sampling, drafting).
+``--steps`` rounds over the ks (every k once per round, so that load elsewhere on the machine hits every k alike);
+the row's ``step_ms`` is the median over the rounds.
 vLLM's own spec-decode counters check that each timed step verified ``B * k`` draft tokens
 (``draft_tokens_per_step``).
 
@@ -62,8 +64,8 @@ class CalibratePlan:
         batch: running requests B per cell, ascending.
         ks: draft lengths k, ascending, starting at 0; the last is k_max.
         ctx: prompt (context) tokens per request, ascending.
-        steps: timed engine steps per row.
-        warmup: untimed engine steps before them (per k).
+        steps: rounds over the ks (timed engine steps per row).
+        warmup: untimed engine steps after each change of k.
         engine: keyword arguments of ``vllm.LLM`` (the setup's rollout engine, dummy weights, SAM at k_max).
     """
 
@@ -84,14 +86,14 @@ class CalibratePlan:
     @property
     def decode_tokens(self) -> int:
         """Upper bound of the tokens a request decodes over one cell (every k, warm-up included, all accepted)."""
-        return sum((self.warmup + self.steps + 1) * (k + 1) for k in self.ks) + 8
+        return self.steps * sum((self.warmup + 1) * (k + 1) for k in self.ks) + 8
 
     def cells(self) -> int:
         return len(self.batch) * len(self.ctx)
 
     def engine_steps(self) -> int:
         """Engine steps of the decode phases over the whole grid (prefill steps not counted)."""
-        return self.cells() * len(self.ks) * (self.warmup + self.steps)
+        return self.cells() * self.steps * len(self.ks) * (self.warmup + 1)
 
 
 def _value(raw: str) -> Any:
@@ -126,7 +128,7 @@ def _ints(raw: str, what: str) -> tuple[int, ...]:
 
 
 def plan_from_command(cmd: TrainCommand, batch: str | None = None, ks: str | None = None, ctx: str | None = None,
-                      model: str | None = None, steps: int = 8, warmup: int = 2) -> CalibratePlan:
+                      model: str | None = None, steps: int = 8, warmup: int = 1) -> CalibratePlan:
     """The calibration of a train command's rollout engine; grids default to B in
     :data:`DEFAULT_BATCH` up to ``max_num_seqs``, k in :data:`DEFAULT_K` up to k_max plus k_max (the setup's
     ``num_speculative_tokens``, else 15), ctx in :data:`DEFAULT_CTX` that fit ``max_model_len`` (else half of it).
@@ -146,8 +148,8 @@ def plan_from_command(cmd: TrainCommand, batch: str | None = None, ks: str | Non
         cg = _ints(ctx, "ctx")
     else:
         cg = tuple(c for c in DEFAULT_CTX if c <= model_len) or (max(model_len // 2, 1),)
-    if steps < 1 or warmup < 0:
-        raise CalibrateError("--steps >= 1 and --warmup >= 0 are required")
+    if steps < 1 or warmup < 1:
+        raise CalibrateError("--steps >= 1 and --warmup >= 1 are required")
     plan = CalibratePlan(setup=str(cmd.script), model=str(model), shape="", batch=bg, ks=kg, ctx=cg, steps=steps,
                          warmup=warmup)
     extra = {k.removeprefix(VLLM_KW): _value(v) for k, v in vals.items()
@@ -242,28 +244,32 @@ def measure(plan: CalibratePlan, log: Any = print) -> dict[str, Any]:
                     break
             else:
                 raise CalibrateError(f"B={b} ctx={ctx}: requests did not all start decoding")
-            base = None
-            for k in plan.ks:
-                llm.collective_rpc(_set_draft_len, args=(k,))
-                for _ in range(plan.warmup):
-                    engine.step()
-                d0 = _draft_tokens(llm)
-                times = []
-                for _ in range(plan.steps):
+            times: dict[int, list[float]] = {k: [] for k in plan.ks}
+            drafts: dict[int, float] = dict.fromkeys(plan.ks, 0.0)
+            ctx_seen: dict[int, list[float]] = {k: [] for k in plan.ks}
+            for _ in range(plan.steps):  # rounds: every k once per round, so that load elsewhere hits all alike
+                for k in plan.ks:
+                    llm.collective_rpc(_set_draft_len, args=(k,))
+                    for _ in range(plan.warmup):  # the first step after a change verifies the old k's drafts
+                        engine.step()
+                    d0 = _draft_tokens(llm)
                     t0 = time.perf_counter()
                     for out in engine.step():
                         decoded[out.request_id] = len(out.outputs[0].token_ids)
-                    times.append((time.perf_counter() - t0) * 1e3)
+                    times[k].append((time.perf_counter() - t0) * 1e3)
+                    drafts[k] += _draft_tokens(llm) - d0
+                    ctx_seen[k].append(ctx + statistics.mean(decoded.values()))
                 running = engine.get_num_unfinished_requests()
                 if running != b:
-                    raise CalibrateError(f"B={b} ctx={ctx} k={k}: {running} requests running, expected {b}")
-                med = statistics.median(times)
-                base = med if k == 0 else base
+                    raise CalibrateError(f"B={b} ctx={ctx}: {running} requests running, expected {b}")
+            base = statistics.median(times[0])
+            for k in plan.ks:
+                med = statistics.median(times[k])
                 rows.append({"model": plan.shape, "B": b, "k": k, "ctx": ctx, "query_tokens": b * (k + 1),
                              "step_ms": round(med, 4), "ratio_to_k0": round(med / base, 4),
-                             "step_ms_min": round(min(times), 4), "step_ms_max": round(max(times), 4),
-                             "draft_tokens_per_step": (_draft_tokens(llm) - d0) / plan.steps,
-                             "ctx_measured": round(ctx + statistics.mean(decoded.values()), 1)})
+                             "step_ms_min": round(min(times[k]), 4), "step_ms_max": round(max(times[k]), 4),
+                             "draft_tokens_per_step": drafts[k] / plan.steps,
+                             "ctx_measured": round(statistics.mean(ctx_seen[k]), 1)})
             engine.abort_request(ids)
             while engine.has_unfinished_requests():
                 engine.step()
@@ -298,10 +304,10 @@ def _device_name(torch: Any) -> str:
 # ---------------------------------------------------------------------------------------------- CLI
 HELP = """Measure the verification-cost table of a setup's rollout engine (dummy weights) for SAM_COST_TABLE.
 
-Time: one engine start, then per cell (B, ctx) a prefill of B x ctx tokens and len(k) x (warmup + steps) engine
-steps. On CPU, the tiny test grid (B 1,4 x k 0,1,3,7 x ctx 32,128, 5 steps) takes about 10 s with warm caches
+Time: one engine start, then per cell (B, ctx) a prefill of B x ctx tokens and steps x len(k) x (warmup + 1)
+engine steps. On CPU, the tiny test grid (B 1,4 x k 0,1,3,7 x ctx 32,128, 5 steps) takes about 10 s with warm caches
 (25 s with a cold compile cache). On an A3 (not measured here) the default grid (B 1..256, k 0,1,3,7,15, ctx 1K and
-8K: 10 cells, 500 timed and warm-up steps, 2.6M prefill tokens for the largest cell) should take minutes, most of
+8K: 10 cells, 800 timed and warm-up steps, 2.6M prefill tokens for the largest cell) should take minutes, most of
 it prefill and graph capture. The table goes to --out (default <workspace>/calibration/verify_cost_<setup>.json);
 give it to training with SAM_COST_TABLE=<file>, or let the launcher run this first with SAM_CALIBRATE=True."""
 
@@ -316,8 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "max_num_seqs)")
     ap.add_argument("--k", help=f"draft lengths, comma-separated, with 0 (default {DEFAULT_K} up to k_max)")
     ap.add_argument("--ctx", help=f"context tokens per request (default {DEFAULT_CTX} within max_model_len)")
-    ap.add_argument("--steps", type=int, default=8, help="timed engine steps per row (median)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed engine steps before them, per k")
+    ap.add_argument("--steps", type=int, default=8, help="rounds over the ks: timed engine steps per row (median)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed engine steps after each change of k (>= 1)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (engine arguments, grid) and stop")
     a = ap.parse_args(argv)
     try:

@@ -127,3 +127,26 @@ def test_calibrated_table_drives_adaptive_k_in_the_real_engine(calibrated, engin
     assert r["table"]["metrics"]["spec_decode_num_accepted_tokens"] > 0
     assert sum(1 for c in ad["k_hist"][1:] if c) >= 2  # more than one draft length chosen
     assert sum(1 for c in ad["step_hist"][1:] if c) >= 2  # and the step's longest draft changes
+
+
+def test_calibrated_table_drives_adaptive_k_on_vllm_ascend(calibrated, engine_ws: Path, tiny_models: dict[str, Path],
+                                                           tmp_path: Path) -> None:
+    """The same table and drafter on vLLM-Ascend's own engine (NPUWorker -> NPUModelRunner, the CPU stand-in of
+    torch_npu): lossless against the same engine without drafts, k varies."""
+    table = str(calibrated[0])
+    sam = {"group_mode": True, "cache_max_responses": 0, "history_responses": 4, "adaptive_k": True,
+           "cost_table": table}
+    spec = {"workspace": str(engine_ws), "model": str(tiny_models["dense"]), "prompts": GROUP, "ascend": True,
+            "runs": [{"name": "base", "phases": WAVES},
+                     {"name": "table", "phases": WAVES, "llm": {"speculative_config": {
+                         "method": "sam", "num_speculative_tokens": KMAX, "sam_config": sam}}}]}
+    r = run_engine(spec, tmp_path)
+    ad = r["table"]["drafter"]["adaptive"]
+    m = r["table"]["metrics"]
+    print(f"vLLM-Ascend: table {ad['table']}; drafted {m.get('spec_decode_num_draft_tokens')}, accepted "
+          f"{m.get('spec_decode_num_accepted_tokens')}; k per request {ad['k_hist']}; longest per step "
+          f"{ad['step_hist']}")
+    assert ad["table"] == table
+    assert r["table"]["outputs"] == r["base"]["outputs"]
+    assert m["spec_decode_num_accepted_tokens"] > 0
+    assert sum(1 for c in ad["k_hist"][1:] if c) >= 2 and sum(1 for c in ad["step_hist"][1:] if c) >= 2

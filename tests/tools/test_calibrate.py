@@ -31,7 +31,7 @@ def test_plan_of_the_tiny_setup() -> None:
     assert e["speculative_config"] == {"method": "sam", "num_speculative_tokens": 3,
                                        "sam_config": {"pad_drafts": True}}
     assert e["max_model_len"] == 128 + plan.decode_tokens and e["max_num_batched_tokens"] >= 4 * 4
-    assert plan.cells() == 4 and plan.engine_steps() == 4 * 3 * (2 + 3)
+    assert plan.cells() == 4 and plan.engine_steps() == 4 * 3 * 3 * (1 + 1)  # cells x rounds x ks x (warm-up + 1)
 
 
 def test_plan_of_a_cluster_setup_follows_its_rollout_layout() -> None:
