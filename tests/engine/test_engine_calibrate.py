@@ -6,7 +6,9 @@ environment (``engine_workspace.run_env``), a small grid (B 1, 4 x k 0, 1, 3, 7 
 with ``cost_table.py`` (what the drafter does with ``SAM_COST_TABLE``), every timed step must have verified exactly
 ``B * k`` draft tokens (vLLM's own counters), and more query tokens must never be much cheaper: within a cell, a
 longer draft costs at least ``1 - MONOTONE_TOL`` of a shorter one, and at the same k, more requests at least
-``1 - MONOTONE_TOL`` of fewer (the tolerance covers the timing noise of 5 steps on 2 shared cores).
+``1 - MONOTONE_TOL`` of fewer. That check reads each row's fastest of its 25 rounds (``step_ms_min``): the 2 cores
+are shared with other jobs (load averages of 8 were seen), which slow whole runs of steps, and the fastest step is
+the one least disturbed; the table's medians are printed beside it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import workspace
@@ -38,7 +41,7 @@ def calibrated(engine_ws: Path, tiny_models: dict[str, Path], tmp_path_factory) 
     out = tmp_path_factory.mktemp("calibrate") / "table.json"
     env = {**os.environ, **workspace.run_env(engine_ws), "MODEL_PATH": str(tiny_models["dense"])}
     cmd = [sys.executable, "-m", "qwen3_rl", "calibrate", "--setup", "internal/train_grpo_tiny_cpu.sh", "--out",
-           str(out), "--batch", GRID["batch"], "--k", GRID["k"], "--ctx", GRID["ctx"], "--steps", "5"]
+           str(out), "--batch", GRID["batch"], "--k", GRID["k"], "--ctx", GRID["ctx"], "--steps", "25"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     wall = time.perf_counter() - t0
@@ -62,12 +65,20 @@ def test_calibrate_writes_a_table_the_drafter_loads(calibrated) -> None:
         assert r["query_tokens"] == r["B"] * (r["k"] + 1)
 
 
+def _fastest(path: Path) -> np.ndarray:
+    """float64[B, k, ctx]: each row's fastest round (``step_ms_min``), on the table's grid."""
+    from qwen3_rl.spec_decode.cost_table import tables_from_rows
+
+    rows = [{**r, "step_ms": r["step_ms_min"], "ratio_to_k0": None} for r in json.loads(path.read_text())["rows"]]
+    return next(iter(tables_from_rows(rows).values())).ms
+
+
 def test_more_tokens_are_never_much_cheaper(calibrated) -> None:
     from qwen3_rl.spec_decode.cost_table import load_cost_table
 
-    table = load_cost_table(str(calibrated[0]))
-    ms = table.ms  # [B, k, ctx]
-    print("step ms [B][k][ctx]:", ms.round(3).tolist())
+    print("median step ms [B][k][ctx]:", load_cost_table(str(calibrated[0])).ms.round(3).tolist())
+    ms = _fastest(calibrated[0])  # [B, k, ctx]
+    print("fastest step ms [B][k][ctx]:", ms.round(3).tolist())
     nb, nk, nc = ms.shape
     worst = 1.0
     for ib in range(nb):
@@ -86,17 +97,15 @@ def test_more_tokens_are_never_much_cheaper(calibrated) -> None:
 
 def test_the_monotone_check_sees_a_cheaper_long_draft(calibrated, tmp_path: Path) -> None:
     """Positive control: the same check on a copy whose longest draft costs half of k = 0 fails."""
-    from qwen3_rl.spec_decode.cost_table import load_cost_table
 
     data = json.loads(calibrated[0].read_text())
-    base = {(r["B"], r["ctx"]): r["step_ms"] for r in data["rows"] if r["k"] == 0}
+    base = {(r["B"], r["ctx"]): r["step_ms_min"] for r in data["rows"] if r["k"] == 0}
     for r in data["rows"]:
         if r["k"] == KMAX:
-            r["step_ms"] = base[(r["B"], r["ctx"])] / 2
-            r.pop("ratio_to_k0")
+            r["step_ms_min"] = base[(r["B"], r["ctx"])] / 2
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(data))
-    ms = load_cost_table(str(bad)).ms
+    ms = _fastest(bad)
     assert (ms[:, -1, :] / ms[:, :-1, :].max(axis=1)).min() < 1 - MONOTONE_TOL
 
 
