@@ -305,11 +305,12 @@ def _device_name(torch: Any) -> str:
 HELP = """Measure the verification-cost table of a setup's rollout engine (dummy weights) for SAM_COST_TABLE.
 
 Time: one engine start, then per cell (B, ctx) a prefill of B x ctx tokens and steps x len(k) x (warmup + 1)
-engine steps. On CPU, the tiny test grid (B 1,4 x k 0,1,3,7 x ctx 32,128, 5 steps) takes about 10 s with warm caches
-(25 s with a cold compile cache). On an A3 (not measured here) the default grid (B 1..256, k 0,1,3,7,15, ctx 1K and
-8K: 10 cells, 800 timed and warm-up steps, 2.6M prefill tokens for the largest cell) should take minutes, most of
-it prefill and graph capture. The table goes to --out (default <workspace>/calibration/verify_cost_<setup>.json);
-give it to training with SAM_COST_TABLE=<file>, or let the launcher run this first with SAM_CALIBRATE=True."""
+engine steps. On CPU, the tiny test grid (B 1,4 x k 0,1,3,7 x ctx 32,128, 5 steps) takes 10-20 s with warm caches
+on 2 shared cores (25 s with a cold compile cache). On an A3 (not measured here) the default grid (B 1..256,
+k 0,1,3,7,15, ctx 1K and 8K: 10 cells, 800 timed and warm-up steps, 2.1M prefill tokens for the largest cell)
+should take minutes, most of it prefill and graph capture. The table goes to --out (default
+<workspace>/calibration/verify_cost_<setup>.json); give it to training with SAM_COST_TABLE=<file>, or set
+SAM_COST_TABLE=calibrate and the launcher runs this first."""
 
 
 def main(argv: list[str] | None = None) -> int:
