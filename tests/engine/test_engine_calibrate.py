@@ -159,3 +159,23 @@ def test_calibrated_table_drives_adaptive_k_on_vllm_ascend(calibrated, engine_ws
     assert r["table"]["outputs"] == r["base"]["outputs"]
     assert m["spec_decode_num_accepted_tokens"] > 0
     assert sum(1 for c in ad["k_hist"][1:] if c) >= 2 and sum(1 for c in ad["step_hist"][1:] if c) >= 2
+
+
+def test_calibrate_on_vllm_ascends_engine(engine_ws: Path, tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """The same command with the rollout on vLLM-Ascend's engine (``QWEN3_RL_CPU_ROLLOUT=ascend``: NPUWorker ->
+    NPUModelRunner -> SamAscendProposer over the CPU stand-in of torch_npu): the table names the stand-in device,
+    loads, and every timed step verified B * k draft tokens."""
+    from qwen3_rl.spec_decode.cost_table import load_cost_table
+
+    out = tmp_path / "ascend.json"
+    env = {**os.environ, **workspace.run_env(engine_ws), "MODEL_PATH": str(tiny_models["dense"]),
+           "QWEN3_RL_CPU_ROLLOUT": "ascend"}
+    cmd = [sys.executable, "-m", "qwen3_rl", "calibrate", "--setup", "internal/train_grpo_tiny_cpu.sh", "--out",
+           str(out), "--batch", "1,4", "--k", "0,1,3", "--ctx", "32", "--steps", "3"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    data = json.loads(out.read_text())
+    print(proc.stdout.strip().splitlines()[-1], data["device"])
+    assert "Ascend" in data["device"]
+    assert load_cost_table(str(out)).k.tolist() == [0, 1, 3]
+    assert all(r["draft_tokens_per_step"] == r["B"] * r["k"] for r in data["rows"])
