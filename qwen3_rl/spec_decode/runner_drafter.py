@@ -35,6 +35,7 @@ import numpy as np
 
 from qwen3_rl.spec_decode.adaptive_k import AdaptiveK
 from qwen3_rl.spec_decode.config import table_for
+from qwen3_rl.spec_decode.history import resolve_max_bytes
 from qwen3_rl.spec_decode.sam import SamConfig, SamProposer, group_key
 from qwen3_rl.spec_decode.sibling_exchange import SiblingExchange
 
@@ -52,6 +53,8 @@ class SamRunnerDrafter:
 
     def __init__(self, config: SamConfig, max_model_len: int) -> None:
         self._setup(config, max_model_len, rank=-1)
+        if self.drafter.history is not None:  # the store's bound, once per engine process
+            print(resolve_max_bytes(config.history_max_bytes)[1], flush=True)
         _warm_up(config)
 
     def _setup(self, config: SamConfig, max_model_len: int, rank: int) -> None:

@@ -298,6 +298,10 @@ def check_sam_cost_table(vals: Mapping[str, str]) -> list[Finding]:
     spec = (vals.get(sc + "sam_config.cost_table") or "").strip().strip("'\"")
     if not spec or vals.get(sc + "method") != "sam":
         return []
+    if spec == "calibrate":
+        return [_err("spec-decode", "SAM_COST_TABLE=calibrate is replaced by the launcher (ray_start_npu.sh, head) "
+                                    "with the table it measures first; without the launcher run python -m qwen3_rl "
+                                    "calibrate --setup SCRIPT and give SAM_COST_TABLE=<that file>")]
     try:
         from qwen3_rl.spec_decode.cost_table import CostTableError, load_cost_table
     except ImportError as exc:  # tooling does not need the runtime stack (a bare launcher host)
