@@ -69,9 +69,9 @@ class PartialServerMixin:
             params = SamplingParams(max_tokens=self.config.max_model_len - len(prompt_ids),
                                     logprobs=0 if want_lp else None, **sampling_params)
             final = None
-            async for final in self.engine.generate(prompt=TokensPrompt(prompt_token_ids=prompt_ids),
-                                                    sampling_params=params, request_id=vllm_id, **engine_kwargs):
-                pass
+            async for out in self.engine.generate(prompt=TokensPrompt(prompt_token_ids=prompt_ids),
+                                                  sampling_params=params, request_id=vllm_id, **engine_kwargs):
+                final = out
         finally:
             self._q3_inflight.discard(vllm_id)
         assert final is not None
@@ -140,11 +140,32 @@ _receiver_actor_cls = ray.remote(WeightReceivingRollout)
 
 
 class PartialvLLMReplica(vLLMReplica):
-    """verl's vLLM replica with the pausable server and the weight-receiving workers."""
+    """verl's vLLM replica with the pausable server and the weight-receiving workers; ``device_name``: the
+    accelerator resource its workers ask Ray for (``trainer.device``: ``npu`` / ``cuda``)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, device_name: str = "cuda", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.server_class = PartialvLLMServer
+        self.device_name = device_name
+
+    async def init_standalone(self) -> None:
+        """verl's standalone start-up, with the workers' device passed on: verl 0.6.1's own
+        (``RolloutReplica.init_standalone``) builds its worker group with the default ``cuda``, i.e. Ray resource
+        ``GPU``, which an Ascend node (and the CPU profile, which advertises ``NPU``) does not have."""
+        from verl.single_controller.ray import RayWorkerGroup
+        from verl.trainer.ppo.ray_trainer import ResourcePoolManager
+        from verl.workers.rollout.replica import RolloutMode
+
+        self.rollout_mode = RolloutMode.STANDALONE
+        name = f"fully_async_rollout_pool_{self.replica_rank}"
+        mgr = ResourcePoolManager(resource_pool_spec={name: [self.gpus_per_node] * self.nnodes}, mapping=None)
+        mgr.create_resource_pool()
+        self.resource_pool = mgr.resource_pool_dict[name]
+        group = RayWorkerGroup(resource_pool=self.resource_pool, ray_cls_with_init=self.get_ray_class_with_init_args(),
+                               bin_pack=False, name_prefix=f"fully_async_rollout_{self.replica_rank}",
+                               device_name=self.device_name)
+        self.workers = group.workers
+        await self.launch_servers()
 
     def get_ray_class_with_init_args(self) -> RayClassWithInitArgs:
         return RayClassWithInitArgs(cls=_receiver_actor_cls, config=self.config, model_config=self.model_config,
@@ -165,7 +186,9 @@ class PartialAgentLoopManager(AgentLoopManager):
     """verl's agent-loop manager on standalone servers (``config.trainer`` sizes = the rollout pool's)."""
 
     def __init__(self, config: Any) -> None:
-        self.rollout_replica_class = PartialvLLMReplica
+        import functools
+
+        self.rollout_replica_class = functools.partial(PartialvLLMReplica, device_name=str(config.trainer.device))
         self.agent_loop_workers_class = PartialAgentLoopWorker
         super().__init__(config, worker_group=None)
 
