@@ -4,7 +4,8 @@ steps it reuses: old log-probs, ref, advantage, actor update) whose workers are 
 The loop (one driver thread; the actor update runs in a second thread so that the rollout keeps being fed):
 
 1. start prompts (one group of n samples each, on the agent-loop workers, round robin) while the prompts started
-   and not yet trained are fewer than (1 + staleness) x the prompts of one weight version;
+   and not yet taken by the trainer (running or queued) are fewer than (1 + staleness) x the prompts of one weight
+   version (the rollout keeps generating while the trainer updates);
 2. collect finished groups, score them (verl's reward manager; the agent loop already scored each sample) and
    queue them;
 3. when ``require_batches`` x ``ppo_mini_batch_size`` groups are queued and the trainer is idle, train on the oldest
@@ -225,12 +226,11 @@ def make_fully_async_trainer_class():
             started_in_version, rr = 0, 0
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fully_async_train")
             training: Future | None = None
-            training_prompts = 0
             workers = manager.agent_loop_workers
             t_version = time.perf_counter()
             while updates < total:
                 # 1. keep the rollout fed within the staleness bound
-                while to_start > 0 and len(inflight) + len(ready) + training_prompts < quota:
+                while to_start > 0 and len(inflight) + len(ready) < quota:
                     try:
                         prompt = next(prompts)
                     except StopIteration:
@@ -254,11 +254,10 @@ def make_fully_async_trainer_class():
                     batch = DataProto.concat([ready.popleft() for _ in range(fa.prompts_per_update)])
                     self.global_steps = updates + 1
                     training = pool.submit(self._train, batch, version)
-                    training_prompts = fa.prompts_per_update
                 # 4. a finished update (and a weight sync after every trigger_parameter_sync_step of them)
                 if training is not None and training.done():
                     metrics = training.result()
-                    training, training_prompts = None, 0
+                    training = None
                     updates += 1
                     rm, resumed_total = resume_metrics(metrics.pop("_num_resumes"), resumed_total)
                     metrics.update(rm)

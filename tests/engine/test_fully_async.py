@@ -1,0 +1,110 @@
+"""Fully-async GRPO on CPU (marker ``fully_async``): ``ray_start_npu.sh internal/train_grpo_tiny_cpu_fully_async.sh
+--device cpu`` runs our fully-async trainer (``qwen3_rl.trainer.fully_async``): the trainer pool (one Megatron actor
+process) and the rollout pool (one standalone vLLM 0.13 CPU server, verl's agent loop) on separate processes,
+prompts streamed one group at a time, stale samples allowed (staleness 1), the running requests aborted at every
+weight sync and resumed after it with their tokens so far (partial rollout), the weights broadcast over a stateless
+gloo group, SAM group drafting on (the old log-probs recomputed by the trainer, so the requests ask vLLM for none).
+
+What is checked, from the run's training log (``step:N - key:value`` lines; several lines may share a step):
+
+* learning: validation accuracy (``val-core``, greedy, the 64 test problems) after the last update is at least 0.10
+  above the accuracy before the first;
+* staleness: every trained batch logs ``fully_async/staleness/mean`` and ``max``, and some batch was trained on
+  samples started by an older weight version (max >= 1);
+* partial rollout: requests were aborted at a weight sync (``fully_async/sync/aborted_requests``) and trajectories
+  resumed after it were trained on (``fully_async/partial/resumed`` summed over the batches > 0);
+* weight sync: every sync's per-tensor checksums matched on both sides (the trainer stops otherwise) and the last
+  validation ran on the synced weights (learning);
+* SAM across a pause: the rollout drafted tokens in a weight version that began with resumed requests
+  (``rollout/spec_decode/num_draft_tokens`` > 0 for the version after a sync that aborted requests), and drafts
+  were accepted.
+
+``bash tests/run_tests.sh -m fully_async`` runs this test alone.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from test_e2e_training import LEARNING_MARGIN, launch
+
+pytestmark = pytest.mark.fully_async
+
+SCRIPT = "internal/train_grpo_tiny_cpu_fully_async.sh"
+#: 8 weight syncs, each after 1 update of 8 prompts x 8 samples; the rollout's vLLM batch is kept at 2 sequences
+#: so that generation, not training, is the slower side and requests are running at a sync
+RUN_ENV = {"SYNCS": "8", "TRIGGER_SYNC_STEPS": "1", "PPO_MINI_BATCH_SIZE": "8", "STALENESS_THRESHOLD": "1",
+           "PARTIAL_ROLLOUT": "True", "ROLLOUT_MAX_NUM_SEQS": "2", "SAM_ENABLE": "True", "SAM_GROUP": "True"}
+_STEP_RE = re.compile(r"step:(\d+) - (.*)$")
+
+
+def step_metrics(log: str) -> dict[int, dict[str, float]]:
+    """The ``step:N - key:value - ...`` lines of ``log``, merged per step (a later value of a key wins)."""
+    steps: dict[int, dict[str, float]] = {}
+    for line in log.splitlines():
+        m = _STEP_RE.search(line)
+        if not m:
+            continue
+        row = steps.setdefault(int(m.group(1)), {})
+        for item in m.group(2).split(" - "):
+            key, _, value = item.rpartition(":")
+            try:
+                row[key.strip()] = float(value)
+            except ValueError:
+                continue
+    return steps
+
+
+def val_accuracies(steps: dict[int, dict[str, float]]) -> list[tuple[int, float]]:
+    """(step, validation accuracy) in step order."""
+    out = []
+    for s in sorted(steps):
+        keys = [k for k in steps[s] if k.startswith("val-core/") and "/acc/mean@" in k]
+        assert len(keys) <= 1, keys
+        if keys:
+            out.append((s, steps[s][keys[0]]))
+    return out
+
+
+def test_step_metrics_parser() -> None:
+    """The parser merges the lines of one step and keeps floats only (positive control of the e2e checks)."""
+    log = ("(FullyAsyncTaskRunner pid=1) step:2 - fully_async/staleness/max:1 - a:0.5\n"
+           "(FullyAsyncTaskRunner pid=1) step:2 - val-core/x/acc/mean@1:0.25 - b:text\n"
+           "noise step:x\n")
+    assert step_metrics(log) == {2: {"fully_async/staleness/max": 1.0, "a": 0.5, "val-core/x/acc/mean@1": 0.25}}
+    assert val_accuracies(step_metrics(log)) == [(2, 0.25)]
+
+
+@pytest.mark.timeout(1500)
+def test_fully_async_learns_stale_partial_and_drafts_after_resume(cpu_ws: Path, tmp_path: Path) -> None:
+    run = launch(cpu_ws, SCRIPT, tmp_path / "run", env=RUN_ENV)
+    tail = "\n".join(run.log.splitlines()[-60:])
+    assert run.rc == 0, f"fully-async run failed (exit {run.rc}):\n{tail}"
+    steps = step_metrics(run.log)
+    acc = val_accuracies(steps)
+    assert len(acc) >= 2 and acc[0][0] == 0, f"validation before training and after it expected, got {acc}"
+    before, after = acc[0][1], acc[-1][1]
+    trained = {s: m for s, m in steps.items() if s > 0}
+    assert sorted(trained) == list(range(1, int(RUN_ENV["SYNCS"]) + 1)), f"trained steps {sorted(trained)}"
+    for s, m in trained.items():
+        assert "fully_async/staleness/mean" in m and "fully_async/staleness/max" in m, f"step {s}: {sorted(m)}"
+    staleness = {s: m["fully_async/staleness/max"] for s, m in trained.items()}
+    aborted = {s: m.get("fully_async/sync/aborted_requests", 0.0) for s, m in trained.items()}
+    resumed = {s: m.get("fully_async/partial/resumed", 0.0) for s, m in trained.items()}
+    drafted = {s: m.get("rollout/spec_decode/num_draft_tokens", 0.0) for s, m in trained.items()}
+    accepted = {s: m.get("rollout/spec_decode/num_accepted_tokens", 0.0) for s, m in trained.items()}
+    print(f"fully async: validation accuracy {before:.3f} -> {after:.3f} in {run.seconds:.0f} s; staleness max per "
+          f"batch {staleness}; requests aborted at the sync after each step {aborted}; resumed trajectories per "
+          f"batch {resumed}; drafted tokens per version {drafted}; accepted {accepted}")
+    assert after >= before + LEARNING_MARGIN, f"no learning: {before:.3f} -> {after:.3f} ({acc})"
+    assert max(staleness.values()) >= 1, f"no batch was trained on stale samples: {staleness}"
+    assert sum(aborted.values()) > 0, f"no request was running at a weight sync: {aborted}"
+    assert sum(resumed.values()) > 0, f"no trajectory resumed after a sync was trained on: {resumed}"
+    # the version after a sync that aborted requests starts with those requests resumed: it must still draft
+    after_resume = [s + 1 for s, n in aborted.items() if n > 0 and s + 1 in drafted]
+    assert after_resume, f"no version followed a sync with aborted requests: {aborted}"
+    assert any(drafted[s] > 0 for s in after_resume), (
+        f"no drafts in the versions after a resume {after_resume}: {drafted}")
+    assert sum(accepted.values()) > 0, f"no drafted token was accepted: {accepted}"
