@@ -38,9 +38,9 @@ PARTIAL_ROLLOUT=${PARTIAL_ROLLOUT:-True}
 USE_ROLLOUT_LOG_PROBS=${USE_ROLLOUT_LOG_PROBS:-False}
 # weight syncs of the run: updates = SYNCS x TRIGGER_SYNC_STEPS
 SYNCS=${SYNCS:-8}
-# the rollout's vLLM batch: one prompt's group at a time, so that generation is the slower side and requests are
+# the rollout's vLLM batch: one sequence at a time (a CPU stand-in for a long-tailed rollout), so that generation is the slower side and requests are
 # still running at a weight sync (the partial rollout aborts and resumes them)
-ROLLOUT_MAX_NUM_SEQS=${ROLLOUT_MAX_NUM_SEQS:-8}
+ROLLOUT_MAX_NUM_SEQS=${ROLLOUT_MAX_NUM_SEQS:-1}
 N_SAMPLES=${N_SAMPLES:-8}
 MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-32}
 MAX_TOKEN_LEN_PER_GPU=${MAX_TOKEN_LEN_PER_GPU:-1024}

@@ -16,7 +16,7 @@ What is checked, from the run's training log (``step:N - key:value`` lines; seve
 * weight sync: every sync's per-tensor checksums matched on both sides (the trainer stops otherwise) and the last
   validation ran on the synced weights (learning);
 * SAM across a pause: the rollout drafted tokens in a weight version that began with resumed requests
-  (``rollout/spec_decode/num_draft_tokens`` > 0 for the version after a sync that aborted requests), and drafts
+  (``rollout/spec_decode/draft_tokens`` > 0 for the version after a sync that aborted requests), and drafts
   were accepted.
 
 ``bash tests/run_tests.sh -m fully_async`` runs this test alone.
@@ -30,13 +30,15 @@ from pathlib import Path
 import pytest
 from test_e2e_training import LEARNING_MARGIN, launch
 
+from qwen3_rl.spec_decode.metrics import ACCEPTED_TOKENS, DRAFT_TOKENS
+
 pytestmark = pytest.mark.fully_async
 
 SCRIPT = "internal/train_grpo_tiny_cpu_fully_async.sh"
-#: 8 weight syncs, each after 1 update of 8 prompts x 8 samples; the rollout's vLLM batch is kept at 2 sequences
+#: 8 weight syncs, each after 1 update of 8 prompts x 8 samples; the rollout's vLLM batch is kept at 1 sequence
 #: so that generation, not training, is the slower side and requests are running at a sync
 RUN_ENV = {"SYNCS": "8", "TRIGGER_SYNC_STEPS": "1", "PPO_MINI_BATCH_SIZE": "8", "STALENESS_THRESHOLD": "1",
-           "PARTIAL_ROLLOUT": "True", "ROLLOUT_MAX_NUM_SEQS": "2", "SAM_ENABLE": "True", "SAM_GROUP": "True"}
+           "PARTIAL_ROLLOUT": "True", "ROLLOUT_MAX_NUM_SEQS": "1", "SAM_ENABLE": "True", "SAM_GROUP": "True"}
 _STEP_RE = re.compile(r"step:(\d+) - (.*)$")
 
 
@@ -93,8 +95,8 @@ def test_fully_async_learns_stale_partial_and_drafts_after_resume(cpu_ws: Path, 
     staleness = {s: m["fully_async/staleness/max"] for s, m in trained.items()}
     aborted = {s: m.get("fully_async/sync/aborted_requests", 0.0) for s, m in trained.items()}
     resumed = {s: m.get("fully_async/partial/resumed", 0.0) for s, m in trained.items()}
-    drafted = {s: m.get("rollout/spec_decode/num_draft_tokens", 0.0) for s, m in trained.items()}
-    accepted = {s: m.get("rollout/spec_decode/num_accepted_tokens", 0.0) for s, m in trained.items()}
+    drafted = {s: m.get(DRAFT_TOKENS, 0.0) for s, m in trained.items()}
+    accepted = {s: m.get(ACCEPTED_TOKENS, 0.0) for s, m in trained.items()}
     print(f"fully async: validation accuracy {before:.3f} -> {after:.3f} in {run.seconds:.0f} s; staleness max per "
           f"batch {staleness}; requests aborted at the sync after each step {aborted}; resumed trajectories per "
           f"batch {resumed}; drafted tokens per version {drafted}; accepted {accepted}")

@@ -14,6 +14,8 @@ from uuid import uuid4
 from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
 from verl.utils.profiler import simple_timer
 
+from qwen3_rl.spec_decode.runner_drafter import GROUP_PROMPT_LEN_KEY
+
 AGENT_NAME = "qwen3_rl_partial"
 
 
@@ -38,8 +40,11 @@ class PartialRolloutAgentLoop(AgentLoopBase):
         metrics: dict[str, float] = {}
         with simple_timer("generate_sequences", metrics):
             while True:
+                params = dict(sampling_params)
+                if response:  # resumed: the drafter's group stays the original prompt's
+                    params[GROUP_PROMPT_LEN_KEY] = len(prompt_ids)
                 out = await self.server_manager.generate(request_id=request_id, prompt_ids=prompt_ids + response,
-                                                         sampling_params=dict(sampling_params))
+                                                         sampling_params=params)
                 if start_version < 0:
                     start_version = int(out.param_version)
                 end_version = int(out.param_version)

@@ -25,6 +25,7 @@ from verl.workers.rollout.replica import TokenOutput
 from verl.workers.rollout.vllm_rollout import vLLMAsyncRollout
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServerBase, vLLMReplica
 
+from qwen3_rl.spec_decode.runner_drafter import GROUP_PROMPT_LEN_KEY
 from qwen3_rl.trainer.fully_async.weight_sync import TensorSpec, make_group, receive
 
 
@@ -65,6 +66,10 @@ class PartialServerMixin:
             hooks = getattr(self, "qwen3_rl_hooks", None)
             engine_kwargs = {} if hooks is None else hooks.request_kwargs(sampling_params)
             want_lp = bool(sampling_params.pop("logprobs", False))
+            group_len = sampling_params.pop(GROUP_PROMPT_LEN_KEY, None)
+            if group_len is not None:  # a resumed request: the drafter keeps it in its siblings' group
+                sampling_params["extra_args"] = {**(sampling_params.get("extra_args") or {}),
+                                                 GROUP_PROMPT_LEN_KEY: int(group_len)}
             sampling_params.setdefault("repetition_penalty", self.config.get("repetition_penalty", 1.0))
             params = SamplingParams(max_tokens=self.config.max_model_len - len(prompt_ids),
                                     logprobs=0 if want_lp else None, **sampling_params)
