@@ -5,7 +5,7 @@
 # trainer's process count and sets the async_training group).
 #
 # A script provides: NNODES, TRAIN_PROCS, ROLLOUT_PROCS, PPO_MINI_BATCH_SIZE, REQUIRE_BATCHES, TRIGGER_SYNC_STEPS,
-# STALENESS_THRESHOLD, PARTIAL_ROLLOUT, USE_ROLLOUT_LOG_PROBS, SYNCS, ROLLOUT_MODE.
+# STALENESS_THRESHOLD, PARTIAL_ROLLOUT, USE_ROLLOUT_LOG_PROBS, SYNCS (null: TOTAL_EPOCHS decide), ROLLOUT_MODE.
 [[ "${BASH_SOURCE[0]}" != "$0" ]] || { echo "${BASH_SOURCE[0]}: source it from a train script" >&2; exit 2; }
 
 # _fa_set KEY VALUE: KEY=VALUE in place of any KEY=... already in `overrides` (Hydra refuses a key given twice)
@@ -27,7 +27,9 @@ train_add_fully_async_overrides() {
     fi
     _fa_set trainer.nnodes "${NNODES}"
     _fa_set trainer.n_gpus_per_node "${TRAIN_PROCS}"
-    _fa_set trainer.total_training_steps "$((SYNCS * TRIGGER_SYNC_STEPS))"
+    if [[ -n "${SYNCS}" && "${SYNCS}" != null ]]; then  # else the epochs decide (TOTAL_EPOCHS)
+        _fa_set trainer.total_training_steps "$((SYNCS * TRIGGER_SYNC_STEPS))"
+    fi
     _fa_set actor_rollout_ref.rollout.calculate_log_probs "${USE_ROLLOUT_LOG_PROBS}"
     overrides+=(
         "rollout.nnodes=${NNODES}"
