@@ -32,12 +32,8 @@ REQUIRE_BATCHES=${REQUIRE_BATCHES:-1}
 TRAIN_BATCH_SIZE=$((PPO_MINI_BATCH_SIZE * REQUIRE_BATCHES))
 TRIGGER_SYNC_STEPS=${TRIGGER_SYNC_STEPS:-4}
 STALENESS_THRESHOLD=${STALENESS_THRESHOLD:-0.5}
-PARTIAL_ROLLOUT=${PARTIAL_ROLLOUT:-True}
-USE_ROLLOUT_LOG_PROBS=${USE_ROLLOUT_LOG_PROBS:-False}
 # weight syncs of the run (null: TOTAL_EPOCHS decide)
 SYNCS=${SYNCS:-null}
-ROLLOUT_MODE=${ROLLOUT_MODE:-async}
-export ROLLOUT_MODE
 
 # ---- model layout: the 32-die setup's actor and rollout parallelism on half the dies each --------------
 # shellcheck source=SCRIPTDIR/lib/qwen3_30b_a3b_layout.sh
@@ -55,6 +51,6 @@ ROLLOUT_DP=${ROLLOUT_DP:-$((NNODES * ROLLOUT_PROCS / ROLLOUT_TP))}
 train_add_base_overrides moe dist_ckpt_or_mbridge
 overrides+=(reward_model.reward_manager=naive)
 train_add_trainer_overrides
-train_add_feature_overrides train_grpo_qwen3_30b_a3b_32die.sh
+train_add_feature_overrides
 train_add_fully_async_overrides
 train_run qwen3_rl.trainer.fully_async fully_async_megatron_trainer "$@"

@@ -10,8 +10,8 @@
 #   bash ray_start_npu.sh internal/train_grpo_tiny_cpu_fully_async.sh --device cpu
 #
 # docs/fully_async.md; every size is an environment variable with a default; extra Hydra overrides may be
-# passed as arguments. The feature switches are the tiny GRPO run's (features.toml setup train_grpo_tiny_cpu.sh);
-# the trainer needs the server rollout, so ROLLOUT_MODE defaults to async here.
+# passed as arguments. The feature switches: features.toml (groups tiny, tiny_learning, fully_async);
+# the trainer needs the server rollout: ROLLOUT_MODE defaults to async for the fully_async group.
 # QWEN3_RL_PRINT_COMMAND=1 prints the final command (NUL-separated) instead of running it.
 set -euo pipefail
 
@@ -20,7 +20,6 @@ EXP_NAME=${EXP_NAME:-grpo_tiny_cpu_fully_async}
 # the two pools: the trainer's processes (Megatron actor, TP ACTOR_TP) and the rollout's (one vLLM server each)
 TRAIN_PROCS=${TRAIN_PROCS:-1}
 ROLLOUT_PROCS=${ROLLOUT_PROCS:-1}
-NPUS_PER_NODE=${NPUS_PER_NODE:-$((TRAIN_PROCS + ROLLOUT_PROCS))}
 ACTOR_TP=${ACTOR_TP:-1}
 ACTOR_PP=${ACTOR_PP:-1}
 TINY_MODEL=${TINY_MODEL:-qwen3_tiny}
@@ -33,16 +32,14 @@ TRAIN_BATCH_SIZE=$((PPO_MINI_BATCH_SIZE * REQUIRE_BATCHES))
 TRIGGER_SYNC_STEPS=${TRIGGER_SYNC_STEPS:-1}
 # at most (1 + STALENESS_THRESHOLD) x the prompts of one version started and not yet trained
 STALENESS_THRESHOLD=${STALENESS_THRESHOLD:-1}
-PARTIAL_ROLLOUT=${PARTIAL_ROLLOUT:-True}
-# the rollout's log-probs as the old log-probs (False: the trainer recomputes them, as a drafter needs)
-USE_ROLLOUT_LOG_PROBS=${USE_ROLLOUT_LOG_PROBS:-False}
 # weight syncs of the run: updates = SYNCS x TRIGGER_SYNC_STEPS
 SYNCS=${SYNCS:-8}
 # the rollout's vLLM batch: one sequence at a time (a CPU stand-in for a long-tailed rollout), so that generation is the slower side and requests are
 # still running at a weight sync (the partial rollout aborts and resumes them)
 ROLLOUT_MAX_NUM_SEQS=${ROLLOUT_MAX_NUM_SEQS:-1}
 N_SAMPLES=${N_SAMPLES:-8}
-MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-32}
+# responses up to 128 tokens: the samples that ramble make the long tail that is still running at a weight sync
+MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-128}
 MAX_TOKEN_LEN_PER_GPU=${MAX_TOKEN_LEN_PER_GPU:-1024}
 LR=${LR:-5e-4}
 ENTROPY_COEFF=${ENTROPY_COEFF:-0}
@@ -50,8 +47,6 @@ ENTROPY_COEFF=${ENTROPY_COEFF:-0}
 TEST_FREQ=${TEST_FREQ:-$((SYNCS * TRIGGER_SYNC_STEPS))}
 # no checkpoints by default: a resume restarts the prompt stream (SAVE_FREQ=N saves the trainer every N updates)
 SAVE_FREQ=${SAVE_FREQ:--1}
-ROLLOUT_MODE=${ROLLOUT_MODE:-async}
-export ROLLOUT_MODE
 
 # shellcheck source=SCRIPTDIR/lib/tiny_cpu_layout.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/tiny_cpu_layout.sh"
@@ -64,7 +59,7 @@ TRAIN_FILE=${TRAIN_FILE:-${DATA_DIR}/gsm8k/train.parquet}
 train_add_base_overrides dense hf_or_dist_ckpt
 overrides+=(reward_model.reward_manager=naive)
 train_add_trainer_overrides
-train_add_feature_overrides train_grpo_tiny_cpu.sh
+train_add_feature_overrides
 train_add_tiny_cpu_overrides
 train_add_fully_async_overrides
 train_run qwen3_rl.trainer.fully_async fully_async_megatron_trainer "$@"

@@ -5,7 +5,8 @@
 # trainer's process count and sets the async_training group).
 #
 # A script provides: NNODES, TRAIN_PROCS, ROLLOUT_PROCS, PPO_MINI_BATCH_SIZE, REQUIRE_BATCHES, TRIGGER_SYNC_STEPS,
-# STALENESS_THRESHOLD, PARTIAL_ROLLOUT, USE_ROLLOUT_LOG_PROBS, SYNCS (null: TOTAL_EPOCHS decide), ROLLOUT_MODE.
+# STALENESS_THRESHOLD, SYNCS (null: TOTAL_EPOCHS decide). The switches (features.toml group fully_async):
+# PARTIAL_ROLLOUT, USE_ROLLOUT_LOG_PROBS, and ROLLOUT_MODE (async by default for these setups).
 [[ "${BASH_SOURCE[0]}" != "$0" ]] || { echo "${BASH_SOURCE[0]}: source it from a train script" >&2; exit 2; }
 
 # _fa_set KEY VALUE: KEY=VALUE in place of any KEY=... already in `overrides` (Hydra refuses a key given twice)
@@ -18,26 +19,18 @@ _fa_set() {
 }
 
 # train_add_fully_async_overrides: the two pools (trainer.* = the trainer's, rollout.* = the rollout's), the
-# async_training group, the updates of the run (SYNCS weight syncs x TRIGGER_SYNC_STEPS updates each) and whether
-# the rollout returns log-probs (only when they are the old log-probs: vLLM 0.13 drafts nothing for such requests).
+# async_training group's sizes, the updates of the run (SYNCS weight syncs x TRIGGER_SYNC_STEPS updates each).
 train_add_fully_async_overrides() {
-    if [[ "${ROLLOUT_MODE}" != async ]]; then
-        echo "error: ROLLOUT_MODE='${ROLLOUT_MODE}': the fully-async trainer runs on the server rollout (async)" >&2
-        exit 2
-    fi
     _fa_set trainer.nnodes "${NNODES}"
     _fa_set trainer.n_gpus_per_node "${TRAIN_PROCS}"
     if [[ -n "${SYNCS}" && "${SYNCS}" != null ]]; then  # else the epochs decide (TOTAL_EPOCHS)
         _fa_set trainer.total_training_steps "$((SYNCS * TRIGGER_SYNC_STEPS))"
     fi
-    _fa_set actor_rollout_ref.rollout.calculate_log_probs "${USE_ROLLOUT_LOG_PROBS}"
     overrides+=(
         "rollout.nnodes=${NNODES}"
         "rollout.n_gpus_per_node=${ROLLOUT_PROCS}"
         "async_training.staleness_threshold=${STALENESS_THRESHOLD}"
         "async_training.trigger_parameter_sync_step=${TRIGGER_SYNC_STEPS}"
         "async_training.require_batches=${REQUIRE_BATCHES}"
-        "async_training.partial_rollout=${PARTIAL_ROLLOUT}"
-        "async_training.use_rollout_log_probs=${USE_ROLLOUT_LOG_PROBS}"
     )
 }

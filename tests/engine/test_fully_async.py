@@ -35,10 +35,11 @@ from qwen3_rl.spec_decode.metrics import ACCEPTED_TOKENS, DRAFT_TOKENS
 pytestmark = pytest.mark.fully_async
 
 SCRIPT = "internal/train_grpo_tiny_cpu_fully_async.sh"
-#: 8 weight syncs, each after 1 update of 8 prompts x 8 samples; the rollout's vLLM batch is kept at 1 sequence
-#: so that generation, not training, is the slower side and requests are running at a sync
+#: the script's defaults, spelled out: 8 weight syncs, each after 1 update of 8 prompts x 8 samples; responses up
+#: to 128 tokens and a vLLM batch of 1 sequence, so that generation, not training, is the slower side and requests
+#: are running at a sync
 RUN_ENV = {"SYNCS": "8", "TRIGGER_SYNC_STEPS": "1", "PPO_MINI_BATCH_SIZE": "8", "STALENESS_THRESHOLD": "1",
-           "PARTIAL_ROLLOUT": "True", "ROLLOUT_MAX_NUM_SEQS": "1", "SAM_ENABLE": "True", "SAM_GROUP": "True"}
+           "PARTIAL_ROLLOUT": "True", "ROLLOUT_MAX_NUM_SEQS": "1", "MAX_RESPONSE_LENGTH": "128", "SAM_ENABLE": "True", "SAM_GROUP": "True"}
 _STEP_RE = re.compile(r"step:(\d+) - (.*)$")
 
 

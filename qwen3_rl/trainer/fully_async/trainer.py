@@ -36,12 +36,14 @@ def spec_decode_since(hooks: Any, server_handles: list[Any], state: Any) -> tupl
     metrics off). ``hooks``: the rollout's :class:`~qwen3_rl.trainer.seam.ServerHooks` or None."""
     if hooks is None:
         return {}, None
-    from qwen3_rl.spec_decode.metrics import step_metrics
-    from qwen3_rl.trainer.seam import pop_rollout_counts
+    from qwen3_rl.spec_decode.metrics import META_KEY, step_metrics
 
     counts: dict[str, int] = {}
     if state is not None:
-        counts = pop_rollout_counts({"metrics": hooks.after_generate(server_handles, state, [])})
+        prefix = META_KEY + "/"
+        for key, value in hooks.after_generate(server_handles, state, []).items():
+            if str(key).startswith(prefix):
+                counts[key[len(prefix):]] = int(sum(value)) if isinstance(value, list | tuple) else int(value)
     return step_metrics(counts), hooks.before_generate(server_handles)
 
 
