@@ -30,8 +30,9 @@ REQUIRE_BATCHES=${REQUIRE_BATCHES:-1}
 TRAIN_BATCH_SIZE=$((PPO_MINI_BATCH_SIZE * REQUIRE_BATCHES))
 # actor updates between two weight syncs (one weight version = TRIGGER_SYNC_STEPS updates)
 TRIGGER_SYNC_STEPS=${TRIGGER_SYNC_STEPS:-1}
-# at most (1 + STALENESS_THRESHOLD) x the prompts of one version started and not yet trained
-STALENESS_THRESHOLD=${STALENESS_THRESHOLD:-1}
+# prompts running or queued < (1 + STALENESS_THRESHOLD) x the prompts of one version: 3 keeps this CPU rollout (faster
+# than the update) generating through the syncs until the run's prompts are all started
+STALENESS_THRESHOLD=${STALENESS_THRESHOLD:-3}
 # weight syncs of the run: updates = SYNCS x TRIGGER_SYNC_STEPS
 SYNCS=${SYNCS:-8}
 # the rollout's vLLM batch: one sequence at a time (a CPU stand-in for a long-tailed rollout), so that generation is the slower side and requests are

@@ -1,7 +1,7 @@
 """Fully-async GRPO on CPU (marker ``fully_async``): ``ray_start_npu.sh internal/train_grpo_tiny_cpu_fully_async.sh
 --device cpu`` runs our fully-async trainer (``qwen3_rl.trainer.fully_async``): the trainer pool (one Megatron actor
 process) and the rollout pool (one standalone vLLM 0.13 CPU server, verl's agent loop) on separate processes,
-prompts streamed one group at a time, stale samples allowed (staleness 1), the running requests aborted at every
+prompts streamed one group at a time, stale samples allowed (staleness 3: the rollout keeps generating through the syncs), the running requests aborted at every
 weight sync and resumed after it with their tokens so far (partial rollout), the weights broadcast over a stateless
 gloo group, SAM group drafting on (the old log-probs recomputed by the trainer, so the requests ask vLLM for none).
 
@@ -19,7 +19,12 @@ What is checked, from the run's training log (``step:N - key:value`` lines; seve
   (``rollout/spec_decode/draft_tokens`` > 0 for the version after a sync that aborted requests), and drafts
   were accepted.
 
-``bash tests/run_tests.sh -m fully_async`` runs this test alone.
+In the real vLLM 0.13 CPU engine (no Ray): a request resumed as a new request (its prompt = the original prompt + its
+tokens so far, as the partial rollout sends it) continues the greedy output token for token with SAM group drafting
+on, and the original prompt's length in ``extra_args`` keeps it in its siblings' drafter group (it drafts from the
+finished sibling: more accepted tokens than the same resume without it).
+
+``bash tests/run_tests.sh -m fully_async`` runs these tests alone.
 """
 
 from __future__ import annotations
@@ -32,13 +37,15 @@ from test_e2e_training import LEARNING_MARGIN, launch
 
 from qwen3_rl.spec_decode.metrics import ACCEPTED_TOKENS, DRAFT_TOKENS
 
+from conftest import run_engine
+
 pytestmark = pytest.mark.fully_async
 
 SCRIPT = "internal/train_grpo_tiny_cpu_fully_async.sh"
 #: the script's defaults, spelled out: 8 weight syncs, each after 1 update of 8 prompts x 8 samples; responses up
 #: to 128 tokens and a vLLM batch of 1 sequence, so that generation, not training, is the slower side and requests
 #: are running at a sync
-RUN_ENV = {"SYNCS": "8", "TRIGGER_SYNC_STEPS": "1", "PPO_MINI_BATCH_SIZE": "8", "STALENESS_THRESHOLD": "1",
+RUN_ENV = {"SYNCS": "8", "TRIGGER_SYNC_STEPS": "1", "PPO_MINI_BATCH_SIZE": "8", "STALENESS_THRESHOLD": "3",
            "PARTIAL_ROLLOUT": "True", "ROLLOUT_MAX_NUM_SEQS": "1", "MAX_RESPONSE_LENGTH": "128", "SAM_ENABLE": "True", "SAM_GROUP": "True"}
 _STEP_RE = re.compile(r"step:(\d+) - (.*)$")
 
@@ -111,3 +118,35 @@ def test_fully_async_learns_stale_partial_and_drafts_after_resume(cpu_ws: Path, 
     assert any(drafted[s] > 0 for s in after_resume), (
         f"no drafts in the versions after a resume {after_resume}: {drafted}")
     assert sum(accepted.values()) > 0, f"no drafted token was accepted: {accepted}"
+
+
+#: two prompts of one length (the group prompt length is one value per run); each has two greedy samples
+RESUME_PROMPTS = [[5, 6, 7, 8, 9, 10], [30, 31, 30, 31, 30, 32]]
+FULL, CUT = 48, 16  # tokens of an uninterrupted answer; tokens generated before the "weight sync"
+
+
+def test_resumed_request_is_lossless_and_drafts_from_its_group(engine_ws: Path, tiny_models: dict[str, Path],
+                                                               tmp_path: Path) -> None:
+    from qwen3_rl.spec_decode.runner_drafter import GROUP_PROMPT_LEN_KEY
+
+    model = str(tiny_models["dense"])
+    base = run_engine({"workspace": str(engine_ws), "model": model, "prompts": RESUME_PROMPTS,
+                       "runs": [{"name": "base", "max_tokens": [FULL] * 2}]}, tmp_path)
+    full = base["base"]["outputs"]
+    assert all(len(o) == FULL for o in full)
+    # wave 1: the first sample of each prompt, uninterrupted; wave 2: the second samples resumed after CUT tokens
+    prompts = RESUME_PROMPTS + [p + o[:CUT] for p, o in zip(RESUME_PROMPTS, full, strict=True)]
+    sam = {"speculative_config": {"method": "sam", "num_speculative_tokens": 3, "sam_config": {"group_mode": True}}}
+    run = {"llm": sam, "prompts": prompts, "phases": [[0, 1], [2, 3]], "max_tokens": [FULL, FULL, FULL - CUT,
+                                                                                      FULL - CUT]}
+    res = run_engine({"workspace": str(engine_ws), "model": model, "prompts": prompts, "runs": [
+        {"name": "grouped", **run, "sampling": {"extra_args": {GROUP_PROMPT_LEN_KEY: len(RESUME_PROMPTS[0])}}},
+        {"name": "own", **run}]}, tmp_path)
+    for name in ("grouped", "own"):
+        outs = res[name]["outputs"]
+        assert outs[:2] == full, name
+        assert [o[:CUT] + r for o, r in zip(full, outs[2:], strict=True)] == full, f"{name}: resume not lossless"
+    acc = {n: int(res[n]["metrics"].get("spec_decode_num_accepted_tokens", 0)) for n in ("grouped", "own")}
+    drafted = {n: int(res[n]["metrics"].get("spec_decode_num_draft_tokens", 0)) for n in ("grouped", "own")}
+    print(f"resume after {CUT} tokens: drafted {drafted}, accepted {acc} (grouped = extra_args group length)")
+    assert drafted["grouped"] > 0 and acc["grouped"] > acc["own"], (drafted, acc)
