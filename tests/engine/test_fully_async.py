@@ -22,7 +22,7 @@ What is checked, from the run's training log (``step:N - key:value`` lines; seve
 In the real vLLM 0.13 CPU engine (no Ray): a request resumed as a new request (its prompt = the original prompt + its
 tokens so far, as the partial rollout sends it) continues the greedy output token for token with SAM group drafting
 on, and the original prompt's length in ``extra_args`` keeps it in its siblings' drafter group (it drafts from the
-finished sibling: more accepted tokens than the same resume without it).
+finished sibling's answer kept in the group's history: more accepted tokens than the same resume without it).
 
 ``bash tests/run_tests.sh -m fully_async`` runs these tests alone.
 """
@@ -136,7 +136,10 @@ def test_resumed_request_is_lossless_and_drafts_from_its_group(engine_ws: Path, 
     assert all(len(o) == FULL for o in full)
     # wave 1: the first sample of each prompt, uninterrupted; wave 2: the second samples resumed after CUT tokens
     prompts = RESUME_PROMPTS + [p + o[:CUT] for p, o in zip(RESUME_PROMPTS, full, strict=True)]
-    sam = {"speculative_config": {"method": "sam", "num_speculative_tokens": 3, "sam_config": {"group_mode": True}}}
+    # group mode with per-group history and no cross-group cache: a request drafts from its siblings' answers only
+    # if it is in their group (SAM_HISTORY; the live siblings' shared automaton works through the same key)
+    sam = {"speculative_config": {"method": "sam", "num_speculative_tokens": 3, "sam_config": {
+        "group_mode": True, "cache_max_responses": 0, "history_responses": 4}}}
     run = {"llm": sam, "prompts": prompts, "phases": [[0, 1], [2, 3]], "max_tokens": [FULL, FULL, FULL - CUT,
                                                                                       FULL - CUT]}
     res = run_engine({"workspace": str(engine_ws), "model": model, "prompts": prompts, "runs": [

@@ -243,6 +243,9 @@ def make_fully_async_trainer_class():
                     inflight[ref] = (rows, version)
                     to_start -= 1
                     started_in_version += 1
+                if to_start == 0 and not inflight and training is None and len(ready) < fa.prompts_per_update:
+                    raise RuntimeError(f"fully async: the prompts ran out after {updates} of {total} updates "
+                                       "(trainer.total_epochs x the dataset is too small for the run)")
                 # 2. finished groups -> the queue
                 if inflight:
                     done, _ = ray.wait(list(inflight), num_returns=len(inflight), timeout=0.05)
