@@ -24,17 +24,17 @@ ACTOR_TP=${ACTOR_TP:-1}
 ACTOR_PP=${ACTOR_PP:-1}
 TINY_MODEL=${TINY_MODEL:-qwen3_tiny}
 TINY_DATA=${TINY_DATA:-data_sum}
-# prompts per actor update = REQUIRE_BATCHES x PPO_MINI_BATCH_SIZE (one dataloader batch)
-PPO_MINI_BATCH_SIZE=${PPO_MINI_BATCH_SIZE:-8}
+# prompts per actor update = REQUIRE_BATCHES x PPO_MINI_BATCH_SIZE (one dataloader batch); 16 prompts x 8 samples,
+# generated one sequence at a time, keep the CPU rollout (with SAM) the slower side, as a long tail would
+PPO_MINI_BATCH_SIZE=${PPO_MINI_BATCH_SIZE:-16}
 REQUIRE_BATCHES=${REQUIRE_BATCHES:-1}
 TRAIN_BATCH_SIZE=$((PPO_MINI_BATCH_SIZE * REQUIRE_BATCHES))
 # actor updates between two weight syncs (one weight version = TRIGGER_SYNC_STEPS updates)
 TRIGGER_SYNC_STEPS=${TRIGGER_SYNC_STEPS:-1}
-# prompts running or queued < (1 + STALENESS_THRESHOLD) x the prompts of one version: 3 keeps this CPU rollout (faster
-# than the update) generating through the syncs until the run's prompts are all started
-STALENESS_THRESHOLD=${STALENESS_THRESHOLD:-3}
+# prompts running or queued < (1 + STALENESS_THRESHOLD) x the prompts of one version
+STALENESS_THRESHOLD=${STALENESS_THRESHOLD:-1}
 # weight syncs of the run: updates = SYNCS x TRIGGER_SYNC_STEPS
-SYNCS=${SYNCS:-8}
+SYNCS=${SYNCS:-6}
 # the rollout's vLLM batch: one sequence at a time (a CPU stand-in for a long-tailed rollout), so that generation is the slower side and requests are
 # still running at a weight sync (the partial rollout aborts and resumes them)
 ROLLOUT_MAX_NUM_SEQS=${ROLLOUT_MAX_NUM_SEQS:-1}

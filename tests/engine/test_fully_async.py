@@ -1,7 +1,7 @@
 """Fully-async GRPO on CPU (marker ``fully_async``): ``ray_start_npu.sh internal/train_grpo_tiny_cpu_fully_async.sh
 --device cpu`` runs our fully-async trainer (``qwen3_rl.trainer.fully_async``): the trainer pool (one Megatron actor
 process) and the rollout pool (one standalone vLLM 0.13 CPU server, verl's agent loop) on separate processes,
-prompts streamed one group at a time, stale samples allowed (staleness 3: the rollout keeps generating through the syncs), the running requests aborted at every
+prompts streamed one group at a time, stale samples allowed (staleness 1), the running requests aborted at every
 weight sync and resumed after it with their tokens so far (partial rollout), the weights broadcast over a stateless
 gloo group, SAM group drafting on (the old log-probs recomputed by the trainer, so the requests ask vLLM for none).
 
@@ -42,10 +42,10 @@ from conftest import run_engine
 pytestmark = pytest.mark.fully_async
 
 SCRIPT = "internal/train_grpo_tiny_cpu_fully_async.sh"
-#: the script's defaults, spelled out: 8 weight syncs, each after 1 update of 8 prompts x 8 samples; responses up
+#: the script's defaults, spelled out: 6 weight syncs, each after 1 update of 16 prompts x 8 samples; responses up
 #: to 128 tokens and a vLLM batch of 1 sequence, so that generation, not training, is the slower side and requests
 #: are running at a sync
-RUN_ENV = {"SYNCS": "8", "TRIGGER_SYNC_STEPS": "1", "PPO_MINI_BATCH_SIZE": "8", "STALENESS_THRESHOLD": "3",
+RUN_ENV = {"SYNCS": "6", "TRIGGER_SYNC_STEPS": "1", "PPO_MINI_BATCH_SIZE": "16", "STALENESS_THRESHOLD": "1",
            "PARTIAL_ROLLOUT": "True", "ROLLOUT_MAX_NUM_SEQS": "1", "MAX_RESPONSE_LENGTH": "128", "SAM_ENABLE": "True", "SAM_GROUP": "True"}
 _STEP_RE = re.compile(r"step:(\d+) - (.*)$")
 
