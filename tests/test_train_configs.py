@@ -69,7 +69,7 @@ SETUPS = {
 # prompts per update, n, rollout TP, verl rollout DP); checked by test_fully_async_setups, not by the sync tests above
 FULLY_ASYNC = {
     "train_grpo_qwen3_30b_a3b_32die_fully_async.sh": (16, 16, 32, 16, 2, 8),
-    "train_grpo_tiny_cpu_fully_async.sh": (1, 1, 8, 8, 1, 1),
+    "train_grpo_tiny_cpu_fully_async.sh": (1, 1, 16, 8, 1, 1),
 }
 # prompt length where it is not 2048 ([ref 001]: Qwen3-30B-A3B, gsm8k, 1024 / 2048)
 PROMPT_LENGTH = {"train_grpo_qwen3_30b_a3b_32die.sh": 1024, "train_grpo_tiny_cpu.sh": 128,

@@ -46,7 +46,8 @@ SCRIPT = "internal/train_grpo_tiny_cpu_fully_async.sh"
 #: to 128 tokens and a vLLM batch of 1 sequence, so that generation, not training, is the slower side and requests
 #: are running at a sync
 RUN_ENV = {"SYNCS": "6", "TRIGGER_SYNC_STEPS": "1", "PPO_MINI_BATCH_SIZE": "16", "STALENESS_THRESHOLD": "1",
-           "PARTIAL_ROLLOUT": "True", "ROLLOUT_MAX_NUM_SEQS": "1", "MAX_RESPONSE_LENGTH": "128", "SAM_ENABLE": "True", "SAM_GROUP": "True"}
+           "PARTIAL_ROLLOUT": "True", "ROLLOUT_MAX_NUM_SEQS": "1", "MAX_RESPONSE_LENGTH": "128",
+           "SAM_ENABLE": "True", "SAM_GROUP": "True"}
 _STEP_RE = re.compile(r"step:(\d+) - (.*)$")
 
 
