@@ -209,6 +209,8 @@ def make_fully_async_trainer_class():
                               config=OmegaConf.to_container(self.config, resolve=True))
             self.global_steps = 0
             self._load_checkpoint()
+            if self.global_steps > 0:  # resumed: the rollout still holds the initial weights
+                pprint(f"fully async: resumed at update {self.global_steps}: {self.sync_weights(0)}")
             manager = self.async_rollout_manager
             sd_hooks = manager.qwen3_rl_hooks
             _, sd_state = spec_decode_since(sd_hooks, manager.server_handles, None)
