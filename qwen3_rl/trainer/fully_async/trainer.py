@@ -182,8 +182,9 @@ def make_fully_async_trainer_class():
             return group
 
         def _compute_old_log_prob(self, batch: Any, metrics: dict, timing_raw: dict) -> Any:
-            if self.fa.use_rollout_log_probs:
+            if self.fa.use_rollout_log_probs:  # what verl's compute_log_prob would have added besides the values
                 batch.batch["old_log_probs"] = batch.batch["rollout_log_probs"]
+                batch.meta_info["temperature"] = self.config.actor_rollout_ref.rollout.temperature
                 return batch
             return super()._compute_old_log_prob(batch, metrics, timing_raw)
 
