@@ -687,7 +687,7 @@ def test_compose_every_feature_key(patched_imports: Path) -> None:
                   SAM_COST_TABLE=str(REPO.parent / "shared" / "bench" / "verify_cost_h100.json") + "@qwen3-32b-tp8")
         server = {"ROLLOUT_MODE": "async", "SERVER_ROUTING": "True", "SAM_ENABLE": "True", "SAM_GROUP": "True"}
         if fully_async:  # server mode: the sync rollout's switches are excluded; rollout log-probs without SAM
-            on.update(ROLLOUT_MODE="async", DATA_REBALANCE="False", ROLLOUT_REBALANCE="False",
+            on.update(ROLLOUT_MODE="async", DATA_REBALANCE="False", DATA_REBALANCE_BY_KEY="False", ROLLOUT_REBALANCE="False",
                       SAM_GROUP_EXCHANGE="False", USE_ROLLOUT_LOG_PROBS="False")
         envs = [{}, on, {**on, "NPUGRAPH_EX": "False"}, {"USE_MBRIDGE": "True"}, server]
         if fully_async:
