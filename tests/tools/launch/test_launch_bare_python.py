@@ -15,8 +15,8 @@ imported the SAM kernels.
 
 from __future__ import annotations
 
-import re
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
