@@ -122,6 +122,15 @@ if [[ $DRY == 1 ]]; then
   exit $?
 fi
 
+# 2c. head, SAM_COST_TABLE=calibrate: the rollout engine's verification-cost table (dummy weights, this node's
+#     devices, before Ray starts), handed to training as SAM_COST_TABLE=<file> (docs/sam_decoding.md)
+if [[ "${P[ROLE]}" == head ]]; then
+  mkdir -p "${P[LOG_DIR]}"
+  q3 launch calibrate --train-script "${P[TRAIN_SCRIPT]}" --out "${P[LOG_DIR]}/verify_cost_table.json" \
+    --env-out "$PLAN_DIR/calibrate.env" || die "SAM_COST_TABLE=calibrate failed (see above)"
+  while IFS= read -r -d '' kv; do export "${kv%%=*}=${kv#*=}"; done < "$PLAN_DIR/calibrate.env"
+fi
+
 # 3. preflight (all problems at once) before anything starts; with --no-preflight still the environment
 #    contract (env vars / engine keys the pinned upstream refuses at start-up or wake-up; no file or node access)
 pre=(q3 preflight "${P[TRAIN_SCRIPT]}" --npu-env "${P[NPU_ENV]}" --nnodes "${P[NNODES]}"

@@ -37,6 +37,10 @@ FILTER_METRIC=${FILTER_METRIC:-seq_reward}
 MAX_NUM_GEN_BATCHES=${MAX_NUM_GEN_BATCHES:-4}
 OVERLONG_BUFFER_LEN=${OVERLONG_BUFFER_LEN:-16}
 
+# a checkpoint after every step
+SAVE_FREQ=${SAVE_FREQ:-1}
+# sequences per vLLM engine step
+ROLLOUT_MAX_NUM_SEQS=${ROLLOUT_MAX_NUM_SEQS:-32}
 # shellcheck source=SCRIPTDIR/lib/tiny_cpu_layout.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/tiny_cpu_layout.sh"
 # shellcheck source=SCRIPTDIR/lib/train_common.sh

@@ -32,6 +32,10 @@ ENTROPY_COEFF=${ENTROPY_COEFF:-0}
 TOTAL_TRAINING_STEPS=${TOTAL_TRAINING_STEPS:-6}
 TEST_FREQ=${TEST_FREQ:-${TOTAL_TRAINING_STEPS}}
 
+# a checkpoint after every step
+SAVE_FREQ=${SAVE_FREQ:-1}
+# sequences per vLLM engine step
+ROLLOUT_MAX_NUM_SEQS=${ROLLOUT_MAX_NUM_SEQS:-32}
 # shellcheck source=SCRIPTDIR/lib/tiny_cpu_layout.sh
 source "$(dirname "${BASH_SOURCE[0]}")/lib/tiny_cpu_layout.sh"
 # shellcheck source=SCRIPTDIR/lib/train_common.sh

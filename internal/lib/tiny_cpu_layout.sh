@@ -14,10 +14,9 @@ NNODES=${NNODES:-1}
 NPUS_PER_NODE=${NPUS_PER_NODE:-2}
 
 # ---- batch, lengths, steps: each tiny script sets TRAIN_BATCH_SIZE, N_SAMPLES, MAX_RESPONSE_LENGTH, LR,
-# ENTROPY_COEFF, TOTAL_TRAINING_STEPS
+# ENTROPY_COEFF, TOTAL_TRAINING_STEPS, SAVE_FREQ
 MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-128}
 TOTAL_EPOCHS=${TOTAL_EPOCHS:-4}
-SAVE_FREQ=${SAVE_FREQ:-1}
 
 # ---- actor (Megatron) over the 2 processes: TP / PP / EP and the stage sizes are each script's own ----------
 ACTOR_CP=${ACTOR_CP:-1}
@@ -30,7 +29,6 @@ ACTOR_ETP=${ACTOR_ETP:-1}
 ROLLOUT_TP=${ROLLOUT_TP:-1}
 ROLLOUT_DP=${ROLLOUT_DP:-1}
 ROLLOUT_GPU_MEMORY_UTILIZATION=${ROLLOUT_GPU_MEMORY_UTILIZATION:-0.5}
-ROLLOUT_MAX_NUM_SEQS=${ROLLOUT_MAX_NUM_SEQS:-32}
 
 # train_add_tiny_cpu_overrides: what a CPU needs that an A3 does not. vLLM-CPU runs float32 with its native
 # PyTorch ops (its rms_norm custom op is wrong for the non-contiguous q/k-norm input: ../shared/README.md); the

@@ -24,6 +24,17 @@ original order.
 split with those sizes (:func:`rank_sizes`) — verl's ``DataProto.chunk`` refuses uneven sizes unless
 auto-padding is on, and its padded chunking uses ``ceil`` sizes, which differ.
 
+Placement by group key (``qwen3_rl.data_rebalance.by_key``, switch ``DATA_REBALANCE_BY_KEY``;
+:func:`keyed_permutation`): the dealing above puts a prompt on ranks chosen by its batch position, which changes
+every epoch, so the SAM history a rank keeps for a prompt (``SAM_HISTORY``) is found at the prompt's next visit
+only when the position lands it on the same ranks (about ``min(n, dp) / dp`` of the visits). With ``by_key`` each
+prompt has a home: the ``m = min(n, dp)`` consecutive ranks starting at ``m * (key mod (dp / m))`` (any start
+``key mod dp`` when ``m`` does not divide ``dp``), its key a hash of its prompt token ids (the SAM group key), and
+sample ``s`` goes to rank ``(home + s) mod dp``. Every rank still receives exactly ``B / dp`` rows: prompts are
+placed in key order, a sample whose home rank is full goes to the rank with the most free rows (the lowest of
+equals). A prompt's samples keep the spread of the dealing (one per rank of its home while ``n <= dp``), so the
+load per rank has the same make-up; ``docs/rollout_balancing.md`` gives the measured imbalance and coverage.
+
 verl is imported lazily inside the ``DataProto`` helpers, so this module imports without verl.
 """
 
@@ -97,6 +108,75 @@ def rebalance_permutation(batch_size: int, n: int, dp: int, *, uneven: UnevenMod
             raise DataRebalanceError(f"unknown uneven mode {uneven!r} (expected 'error' or 'array_split')")
     idx = np.arange(batch_size, dtype=np.int64)
     return np.concatenate([idx[r::dp] for r in range(dp)]) if batch_size else idx
+
+
+def home_ranks(keys: np.ndarray, n: int, dp: int) -> np.ndarray:
+    """First home rank of each prompt (``keys``: uint64[P] group keys): int64[P] (module docstring)."""
+    keys = np.asarray(keys, np.uint64)
+    m = min(n, dp)
+    if dp % m == 0:
+        return (keys % np.uint64(dp // m)).astype(np.int64) * m
+    return (keys % np.uint64(dp)).astype(np.int64)
+
+
+def keyed_rank_of_rows(keys: np.ndarray, n: int, dp: int) -> tuple[np.ndarray, np.ndarray]:
+    """DP rank of every row when a prompt's samples follow its group key, and whether each row is on its home.
+
+    Args:
+        keys: uint64[P] one group key per prompt, in batch order (row ``p * n + s`` is sample ``s`` of prompt ``p``).
+        n: samples per prompt.
+        dp: DP ranks; ``P * n`` must be a multiple of ``dp``.
+    Returns:
+        ``(rank, home)``: int64[P * n] rank of each row (every rank gets ``P * n / dp`` rows) and bool[P * n] True
+        where the row is on its home rank ``(home_ranks + s) mod dp``.
+    """
+    keys = np.asarray(keys, np.uint64)
+    p = keys.shape[0]
+    _check_sizes(p * n, n, dp)
+    if (p * n) % dp:
+        raise DataRebalanceError(f"batch size {p * n} is not a multiple of the DP size {dp}")
+    cap = p * n // dp
+    want = (home_ranks(keys, n, dp)[:, None] + np.arange(n)[None, :]) % dp  # [P, n]
+    rank = np.full((p, n), -1, np.int64)
+    load = np.zeros(dp, np.int64)
+    order = np.lexsort((np.arange(p), keys))  # key order (batch order among equal keys): no position bias
+    for q in order:
+        for s in range(n):
+            r = want[q, s]
+            if load[r] < cap:
+                rank[q, s] = r
+                load[r] += 1
+    for q in order:  # the samples whose home was full: the rank with the most free rows
+        for s in range(n):
+            if rank[q, s] < 0:
+                r = int(np.argmin(load))
+                rank[q, s] = r
+                load[r] += 1
+    return rank.reshape(-1), (rank == want).reshape(-1)
+
+
+def keyed_permutation(keys: np.ndarray, n: int, dp: int) -> np.ndarray:
+    """Gather index placing each prompt's samples by its group key (:func:`keyed_rank_of_rows`); rank ``r`` holds
+    ``new[r * B / dp:(r + 1) * B / dp]``, rows in dataset order inside a rank. Shape ``(B,)`` int64."""
+    rank, _ = keyed_rank_of_rows(keys, n, dp)
+    return np.argsort(rank, kind="stable").astype(np.int64)
+
+
+def prompt_key(token_ids: np.ndarray) -> int:
+    """The group key of a prompt (its token ids, any int dtype): a 64-bit hash of the ids as int64."""
+    import hashlib
+
+    ids = np.ascontiguousarray(np.asarray(token_ids).astype(np.int64))
+    return int.from_bytes(hashlib.blake2b(ids.tobytes(), digest_size=8).digest(), "little")
+
+
+def group_keys(data: DataProto, n: int) -> np.ndarray:
+    """uint64[P] group keys of a generation batch (``P * n`` rows, samples of a prompt adjacent): the hash of
+    prompt ``p``'s token ids (``input_ids`` where ``attention_mask`` is 1, row ``p * n``)."""
+    ids = data.batch["input_ids"]
+    mask = data.batch["attention_mask"]
+    return np.asarray([prompt_key(ids[i][mask[i].bool()].cpu().numpy()) for i in range(0, len(data), n)],
+                      np.uint64)
 
 
 def inverse_permutation(perm: np.ndarray) -> np.ndarray:
@@ -229,9 +309,10 @@ def rollout_dp_size(worker_group: Any, config: Any) -> int:
 
 
 def permute_for_rollout_on(
-    config: Any, worker_group: Any, batch: DataProto, *, n: int = 1, async_mode: bool = False
+    config: Any, worker_group: Any, batch: DataProto, *, n: int = 1, async_mode: bool = False, by_key: bool = False
 ) -> tuple[DataProto, np.ndarray]:
-    """:func:`permute_for_rollout` with the switch on (the seam's trainer hook has checked it)."""
+    """:func:`permute_for_rollout` with the switch on (the seam's trainer hook has checked it); ``by_key``: place
+    each prompt's samples by its group key (:func:`keyed_permutation`) instead of by batch position."""
     if async_mode:
         raise DataRebalanceError(
             "qwen3_rl.data_rebalance.enable=True needs the sync rollout (rollout.mode=sync): in "
@@ -243,6 +324,9 @@ def permute_for_rollout_on(
             f"data_rebalance: generation batch of {len(batch)} rows is not a multiple of the rollout DP "
             f"size {dp} (verl cuts it into {dp} equal contiguous pieces): use a batch size (prompts x n) "
             "that is a multiple of the rollout DP size, or switch qwen3_rl.data_rebalance.enable off")
+    if by_key:
+        perm = keyed_permutation(group_keys(batch, n), n, dp)
+        return batch.select_idxs(perm), perm
     permuted, perm = permute_dataproto(batch, n, dp)
     return permuted, perm
 

@@ -12,7 +12,9 @@ already holds). This feeds accepted tokens only, and catches up after steps with
 Lifecycle, from the runner's own state (no scheduler event is needed, so none can be missed):
 
 * a batch row whose request the drafter does not hold -> ``add_request`` (prompt =
-  ``token_ids_cpu[i, :num_prompt_tokens[i]]``; group key = hash of the prompt ids), then catch up;
+  ``token_ids_cpu[i, :num_prompt_tokens[i]]``; group key = hash of the prompt ids, or of their first
+  ``extra_args[GROUP_PROMPT_LEN_KEY]`` when the request's sampling parameters carry it: a request resumed after a
+  weight sync carries its response so far in its prompt and stays in its siblings' group), then catch up;
 * a held request absent from the batch but still in ``runner.requests`` (preempted, or not scheduled
   this step) -> ``preempt``; back in the batch -> ``resume`` and catch up; if the runner's text
   became shorter than what the drafter holds (tokens discarded after a KV-load failure) the
@@ -35,8 +37,22 @@ import numpy as np
 
 from qwen3_rl.spec_decode.adaptive_k import AdaptiveK
 from qwen3_rl.spec_decode.config import table_for
+from qwen3_rl.spec_decode.history import resolve_max_bytes
 from qwen3_rl.spec_decode.sam import SamConfig, SamProposer, group_key
 from qwen3_rl.spec_decode.sibling_exchange import SiblingExchange
+
+#: ``SamplingParams.extra_args`` key: how many leading prompt tokens name the request's group (the fully-async
+#: rollout sets it on a request resumed after a weight sync: original prompt + its response so far)
+GROUP_PROMPT_LEN_KEY = "qwen3_rl_group_prompt_len"
+
+
+def group_prompt_len(state: Any, num_prompt_tokens: int) -> int:
+    """Prompt tokens that name the group of a request whose runner state is ``state`` (``runner.requests[id]``, or
+    None): ``extra_args[GROUP_PROMPT_LEN_KEY]`` of its sampling parameters, clipped to ``[1, num_prompt_tokens]``,
+    else the whole prompt."""
+    extra = getattr(getattr(state, "sampling_params", None), "extra_args", None) or {}
+    n = extra.get(GROUP_PROMPT_LEN_KEY) if isinstance(extra, Mapping) else None
+    return num_prompt_tokens if n is None else max(1, min(int(n), num_prompt_tokens))
 
 
 class SamRunnerDrafter:
@@ -52,6 +68,8 @@ class SamRunnerDrafter:
 
     def __init__(self, config: SamConfig, max_model_len: int) -> None:
         self._setup(config, max_model_len, rank=-1)
+        if self.drafter.history is not None:  # the store's bound, once per engine process
+            print(resolve_max_bytes(config.history_max_bytes)[1], flush=True)
         _warm_up(config)
 
     def _setup(self, config: SamConfig, max_model_len: int, rank: int) -> None:
@@ -147,7 +165,7 @@ class SamRunnerDrafter:
                 fresh.append(r)
                 plen = int(input_batch.num_prompt_tokens[i])
                 prompt = tok[i, :plen]
-                gid = group_key(prompt)
+                gid = group_key(prompt[:group_prompt_len(None if live is None else live.get(r), plen)])
                 d.add_request(r, prompt, group_id=gid)
                 if self.exchange is not None:
                     self.exchange.track(r, gid, plen)

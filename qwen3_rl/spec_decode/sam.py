@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from qwen3_rl.spec_decode import _sam_kernels as K
-from qwen3_rl.spec_decode.history import HistoryStore
+from qwen3_rl.spec_decode.history import HistoryStore, resolve_max_bytes
 
 
 def group_key(prompt_ids: Sequence[int] | np.ndarray) -> str:
@@ -77,7 +77,8 @@ class SamConfig:
         history_responses: group mode: finished responses kept per prompt across rollout steps (0 = no
             history); a new group of the prompt starts with them in its automaton (``history.py``).
         history_prompt_tokens: tokens kept per prompt in the history.
-        history_max_bytes: bound of the whole history store (bytes; least recently used prompts leave).
+        history_max_bytes: bound of the whole history store (bytes; least recently used prompts leave); 0 = from
+            the host's memory and the drafters on it (``history.resolve_max_bytes``).
         adaptive_k: (runner) choose each request's draft length per step, <= ``num_speculative_tokens``
             (then k_max), from a verification cost model and the recent acceptance (``adaptive_k.py``).
         adaptive_k_min: floor of an adaptive draft length (1 <= it <= k_max).
@@ -103,7 +104,7 @@ class SamConfig:
     exchange_max_shadow_tokens: int = 1 << 25
     history_responses: int = 0
     history_prompt_tokens: int = 1 << 17
-    history_max_bytes: int = 1 << 29
+    history_max_bytes: int = 0
     adaptive_k: bool = False
     adaptive_k_min: int = 1
     verify_base_ms: float = 59.64
@@ -132,8 +133,8 @@ class SamConfig:
             raise ValueError("exchange_max_siblings and exchange_max_shadow_tokens must be >= 0")
         if self.exchange_max_bytes < 24:
             raise ValueError(f"exchange_max_bytes must be >= 24, got {self.exchange_max_bytes}")
-        if self.history_responses < 0 or self.history_prompt_tokens < 1 or self.history_max_bytes < 1:
-            raise ValueError("history_responses >= 0, history_prompt_tokens >= 1 and history_max_bytes >= 1 "
+        if self.history_responses < 0 or self.history_prompt_tokens < 1 or self.history_max_bytes < 0:
+            raise ValueError("history_responses >= 0, history_prompt_tokens >= 1 and history_max_bytes >= 0 "
                              "are required")
         if self.history_responses and not self.group_mode:
             raise ValueError("history_responses > 0 needs group_mode=True (the history feeds the group automata)")
@@ -275,7 +276,7 @@ class SamProposer:
         self.groups_version = 0  # changes whenever a group automaton is opened or freed
         # finished responses per prompt across rollout steps (group mode, history_responses > 0)
         self.history: HistoryStore | None = (
-            HistoryStore(cfg.history_responses, cfg.history_prompt_tokens, cfg.history_max_bytes)
+            HistoryStore(cfg.history_responses, cfg.history_prompt_tokens, resolve_max_bytes(cfg.history_max_bytes)[0])
             if cfg.group_mode and cfg.history_responses else None)
         self.history_strings = 0  # history responses instantiated into group automata (counter)
 

@@ -54,9 +54,11 @@ class DisableGc:
 @dataclass(frozen=True)
 class DataRebalance:
     """``qwen3_rl.data_rebalance``: deal each prompt's n samples over the rollout DP ranks before
-    generation, dataset order restored right after it (sync rollout only)."""
+    generation, dataset order restored right after it (sync rollout only); ``by_key``: a prompt's samples go to
+    ranks chosen by its group key instead of its batch position (its SAM history is where it runs again)."""
 
     enable: bool = False
+    by_key: bool = False
 
 
 @dataclass(frozen=True)
@@ -294,7 +296,8 @@ class TrainerHooks:
         from qwen3_rl.rollout.data_rebalance import permute_for_rollout_on
 
         return permute_for_rollout_on(self.config, trainer.actor_rollout_wg, batch, n=n,
-                                      async_mode=bool(getattr(trainer, "async_rollout_mode", False)))
+                                      async_mode=bool(getattr(trainer, "async_rollout_mode", False)),
+                                      by_key=self.recipe.data_rebalance.by_key)
 
     def after_generate(self, trainer: Any, output: Any, state: Any,
                        counts: MutableMapping[str, int] | None = None) -> Any:

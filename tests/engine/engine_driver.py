@@ -69,7 +69,8 @@ def drafter_state(llm) -> dict:
                          "bytes": h.nbytes(), "bound": h.max_bytes}
     if sam is not None and getattr(sam, "adaptive", None) is not None:
         st["adaptive"] = {"step_hist": [int(x) for x in sam.adaptive.step_hist],
-                          "k_hist": [int(x) for x in sam.adaptive.k_hist]}
+                          "k_hist": [int(x) for x in sam.adaptive.k_hist],
+                          "table": sam.adaptive.table.source if sam.adaptive.table is not None else None}
     gate = getattr(d, "gate", None) or getattr(runner, "spec_decode_gate", None)  # vLLM-CPU / NPUModelRunner
     if gate is not None:
         st["gate"] = {"threshold": gate.threshold, "steps_on": gate.steps_on, "steps_off": gate.steps_off,

@@ -16,13 +16,11 @@ embedded commit id (``git get-tar-commit-id``) against ``pins.toml``, unpacked i
   default unfused ring merge (TP 2 and TP 1 alignment, the latter with 2-token fillers) and with the fused one;
   the unfused merge fails without the TND softmax-merge bug-fix patch (0003).
 
-Without the archive every test here fails with the reason below (no skip).
+Without the archive every test here fails with the reason in ``tests/helpers/mindspeed_tree.py`` (no skip).
 """
 
 from __future__ import annotations
 
-import gzip
-import hashlib
 import os
 import re
 import shutil
@@ -33,54 +31,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen3_rl.tools.upstream.common import GIT_ENV
-
 from conftest import PINS, REPO, free_port, run_script
+from helpers.mindspeed_tree import apply_series, git, pinned_mindspeed_workspace
 
 FW = PINS.frameworks["mindspeed"]
-UPSTREAM = REPO.parent / "shared" / "upstream"
-ARCHIVE = UPSTREAM / f"mindspeed-{FW.commit}.tar.gz"
-MISSING = (
-    f"MindSpeed is not on PyPI: the pinned archive ../shared/upstream/{ARCHIVE.name} must be beside this "
-    "checkout (../shared/upstream/README.md says what it is and how it is made)"
-)
 # The <cstring> functions the builder patch is about (see patches/mindspeed/0001-*.patch).
 CSTRING_FUNCS = ("strlen", "strcpy", "strncpy", "strcmp", "strncmp", "memcpy", "memmove", "memset")
-
-
-def _git(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **GIT_ENV})
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+_git = git
 
 
 @pytest.fixture(scope="module")
 def mindspeed_ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A workspace holding MindSpeed at the pinned commit, from the verified archive. Fails without it."""
-    if not ARCHIVE.is_file():
-        pytest.fail(MISSING)
-    sums = dict(reversed(line.split(None, 1)) for line in (UPSTREAM / "SHA256SUMS").read_text().splitlines()
-                if line.strip())
-    assert sums.get(ARCHIVE.name) == _sha256(ARCHIVE), f"{ARCHIVE.name} does not match ../shared/upstream/SHA256SUMS"
-    with gzip.open(ARCHIVE) as f:  # git archive's pax header names the commit
-        head = f.read(1 << 16)
-    proc = subprocess.run(["git", "get-tar-commit-id"], input=head, capture_output=True, timeout=60)
-    assert proc.stdout.decode().strip() == FW.commit, f"{ARCHIVE.name} is not a git archive of {FW.commit}"
-    ws = tmp_path_factory.mktemp("ms_ws")
-    subprocess.run(["tar", "-xzf", str(ARCHIVE), "-C", str(ws)], check=True, timeout=600)
-    tree = ws / FW.dir
-    assert (tree / "mindspeed").is_dir(), f"the archive holds no {FW.dir}/mindspeed"
-    for args in (("init", "-q"), ("add", "-A", "-f"), ("commit", "-q", "--no-verify", "-m", f"pinned {FW.commit}")):
-        proc = _git(*args, cwd=tree)
-        assert proc.returncode == 0, proc.stderr
-    return ws
+    return pinned_mindspeed_workspace(tmp_path_factory.mktemp("ms_ws"))
 
 
 def _patched_files() -> list[str]:
@@ -150,11 +113,7 @@ def test_builder_patch_makes_cstring_users_self_sufficient(mindspeed_ws: Path, t
     assert all(compiles(f) for f in files)
 
 
-def _apply(ws: Path) -> Path:
-    """The MindSpeed tree of ``ws`` with the series applied (a no-op when it already is). Returns the tree."""
-    proc = run_script("apply_all_patches.sh", "--workspace", str(ws), "--only", "mindspeed")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return ws / FW.dir
+_apply = apply_series
 
 
 def test_patched_python_files_byte_compile(mindspeed_ws: Path, tmp_path: Path) -> None:

@@ -89,3 +89,26 @@ def test_group_key_survives_data_rebalance_and_its_inverse(patched_imports: Path
     assert restored.non_tensor_batch["uid"].tolist() == batch.non_tensor_batch["uid"].tolist()
     assert restored.non_tensor_batch["key"].tolist() == [key_of_uid[u] for u in batch.non_tensor_batch["uid"]]
     assert restored.non_tensor_batch["key"].tolist() == [group_key(p) for p in prompts for _ in range(n)]
+
+
+def test_a_resumed_request_stays_in_its_siblings_group() -> None:
+    """A request resumed after a weight sync (fully-async partial rollout) comes back as a new vLLM request whose
+    prompt is the original prompt + its response so far; ``extra_args[GROUP_PROMPT_LEN_KEY]`` names the original
+    prompt's length and the drafter puts it in the siblings' group. Without it (positive control) it gets a group
+    of its own."""
+    from types import SimpleNamespace
+
+    from qwen3_rl.spec_decode.runner_drafter import GROUP_PROMPT_LEN_KEY, group_prompt_len
+
+    prompt = [5, 6, 7, 8]
+    resumed = prompt + [9, 10, 11]
+    state = SimpleNamespace(sampling_params=SimpleNamespace(extra_args={GROUP_PROMPT_LEN_KEY: len(prompt)}))
+    assert group_prompt_len(state, len(resumed)) == len(prompt)
+    assert group_prompt_len(None, 7) == 7 and group_prompt_len(SimpleNamespace(sampling_params=None), 7) == 7
+    sam = SamRunnerDrafter(SamConfig(num_speculative_tokens=3, group_mode=True), 256)
+    rids = ["sibling", "resumed", "unmarked"]
+    live = {"sibling": None, "resumed": state, "unmarked": None}
+    sam.observe(FakeInputBatch.from_prompts([prompt, resumed, resumed], rids), live, None)
+    groups = {r: sam.drafter._reqs[r].group for r in rids}
+    assert groups["resumed"] == groups["sibling"] == group_key(prompt)
+    assert groups["unmarked"] == group_key(resumed) != groups["sibling"]

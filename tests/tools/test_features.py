@@ -191,6 +191,12 @@ RULE_CASES = [
      "SAM_COST_TABLE=/t/cost.json@qwen3-32b-tp8 requires SAM_ENABLE=True and SAM_ADAPTIVE_K=True (got SAM_ENABLE=True, "
      "SAM_ADAPTIVE_K=False): the table prices the draft length that SAM_ADAPTIVE_K chooses"),
 ]
+# data rebalance by group key
+RULE_CASES += [
+    (MOE, {"DATA_REBALANCE": "False", "DATA_REBALANCE_BY_KEY": "True"}, MOE_CTX,
+     "DATA_REBALANCE_BY_KEY=True requires DATA_REBALANCE=True (got DATA_REBALANCE=False): it is a placement of data "
+     "rebalance"),
+]
 # server mode (ROLLOUT_MODE=async)
 RULE_CASES += [
     (MOE, {"ROLLOUT_MODE": "async", "DATA_REBALANCE": "True"}, MOE_CTX,
@@ -212,13 +218,14 @@ RULE_CASES += [
      "of verl's agent loop; the sync rollout has none"),
 ]
 # rules whose switches set no key while the rule is broken (SAM_ENABLE off, sync mode): preflight has nothing to read
-NO_KEY_CASES = ({"SAM_GROUP": "True"}, {"SAM_ADAPTIVE_K": "True"}, {"SERVER_ROUTING": "True"})
+NO_KEY_CASES = ({"SAM_GROUP": "True"}, {"SAM_ADAPTIVE_K": "True"}, {"SERVER_ROUTING": "True"},
+                {"DATA_REBALANCE": "False", "DATA_REBALANCE_BY_KEY": "True"})
 
 
 def test_every_rule_is_reported() -> None:
     """The train script's CLI stops at each broken rule with its line; preflight finds the same rule in a command
-    carrying the keys (hand-written), except SAM_GROUP and SAM_ADAPTIVE_K without SAM_ENABLE, which set no key to
-    read back."""
+    carrying the keys (hand-written), except SAM_GROUP and SAM_ADAPTIVE_K without SAM_ENABLE and
+    DATA_REBALANCE_BY_KEY without DATA_REBALANCE, which set no key to read back."""
     from qwen3_rl.tools.features import check_command
 
     for setup, env, ctx, msg in RULE_CASES:

@@ -21,7 +21,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from qwen3_rl.tools.launch.cpu_binding import (
@@ -414,11 +414,43 @@ def cmd_k8s(argv: list[str]) -> int:
     return run(argv)
 
 
+#: ``SAM_COST_TABLE`` value asking the launcher to measure the table first (``launch calibrate``)
+CALIBRATE = "calibrate"
+
+
+def calibrate_wanted(env: Mapping[str, str]) -> bool:
+    """Whether ``SAM_COST_TABLE=calibrate`` asks for a measured table before training."""
+    return env.get("SAM_COST_TABLE", "").strip() == CALIBRATE
+
+
+def cmd_calibrate(argv: list[str]) -> int:
+    """Head, before preflight: with ``SAM_COST_TABLE=calibrate`` run ``python -m qwen3_rl calibrate`` on the train
+    script's rollout engine and write ``SAM_COST_TABLE=<table>`` (NUL-terminated) to ``--env-out`` for the launcher
+    to export; otherwise write nothing there."""
+    ap = argparse.ArgumentParser(prog="launch calibrate")
+    ap.add_argument("--train-script", required=True)
+    ap.add_argument("--out", required=True, help="the table file")
+    ap.add_argument("--env-out", required=True, help="the environment to export (NUL-separated)")
+    a = ap.parse_args(argv)
+    Path(a.env_out).write_text("")
+    if not calibrate_wanted(os.environ):
+        return 0
+    import subprocess
+
+    _log(f"SAM_COST_TABLE=calibrate: measuring the verification-cost table of {a.train_script} -> {a.out}")
+    proc = subprocess.run([sys.executable, "-m", "qwen3_rl", "calibrate", "--setup", a.train_script, "--out", a.out],
+                          stdout=sys.stderr, check=False)
+    if proc.returncode != 0:
+        return _die(f"SAM_COST_TABLE=calibrate: calibrate exited with {proc.returncode} (see above)")
+    _write_nul(Path(a.env_out), [f"SAM_COST_TABLE={a.out}"])
+    return 0
+
+
 STEPS: dict[str, Callable[[list[str]], int]] = {
     "resolve": cmd_resolve, "show": cmd_show, "wait-started": cmd_wait_started, "wait-cluster": cmd_wait_cluster,
     "wait-head": cmd_wait_head, "watch-head": cmd_watch_head, "cpu-map": cmd_cpu_map, "cpu-bind": cmd_cpu_bind,
     "stop": cmd_stop, "auth": cmd_auth, "address-file": cmd_address_file, "slurm-plan": cmd_slurm_plan,
-    "slurm-task": cmd_slurm_task, "k8s": cmd_k8s,
+    "slurm-task": cmd_slurm_task, "k8s": cmd_k8s, "calibrate": cmd_calibrate,
 }
 
 

@@ -108,14 +108,29 @@ def hydra_list(raw: str | None) -> list[str]:
 
 
 # --- layout / batch / length checks: pure functions of the override map and the model config ----
+def is_fully_async(vals: Mapping[str, str]) -> bool:
+    """The command runs the fully-async trainer (``qwen3_rl.trainer.fully_async``): separate trainer
+    (``trainer.*``) and rollout (``rollout.nnodes`` x ``rollout.n_gpus_per_node``) pools."""
+    return any(k.startswith("async_training.") for k in vals) or "rollout.n_gpus_per_node" in vals
+
+
 def check_world(vals: Mapping[str, str], nnodes: int | None, npus_per_node: int | None) -> list[Finding]:
-    """trainer.nnodes × n_gpus_per_node must equal the launcher's nodes × NPUs."""
+    """trainer.nnodes × n_gpus_per_node must equal the launcher's nodes × NPUs; with the fully-async trainer the
+    trainer's and the rollout's pools together (the same nodes)."""
     t_nodes, t_npus = _get_int(vals, "trainer.nnodes"), _get_int(vals, "trainer.n_gpus_per_node")
     if t_nodes is None or t_npus is None:
         return [_err("world", "train script sets no trainer.nnodes / trainer.n_gpus_per_node")]
+    what = ""
+    if is_fully_async(vals):
+        r_nodes, r_npus = _get_int(vals, "rollout.nnodes", 1) or 1, _get_int(vals, "rollout.n_gpus_per_node", 0) or 0
+        if r_nodes != t_nodes:
+            return [_err("world", f"fully async: trainer on {t_nodes} node(s), rollout on {r_nodes}: the launcher "
+                                  "starts one node count for both")]
+        what = f" (trainer {t_npus} + rollout {r_npus})"
+        t_npus += r_npus
     out = []
     if nnodes is not None and npus_per_node is not None and (t_nodes, t_npus) != (nnodes, npus_per_node):
-        out.append(_err("world", f"train script wants {t_nodes} nodes x {t_npus} NPUs = {t_nodes * t_npus}, "
+        out.append(_err("world", f"train script wants {t_nodes} nodes x {t_npus} NPUs{what} = {t_nodes * t_npus}, "
                                  f"the launcher has {nnodes} x {npus_per_node} = {nnodes * npus_per_node}"))
     return out
 
@@ -140,6 +155,8 @@ def check_layout(vals: Mapping[str, str], cfg: Mapping[str, Any] | None) -> list
                                   f"size {world} (megatron expert data parallel)"))
     rtp = _get_int(vals, R + "tensor_model_parallel_size", 1) or 1
     rdp = _get_int(vals, R + "engine_kwargs.vllm.data_parallel_size")
+    if is_fully_async(vals):  # the rollout has its own pool
+        world = (_get_int(vals, "rollout.nnodes", 1) or 1) * (_get_int(vals, "rollout.n_gpus_per_node", 1) or 1)
     if world % rtp:
         out.append(_err("layout", f"rollout TP{rtp} does not divide the world size {world}"))
     elif rdp is not None and rdp > 1 and rtp * rdp != world:  # vLLM DP 1: independent TP engines (verl's DP)
@@ -187,6 +204,11 @@ def check_batches(vals: Mapping[str, str]) -> list[Finding]:
     mini = _get_int(vals, A + "ppo_mini_batch_size")
     if gbs is None:
         return [_err("batch", "data.train_batch_size is not set")]
+    if is_fully_async(vals):  # qwen3_rl.trainer.fully_async: one dataloader batch per actor update
+        req = _get_int(vals, "async_training.require_batches", 1) or 1
+        if mini is not None and gbs != req * mini:
+            out.append(_err("batch", f"fully async: data.train_batch_size {gbs} must be async_training."
+                                     f"require_batches {req} x ppo_mini_batch_size {mini} = {req * mini}"))
     tp, pp, cp = (_get_int(vals, M + k, 1) or 1 for k in
                   ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"))
     dp = world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else None
@@ -205,7 +227,7 @@ def check_batches(vals: Mapping[str, str]) -> list[Finding]:
         out.append(_err("batch", f"train_batch_size {gbs} x n {n} = {gbs * n} does not split over the {world} "
                                  "ranks the rollout batch is dispatched to"))
     gen = _get_int(vals, "data.gen_batch_size")
-    if gen is not None and gen < gbs:
+    if gen is not None and gen < gbs and not is_fully_async(vals):
         out.append(_err("batch", f"data.gen_batch_size {gen} < train_batch_size {gbs}"))
     return out
 
@@ -298,6 +320,10 @@ def check_sam_cost_table(vals: Mapping[str, str]) -> list[Finding]:
     spec = (vals.get(sc + "sam_config.cost_table") or "").strip().strip("'\"")
     if not spec or vals.get(sc + "method") != "sam":
         return []
+    if spec == "calibrate":
+        return [_err("spec-decode", "SAM_COST_TABLE=calibrate is replaced by the launcher (ray_start_npu.sh, head) "
+                                    "with the table it measures first; without the launcher run python -m qwen3_rl "
+                                    "calibrate --setup SCRIPT and give SAM_COST_TABLE=<that file>")]
     try:
         from qwen3_rl.spec_decode.cost_table import CostTableError, load_cost_table
     except ImportError as exc:  # tooling does not need the runtime stack (a bare launcher host)

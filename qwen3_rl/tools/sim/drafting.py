@@ -55,7 +55,9 @@ LRU eviction, and a run's first epoch has none (the default is the steady state 
 layout with data rebalance (DP 32, n 16): ``rebalance_permutation`` puts a prompt's 16 samples on ranks 0-15 or
 16-31 by the parity of its batch position, so with shuffled epochs about half of the next visits land where the
 history is; each rank keeps the responses of 256 prompts per step (about 30 MB at 4 responses of 7345 tokens), so
-the 512 MiB default holds about 18 of the epoch's 79 steps: F = 0.5 x 18 / 79 = 0.11.
+a 512 MiB store holds about 18 of the epoch's 79 steps: F = 0.5 x 18 / 79 = 0.11. ``simulate rollout`` assumes by
+default a store that holds the epoch (the runtime's bound from host memory, ``SAM_HISTORY_MAX_BYTES=0``, where the
+host allows); with ``--rebalance-by-key`` the placement is "keyed" (:func:`keyed_home_share`: 0.975 there).
 With ``F`` < 1, the tables become the per-request-step mean of a batch where a share ``F`` of the requests
 drafts with history: a request of ``L`` tokens spends ``L / tau`` verification steps, so tokens per request-step
 are ``1 / (F / tau_history + (1 - F) / tau_current)`` at every k (harmonic mean; exact at F = 0 and F = 1). The
@@ -105,12 +107,12 @@ DIE_TFLOPS = 390.0  # Ascend 910C: 780 TFLOPS bf16 per card of 2 dies (TechPower
 RANK_DIES = 4  # one rollout DP rank of the 235B layout: TP4 ([ref 002]: 128 die DP32 TP4 EP128)
 MFU = 0.5  # assumed utilisation of the roof
 HISTORY_RESPONSES = 4  # earlier responses per prompt behind the history tables (``--history 4``)
-HISTORY_MAX_BYTES = 1 << 29  # SAM_HISTORY_MAX_BYTES default (spec_decode.sam.SamConfig.history_max_bytes)
+HISTORY_MAX_BYTES = 1 << 29  # the store bound (512 MiB) placement_coverage assumes unless told
 TOKEN_BYTES = 4  # the history store keeps int32 token ids (spec_decode.history)
 #: steps per epoch of the 235B GRPO run: deepscaler, 40.3k prompts (the Hugging Face dataset viewer of
 #: agentica-org/DeepScaleR-Preview-Dataset) at 512 prompts per step
 EPOCH_STEPS = 79.0
-PLACEMENTS = ("contiguous", "interleaved", "random")
+PLACEMENTS = ("contiguous", "interleaved", "keyed", "random")
 
 
 @dataclass(frozen=True)
@@ -245,8 +247,10 @@ def placement_coverage(placement: str, dp: int, n: int, exchange: bool, prompts_
 
     ``placement`` of a prompt's ``n`` samples over ``dp`` ranks: "contiguous" (verl's chunks: one rank; default and
     rollout-rebalance policies), "interleaved" (data rebalance: row i on rank i mod dp, a prompt on min(n, dp)
-    ranks) or "random" (fully-async dispatch by load: each sample on any rank). A request finds its history with
-    the probability that its rank ran the prompt last time (1/dp, min(n, dp)/dp, 1 - (1 - 1/dp)^n); that rank
+    ranks), "keyed" (data rebalance by group key: a prompt on the same min(n, dp) ranks at every visit, unless its
+    home was full) or "random" (fully-async dispatch by load: each sample on any rank). A request finds its history
+    with the probability that its rank ran the prompt last time (1/dp, min(n, dp)/dp, :func:`keyed_home_share`,
+    1 - (1 - 1/dp)^n); that rank
     holds all n responses with the exchange (or contiguous), else its own samples'. The store (``store_bytes`` per
     engine, ``TOKEN_BYTES`` per token, LRU) keeps ``store_bytes / bytes per step`` steps of the ``epoch_steps``
     after which the prompt returns. Product of the three, capped at 1."""
@@ -256,9 +260,10 @@ def placement_coverage(placement: str, dp: int, n: int, exchange: bool, prompts_
         raise SimError("placement_coverage: dp, n, prompts per step, mean response and epoch steps must be > 0")
     if placement == "contiguous":
         land, held, touched = 1.0 / dp, float(n), 1.0
-    elif placement == "interleaved":
+    elif placement in ("interleaved", "keyed"):
         m = min(n, dp)
-        land, held, touched = m / dp, float(n) if exchange else float(math.ceil(n / dp)), float(m)
+        land = m / dp if placement == "interleaved" else keyed_home_share(int(round(prompts_per_step)), n, dp)
+        held, touched = float(n) if exchange else float(math.ceil(n / dp)), float(m)
     else:
         land = 1.0 - (1.0 - 1.0 / dp) ** n
         held, touched = (float(n) if exchange else (n / dp) / land), dp * land
@@ -266,6 +271,20 @@ def placement_coverage(placement: str, dp: int, n: int, exchange: bool, prompts_
     step_bytes = prompts_per_step * touched / dp * kept * mean_response * TOKEN_BYTES
     stored = min(1.0, store_bytes / step_bytes / epoch_steps)
     return min(1.0, land * kept / responses * stored)
+
+
+def keyed_home_share(prompts: int, n: int, dp: int, trials: int = 4, seed: int = 0) -> float:
+    """Share of rows data rebalance by group key puts on their home rank (``keyed_rank_of_rows``) for a step of
+    ``prompts`` prompts of ``n`` samples over ``dp`` ranks, random keys, mean of ``trials`` draws; a prompt's next
+    visit lands where its history is about this often (``sim/placement.py`` replays it: within 0.015)."""
+    from qwen3_rl.rollout.data_rebalance import keyed_rank_of_rows
+
+    if (prompts * n) % dp:  # the keyed layout needs whole ranks: the nearest batch that has them
+        prompts = max(dp // math.gcd(n, dp), prompts - prompts % (dp // math.gcd(n, dp)))
+    rng = np.random.default_rng(seed)
+    shares = [keyed_rank_of_rows(rng.integers(0, np.iinfo(np.int64).max, prompts).astype(np.uint64), n, dp)[1].mean()
+              for _ in range(trials)]
+    return float(np.mean(shares))
 
 
 def history_tables(coverage: float, current: dict[tuple[str, str], tuple[float, ...]] = TPS

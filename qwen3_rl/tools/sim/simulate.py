@@ -72,7 +72,12 @@ from typing import Protocol
 
 import numpy as np
 
-from qwen3_rl.rollout.data_rebalance import contiguous_rank_of_rows, rank_sizes, rebalance_permutation
+from qwen3_rl.rollout.data_rebalance import (
+    contiguous_rank_of_rows,
+    keyed_permutation,
+    rank_sizes,
+    rebalance_permutation,
+)
 from qwen3_rl.rollout.rebalance import (
     DEFAULT_MAX_KV_BYTES,
     DEFAULT_MAX_ROUND_S,
@@ -168,6 +173,7 @@ class SimConfig:
     servers: int = 1  # the dp engines form this many servers; KV moves stay inside one
     routing_slack: int = 0  # group placement: GroupRouter's slack
     agent_workers: int = 8  # server placements: routers, one per agent-loop worker
+    rebalance_by_key: bool = False  # data rebalance places a prompt's samples by its group key (DATA_REBALANCE_BY_KEY)
 
     def __post_init__(self) -> None:
         if self.dp < 1:
@@ -429,6 +435,12 @@ def _assignment(lengths: Lengths, dp: int, data_rebalance: bool, cfg: SimConfig 
                                      cfg.routing_slack, cfg.agent_workers)
         except ValueError as e:
             raise SimError(str(e)) from None
+    if data_rebalance and cfg is not None and cfg.rebalance_by_key:
+        if size % dp:
+            raise SimError(f"--rebalance-by-key: a batch of {size} rows is not a multiple of --dp {dp}")
+        keys = np.random.default_rng(0).integers(0, np.iinfo(np.int64).max, lengths.num_prompts).astype(np.uint64)
+        perm = keyed_permutation(keys, lengths.n, dp)
+        return list(perm.reshape(dp, size // dp))
     if data_rebalance:
         perm = rebalance_permutation(size, lengths.n, dp, uneven="array_split")
         offs = np.r_[0, np.cumsum(rank_sizes(size, dp))]
@@ -892,7 +904,6 @@ def _rollout_main(argv: list[str]) -> int:
     # the drafting, step-table and trainer models import this module: imported here, not at the top
     from qwen3_rl.tools.sim.drafting import (
         EPOCH_STEPS,
-        HISTORY_MAX_BYTES,
         VERIFY_TOKEN_MS,
         DraftModel,
         draft_model,
@@ -957,8 +968,12 @@ def _rollout_main(argv: list[str]) -> int:
     p.add_argument("--history-coverage", type=float, default=None,
                    help="BASE+history: share of the requests that start with their prompt's earlier responses "
                         "on the rank that runs them (default: what the placement gives; sim/drafting.py)")
-    p.add_argument("--history-max-bytes", type=int, default=HISTORY_MAX_BYTES,
-                   help="BASE+history, default coverage: history store bytes per engine (SAM_HISTORY_MAX_BYTES)")
+    p.add_argument("--history-max-bytes", type=int, default=None,
+                   help="BASE+history, default coverage: history store bytes per engine (SAM_HISTORY_MAX_BYTES; "
+                        "default: the store holds the epoch, as the host-memory default does where the host allows)")
+    p.add_argument("--rebalance-by-key", action="store_true",
+                   help="data rebalance places a prompt's samples by its group key (DATA_REBALANCE_BY_KEY), not by "
+                        "batch position: the default history coverage follows (sim/placement.py)")
     p.add_argument("--epoch-steps", type=float, default=EPOCH_STEPS,
                    help="BASE+history, default coverage: steps until a prompt returns (79: deepscaler at 512)")
     g = p.add_argument_group("server mode (sim/server.py)")
@@ -993,7 +1008,7 @@ def _rollout_main(argv: list[str]) -> int:
         raise SimError("--max-moves/--max-kv-blocks/--max-kv-bytes must be >= 0 and --block-size >= 1")
     if ns.history_coverage is not None and not 0.0 <= ns.history_coverage <= 1.0:
         raise SimError(f"--history-coverage must be in [0, 1], got {ns.history_coverage}")
-    if ns.history_max_bytes < 0 or not ns.epoch_steps > 0:
+    if (ns.history_max_bytes is not None and ns.history_max_bytes < 0) or not ns.epoch_steps > 0:
         raise SimError("--history-max-bytes must be >= 0 and --epoch-steps > 0")
     if ns.step_table is not None and ns.verify_model is not None:
         raise SimError("--step-table prices the verification step itself: drop --verify-model")
@@ -1009,7 +1024,7 @@ def _rollout_main(argv: list[str]) -> int:
     links = _links(ns.link_gb_s)
     lengths = load_lengths(ns.lengths)
     step = _step_from(ns)
-    base = SimConfig(dp=ns.dp, max_num_seqs=ns.max_num_seqs, coupling=ns.coupling,
+    base = SimConfig(dp=ns.dp, max_num_seqs=ns.max_num_seqs, coupling=ns.coupling, rebalance_by_key=ns.rebalance_by_key,
                      buckets=_parse_buckets(ns.buckets, ns.max_num_seqs), step=step,
                      rebalance_interval=ns.rebalance_interval, max_moves=ns.max_moves,
                      max_kv_blocks=ns.max_kv_blocks, block_size=ns.block_size,
@@ -1029,7 +1044,7 @@ def _rollout_main(argv: list[str]) -> int:
         cov = ns.history_coverage
         if cov is None:
             cov = placement_coverage(placement, dp, lengths.n, dr.split("+")[0] == "sam_group_exchange",
-                                     lengths.num_prompts, mean_resp, store_bytes=ns.history_max_bytes,
+                                     lengths.num_prompts, mean_resp, store_bytes=math.inf if ns.history_max_bytes is None else ns.history_max_bytes,
                                      epoch_steps=ns.epoch_steps)
         dm = draft_model(dr, pol, drafting, ns.fixed_k, ns.k_max, tok_ms, verify_model, ns.mfu,
                          ns.draft_siblings, cov, table=table, spread=placement != "contiguous")
@@ -1058,7 +1073,8 @@ def _rollout_main(argv: list[str]) -> int:
                              table=table, current=server_tables[pl])
             tps, lens_d, step_d = dm.bulk[2], lengths, step
         elif "+" in dr:  # verification steps with per-step k (sim/drafting.py)
-            dm, cov = make_draft(dr, pol, ns.dp, "interleaved" if pol in SPREAD_POLICIES else "contiguous")
+            spread = "keyed" if ns.rebalance_by_key else "interleaved"
+            dm, cov = make_draft(dr, pol, ns.dp, spread if pol in SPREAD_POLICIES else "contiguous")
             tps, lens_d, step_d = dm.bulk[2] * dm.layout, lengths, step
         else:
             tps = drafting.tokens_per_step(dr, pol)
@@ -1220,14 +1236,18 @@ def _fit_main(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m qwen3_rl simulate {rollout|gen-lengths|fit-step-model} ...``; returns the exit code."""
+    """``python -m qwen3_rl simulate {rollout|gen-lengths|fit-step-model|placement} ...``; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: python -m qwen3_rl simulate {rollout|gen-lengths|fit-step-model} [args]  (--help on each)"
+    usage = ("usage: python -m qwen3_rl simulate {rollout|gen-lengths|fit-step-model|placement} [args]  "
+             "(--help on each)")
     if not argv or argv[0] in ("-h", "--help"):
         print(usage)
         return 0 if argv else 2
     sub, rest = argv[0], argv[1:]
-    handlers = {"rollout": _rollout_main, "gen-lengths": _gen_main, "fit-step-model": _fit_main}
+    from qwen3_rl.tools.sim.placement import main as _placement_main
+
+    handlers = {"rollout": _rollout_main, "gen-lengths": _gen_main, "fit-step-model": _fit_main,
+                "placement": _placement_main}
     if sub not in handlers:
         print(f"error: unknown simulate command {sub!r}; {usage}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -327,7 +328,13 @@ def test_dry_run_prints_full_plan(stubs, script: str, nnodes: int):
     assert f"ray start --head --port=6379 --node-ip-address={ip} '--resources={{\"NPU\": 16}}'" in out
     assert "--include-dashboard=false --block > " in out
     assert f"wait until {nnodes} node(s) and {16 * nnodes} NPU are registered" in out
-    assert f"        trainer.nnodes={nnodes}\n" in out and "        trainer.n_gpus_per_node=16\n" in out
+    if "fully_async" in script:  # the trainer's and the rollout's dies share each node
+        train = re.search(r"\n        trainer\.n_gpus_per_node=(\d+)\n", out)
+        roll = re.search(r"\n        rollout\.n_gpus_per_node=(\d+)\n", out)
+        assert train and roll and int(train.group(1)) + int(roll.group(1)) == 16, out
+        assert f"        trainer.nnodes={nnodes}\n" in out and f"        rollout.nnodes={nnodes}\n" in out
+    else:
+        assert f"        trainer.nnodes={nnodes}\n" in out and "        trainer.n_gpus_per_node=16\n" in out
     assert "final command: python3 -m " in out
     assert f"  NNODES={nnodes}\n" in out and f"  RAY_ADDRESS={ip}:6379\n" in out
     assert f"  HCCL_SOCKET_IFNAME={'eth0' if nnodes > 1 else 'lo'}\n" in out

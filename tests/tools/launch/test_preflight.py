@@ -354,3 +354,23 @@ def test_server_mode_needs_raw_chat_and_whole_worker_pieces():
     assert keys["actor_rollout_ref.rollout.mode"] == "async" and keys["data.return_raw_chat"] == "True"
     assert keys["actor_rollout_ref.rollout.agent.num_workers"] == "8"
     assert keys["+qwen3_rl.server_routing.enable"] == "True" and keys["+qwen3_rl.server_auth.enable"] == "True"
+
+
+def test_fully_async_pools_and_stream():
+    """The fully-async trainer: the trainer's and the rollout's pools together fill the launcher's world; one
+    dataloader batch (require_batches x mini-batch) per update, the mini-batch divides over the trainer's ranks."""
+    from qwen3_rl.tools.launch.preflight import check_world, is_fully_async
+
+    vals = {"trainer.nnodes": "1", "trainer.n_gpus_per_node": "1", "rollout.nnodes": "1",
+            "rollout.n_gpus_per_node": "1", "async_training.staleness_threshold": "0.5",
+            "async_training.require_batches": "2", "data.train_batch_size": "16", "actor_rollout_ref.rollout.n": "8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size": "8"}
+    assert is_fully_async(vals) and not is_fully_async({"trainer.nnodes": "1"})
+    assert check_world(vals, 1, 2) == [] and check_batches(vals) == [] and check_layout(vals, None) == []
+    assert [f.message for f in check_world(vals, 1, 4)] == [
+        "train script wants 1 nodes x 2 NPUs (trainer 1 + rollout 1) = 2, the launcher has 1 x 4 = 4"]
+    assert [f.message for f in check_batches(dict(vals, **{"data.train_batch_size": "8"}))] == [
+        "fully async: data.train_batch_size 8 must be async_training.require_batches 2 x ppo_mini_batch_size 8 = 16"]
+    # the sync rules on the same sizes (positive control): the world is the trainer's 1 + the rollout's 1 there
+    sync = {k: v for k, v in vals.items() if not k.startswith(("rollout.", "async_training."))}
+    assert check_world(sync, 1, 2)

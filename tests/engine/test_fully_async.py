@@ -1,0 +1,156 @@
+"""Fully-async GRPO on CPU (marker ``fully_async``): ``ray_start_npu.sh internal/train_grpo_tiny_cpu_fully_async.sh
+--device cpu`` runs our fully-async trainer (``qwen3_rl.trainer.fully_async``): the trainer pool (one Megatron actor
+process) and the rollout pool (one standalone vLLM 0.13 CPU server, verl's agent loop) on separate processes,
+prompts streamed one group at a time, stale samples allowed (staleness 1), the running requests aborted at every
+weight sync and resumed after it with their tokens so far (partial rollout), the weights broadcast over a stateless
+gloo group, SAM group drafting on (the old log-probs recomputed by the trainer, so the requests ask vLLM for none).
+
+What is checked, from the run's training log (``step:N - key:value`` lines; several lines may share a step):
+
+* learning: validation accuracy (``val-core``, greedy, the 64 test problems) after the last update is at least 0.10
+  above the accuracy before the first;
+* staleness: every trained batch logs ``fully_async/staleness/mean`` and ``max``, and some batch was trained on
+  samples started by an older weight version (max >= 1);
+* partial rollout: requests were aborted at a weight sync (``fully_async/sync/aborted_requests``) and trajectories
+  resumed after it were trained on (``fully_async/partial/resumed`` summed over the batches > 0);
+* weight sync: every sync's per-tensor checksums matched on both sides (the trainer stops otherwise) and the last
+  validation ran on the synced weights (learning);
+* SAM across a pause: the rollout drafted tokens in a weight version that began with resumed requests
+  (``rollout/spec_decode/draft_tokens`` > 0 for the version after a sync that aborted requests), and drafts
+  were accepted.
+
+In the real vLLM 0.13 CPU engine (no Ray): a request resumed as a new request (its prompt = the original prompt + its
+tokens so far, as the partial rollout sends it) continues the greedy output token for token with SAM group drafting
+on, and the original prompt's length in ``extra_args`` keeps it in its siblings' drafter group (it drafts from the
+finished sibling's answer kept in the group's history: more accepted tokens than the same resume without it).
+
+``bash tests/run_tests.sh -m fully_async`` runs these tests alone.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from test_e2e_training import LEARNING_MARGIN, launch
+
+from qwen3_rl.spec_decode.metrics import ACCEPTED_TOKENS, DRAFT_TOKENS
+
+from conftest import run_engine
+
+pytestmark = pytest.mark.fully_async
+
+SCRIPT = "internal/train_grpo_tiny_cpu_fully_async.sh"
+#: the script's defaults, spelled out: 6 weight syncs, each after 1 update of 16 prompts x 8 samples; responses up
+#: to 128 tokens and a vLLM batch of 1 sequence, so that generation, not training, is the slower side and requests
+#: are running at a sync
+RUN_ENV = {"SYNCS": "6", "TRIGGER_SYNC_STEPS": "1", "PPO_MINI_BATCH_SIZE": "16", "STALENESS_THRESHOLD": "1",
+           "PARTIAL_ROLLOUT": "True", "ROLLOUT_MAX_NUM_SEQS": "1", "MAX_RESPONSE_LENGTH": "128",
+           "SAM_ENABLE": "True", "SAM_GROUP": "True"}
+_STEP_RE = re.compile(r"step:(\d+) - (.*)$")
+
+
+def step_metrics(log: str) -> dict[int, dict[str, float]]:
+    """The ``step:N - key:value - ...`` lines of ``log``, merged per step (a later value of a key wins)."""
+    steps: dict[int, dict[str, float]] = {}
+    for line in log.splitlines():
+        m = _STEP_RE.search(line)
+        if not m:
+            continue
+        row = steps.setdefault(int(m.group(1)), {})
+        for item in m.group(2).split(" - "):
+            key, _, value = item.rpartition(":")
+            try:
+                row[key.strip()] = float(value)
+            except ValueError:
+                continue
+    return steps
+
+
+def val_accuracies(steps: dict[int, dict[str, float]]) -> list[tuple[int, float]]:
+    """(step, validation accuracy) in step order."""
+    out = []
+    for s in sorted(steps):
+        keys = [k for k in steps[s] if k.startswith("val-core/") and "/acc/mean@" in k]
+        assert len(keys) <= 1, keys
+        if keys:
+            out.append((s, steps[s][keys[0]]))
+    return out
+
+
+def test_step_metrics_parser() -> None:
+    """The parser merges the lines of one step and keeps floats only (positive control of the e2e checks)."""
+    log = ("(FullyAsyncTaskRunner pid=1) step:2 - fully_async/staleness/max:1 - a:0.5\n"
+           "(FullyAsyncTaskRunner pid=1) step:2 - val-core/x/acc/mean@1:0.25 - b:text\n"
+           "noise step:x\n")
+    assert step_metrics(log) == {2: {"fully_async/staleness/max": 1.0, "a": 0.5, "val-core/x/acc/mean@1": 0.25}}
+    assert val_accuracies(step_metrics(log)) == [(2, 0.25)]
+
+
+@pytest.mark.timeout(1500)
+def test_fully_async_learns_stale_partial_and_drafts_after_resume(cpu_ws: Path, tmp_path: Path) -> None:
+    run = launch(cpu_ws, SCRIPT, tmp_path / "run", env=RUN_ENV)
+    tail = "\n".join(run.log.splitlines()[-60:])
+    assert run.rc == 0, f"fully-async run failed (exit {run.rc}):\n{tail}"
+    steps = step_metrics(run.log)
+    acc = val_accuracies(steps)
+    assert len(acc) >= 2 and acc[0][0] == 0, f"validation before training and after it expected, got {acc}"
+    before, after = acc[0][1], acc[-1][1]
+    trained = {s: m for s, m in steps.items() if s > 0}
+    assert sorted(trained) == list(range(1, int(RUN_ENV["SYNCS"]) + 1)), f"trained steps {sorted(trained)}"
+    for s, m in trained.items():
+        assert "fully_async/staleness/mean" in m and "fully_async/staleness/max" in m, f"step {s}: {sorted(m)}"
+    staleness = {s: m["fully_async/staleness/max"] for s, m in trained.items()}
+    aborted = {s: m.get("fully_async/sync/aborted_requests", 0.0) for s, m in trained.items()}
+    resumed = {s: m.get("fully_async/partial/resumed", 0.0) for s, m in trained.items()}
+    drafted = {s: m.get(DRAFT_TOKENS, 0.0) for s, m in trained.items()}
+    accepted = {s: m.get(ACCEPTED_TOKENS, 0.0) for s, m in trained.items()}
+    print(f"fully async: validation accuracy {before:.3f} -> {after:.3f} in {run.seconds:.0f} s; staleness max per "
+          f"batch {staleness}; requests aborted at the sync after each step {aborted}; resumed trajectories per "
+          f"batch {resumed}; drafted tokens per version {drafted}; accepted {accepted}")
+    assert after >= before + LEARNING_MARGIN, f"no learning: {before:.3f} -> {after:.3f} ({acc})"
+    assert max(staleness.values()) >= 1, f"no batch was trained on stale samples: {staleness}"
+    assert sum(aborted.values()) > 0, f"no request was running at a weight sync: {aborted}"
+    assert sum(resumed.values()) > 0, f"no trajectory resumed after a sync was trained on: {resumed}"
+    # the version after a sync that aborted requests starts with those requests resumed: it must still draft
+    after_resume = [s + 1 for s, n in aborted.items() if n > 0 and s + 1 in drafted]
+    assert after_resume, f"no version followed a sync with aborted requests: {aborted}"
+    assert any(drafted[s] > 0 for s in after_resume), (
+        f"no drafts in the versions after a resume {after_resume}: {drafted}")
+    assert sum(accepted.values()) > 0, f"no drafted token was accepted: {accepted}"
+
+
+#: two prompts of one length (the group prompt length is one value per run); each has two greedy samples
+RESUME_PROMPTS = [[5, 6, 7, 8, 9, 10], [30, 31, 30, 31, 30, 32]]
+FULL, CUT = 48, 16  # tokens of an uninterrupted answer; tokens generated before the "weight sync"
+
+
+def test_resumed_request_is_lossless_and_drafts_from_its_group(engine_ws: Path, tiny_models: dict[str, Path],
+                                                               tmp_path: Path) -> None:
+    from qwen3_rl.spec_decode.runner_drafter import GROUP_PROMPT_LEN_KEY
+
+    model = str(tiny_models["dense"])
+    base = run_engine({"workspace": str(engine_ws), "model": model, "prompts": RESUME_PROMPTS,
+                       "runs": [{"name": "base", "max_tokens": [FULL] * 2}]}, tmp_path)
+    full = base["base"]["outputs"]
+    assert all(len(o) == FULL for o in full)
+    # wave 1: the first sample of each prompt, uninterrupted; wave 2: the second samples resumed after CUT tokens
+    prompts = RESUME_PROMPTS + [p + o[:CUT] for p, o in zip(RESUME_PROMPTS, full, strict=True)]
+    # group mode with per-group history and no cross-group cache: a request drafts from its siblings' answers only
+    # if it is in their group (SAM_HISTORY; the live siblings' shared automaton works through the same key)
+    sam = {"speculative_config": {"method": "sam", "num_speculative_tokens": 3, "sam_config": {
+        "group_mode": True, "cache_max_responses": 0, "history_responses": 4}}}
+    run = {"llm": sam, "prompts": prompts, "phases": [[0, 1], [2, 3]], "max_tokens": [FULL, FULL, FULL - CUT,
+                                                                                      FULL - CUT]}
+    res = run_engine({"workspace": str(engine_ws), "model": model, "prompts": prompts, "runs": [
+        {"name": "grouped", **run, "sampling": {"extra_args": {GROUP_PROMPT_LEN_KEY: len(RESUME_PROMPTS[0])}}},
+        {"name": "own", **run}]}, tmp_path)
+    for name in ("grouped", "own"):
+        outs = res[name]["outputs"]
+        assert outs[:2] == full, name
+        assert [o[:CUT] + r for o, r in zip(full, outs[2:], strict=True)] == full, f"{name}: resume not lossless"
+    acc = {n: int(res[n]["metrics"].get("spec_decode_num_accepted_tokens", 0)) for n in ("grouped", "own")}
+    drafted = {n: int(res[n]["metrics"].get("spec_decode_num_draft_tokens", 0)) for n in ("grouped", "own")}
+    print(f"resume after {CUT} tokens: drafted {drafted}, accepted {acc} (grouped = extra_args group length)")
+    assert drafted["grouped"] > 0 and acc["grouped"] > acc["own"], (drafted, acc)

@@ -1,0 +1,54 @@
+"""The ``async_training`` group: read once, each bad value stops with one line naming the key."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from qwen3_rl.trainer.fully_async.settings import AsyncSettings, AsyncSettingsError
+
+
+def _config(**over):
+    cfg = OmegaConf.create({
+        "async_training": {"staleness_threshold": 1.0, "trigger_parameter_sync_step": 2, "require_batches": 2,
+                           "partial_rollout": True, "use_rollout_log_probs": False},
+        "data": {"train_batch_size": 16},
+        "trainer": {"nnodes": 1, "n_gpus_per_node": 1},
+        "rollout": {"nnodes": 1, "n_gpus_per_node": 2},
+        "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 8},
+                              "rollout": {"mode": "async", "calculate_log_probs": False,
+                                          "tensor_model_parallel_size": 1, "data_parallel_size": 1,
+                                          "pipeline_model_parallel_size": 1, "engine_kwargs": {"vllm": {}}}},
+    })
+    for k, v in over.items():
+        OmegaConf.update(cfg, k, v)
+    return cfg
+
+
+def test_reads_the_group() -> None:
+    s = AsyncSettings.from_config(_config())
+    assert (s.prompts_per_update, s.prompts_per_version, s.rollout_procs) == (16, 32, 2)
+    assert s.partial_rollout and not s.use_rollout_log_probs
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("async_training.staleness_threshold", -1, "staleness_threshold=-1.0: must be >= 0"),
+    ("data.train_batch_size", 8, "data.train_batch_size=8: must equal"),
+    ("actor_rollout_ref.rollout.mode", "sync", "runs on the server rollout"),
+    ("async_training.use_rollout_log_probs", True, "needs actor_rollout_ref.rollout.calculate_log_probs=True"),
+    ("actor_rollout_ref.rollout.tensor_model_parallel_size", 4, "not a multiple of one server's"),
+    ("async_training.trigger_parameter_sync_step", 0, "trigger_parameter_sync_step=0: must be >= 1"),
+])
+def test_bad_values_stop_with_one_line(key, value, message) -> None:
+    with pytest.raises(AsyncSettingsError, match=message):
+        AsyncSettings.from_config(_config(**{key: value}))
+
+
+def test_rollout_log_probs_with_a_drafter_are_refused() -> None:
+    cfg = _config(**{"async_training.use_rollout_log_probs": True, "actor_rollout_ref.rollout.calculate_log_probs": True,
+                     "actor_rollout_ref.rollout.engine_kwargs.vllm": {"speculative_config": {"method": "sam"}}})
+    with pytest.raises(AsyncSettingsError, match="drafts nothing"):
+        AsyncSettings.from_config(cfg)
+    # positive control: the same without a drafter is accepted
+    AsyncSettings.from_config(_config(**{"async_training.use_rollout_log_probs": True,
+                                         "actor_rollout_ref.rollout.calculate_log_probs": True}))
