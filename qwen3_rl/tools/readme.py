@@ -181,11 +181,13 @@ def _setup_commands() -> str:
 
 
 def _feature_defaults() -> str:
-    """Every switch's default in every setup (– = the switch does not apply there)."""
+    """The switches whose default differs between setups (– = the switch does not apply there), then one line naming
+    those with the same default wherever they apply (their default: docs/features.md)."""
     reg = _registry()
     setups = reg.setups()
     out = ["| switch | " + " | ".join(s.removeprefix("train_").removesuffix(".sh") for s in setups) + " |",
            "|---|" + "---|" * len(setups)]
+    same: list[str] = []
     for f in reg.features.values():
         cells = []
         for s in setups:
@@ -196,7 +198,11 @@ def _feature_defaults() -> str:
             else:
                 d = reg.default(f, s, {})
                 cells.append(f"`{d}`" if d != "" else "(empty)")
-        out.append(f"| `{f.env}` | " + " | ".join(cells) + " |")
+        if len(set(cells) - {"–"}) <= 1:
+            same.append(f"`{f.env}`")
+        else:
+            out.append(f"| `{f.env}` | " + " | ".join(cells) + " |")
+    out += ["", "One default in every setup they apply to: " + ", ".join(same) + "."]
     return "\n".join(out)
 
 
