@@ -349,8 +349,14 @@ def test_setups_doc_lists_every_env_var() -> None:
     reg = load_registry()
     header = "| switch | " + " | ".join(n.removeprefix("train_").removesuffix(".sh") for n in reg.setups()) + " |"
     assert header in doc, "docs/setups.md lacks the feature defaults table (python -m qwen3_rl readme --write)"
+    (same,) = [line for line in doc.splitlines() if line.startswith("One default in every setup they apply to: ")]
     for f in reg.features.values():
-        (row,) = [line for line in doc.splitlines() if line.startswith(f"| `{f.env}` |")]
+        rows = [line for line in doc.splitlines() if line.startswith(f"| `{f.env}` |")]
+        defaults = {reg.default(f, s, {}) for s in reg.setups() if reg.applies(f, s)}
+        if not rows:  # listed once: the same default wherever the switch applies
+            assert f"`{f.env}`" in same and (len(defaults) <= 1 or f.default_context), (f.env, defaults)
+            continue
+        (row,) = rows
         cells = [c.strip() for c in row.strip("|").split("|")][1:]
         for setup, cell in zip(reg.setups(), cells, strict=True):
             if not reg.applies(f, setup):
@@ -735,5 +741,10 @@ def test_fully_async_setups(patched_imports: Path) -> None:
         cfg = _compose(sam.overrides, sam.config_name, verl_config_dir)
         with pytest.raises(ValueError, match="drafts nothing"):
             AsyncSettings.from_config(cfg)
-        with pytest.raises(TrainScriptError, match="ROLLOUT_MODE=async excludes ROLLOUT_REBALANCE=True"):
-            parse_train_script(INTERNAL / name, env={**BASE_ENV, "ROLLOUT_REBALANCE": "True"})
+        # rollout rebalance needs vLLM DP inside a server (the MoE servers: DP x EP)
+        if rdp > 1:
+            reb = parse_train_script(INTERNAL / name, env={**BASE_ENV, "ROLLOUT_REBALANCE": "True"})
+            assert reb.get("qwen3_rl.rollout_rebalance.enable") == "True", name
+        else:
+            with pytest.raises(TrainScriptError, match="ROLLOUT_REBALANCE=True requires VLLM_DP > 1"):
+                parse_train_script(INTERNAL / name, env={**BASE_ENV, "ROLLOUT_REBALANCE": "True"})

@@ -13,8 +13,8 @@ or a response of it is added).
 
 Default bound (``history_max_bytes = 0``, ``SAM_HISTORY_MAX_BYTES=0``): :data:`HOST_SHARE` of the host's physical
 memory shared by the drafters on the host (:func:`resolve_max_bytes`): every rollout worker process holds its own
-store, and verl starts ``RAY_LOCAL_WORLD_SIZE`` of them per node (its worker group's environment,
-``verl/single_controller/ray/base.py``; 1 without it). The store lives in host memory only (numpy arrays): it never
+store; the launcher passes the rollout's processes per node as ``sam_config.history_drafters`` (features.toml
+context ``ROLLOUT_PROCS_PER_NODE``). The store lives in host memory only (numpy arrays): it never
 competes with the KV cache. An epoch of the 235B run needs about 2.4 GB per engine (4 responses of 7345 tokens of
 the 256 prompt-samples a rank runs per step, 79 steps).
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,25 +57,14 @@ def host_memory_bytes() -> int:
     return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
 
 
-def drafters_on_host(env: Mapping[str, str] | None = None) -> int:
-    """Drafter processes on this host: verl's worker-group processes on this node (``RAY_LOCAL_WORLD_SIZE``, else
-    ``LOCAL_WORLD_SIZE``), 1 when neither is set (one engine in this process)."""
-    env = os.environ if env is None else env
-    for name in ("RAY_LOCAL_WORLD_SIZE", "LOCAL_WORLD_SIZE"):
-        raw = env.get(name, "")
-        if raw.isdigit() and int(raw) >= 1:
-            return int(raw)
-    return 1
-
-
-def resolve_max_bytes(configured: int, host_bytes: int | None = None, drafters: int | None = None
-                      ) -> tuple[int, str]:
+def resolve_max_bytes(configured: int, host_bytes: int | None = None, drafters: int = 1) -> tuple[int, str]:
     """The store bound (bytes) and a line saying where it comes from: ``configured`` when > 0, else
-    ``HOST_SHARE * host_bytes / drafters`` (defaults: this host's memory, :func:`drafters_on_host`)."""
+    ``HOST_SHARE * host_bytes / drafters`` (``host_bytes`` default: this host's memory; ``drafters``: the drafter
+    processes on the host, ``sam_config.history_drafters``)."""
     if configured > 0:
         return configured, f"SAM history: store bound {configured / 2**30:.2f} GiB (history_max_bytes)"
     host = host_memory_bytes() if host_bytes is None else host_bytes
-    n = drafters_on_host() if drafters is None else max(1, drafters)
+    n = max(1, drafters)
     bound = max(1, int(host * HOST_SHARE) // n)
     return bound, (f"SAM history: store bound {bound / 2**30:.2f} GiB of host memory per drafter "
                    f"({HOST_SHARE:.0%} of {host / 2**30:.1f} GiB over {n} drafter(s) on this host)")

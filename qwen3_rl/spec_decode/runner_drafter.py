@@ -69,7 +69,7 @@ class SamRunnerDrafter:
     def __init__(self, config: SamConfig, max_model_len: int) -> None:
         self._setup(config, max_model_len, rank=-1)
         if self.drafter.history is not None:  # the store's bound, once per engine process
-            print(resolve_max_bytes(config.history_max_bytes)[1], flush=True)
+            print(resolve_max_bytes(config.history_max_bytes, drafters=config.history_drafters)[1], flush=True)
         _warm_up(config)
 
     def _setup(self, config: SamConfig, max_model_len: int, rank: int) -> None:

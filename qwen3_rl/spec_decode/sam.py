@@ -79,6 +79,8 @@ class SamConfig:
         history_prompt_tokens: tokens kept per prompt in the history.
         history_max_bytes: bound of the whole history store (bytes; least recently used prompts leave); 0 = from
             the host's memory and the drafters on it (``history.resolve_max_bytes``).
+        history_drafters: drafter processes on this host sharing that default bound (the launcher passes the
+            rollout's processes per node).
         adaptive_k: (runner) choose each request's draft length per step, <= ``num_speculative_tokens``
             (then k_max), from a verification cost model and the recent acceptance (``adaptive_k.py``).
         adaptive_k_min: floor of an adaptive draft length (1 <= it <= k_max).
@@ -105,6 +107,7 @@ class SamConfig:
     history_responses: int = 0
     history_prompt_tokens: int = 1 << 17
     history_max_bytes: int = 0
+    history_drafters: int = 1
     adaptive_k: bool = False
     adaptive_k_min: int = 1
     verify_base_ms: float = 59.64
@@ -136,6 +139,8 @@ class SamConfig:
         if self.history_responses < 0 or self.history_prompt_tokens < 1 or self.history_max_bytes < 0:
             raise ValueError("history_responses >= 0, history_prompt_tokens >= 1 and history_max_bytes >= 0 "
                              "are required")
+        if self.history_drafters < 1:
+            raise ValueError(f"history_drafters must be >= 1, got {self.history_drafters}")
         if self.history_responses and not self.group_mode:
             raise ValueError("history_responses > 0 needs group_mode=True (the history feeds the group automata)")
         if not 1 <= self.adaptive_k_min <= self.num_speculative_tokens:
@@ -276,7 +281,7 @@ class SamProposer:
         self.groups_version = 0  # changes whenever a group automaton is opened or freed
         # finished responses per prompt across rollout steps (group mode, history_responses > 0)
         self.history: HistoryStore | None = (
-            HistoryStore(cfg.history_responses, cfg.history_prompt_tokens, resolve_max_bytes(cfg.history_max_bytes)[0])
+            HistoryStore(cfg.history_responses, cfg.history_prompt_tokens, resolve_max_bytes(cfg.history_max_bytes, drafters=cfg.history_drafters)[0])
             if cfg.group_mode and cfg.history_responses else None)
         self.history_strings = 0  # history responses instantiated into group automata (counter)
 

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from qwen3_rl.spec_decode.history import HOST_SHARE, HistoryStore, drafters_on_host, resolve_max_bytes
+from qwen3_rl.spec_decode.history import HOST_SHARE, HistoryStore, resolve_max_bytes
 from qwen3_rl.spec_decode.sam import SamConfig, SamProposer, group_key
 
 PROMPT = np.arange(2000, 2016, dtype=np.int32)
@@ -35,14 +35,15 @@ def test_default_bound_is_a_share_of_host_memory_over_the_drafters() -> None:
     print(line)
     import os
 
-    assert own == int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * HOST_SHARE) // drafters_on_host()
-    assert drafters_on_host({"RAY_LOCAL_WORLD_SIZE": "16"}) == 16
-    assert drafters_on_host({"LOCAL_WORLD_SIZE": "2"}) == 2 and drafters_on_host({}) == 1
-    assert drafters_on_host({"RAY_LOCAL_WORLD_SIZE": "x"}) == 1
-    # the drafter's default config takes it
-    assert SamConfig().history_max_bytes == 0
+    assert own == int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * HOST_SHARE)  # one drafter
+    # the drafter's default config takes it, shared by the drafters the launcher names (sam_config.history_drafters)
+    assert SamConfig().history_max_bytes == 0 and SamConfig().history_drafters == 1
     p = SamProposer(SamConfig(group_mode=True, history_responses=4))
     assert p.history is not None and p.history.max_bytes == own
+    p = SamProposer(SamConfig(group_mode=True, history_responses=4, history_drafters=16))
+    assert p.history is not None and p.history.max_bytes == resolve_max_bytes(0, drafters=16)[0] < own
+    with pytest.raises(ValueError, match="history_drafters"):
+        SamConfig(history_drafters=0)
     with pytest.raises(ValueError, match="history_max_bytes >= 0"):
         SamConfig(group_mode=True, history_responses=4, history_max_bytes=-1)
 
