@@ -66,6 +66,23 @@ def _ray_trainer_base():  # imported lazily so the pure parts import without ver
     return RayPPOTrainer
 
 
+def attach_rewards(batch: Any, reward_fn: Any) -> Any:
+    """Score ``batch`` (a verl ``DataProto`` of B responses) with verl's reward manager: ``response_mask`` (B x T) if
+    missing, ``token_level_scores`` = ``token_level_rewards`` (B x T) and the manager's extras (B,) as non-tensor
+    columns; returns ``batch``."""
+    from verl.trainer.ppo.ray_trainer import compute_response_mask
+    from verl.trainer.ppo.reward import compute_reward
+
+    if "response_mask" not in batch.batch.keys():
+        batch.batch["response_mask"] = compute_response_mask(batch)
+    reward, extra = compute_reward(batch, reward_fn)
+    batch.batch["token_level_scores"] = reward
+    batch.batch["token_level_rewards"] = reward
+    if extra:
+        batch.non_tensor_batch.update({k: np.array(v) for k, v in extra.items()})
+    return batch
+
+
 def make_dapo_trainer_class():
     """Build ``DapoRayTrainer(RayPPOTrainer)`` (verl imported at call time)."""
     from verl import DataProto
@@ -81,7 +98,6 @@ def make_dapo_trainer_class():
         compute_advantage,
         compute_response_mask,
     )
-    from verl.trainer.ppo.reward import compute_reward
     from verl.utils.checkpoint.checkpoint_manager import should_save_ckpt_esi
     from verl.utils.debug import marked_timer
     from verl.utils.metric import reduce_metrics
@@ -127,11 +143,7 @@ def make_dapo_trainer_class():
             with marked_timer("reward", timing_raw, color="yellow"):
                 if self.use_rm and "rm_scores" not in new_batch.batch.keys():
                     new_batch = new_batch.union(self.rm_wg.compute_rm_score(new_batch))
-                reward_tensor, extra = compute_reward(new_batch, self.reward_fn)
-                new_batch.batch["token_level_scores"] = reward_tensor
-                new_batch.batch["token_level_rewards"] = reward_tensor
-                if extra:
-                    new_batch.non_tensor_batch.update({k: np.array(v) for k, v in extra.items()})
+                attach_rewards(new_batch, self.reward_fn)
             return new_batch
 
         # ---- the PPO update on a full batch (verl's steps, reward already attached) -------

@@ -95,17 +95,13 @@ def _record_rebalance_rounds(path: str, corrupt_kv: bool) -> None:
         migration.move_kv_blocks = zeroing
 
 
-async def run_one(spec: dict, run: dict) -> dict:
+async def drive(engine, spec: dict, run: dict) -> tuple[list[list[int]], list]:  # noqa: ANN001
+    """Install the probe in the engine's workers, send ``spec["prompts"]`` (greedy, ``run["max_tokens"]`` each, with
+    ``run["dp_ranks"]`` as ``data_parallel_rank`` when given) concurrently; returns the token ids per prompt and the
+    workers' gc state between steps. Shuts the engine down."""
     from vllm import SamplingParams
-    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.inputs import TokensPrompt
-    from vllm.v1.engine.async_llm import AsyncLLM
 
-    kwargs = dict(model=spec["model"], dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
-                  compilation_config={"custom_ops": ["none"]}, gpu_memory_utilization=0.5,
-                  worker_extension_cls="core_loop_driver.CoreProbe")
-    kwargs.update(run.get("engine", {}))
-    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
     probe = str(Path(spec["probe_dir"]) / f"{run['name']}-{{pid}}.jsonl")
     try:
         await engine.collective_rpc("probe_install", args=(probe, bool(run.get("corrupt_kv", False))))
@@ -125,12 +121,29 @@ async def run_one(spec: dict, run: dict) -> dict:
         between = await engine.collective_rpc("probe_gc")
     finally:
         engine.shutdown()
+    return outputs, between
+
+
+def collect(spec: dict, run: dict, outputs: list, between: list) -> dict:
+    """The run's result: outputs, the probe's per-step records and rebalance rounds (all processes)."""
     steps, rounds = [], []
     for f in sorted(Path(spec["probe_dir"]).glob(f"{run['name']}-*.jsonl")):
         recs = [json.loads(line) for line in f.read_text().splitlines()]
         (rounds if f.name.startswith(f"{run['name']}-rounds-") else steps).extend(recs)
     return {"name": run["name"], "driver_pid": os.getpid(), "outputs": outputs, "steps": steps,
             "rounds": rounds, "gc_between_steps": between}
+
+
+async def run_one(spec: dict, run: dict) -> dict:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    kwargs = dict(model=spec["model"], dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+                  compilation_config={"custom_ops": ["none"]}, gpu_memory_utilization=0.5,
+                  worker_extension_cls="core_loop_driver.CoreProbe")
+    kwargs.update(run.get("engine", {}))
+    outputs, between = await drive(AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)), spec, run)
+    return collect(spec, run, outputs, between)
 
 
 def main() -> int:

@@ -31,6 +31,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from core_loop_driver import collect, drive  # noqa: E402
+
 import workspace  # noqa: E402
 
 
@@ -64,9 +66,7 @@ def worker_main(spec: dict, run: dict) -> None:
 
 async def run_one(spec: dict, index: int, run: dict) -> dict:
     from verl.workers.rollout.vllm_rollout.vllm_async_server import ExternalZeroMQDistributedExecutor
-    from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.inputs import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
     dp = int(run.get("dp", 1))
@@ -95,36 +95,12 @@ async def run_one(spec: dict, index: int, run: dict) -> dict:
             kwargs.update(data_parallel_size=dp, data_parallel_size_local=dp,
                           enable_expert_parallel=bool(run.get("expert_parallel", False)))
         kwargs.update(run.get("engine", {}))
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
-        probe = str(Path(spec["probe_dir"]) / f"{run['name']}-{{pid}}.jsonl")
-        try:
-            await engine.collective_rpc("probe_install", args=(probe, bool(run.get("corrupt_kv", False))))
-            lens = run.get("max_tokens", 16)
-            ranks = run.get("dp_ranks")
-
-            async def one(i: int, ids: list[int]) -> list[int]:
-                extra = {} if ranks is None else {"data_parallel_rank": int(ranks[i])}
-                n = int(lens[i] if isinstance(lens, list) else lens)
-                sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                final = None
-                async for out in engine.generate(TokensPrompt(prompt_token_ids=ids), sp, f"req-{i}", **extra):
-                    final = out
-                return list(final.outputs[0].token_ids)
-
-            outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(spec["prompts"])))
-            between = await engine.collective_rpc("probe_gc")
-        finally:
-            engine.shutdown()
+        outputs, between = await drive(AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)), spec, run)
     finally:
         for w in workers:
             w.kill()
             w.wait(timeout=60)
-    steps, rounds = [], []
-    for f in sorted(Path(spec["probe_dir"]).glob(f"{run['name']}-*.jsonl")):
-        recs = [json.loads(line) for line in f.read_text().splitlines()]
-        (rounds if f.name.startswith(f"{run['name']}-rounds-") else steps).extend(recs)
-    return {"name": run["name"], "driver_pid": os.getpid(), "worker_pids": [w.pid for w in workers],
-            "outputs": outputs, "steps": steps, "rounds": rounds, "gc_between_steps": between}
+    return {**collect(spec, run, outputs, between), "worker_pids": [w.pid for w in workers]}
 
 
 def main() -> int:

@@ -66,12 +66,11 @@ def make_fully_async_trainer_class():
     from verl.single_controller.ray import RayClassWithInitArgs, RayWorkerGroup
     from verl.single_controller.ray.base import create_colocated_worker_cls
     from verl.trainer.ppo.metric_utils import compute_data_metrics, compute_timing_metrics
-    from verl.trainer.ppo.ray_trainer import ResourcePoolManager, compute_response_mask
-    from verl.trainer.ppo.reward import compute_reward
+    from verl.trainer.ppo.ray_trainer import ResourcePoolManager
     from verl.utils.debug import marked_timer
     from verl.utils.tracking import Tracking
 
-    from qwen3_rl.trainer.dapo import make_dapo_trainer_class
+    from qwen3_rl.trainer.dapo import attach_rewards, make_dapo_trainer_class
     from qwen3_rl.trainer.fully_async.agent_loop import AGENT_NAME
     from qwen3_rl.trainer.fully_async.rollout import PartialAgentLoopManager
     from qwen3_rl.trainer.fully_async.weight_sync import collective_backend, plan_buckets
@@ -171,15 +170,7 @@ def make_fully_async_trainer_class():
         def _score(self, rows: Any, out: Any) -> Any:
             out.meta_info.pop("timing", None)
             out.meta_info.pop("metrics", None)
-            group = rows.union(out)
-            if "response_mask" not in group.batch.keys():
-                group.batch["response_mask"] = compute_response_mask(group)
-            reward, extra = compute_reward(group, self.reward_fn)
-            group.batch["token_level_scores"] = reward
-            group.batch["token_level_rewards"] = reward
-            if extra:
-                group.non_tensor_batch.update({k: np.array(v) for k, v in extra.items()})
-            return group
+            return attach_rewards(rows.union(out), self.reward_fn)
 
         def _compute_old_log_prob(self, batch: Any, metrics: dict, timing_raw: dict) -> Any:
             if self.fa.use_rollout_log_probs:  # what verl's compute_log_prob would have added besides the values
