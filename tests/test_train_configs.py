@@ -68,6 +68,7 @@ SETUPS = {
 # the fully-async setups (qwen3_rl.trainer.fully_async, docs/fully_async.md): setup -> (trainer dies, rollout dies,
 # prompts per update, n, rollout TP, verl rollout DP); checked by test_fully_async_setups, not by the sync tests above
 FULLY_ASYNC = {
+    "train_grpo_qwen3_235b_128die_fully_async.sh": (96, 32, 96, 16, 4, 8),
     "train_grpo_qwen3_30b_a3b_32die_fully_async.sh": (16, 16, 32, 16, 2, 8),
     "train_grpo_tiny_cpu_fully_async.sh": (1, 1, 16, 8, 1, 1),
 }
