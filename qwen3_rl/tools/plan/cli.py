@@ -57,6 +57,9 @@ SCRIPT_KEYS: dict[str, tuple[str, type]] = {
     "actor_rollout_ref.rollout.agent.num_workers": ("agent_workers", int),
     "trainer.nnodes": ("nnodes", int),
     "trainer.n_gpus_per_node": ("n_gpus_per_node", int),
+    # the fully-async setups' rollout pool (qwen3_rl.trainer.fully_async): its own dies, apart from the trainer's
+    "rollout.nnodes": ("rollout_nnodes", int),
+    "rollout.n_gpus_per_node": ("rollout_n_gpus_per_node", int),
 }
 
 
@@ -251,14 +254,19 @@ def build_plan(spec: ModelSpec, vals: Mapping[str, Any], args: argparse.Namespac
 def rollout_mode_plan(vals: Mapping[str, Any]) -> dict[str, Any]:
     """The rollout mode and what it starts: ``sync`` (verl's SPMD engines inside the workers) or ``async`` (server
     mode: one vLLM server per replica of TP x DP dies, verl/experimental/agent_loop/agent_loop.py:665-679, and the
-    agent-loop workers that send the requests). ``servers`` is None while the world size is unknown."""
+    agent-loop workers that send the requests). The servers run on the rollout pool's dies in a fully-async setup
+    (``rollout.nnodes`` x ``rollout.n_gpus_per_node``), else on the trainer's. ``servers`` is None while the world size
+    is unknown."""
     mode = str(vals.get("rollout_mode") or "sync")
     out: dict[str, Any] = {"mode": mode}
     if mode != "async":
         return out
-    world = vals.get("train_dies")
-    if world is None and vals.get("nnodes") and vals.get("n_gpus_per_node"):
-        world = vals["nnodes"] * vals["n_gpus_per_node"]
+    if vals.get("rollout_nnodes") and vals.get("rollout_n_gpus_per_node"):
+        world = vals["rollout_nnodes"] * vals["rollout_n_gpus_per_node"]
+    else:
+        world = vals.get("train_dies")
+        if world is None and vals.get("nnodes") and vals.get("n_gpus_per_node"):
+            world = vals["nnodes"] * vals["n_gpus_per_node"]
     replica = (vals.get("rollout_tp") or 1) * (vals.get("rollout_dp") or 1)
     out.update(replica_dies=replica, servers=None if world is None else world // replica,
                agent_workers=vals.get("agent_workers", 8))

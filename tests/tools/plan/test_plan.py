@@ -21,6 +21,7 @@ from qwen3_rl.tools.plan import (
     plan_training,
 )
 from qwen3_rl.tools.plan.cli import main as plan_main
+from qwen3_rl.tools.plan.memory import A3_DIE_VISIBLE_GIB
 from qwen3_rl.tools.plan.model import PlanError
 
 REPO = Path(__file__).resolve().parents[3]
@@ -333,6 +334,27 @@ def test_30b_a3b_setup_plan(capsys):
     assert r["max_concurrent_seqs"] >= 128 * 16 // 16  # one engine's share of the batch fits at full length
     assert (t["layout"]["tp"], t["layout"]["pp"], t["layout"]["ep"], t["stage_layers"]) == (2, 2, 8, [24, 24])
     assert round(t["static_gib"], 2) == 22.96
+
+
+def test_235b_fully_async_split(capsys):
+    """The 235B fully-async script's split (internal/train_grpo_qwen3_235b_128die_fully_async.sh, its header): the
+    actor on the 96 train dies fits (64 would not: 64.4 GiB > 60.96 visible), one vLLM server on the 32 rollout dies."""
+    args = ["--model-config", str(DATA / "qwen3_235b_a22b_config.json"), "--hccl-buffsize-mb", "512", "--json",
+            "--train-script", str(REPO / "internal" / "train_grpo_qwen3_235b_128die_fully_async.sh")]
+    assert plan_main(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    r, t = plan["rollout"], plan["training"]
+    assert (r["layout"]["tp"], r["layout"]["dp"], r["layout"]["ep"], r["layout"]["max_model_len"]) == (4, 8, 32, 34816)
+    assert round(r["weights_gib_per_die"], 1) == 17.0 and r["max_concurrent_seqs"] == 19
+    assert r["mode"] == {"mode": "async", "replica_dies": 32, "servers": 1, "agent_workers": 8}
+    assert (t["layout"]["world"], t["layout"]["dp"], t["layout"]["expert_dp"], t["stage_layers"]) == (96, 2, 1,
+                                                                                                   [31, 32, 31])
+    assert round(t["static_gib"], 1) == 44.3 < A3_DIE_VISIBLE_GIB
+    half = ["--model-config", str(DATA / "qwen3_235b_a22b_config.json"), "--json", "--rollout-tp", "4",
+            "--max-model-len", "34816", "--train-dies", "64", "--actor-tp", "4", "--actor-pp", "4", "--actor-cp", "4",
+            "--actor-ep", "16", "--actor-etp", "1", "--actor-first-stage-layers", "23", "--actor-last-stage-layers", "23"]
+    assert plan_main(half) == 0
+    assert round(json.loads(capsys.readouterr().out)["training"]["static_gib"], 1) == 64.4 > A3_DIE_VISIBLE_GIB
 
 
 def test_plan_knows_the_rollout_mode(capsys, monkeypatch):
