@@ -65,7 +65,6 @@ def _record_rebalance_rounds(path: str, corrupt_kv: bool) -> None:
     (``{"round", "dp_rank", "moves": [[req_id, src, dst, phase, kv_blocks, recompute]], "kv_bytes_sent",
     "kv_bytes_received", "delivered", "kv_path", "link_gb_s"}``); ``corrupt_kv`` (negative control): moved KV blocks
     arrive as zeros."""
-    import torch
 
     import qwen3_rl.rollout.migration as migration
 
@@ -83,16 +82,9 @@ def _record_rebalance_rounds(path: str, corrupt_kv: bool) -> None:
 
     migration.RebalanceCoordinator.run_round = recorded
     if corrupt_kv:
-        real = migration.move_kv_blocks
+        from rebalance_driver import zero_moved_kv
 
-        def zeroing(kv_spec, comm, sends, recvs, **kw):  # noqa: ANN001, ANN003, ANN202
-            out = real(kv_spec, comm, sends, recvs, **kw)
-            for _, ids in recvs:
-                for cache, axis in zip(kv_spec.caches, kv_spec.block_axes, strict=True):
-                    cache.index_fill_(axis, torch.as_tensor(list(ids), dtype=torch.long), 0)
-            return out
-
-        migration.move_kv_blocks = zeroing
+        zero_moved_kv()
 
 
 async def drive(engine, spec: dict, run: dict) -> tuple[list[list[int]], list]:  # noqa: ANN001

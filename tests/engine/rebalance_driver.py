@@ -24,6 +24,25 @@ sys.path.insert(0, str(HERE))
 import workspace  # noqa: E402
 
 
+def zero_moved_kv() -> None:
+    """Negative control of the KV moves: wrap ``migration.move_kv_blocks`` so that every received KV block is
+    zeroed after the transfer (a run whose outputs then still equal the unmoved run's would prove nothing)."""
+    import torch
+
+    import qwen3_rl.rollout.migration as migration
+
+    real = migration.move_kv_blocks
+
+    def zeroing(kv_spec, comm, sends, recvs, **kw):  # noqa: ANN001, ANN003, ANN202
+        out = real(kv_spec, comm, sends, recvs, **kw)
+        for _, ids in recvs:
+            for cache, axis in zip(kv_spec.caches, kv_spec.block_axes, strict=True):
+                cache.index_fill_(axis, torch.as_tensor(list(ids), dtype=torch.long), 0)
+        return out
+
+    migration.move_kv_blocks = zeroing
+
+
 def keep_external_launcher_on_cpu() -> None:
     """Platform shim: vLLM's CPU platform turns any multi-process executor into ``mp``
     (``vllm/platforms/cpu.py:213-226``); the rollout runs vLLM under verl's external launcher (one engine per
@@ -48,7 +67,6 @@ def main() -> int:
     faulthandler.register(signal.SIGUSR1)  # stacks on demand if a rank hangs
     spec = json.loads(Path(sys.argv[1]).read_text())
     workspace.activate(Path(spec["workspace"]))
-    import torch
     import torch.distributed as dist
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -68,18 +86,7 @@ def main() -> int:
                                  "rollout_rebalance_kv_path": spec.get("kv_path", "device"),
                                  "rollout_rebalance_timeout_s": 120.0}, llm)
     if spec.get("corrupt_kv"):  # negative control: the moved KV arrives as zeros
-        import qwen3_rl.rollout.migration as migration
-
-        real = migration.move_kv_blocks
-
-        def zeroing(kv_spec, comm, sends, recvs, **kw):  # noqa: ANN001, ANN003, ANN202
-            out = real(kv_spec, comm, sends, recvs, **kw)
-            for _, ids in recvs:
-                for cache, axis in zip(kv_spec.caches, kv_spec.block_axes, strict=True):
-                    cache.index_fill_(axis, torch.as_tensor(list(ids), dtype=torch.long), 0)
-            return out
-
-        migration.move_kv_blocks = zeroing
+        zero_moved_kv()
     prompts = spec["prompts"][str(rank)]
     lens = spec["max_tokens"][str(rank)]
     sps = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lens]
