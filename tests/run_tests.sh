@@ -17,6 +17,12 @@ SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_deco
 # history and adaptive-k tests of the same files. test_out_of_range_index_raises_under_boundscheck starts its own
 # process with NUMBA_BOUNDSCHECK=1 and a fresh cache whatever the parent's setting: the main run's run of it is the
 # same check.
+# The engine tests that start whole training runs through the launcher (Ray, trainer, rollout; about 30 % of two
+# cores stay idle while they wait on start-ups and on each other): on a run of the whole engine part they run in a
+# second pytest process beside the other engine tests (engine-level, no Ray cluster), so the two fill both cores.
+# Only these start Ray clusters, and they run one after another in their own process.
+ENGINE_LAUNCHER_TESTS=(tests/engine/test_e2e_training.py tests/engine/test_slurm.py tests/engine/test_server_rollout.py
+                       tests/engine/test_fully_async.py tests/engine/test_ascend_grpo_step.py)
 BOUNDSCHECK_NOT_KERNELS=(test_benchmark_smoke test_construction_compiles_every_kernel_of_the_runner_path
                          test_warm_cache_command_fills_numba_cache test_warm_cache_command_refuses_without_cache
                          test_simulate_rollout_with_drafting test_bench_cli_history_and_adaptive
@@ -37,8 +43,10 @@ $QWEN3_RL_VENV and tests/engine (vLLM 0.13.0's real CPU engine) in $QWEN3_RL_ENG
 Examples:  bash tests/run_tests.sh -m engine        # the real-engine tests alone
            bash tests/run_tests.sh tests/tools/upstream/test_pins.py
 Test paths decide the part: paths only under tests/engine skip the main run, paths elsewhere skip
-the engine run. On a full run (no test path, -m or -k) every part must run tests: a part that
-collects nothing fails the run. With a selection, one part collecting nothing is fine as long as
+the engine run. The engine part without test paths runs in two pytest processes at once: the launcher
+runs (ENGINE_LAUNCHER_TESTS: whole trainings through Ray) and the other engine tests.
+On a full run (no test path, -m or -k) every part must run tests: a part that collects nothing fails
+the run. With a selection, one part collecting nothing is fine as long as
 another ran tests. A skipped test fails (tests/conftest.py).
 Boundscheck run: when the main run runs and no test path, -m or -k is given, the SAM drafter's tests
 (SAM_BOUNDSCHECK_TESTS) run once more in the main venv with NUMBA_BOUNDSCHECK=1 and an empty numba cache
@@ -62,10 +70,32 @@ collect_background() {
   # wait for a background check (NAME PID LOG), print its exit code, wait time and log; returns its exit code
   local name=$1 pid=$2 log=$3 rc=0 t0=${SECONDS}
   wait "${pid}" || rc=$?
-  echo "== ${name} (exit ${rc}; waited $((SECONDS - t0)) s after the main runs)"
+  echo "== ${name} (exit ${rc}; waited $((SECONDS - t0)) s after the foreground run)"
   cat "${log}"
   rm -f "${log}"
   return "${rc}"
+}
+
+run_engine_split() {
+  # the engine part in two pytest processes at once: ENGINE_LAUNCHER_TESTS (live output) and the other engine tests
+  # (log printed after); returns 5 when neither collected a test, else the first failing exit code (5 = none
+  # collected in that process is not a failure)
+  local ignores=() f log pid rc_a=0 rc_b=0 t0=${SECONDS}
+  for f in "${ENGINE_LAUNCHER_TESTS[@]}"; do ignores+=("--ignore=${f}"); done
+  log="$(mktemp)"
+  echo "== pytest (engine venv: tests/engine without the launcher runs, in the background; log after the launcher runs)"
+  "${ENGINE_VENV}/bin/python" -m pytest tests/engine "${ignores[@]}" "$@" >"${log}" 2>&1 &
+  pid=$!
+  echo "== pytest (engine venv: the launcher runs, ${ENGINE_LAUNCHER_TESTS[*]})"
+  "${ENGINE_VENV}/bin/python" -m pytest "${ENGINE_LAUNCHER_TESTS[@]}" "$@" || rc_a=$?
+  echo "== engine launcher runs: $((SECONDS - t0)) s (exit ${rc_a})"
+  collect_background "engine tests without the launcher runs" "${pid}" "${log}" || rc_b=$?
+  echo "== engine part: $((SECONDS - t0)) s (exits: launcher runs ${rc_a}, others ${rc_b})"
+  if [[ ${rc_a} -eq 5 && ${rc_b} -eq 5 ]]; then return 5; fi
+  for f in "${rc_a}" "${rc_b}"; do
+    if [[ ${f} -ne 0 && ${f} -ne 5 ]]; then return "${f}"; fi
+  done
+  return 0
 }
 
 main() {
@@ -144,11 +174,13 @@ main() {
     fi
   fi
   if (( engine_paths || ! main_paths )); then
-    echo "== pytest (engine venv: tests/engine)"
-    local eargs=("$@")
-    (( engine_paths )) || eargs=(tests/engine "$@")
     rc_engine=0
-    "${ENGINE_VENV}/bin/python" -m pytest "${eargs[@]}" || rc_engine=$?
+    if (( engine_paths )); then
+      echo "== pytest (engine venv: tests/engine)"
+      "${ENGINE_VENV}/bin/python" -m pytest "$@" || rc_engine=$?
+    else
+      run_engine_split "$@" || rc_engine=$?
+    fi
   fi
   echo "== exit codes: main ${rc_main}, boundscheck ${rc_bounds}, verl-own ${rc_verl}, vllm-own ${rc_vllm}, vllm-ascend-own ${rc_ascend}, engine ${rc_engine} (5 = nothing collected or not run)"
   if [[ ${rc_main} -eq 5 && ${rc_engine} -eq 5 ]]; then

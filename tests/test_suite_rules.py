@@ -63,3 +63,15 @@ def test_boundscheck_leaves_out_only_named_tests_and_keeps_kernel_tests_in_every
         defined[f] = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
     assert left_out <= set().union(*defined.values()), sorted(left_out - set().union(*defined.values()))
     assert all(names - left_out for names in defined.values()), {f: sorted(n) for f, n in defined.items()}
+
+
+def test_engine_launcher_tests_are_every_engine_file_that_starts_a_training_run():
+    """tests/run_tests.sh runs ENGINE_LAUNCHER_TESTS in a pytest process of their own beside the other engine tests:
+    every listed file exists, and every engine test file that starts a whole run (the ``cpu_ws`` workspace, the
+    launcher, a Ray cluster) is listed, so two Ray clusters never start at once."""
+    files = _bash_array((REPO / "tests" / "run_tests.sh").read_text(), "ENGINE_LAUNCHER_TESTS")
+    assert files and all((REPO / f).is_file() for f in files), files
+    starts_runs = {
+        str(f.relative_to(REPO)) for f in sorted((REPO / "tests" / "engine").glob("test_*.py"))
+        if re.search(r"\bcpu_ws\b|ray_start_npu\.sh|ray\.init\(", f.read_text())}
+    assert starts_runs == set(files), (sorted(starts_runs - set(files)), sorted(set(files) - starts_runs))
