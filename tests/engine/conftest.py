@@ -101,3 +101,17 @@ def cpu_ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert again.returncode == 0, again.stderr[-2000:]
     assert "building" not in again.stdout and "wrote" not in again.stdout, again.stdout
     return ws
+
+
+@pytest.fixture(scope="session")
+def grpo_on_run(cpu_ws: Path, tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - test_e2e_training.Run
+    """The sync GRPO learning run of ``test_e2e_training`` (6 steps, ``SWITCHES_ON``), with verl's validation dump
+    (``<run dir>/val_data/<step>.jsonl``; the run dir is ``run.probe.parent``). Shared: ``test_server_rollout``
+    compares server mode's greedy validation before training with this run's (same initial weights), instead of
+    launching a sync validation run of its own."""
+    from test_e2e_training import SWITCHES_ON, launch
+
+    run_dir = tmp_path_factory.mktemp("grpo-on")
+    return launch(cpu_ws, "internal/train_grpo_tiny_cpu.sh", run_dir, env=SWITCHES_ON,
+                  args=[f"+trainer.validation_data_dir={run_dir / 'val_data'}"])
+

@@ -281,7 +281,7 @@ def check_resume_state(faulty: Run, resumed: Run) -> None:
 
 
 @pytest.mark.timeout(2400)  # set-up, then three launcher runs
-def test_grpo_learns_then_fault_and_resume(cpu_ws: Path, tmp_path: Path) -> None:
+def test_grpo_learns_then_fault_and_resume(cpu_ws: Path, grpo_on_run: Run, tmp_path: Path) -> None:
     """GRPO from the warmed-up model, GRPO_STEPS steps, with SAM (group mode), data rebalance and the current log-prob as
     old: validation accuracy rises by LEARNING_MARGIN; the last checkpoint merged by verl's merger equals the engine.
     Then 2 steps with every switch off: a worker is killed during step 2, which must stop the run with an error;
@@ -289,7 +289,7 @@ def test_grpo_learns_then_fault_and_resume(cpu_ws: Path, tmp_path: Path) -> None
     step 2 on the first run's step-2 prompts (the prompts a step trains on come from the seeded dataloader; the
     switches only reorder and decode them)."""
     model = cpu_ws / "tiny" / "qwen3_tiny"
-    on = launch(cpu_ws, "internal/train_grpo_tiny_cpu.sh", tmp_path / "on", env=SWITCHES_ON)
+    on = grpo_on_run  # launched by the fixture (conftest.py): the server-mode test compares its validation dump
     assert on.rc == 0, _tail(on)
     check_weight_sync(on, model)
     doc = check_step_log_and_ckpt(on, list(range(1, GRPO_STEPS + 1)))
@@ -339,7 +339,7 @@ def test_grpo_learns_then_fault_and_resume(cpu_ws: Path, tmp_path: Path) -> None
     doc = check_step_log_and_ckpt(resumed, [2])  # positive control of "no global_step_2" above: now it exists
     assert all(e["all_equal"] for e in resumed.of("weight_sync")) and resumed.of("weight_sync")
     check_resume_state(faulty, resumed)
-    assert _prompts_of_step(run_dir, 2) == _prompts_of_step(tmp_path / "on", 2), \
+    assert _prompts_of_step(run_dir, 2) == _prompts_of_step(on.probe.parent, 2), \
         "the resumed step 2 trained on other prompts than the uninterrupted run's step 2"
     print("stage seconds (GRPO, switches off, resumed step 2):", json.dumps(stage_seconds(doc, resumed)))
 

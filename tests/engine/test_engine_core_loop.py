@@ -37,34 +37,6 @@ def engine_of(steps: list[dict]) -> dict[str, set[int]]:
 
 
 @pytest.fixture(scope="module")
-def gc_runs(engine_ws: Path, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    tmp = tmp_path_factory.mktemp("core-gc")
-    (tmp / "probe").mkdir()
-    spec = {"workspace": str(engine_ws), "model": str(tiny_models["dense"]), "prompts": PROMPTS,
-            "probe_dir": str(tmp / "probe"), "runs": [
-                {"name": "off", "max_tokens": 8},
-                {"name": "on", "max_tokens": 8,
-                 "engine": {"additional_config": {"qwen3_rl": {"disable_gc": True}}}},
-            ]}
-    return run_engine(spec, tmp, env=core_env(engine_ws), driver="core_loop_driver.py")
-
-
-def test_gc_guard_runs_in_the_engine_core_process(gc_runs: dict) -> None:
-    # gc_guard (order 10) is built by EngineCoreProc and takes its policy from additional_config.qwen3_rl there:
-    # with it, the collector is off in every model step of the core process and on again between steps; without
-    # it (positive control), on in every step. The steps ran in the core process, not the driver's.
-    off, on = gc_runs["off"], gc_runs["on"]
-    for r in (off, on):
-        assert len(r["steps"]) >= 8
-        assert {s["pid"] for s in r["steps"]} and r["driver_pid"] not in {s["pid"] for s in r["steps"]}
-    assert all(s["gc_enabled"] for s in off["steps"])
-    assert not any(s["gc_enabled"] for s in on["steps"])
-    (pid, enabled), = on["gc_between_steps"]
-    assert pid == on["steps"][0]["pid"] and enabled is True
-    assert on["outputs"] == off["outputs"] and all(len(o) == 8 for o in on["outputs"])
-
-
-@pytest.fixture(scope="module")
 def dp_runs(engine_ws: Path, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
     from qwen3_rl.rollout.server_routing import GroupRouter
 
@@ -76,7 +48,8 @@ def dp_runs(engine_ws: Path, tiny_models: dict[str, Path], tmp_path_factory: pyt
     ranks = [router.choose(f"req-{i}", p) % 2 for i, p in enumerate(prompts)]
     spec = {"workspace": str(engine_ws), "model": str(tiny_models["dense"]), "prompts": prompts,
             "probe_dir": str(tmp / "probe"), "runs": [
-                {"name": "dp1", "max_tokens": 8},
+                {"name": "dp1", "max_tokens": 8,  # and the gc policy on (test_gc_guard_runs_in_the_engine_core_process)
+                 "engine": {"additional_config": {"qwen3_rl": {"disable_gc": True}}}},
                 {"name": "routed", "max_tokens": 8, "dp_ranks": ranks, "engine": {"data_parallel_size": 2}},
                 {"name": "flipped", "max_tokens": 8, "dp_ranks": [1 - r for r in ranks],
                  "engine": {"data_parallel_size": 2}},
@@ -101,6 +74,23 @@ def test_data_parallel_rank_lands_on_that_engine_core(dp_runs: dict) -> None:
         for i in range(0, len(want), 2):  # siblings
             assert seen[f"req-{i}"] == seen[f"req-{i + 1}"]
         assert r["outputs"] == dp_runs["dp1"]["outputs"]
+
+
+def test_gc_guard_runs_in_the_engine_core_process(dp_runs: dict) -> None:
+    # gc_guard (order 10) is built by EngineCoreProc and takes its policy from additional_config.qwen3_rl there:
+    # with it ("dp1": one engine core), the collector is off in every model step of the core process and on again
+    # between steps; without it (positive control: the DP 2 runs' two engine cores), on in every step. The steps
+    # ran in the core processes, not the driver's; the outputs are the same.
+    on = dp_runs["dp1"]
+    for r in (on, dp_runs["routed"], dp_runs["flipped"]):
+        assert len(r["steps"]) >= 8
+        assert {s["pid"] for s in r["steps"]} and r["driver_pid"] not in {s["pid"] for s in r["steps"]}
+        assert r["outputs"] == on["outputs"]
+    assert all(s["gc_enabled"] for name in ("routed", "flipped") for s in dp_runs[name]["steps"])
+    assert not any(s["gc_enabled"] for s in on["steps"])
+    (pid, enabled), = on["gc_between_steps"]
+    assert pid == on["steps"][0]["pid"] and enabled is True
+    assert all(len(o) == 8 for o in on["outputs"])
 
 
 REBALANCE_PROMPTS = [[(11 * i + k) % 200 + 10 for k in range(6 + 2 * i)] for i in range(4)] + [
@@ -176,37 +166,6 @@ def test_rollout_rebalance_moves_the_kv_between_model_workers_behind_the_engine_
 
 
 @pytest.fixture(scope="module")
-def worker_gc_runs(engine_ws: Path, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    tmp = tmp_path_factory.mktemp("worker-gc")
-    (tmp / "probe").mkdir()
-    core_on = {"additional_config": {"qwen3_rl": {"disable_gc": True}}}
-    spec = {"workspace": str(engine_ws), "model": str(tiny_models["dense"]), "prompts": PROMPTS[:3],
-            "probe_dir": str(tmp / "probe"), "runs": [
-                {"name": "core_only", "max_tokens": 8, "engine": core_on,
-                 "qwen3_rl": {"disable_gc": {"enable": False}}},
-                {"name": "on", "max_tokens": 8, "engine": core_on, "qwen3_rl": {"disable_gc": {"enable": True}}},
-            ]}
-    return run_engine(spec, tmp, env=core_env(engine_ws), driver="server_worker_driver.py")
-
-
-def test_gc_control_in_verl_hybrid_worker_behind_the_zeromq_executor(worker_gc_runs: dict) -> None:
-    # verl's server layout: the engine core drives the model in verl's rollout worker (vLLMAsyncRollout, its own
-    # process) through verl's ExternalZeroMQDistributedExecutor. The engine core's policy (additional_config) does
-    # not reach that process (positive control "core_only": gc on in every model step of the worker); with the
-    # rollout config's qwen3_rl.disable_gc on, the verl seam's worker_call switches the collector off in every
-    # model step of the worker, and it is on again between steps; same outputs.
-    core_only, on = worker_gc_runs["core_only"], worker_gc_runs["on"]
-    for r in (core_only, on):
-        assert len(r["steps"]) >= 8
-        assert {s["pid"] for s in r["steps"]} == set(r["worker_pids"]) and r["driver_pid"] not in r["worker_pids"]
-    assert all(s["gc_enabled"] for s in core_only["steps"])
-    assert not any(s["gc_enabled"] for s in on["steps"])
-    (pid, enabled), = on["gc_between_steps"]
-    assert [pid] == on["worker_pids"] and enabled is True
-    assert on["outputs"] == core_only["outputs"] and all(len(o) == 8 for o in on["outputs"])
-
-
-@pytest.fixture(scope="module")
 def worker_rebalance_runs(engine_ws: Path, tiny_models: dict[str, Path],
                           tmp_path_factory: pytest.TempPathFactory) -> dict:
     from qwen3_rl.trainer.seam import ServerHooks
@@ -219,10 +178,15 @@ def worker_rebalance_runs(engine_ws: Path, tiny_models: dict[str, Path],
     extra = ServerHooks.from_rollout_config({"qwen3_rl": group}).server_args({})["additional_config"]
     base = {"dp": 2, "expert_parallel": True, "max_tokens": REBALANCE_TOKENS, "dp_ranks": REBALANCE_RANKS}
     on = {"max_num_seqs": 4, "additional_config": extra}
+    core_gc = {"additional_config": {"qwen3_rl": {"disable_gc": True}}}
     spec = {"workspace": str(engine_ws), "model": str(tiny_models["moe"]), "prompts": REBALANCE_PROMPTS,
             "probe_dir": str(tmp / "probe"), "runs": [
-                {"name": "dp1", "dp": 1, "max_tokens": REBALANCE_TOKENS, "engine": {"max_num_seqs": 4}},
-                {"name": "off", **base, "engine": {"max_num_seqs": 4}},
+                # dp1 and off also carry the gc test (test_gc_control_in_verl_hybrid_worker_behind_the_zeromq_executor):
+                # the engine cores' gc policy in both, the rollout config's (the workers') on in dp1 only
+                {"name": "dp1", "dp": 1, "max_tokens": REBALANCE_TOKENS, "engine": {"max_num_seqs": 4, **core_gc},
+                 "qwen3_rl": {"disable_gc": {"enable": True}}},
+                {"name": "off", **base, "engine": {"max_num_seqs": 4, **core_gc},
+                 "qwen3_rl": {"disable_gc": {"enable": False}}},
                 {"name": "on", **base, "engine": on, "qwen3_rl": group},
                 {"name": "control", **base, "engine": on, "qwen3_rl": group, "corrupt_kv": True},
             ]}
@@ -248,3 +212,21 @@ def test_rollout_rebalance_through_verls_zeromq_executor_and_hybrid_workers(work
     assert sorted(r for r in engine_of(bad["steps"]) if r.startswith("r0|req-")) == moved
     assert bad["outputs"] != off["outputs"]
     print("moved through verl's executor", moved)
+
+
+def test_gc_control_in_verl_hybrid_worker_behind_the_zeromq_executor(worker_rebalance_runs: dict) -> None:
+    # verl's server layout: the engine core drives the model in verl's rollout worker (vLLMAsyncRollout, its own
+    # process) through verl's ExternalZeroMQDistributedExecutor. The engine core's policy (additional_config) does
+    # not reach that process (positive control "off": gc on in every model step of both workers); with the
+    # rollout config's qwen3_rl.disable_gc on ("dp1"), the verl seam's worker_call switches the collector off in
+    # every model step of the worker, and it is on again between steps; same outputs.
+    on, core_only = worker_rebalance_runs["dp1"], worker_rebalance_runs["off"]
+    for r in (core_only, on):
+        assert len(r["steps"]) >= 8
+        assert {s["pid"] for s in r["steps"]} == set(r["worker_pids"]) and r["driver_pid"] not in r["worker_pids"]
+    assert all(s["gc_enabled"] for s in core_only["steps"])
+    assert not any(s["gc_enabled"] for s in on["steps"])
+    (pid, enabled), = on["gc_between_steps"]
+    assert [pid] == on["worker_pids"] and enabled is True
+    assert on["outputs"] == core_only["outputs"] and [len(o) for o in on["outputs"]] == REBALANCE_TOKENS
+

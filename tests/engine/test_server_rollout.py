@@ -7,7 +7,8 @@ process over ZeroMQ (verl 0010: the vLLM 0.13 server API; 0011: no sleep mode wi
 weight sync every step). With ``SERVER_ROUTING`` a prompt's samples go to one server (the verl seam's server hooks,
 ``qwen3_rl.rollout.server_routing``); with ``SAM_ENABLE SAM_GROUP`` the SAM drafter runs in the servers' engines.
 
-What is checked, in one training run (2 steps, validation before and after) and one sync validation run:
+What is checked, in one training run (2 steps, validation before and after), against the sync GRPO learning run of
+``test_e2e_training`` (the ``grpo_on_run`` fixture, shared):
 
 * the run learns: validation accuracy after 2 steps >= before + 0.10;
 * SAM drafts in the servers' engines: every step's ``rollout/spec_decode/*`` (read from the servers) has drafted and
@@ -20,7 +21,7 @@ What is checked, in one training run (2 steps, validation before and after) and 
 * weight sync: at every sync each engine's parameters equal the actor's export exactly, and the update reaches the
   engines (the last sync differs from the first);
 * greedy output equals the sync rollout's: the validation before training (greedy, the 64 test prompts, the same
-  initial weights) gives the same responses in server mode as in the sync SPMD rollout (a ``val_only`` run).
+  initial weights) gives the same responses in server mode as in the sync SPMD rollout.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from test_e2e_training import LEARNING_MARGIN, _tail, check_weight_sync, launch, report, val_accuracy
+from test_e2e_training import LEARNING_MARGIN, Run, _tail, check_weight_sync, launch, report, val_accuracy
 
 pytestmark = [pytest.mark.e2e, pytest.mark.server]
 
@@ -48,7 +49,7 @@ def _val_dump(run_dir: Path, step: int) -> dict[str, str]:
 
 
 @pytest.mark.timeout(1800)
-def test_server_mode_grpo(cpu_ws: Path, tmp_path: Path) -> None:
+def test_server_mode_grpo(cpu_ws: Path, grpo_on_run: Run, tmp_path: Path) -> None:
     model = cpu_ws / "tiny" / "qwen3_tiny"
     run_dir = tmp_path / "server"
     srv = launch(cpu_ws, "internal/train_grpo_tiny_cpu.sh", run_dir, env=SERVER,
@@ -101,13 +102,10 @@ def test_server_mode_grpo(cpu_ws: Path, tmp_path: Path) -> None:
     check_weight_sync(srv, model)
     assert len(srv.of("weight_sync")) >= 2 * (STEPS + 2), "expected a sync per generation on both ranks"
 
-    # greedy output: server mode == sync SPMD rollout, same initial weights
-    sync_dir = tmp_path / "sync"
-    sync = launch(cpu_ws, "internal/train_grpo_tiny_cpu.sh", sync_dir,
-                  env={"SAM_ENABLE": "True", "SAM_GROUP": "True"},
-                  args=["+trainer.val_only=True", f"+trainer.validation_data_dir={sync_dir / 'val_data'}"])
-    assert sync.rc == 0, _tail(sync)
-    got, want = _val_dump(run_dir, 0), _val_dump(sync_dir, 0)
+    # greedy output: server mode == sync SPMD rollout (the sync GRPO learning run's validation before training,
+    # SAM group on as here; its other switches leave generation alone), same initial weights
+    assert grpo_on_run.rc == 0, _tail(grpo_on_run)
+    got, want = _val_dump(run_dir, 0), _val_dump(grpo_on_run.probe.parent, 0)
     assert set(got) == set(want) and len(got) == 64
     same = sum(got[p] == want[p] for p in want)
     print(f"greedy validation responses equal to the sync rollout's: {same} of {len(want)}")

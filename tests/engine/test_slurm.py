@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_e2e_training import Run, _events, check_step_log_and_ckpt, launch_env
+from test_e2e_training import SHORT, Run, _events, check_step_log_and_ckpt, launch_env
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # tests/: the Slurm and namespace harnesses
@@ -107,7 +107,8 @@ def test_slurm_two_nodes_one_step_then_scancel(slurm: SlurmCluster, two_nodes: T
 
     # 1. one training step on two nodes
     run_dir = tmp_path / "one_step"
-    env = launch_env(cpu_ws, run_dir, run_dir / "ckpt", {"TOTAL_TRAINING_STEPS": "1"})
+    # no validation (SHORT): what this job checks is the cluster, the step and its checkpoint
+    env = launch_env(cpu_ws, run_dir, run_dir / "ckpt", {**SHORT, "TOTAL_TRAINING_STEPS": "1"})
     t0 = time.monotonic()
     job = _submit(slurm, run_dir, env, ray_tmp)
     state = slurm.wait_job(job, JOB_TIMEOUT_S)
@@ -141,7 +142,7 @@ def test_slurm_two_nodes_one_step_then_scancel(slurm: SlurmCluster, two_nodes: T
 
     # 2. scancel during a step: nothing of the job is left
     run_dir = tmp_path / "cancelled"
-    env = launch_env(cpu_ws, run_dir, run_dir / "ckpt", {"TOTAL_TRAINING_STEPS": "2"})
+    env = launch_env(cpu_ws, run_dir, run_dir / "ckpt", SHORT)  # 2 steps
     job = _submit(slurm, run_dir, env, ray_tmp)
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while not [e for e in _events(run_dir / "probe") if e["event"] == "generate_start"]:
