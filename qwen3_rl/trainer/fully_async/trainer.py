@@ -198,11 +198,16 @@ def make_fully_async_trainer_class():
             return len(rows)
 
         def _start(self, prompt: Any, worker: Any) -> tuple[Any, Any]:
+            """Send ``prompt`` (one row, left untouched: a checkpoint may save it) as a group of n requests to the
+            agent-loop ``worker``; returns the result's ref and the group's rows (the prompt without the keys
+            verl's ``_get_gen_batch`` moves into the request)."""
             n = self.config.actor_rollout_ref.rollout.n
-            gen = self._get_gen_batch(prompt).repeat(repeat_times=n, interleave=True)
+            work = DataProto(batch=None if prompt.batch is None else prompt.batch.clone(),
+                             non_tensor_batch=dict(prompt.non_tensor_batch), meta_info=dict(prompt.meta_info))
+            gen = self._get_gen_batch(work).repeat(repeat_times=n, interleave=True)  # pops keys from work
             gen.non_tensor_batch["agent_name"] = np.array([AGENT_NAME] * len(gen), dtype=object)
             gen.meta_info["global_steps"] = self.global_steps
-            return worker.generate_sequences.remote(gen), prompt.repeat(repeat_times=n, interleave=True)
+            return worker.generate_sequences.remote(gen), work.repeat(repeat_times=n, interleave=True)
 
         def _score(self, rows: Any, out: Any) -> Any:
             out.meta_info.pop("timing", None)
