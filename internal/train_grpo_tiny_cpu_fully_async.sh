@@ -46,7 +46,7 @@ LR=${LR:-5e-4}
 ENTROPY_COEFF=${ENTROPY_COEFF:-0}
 # validation after every TEST_FREQ updates (and after the last)
 TEST_FREQ=${TEST_FREQ:-$((SYNCS * TRIGGER_SYNC_STEPS))}
-# no checkpoints by default: a resume restarts the prompt stream (SAVE_FREQ=N saves the trainer every N updates)
+# no checkpoints by default (SAVE_FREQ=N: after every N updates and the last; RESUME_MODE=auto resumes from CKPT_DIR)
 SAVE_FREQ=${SAVE_FREQ:--1}
 
 # shellcheck source=SCRIPTDIR/lib/tiny_cpu_layout.sh

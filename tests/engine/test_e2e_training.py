@@ -210,7 +210,7 @@ def stage_seconds(doc: dict, run: Run) -> dict[str, float]:
     return out
 
 
-def _prompts_of_step(run_dir: Path, step: int) -> list[str]:
+def prompts_of_step(run_dir: Path, step: int) -> list[str]:
     f = run_dir / "rollout_data" / f"{step}.jsonl"
     assert f.is_file(), f"verl wrote no rollout dump {f}"
     return sorted(json.loads(line)["input"] for line in f.read_text().splitlines() if line.strip())
@@ -255,29 +255,33 @@ def check_independent_conversion(ws: Path, run: Run, step: int, sync: int, tmp: 
     print(f"independent conversion: merged global_step_{step} == engine after sync {sync}, {len(engine)} tensors")
 
 
-def check_resume_state(faulty: Run, resumed: Run) -> None:
-    """The resumed run's first weight sync equals the killed run's step-1 weights (its step-2 sync, the weights
-    after update 1), bitwise; the optimizer state it loaded equals the one the killed run saved at step 1, tensor
-    by tensor, on each rank."""
+def check_resume_state(faulty: Run, resumed: Run, step: int = 1, saved_sync: int = 2, earlier_sync: int = 1,
+                       ranks: tuple[int, ...] = (0, 1)) -> None:
+    """The resumed run's first weight sync equals the weights of the checkpoint it loaded (step ``step``), which the
+    first run sent in its sync ``saved_sync`` (here the killed run's step-2 sync, the weights after update 1),
+    bitwise; the optimizer state it loaded equals the one the first run saved at ``step``, tensor by tensor, on each
+    of ``ranks``. Positive control: the saved weights differ from the first run's sync ``earlier_sync``."""
     import torch
     from safetensors.torch import load_file
 
-    saved_w = load_file(str(faulty.probe / "sync-2.safetensors"))
+    saved_w = load_file(str(faulty.probe / f"sync-{saved_sync}.safetensors"))
     first = load_file(str(resumed.probe / "sync-1.safetensors"))
-    initial = load_file(str(faulty.probe / "sync-1.safetensors"))
+    earlier = load_file(str(faulty.probe / f"sync-{earlier_sync}.safetensors"))
     assert set(saved_w) == set(first)
     assert [n for n in first if not torch.equal(first[n], saved_w[n])] == [], \
-        "the resumed run's first sync differs from the killed run's step-1 weights"
-    # positive control: the saved step-1 weights are not the initial ones (a reload of the initial weights fails)
-    assert any(not torch.equal(initial[n], saved_w[n]) for n in initial), "step 1 did not change the weights"
-    for rank in (0, 1):
-        saved = torch.load(faulty.probe / f"optim-save-step1-rank{rank}.pt")
+        f"the resumed run's first sync differs from the first run's step-{step} weights"
+    # positive control: the saved weights are not the earlier ones (a reload of the earlier weights fails)
+    assert any(not torch.equal(earlier[n], saved_w[n]) for n in earlier), \
+        f"sync {saved_sync} sent the same weights as sync {earlier_sync}"
+    for rank in ranks:
+        saved = torch.load(faulty.probe / f"optim-save-step{step}-rank{rank}.pt")
         loaded = torch.load(resumed.probe / f"optim-load-rank{rank}.pt")
         assert saved and set(saved) == set(loaded), f"rank {rank}: optimizer tensors differ in names"
         assert any(k.endswith(("exp_avg", "exp_avg_sq")) for k in saved), sorted(saved)[:8]
         bad = [k for k in saved if saved[k].shape != loaded[k].shape or not torch.equal(saved[k], loaded[k])]
         assert not bad, f"rank {rank}: loaded optimizer state differs from the saved one: {bad[:6]}"
-        print(f"rank {rank}: {len(saved)} optimizer tensors loaded equal to the step-1 save")
+        print(f"rank {rank}: {len(saved)} optimizer tensors loaded equal to the step-{step} save, "
+              f"first sync == saved weights ({len(first)} tensors)")
 
 
 @pytest.mark.timeout(2400)  # set-up, then three launcher runs
@@ -339,7 +343,7 @@ def test_grpo_learns_then_fault_and_resume(cpu_ws: Path, grpo_on_run: Run, tmp_p
     doc = check_step_log_and_ckpt(resumed, [2])  # positive control of "no global_step_2" above: now it exists
     assert all(e["all_equal"] for e in resumed.of("weight_sync")) and resumed.of("weight_sync")
     check_resume_state(faulty, resumed)
-    assert _prompts_of_step(run_dir, 2) == _prompts_of_step(on.probe.parent, 2), \
+    assert prompts_of_step(run_dir, 2) == prompts_of_step(on.probe.parent, 2), \
         "the resumed step 2 trained on other prompts than the uninterrupted run's step 2"
     print("stage seconds (GRPO, switches off, resumed step 2):", json.dumps(stage_seconds(doc, resumed)))
 

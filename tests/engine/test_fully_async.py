@@ -17,7 +17,13 @@ What is checked, from the run's training log (``step:N - key:value`` lines; seve
   validation ran on the synced weights (learning);
 * SAM across a pause: the rollout drafted tokens in a weight version that began with resumed requests
   (``rollout/spec_decode/draft_tokens`` > 0 for the version after a sync that aborted requests), and drafts
-  were accepted.
+  were accepted;
+* checkpoint and resume: the run saves after update 5 and the last (``SAVE_FREQ=5``; the checkpoint directory did
+  not exist before, the run says it trains from scratch); a short second launch resumes from ``global_step_5``
+  (``RESUME_MODE=resume_path``): it says it loaded it, the optimizer state it loaded (main parameters, Adam moments)
+  equals the one saved at update 5 tensor by tensor, its first weight sync equals the first run's step-5 sync
+  bitwise, it carries over as many prompts as the save recorded (taken and not trained) and trains update 6 only,
+  on exactly the first run's update-6 prompts (verl's rollout dump; positive control: update 5's differ).
 
 In the real vLLM 0.13 CPU engine (no Ray): a request resumed as a new request (its prompt = the original prompt + its
 tokens so far, as the partial rollout sends it) continues the greedy output token for token with SAM group drafting
@@ -33,7 +39,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_e2e_training import LEARNING_MARGIN, launch
+from test_e2e_training import LEARNING_MARGIN, Run, check_resume_state, launch, prompts_of_step
 
 from qwen3_rl.spec_decode.metrics import ACCEPTED_TOKENS, DRAFT_TOKENS
 
@@ -47,7 +53,12 @@ SCRIPT = "internal/train_grpo_tiny_cpu_fully_async.sh"
 #: are running at a sync
 RUN_ENV = {"SYNCS": "6", "TRIGGER_SYNC_STEPS": "1", "PPO_MINI_BATCH_SIZE": "16", "STALENESS_THRESHOLD": "1",
            "PARTIAL_ROLLOUT": "True", "ROLLOUT_MAX_NUM_SEQS": "1", "MAX_RESPONSE_LENGTH": "128",
-           "SAM_ENABLE": "True", "SAM_GROUP": "True"}
+           "SAM_ENABLE": "True", "SAM_GROUP": "True", "SAVE_FREQ": "5"}
+#: the resumed launch: from the update-5 checkpoint to the end of the same run (update 6), no validation, no save
+RESUME_STEP = 5
+RESUME_ENV = {**RUN_ENV, "RESUME_MODE": "resume_path", "VAL_BEFORE_TRAIN": "False", "TEST_FREQ": "-1",
+              "SAVE_FREQ": "-1"}
+_CARRIED_RE = re.compile(r"fully async: resumed at update (\d+) from (\S+), weight version (\d+), (\d+) prompts carried")
 _STEP_RE = re.compile(r"step:(\d+) - (.*)$")
 
 
@@ -88,9 +99,11 @@ def test_step_metrics_parser() -> None:
     assert val_accuracies(step_metrics(log)) == [(2, 0.25)]
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(2400)  # two launcher runs (the learning run, the resumed one)
 def test_fully_async_learns_stale_partial_and_drafts_after_resume(cpu_ws: Path, tmp_path: Path) -> None:
-    run = launch(cpu_ws, SCRIPT, tmp_path / "run", env=RUN_ENV)
+    ckpt = tmp_path / "ckpt"
+    assert not ckpt.exists()
+    run = launch(cpu_ws, SCRIPT, tmp_path / "run", env=RUN_ENV, ckpt=ckpt)
     tail = "\n".join(run.log.splitlines()[-60:])
     assert run.rc == 0, f"fully-async run failed (exit {run.rc}):\n{tail}"
     steps = step_metrics(run.log)
@@ -119,6 +132,39 @@ def test_fully_async_learns_stale_partial_and_drafts_after_resume(cpu_ws: Path, 
     assert any(drafted[s] > 0 for s in after_resume), (
         f"no drafts in the versions after a resume {after_resume}: {drafted}")
     assert sum(accepted.values()) > 0, f"no drafted token was accepted: {accepted}"
+    check_checkpoint_resume(cpu_ws, tmp_path, run, steps)
+
+
+def check_checkpoint_resume(ws: Path, tmp_path: Path, run: Run, steps: dict[int, dict[str, float]]) -> None:
+    """The learning run's checkpoints, then a second launch resumed from update RESUME_STEP (module docstring)."""
+    last = int(RUN_ENV["SYNCS"])
+    assert "Training from scratch" in run.log, "the first run did not start from scratch"
+    assert sorted(int(p.name.rpartition("_")[2]) for p in run.ckpt.glob("global_step_*")) == [RESUME_STEP, last]
+    assert (run.ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(last)
+    saved_carried = steps[RESUME_STEP]["fully_async/checkpoint/carried_prompts"]
+    assert steps[last]["fully_async/checkpoint/carried_prompts"] == 0, "prompts left over after the last update"
+    folder = run.ckpt / f"global_step_{RESUME_STEP}"
+    resumed = launch(ws, SCRIPT, tmp_path / "resumed", env=RESUME_ENV, ckpt=run.ckpt,
+                     args=[f"trainer.resume_from_path={folder}"])
+    tail = "\n".join(resumed.log.splitlines()[-60:])
+    assert resumed.rc == 0, f"resumed run failed (exit {resumed.rc}):\n{tail}"
+    assert f"Load from checkpoint folder: {folder}" in resumed.log, tail
+    said = _CARRIED_RE.search(resumed.log)
+    assert said, f"the resumed run did not report its resume:\n{tail}"
+    step, carried = int(said.group(1)), int(said.group(4))
+    trained = sorted(s for s, m in step_metrics(resumed.log).items() if "fully_async/staleness/max" in m)
+    print(f"resume: loaded update {step} (weight version {said.group(3)}), {carried} prompts carried over "
+          f"(the save recorded {saved_carried:.0f}), trained updates {trained}, {resumed.seconds:.0f} s launcher run")
+    assert step == RESUME_STEP and carried == saved_carried, (step, carried, saved_carried)
+    assert trained == [RESUME_STEP + 1], f"the resumed run trained updates {trained}, not update {RESUME_STEP + 1}"
+    syncs = resumed.of("weight_sync")
+    assert syncs and all(e["all_equal"] for e in syncs), syncs
+    check_resume_state(run, resumed, step=RESUME_STEP, saved_sync=RESUME_STEP, earlier_sync=RESUME_STEP - 1,
+                       ranks=(0,))
+    after = prompts_of_step(tmp_path / "resumed", RESUME_STEP + 1)
+    assert after == prompts_of_step(tmp_path / "run", RESUME_STEP + 1), \
+        "the resumed update trained on other prompts than the first run's same update"
+    assert after != prompts_of_step(tmp_path / "run", RESUME_STEP), "updates 5 and 6 trained the same prompts"
 
 
 #: two prompts of one length (the group prompt length is one value per run); each has two greedy samples

@@ -12,7 +12,11 @@ The loop (one driver thread; the actor update runs in a second thread so that th
    (staleness of each sample = trainer version - the version that started it);
 4. after every ``trigger_parameter_sync_step`` updates: pause the servers (abort running requests with
    ``partial_rollout``), broadcast the trainer's export to the rollout workers, check the checksums, resume
-   under the new version (the aborted requests continue with their tokens so far).
+   under the new version (the aborted requests continue with their tokens so far);
+5. after every ``trainer.save_freq`` updates and the last: verl's ``_save_checkpoint`` (actor, dataloader position)
+   plus the prompts taken and not trained (:mod:`.checkpoint`). ``trainer.resume_mode`` (auto / resume_path):
+   verl's ``_load_checkpoint`` before the loop, then a weight sync of the loaded weights before any generation;
+   the carried prompts start first, the step and the weight version continue from the checkpoint.
 """
 
 from __future__ import annotations
@@ -26,6 +30,16 @@ from typing import Any
 
 import numpy as np
 
+from qwen3_rl.trainer.fully_async.checkpoint import (
+    STATE_FILE,
+    StreamState,
+    checkpoint_version,
+    load_stream,
+    resume_folder,
+    save_stream,
+    step_folder,
+    untrained_prompts,
+)
 from qwen3_rl.trainer.fully_async.settings import AsyncSettings
 from qwen3_rl.trainer.fully_async.stream import resume_metrics, staleness_metrics, version_quota
 
@@ -150,22 +164,50 @@ def make_fully_async_trainer_class():
                     "fully_async/param_version": float(version)}
 
         # ---- the prompt stream --------------------------------------------------------------------
-        def _prompts(self):
-            """Single prompts (DataProto of one row) in dataloader order, epoch after epoch."""
-            for _ in range(self.config.trainer.total_epochs):
+        def _prompts(self, carried: list[Any], start_epoch: int):
+            """Single prompts (DataProto of one row): ``carried`` (from a checkpoint) first, then the dataloader's
+            in order, epoch after epoch from ``start_epoch``. ``self._pending``: the rows of the current batch not
+            yet handed out; ``self._epoch``: the epoch being read (both saved by :meth:`_save_stream`)."""
+            self._epoch = start_epoch
+            self._pending = deque(carried)
+            while self._pending:
+                yield self._pending.popleft()
+            for epoch in range(start_epoch, self.config.trainer.total_epochs):
+                self._epoch = epoch
                 for batch_dict in self.train_dataloader:
                     batch = DataProto.from_single_dict(batch_dict)
                     batch.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(batch))],
                                                              dtype=object)
-                    for i in range(len(batch)):
-                        yield batch[i:i + 1]
+                    self._pending.extend(batch[i:i + 1] for i in range(len(batch)))
+                    while self._pending:
+                        yield self._pending.popleft()
+
+        def _save_stream(self, version: int, synced: bool, queued: list[Any], inflight: list[Any]) -> int:
+            """Save the prompts taken and not trained (:mod:`.checkpoint`) into this step's checkpoint folder,
+            before verl's ``_save_checkpoint`` (which writes the latest-step tracker last); returns their count."""
+            folder = step_folder(self.config.trainer.default_local_dir, self.global_steps)
+            pending = list(getattr(self, "_pending", ()))
+            rows = untrained_prompts(queued, inflight, pending)
+            state = StreamState(step=self.global_steps, param_version=checkpoint_version(version, synced),
+                                epoch=getattr(self, "_epoch", 0), carried=len(rows), queued=len(queued),
+                                inflight=len(inflight), not_started=len(pending))
+            save_stream(folder, state, rows)
+            print(f"fully async: checkpoint at update {self.global_steps}: {len(rows)} prompts taken and not "
+                  f"trained saved to start again on resume ({len(queued)} queued, {len(inflight)} in flight, "
+                  f"{len(pending)} not started), weight version {state.param_version}")
+            return len(rows)
 
         def _start(self, prompt: Any, worker: Any) -> tuple[Any, Any]:
+            """Send ``prompt`` (one row, left untouched: a checkpoint may save it) as a group of n requests to the
+            agent-loop ``worker``; returns the result's ref and the group's rows (the prompt without the keys
+            verl's ``_get_gen_batch`` moves into the request)."""
             n = self.config.actor_rollout_ref.rollout.n
-            gen = self._get_gen_batch(prompt).repeat(repeat_times=n, interleave=True)
+            work = DataProto(batch=None if prompt.batch is None else prompt.batch.clone(),
+                             non_tensor_batch=dict(prompt.non_tensor_batch), meta_info=dict(prompt.meta_info))
+            gen = self._get_gen_batch(work).repeat(repeat_times=n, interleave=True)  # pops keys from work
             gen.non_tensor_batch["agent_name"] = np.array([AGENT_NAME] * len(gen), dtype=object)
             gen.meta_info["global_steps"] = self.global_steps
-            return worker.generate_sequences.remote(gen), prompt.repeat(repeat_times=n, interleave=True)
+            return worker.generate_sequences.remote(gen), work.repeat(repeat_times=n, interleave=True)
 
         def _score(self, rows: Any, out: Any) -> Any:
             out.meta_info.pop("timing", None)
@@ -186,6 +228,9 @@ def make_fully_async_trainer_class():
             metrics.update(staleness_metrics(version, batch.non_tensor_batch["param_version_start"].tolist()))
             with marked_timer("step", timing_raw):
                 batch = self._update_on_batch(batch, metrics, timing_raw)
+            dump_dir = self.config.trainer.get("rollout_data_dir", None)
+            if dump_dir:  # verl's rollout dump (<dir>/<step>.jsonl: prompt, response, score per sample)
+                self._log_rollout_data(batch, {}, timing_raw, dump_dir)
             metrics.update(compute_data_metrics(batch=batch, use_critic=self.use_critic))
             metrics.update(compute_timing_metrics(batch=batch, timing_raw=timing_raw))
             metrics["_num_resumes"] = batch.non_tensor_batch["num_resumes"].tolist()
@@ -200,9 +245,21 @@ def make_fully_async_trainer_class():
                               default_backend=self.config.trainer.logger,
                               config=OmegaConf.to_container(self.config, resolve=True))
             self.global_steps = 0
-            self._load_checkpoint()
+            self._load_checkpoint()  # verl's: the actor (weights, optimizer) and the dataloader position
+            version, carried, start_epoch = 0, [], 0
             if self.global_steps > 0:  # resumed: the rollout still holds the initial weights
-                pprint(f"fully async: resumed at update {self.global_steps}: {self.sync_weights(0)}")
+                folder = resume_folder(self.config.trainer, self.global_steps)
+                state, carried = load_stream(folder)
+                if state is None:
+                    version = -(-self.global_steps // fa.trigger_parameter_sync_step)
+                    print(f"fully async: {folder} has no {STATE_FILE}: the prompts in flight at that save are "
+                          "lost, the dataloader continues after them")
+                else:
+                    version, start_epoch = state.param_version, state.epoch
+                # the loaded weights reach the rollout before any generation (validation included)
+                sync = self.sync_weights(version)
+                print(f"fully async: resumed at update {self.global_steps} from {folder}, weight version {version},"
+                      f" {len(carried)} prompts carried over (started first): {sync}")
             manager = self.async_rollout_manager
             sd_hooks = manager.qwen3_rl_hooks
             _, sd_state = spec_decode_since(sd_hooks, manager.server_handles, None)
@@ -213,12 +270,12 @@ def make_fully_async_trainer_class():
                 _, sd_state = spec_decode_since(sd_hooks, manager.server_handles, None)
             total = self.total_training_steps
             quota = version_quota(fa.prompts_per_version, fa.staleness_threshold)
-            prompts = self._prompts()
+            prompts = self._prompts(carried, start_epoch)
             to_start = (total - self.global_steps) * fa.prompts_per_update
-            version, updates, resumed_total = 0, self.global_steps, 0
+            updates, resumed_total = self.global_steps, 0
             manager.resume(version)
-            inflight: dict[Any, tuple[Any, int]] = {}
-            ready: deque = deque()
+            inflight: dict[Any, tuple[Any, Any]] = {}  # ref -> (prompt row, its n rows); in start order
+            ready: deque = deque()  # (prompt row, scored group), in finish order
             started_in_version, rr = 0, 0
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fully_async_train")
             training: Future | None = None
@@ -234,7 +291,7 @@ def make_fully_async_trainer_class():
                         break
                     ref, rows = self._start(prompt, workers[rr % len(workers)])
                     rr += 1
-                    inflight[ref] = (rows, version)
+                    inflight[ref] = (prompt, rows)
                     to_start -= 1
                     started_in_version += 1
                 if to_start == 0 and not inflight and training is None and len(ready) < fa.prompts_per_update:
@@ -244,13 +301,13 @@ def make_fully_async_trainer_class():
                 if inflight:
                     done, _ = ray.wait(list(inflight), num_returns=len(inflight), timeout=0.05)
                     for ref in done:
-                        rows, _v = inflight.pop(ref)
-                        ready.append(self._score(rows, ray.get(ref)))
+                        prompt, rows = inflight.pop(ref)
+                        ready.append((prompt, self._score(rows, ray.get(ref))))
                 else:
                     time.sleep(0.05)
                 # 3. an update on the oldest finished groups
                 if training is None and len(ready) >= fa.prompts_per_update:
-                    batch = DataProto.concat([ready.popleft() for _ in range(fa.prompts_per_update)])
+                    batch = DataProto.concat([ready.popleft()[1] for _ in range(fa.prompts_per_update)])
                     self.global_steps = updates + 1
                     training = pool.submit(self._train, batch, version)
                 # 4. a finished update (and a weight sync after every trigger_parameter_sync_step of them)
@@ -261,7 +318,8 @@ def make_fully_async_trainer_class():
                     rm, resumed_total = resume_metrics(metrics.pop("_num_resumes"), resumed_total)
                     metrics.update(rm)
                     last = updates >= total
-                    if updates % fa.trigger_parameter_sync_step == 0 or last:
+                    synced = updates % fa.trigger_parameter_sync_step == 0 or last
+                    if synced:
                         sd, sd_state = spec_decode_since(sd_hooks, manager.server_handles, sd_state)
                         metrics.update(sd)
                         metrics["fully_async/count/started_in_version"] = float(started_in_version)
@@ -273,14 +331,18 @@ def make_fully_async_trainer_class():
                     metrics["fully_async/count/queued_groups"] = float(len(ready))
                     metrics["fully_async/count/inflight_groups"] = float(len(inflight))
                     test_freq = self.config.trainer.test_freq
-                    if self.val_reward_fn is not None and (last or (test_freq > 0 and updates % test_freq == 0)):
+                    if self.val_reward_fn is not None and test_freq > 0 and (last or updates % test_freq == 0):
                         with marked_timer("testing", metrics):
                             metrics.update(self._validate())
                         _, sd_state = spec_decode_since(sd_hooks, manager.server_handles, None)
                     save_freq = self.config.trainer.save_freq
                     if save_freq > 0 and (last or updates % save_freq == 0):
-                        self._save_checkpoint()
-                    metrics.update({"training/global_step": updates, "training/epoch": 0})
+                        with marked_timer("timing_s/fully_async/save_checkpoint", metrics):
+                            carried_n = self._save_stream(version, synced, [p for p, _ in ready],
+                                                          [p for p, _ in inflight.values()])
+                            self._save_checkpoint()
+                        metrics["fully_async/checkpoint/carried_prompts"] = float(carried_n)
+                    metrics.update({"training/global_step": updates, "training/epoch": getattr(self, "_epoch", 0)})
                     logger.log(data=metrics, step=updates)
             pool.shutdown()
             print(f"fully async: {updates} updates, {version} weight versions, {resumed_total} resumed trajectories")
