@@ -61,7 +61,6 @@ def test_seeded_sampling_logprobs_equal_their_recomputation(lp_runs: dict[str, d
     r, base, rec = lp_runs["sam_seeded"], lp_runs["base_seeded"], lp_runs["recompute"]["prompt_logprobs"]
     n = len(PROMPTS)
     floor, diff = max_diff(base["logprobs"], rec[:n]), max_diff(r["logprobs"], rec[n:])
-    print("first returned / recomputed:", r["logprobs"][0][:4], rec[n][:4])
     print(f"seeded T=0.2 top-p 0.9, logprobs=0: SAM {drafted(r)} (drafted, accepted); max |logprob - recomputed| "
           f"SAM {diff:.2e}, without drafts {floor:.2e}")
     assert drafted(r)[1] > 0
