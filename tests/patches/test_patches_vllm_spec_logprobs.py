@@ -55,13 +55,16 @@ def _inputs():
     return logits, meta, sm
 
 
-def _run(module, patched_workspace: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(raw log-softmax at each returned token's row, returned log-probs, output token ids)."""
+def _run(module, patched_workspace: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[torch.Tensor, ...]:
+    """(raw log-softmax at each returned token's row, returned log-probs, output token ids); vLLM's module is
+    restored afterwards."""
     import vllm.v1.sample.rejection_sampler as vrs
     from vllm.v1.sample.sampler import Sampler
 
     from qwen3_rl.cpu_device import shims
 
+    for fn in shims.REJECTION_KERNELS:
+        monkeypatch.setattr(vrs, fn, getattr(vrs, fn))  # undone after the test
     shims.install_ascend_pytorch_rejection_sampler(patched_workspace / "vllm-ascend")
     for fn in shims.REJECTION_KERNELS:
         setattr(module, fn, getattr(vrs, fn))
@@ -77,23 +80,24 @@ def _run(module, patched_workspace: Path) -> tuple[torch.Tensor, torch.Tensor, t
     return expected, out.logprobs_tensors.logprobs[:, 0], tokens
 
 
-def test_raw_logprobs_with_drafts(patched_imports: Path) -> None:
+def test_raw_logprobs_with_drafts(patched_imports: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import vllm.v1.sample.rejection_sampler as vrs
 
-    expected, got, tokens = _run(vrs, patched_imports)
+    expected, got, tokens = _run(vrs, patched_imports, monkeypatch)
     print(f"patched: tokens {tokens.tolist()}, max |logprob - raw| {float((got - expected).abs().max()):.2e}")
     assert tokens[0].tolist()[:3] == DRAFTS[0] and tokens[1].tolist()[1] == -1  # accepted + bonus; recovered
     assert got.shape == expected.shape == (len(DRAFTS[0]) + 2,)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
 
 
-def test_pristine_sampler_returns_scaled_logprobs(patched_imports: Path, pristine_workspace: Path) -> None:
+def test_pristine_sampler_returns_scaled_logprobs(patched_imports: Path, pristine_workspace: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     src = pristine_workspace / "vllm" / "vllm" / "v1" / "sample" / "rejection_sampler.py"
     spec = importlib.util.spec_from_file_location("qwen3_rl_test_pristine_rejection_sampler", src)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    expected, got, tokens = _run(mod, patched_imports)
+    expected, got, tokens = _run(mod, patched_imports, monkeypatch)
     off = (got - expected).abs()
     print(f"pristine: tokens {tokens.tolist()}, |logprob - raw| {off.tolist()}")
     # request 0: 3 accepted drafts, then the bonus token (through the Sampler, which copies the raw logits);
