@@ -1,7 +1,7 @@
 """Rollout requests that speculative decoding can serve (called by verl patch 0007 and by preflight).
 
 vLLM 0.13 drafts nothing for a request whose sampling needs per-token extras: any penalty, ``min_p``
-or ``logprobs is not None`` (``vllm/v1/spec_decode/utils.py:9-17``; such requests go into
+or (before patch vllm 0004) ``logprobs is not None`` (``vllm/v1/spec_decode/utils.py:9-17``; such requests go into
 ``InputBatch.spec_decode_unsupported_reqs``, ``vllm/v1/worker/gpu_input_batch.py:352-354``, which
 vLLM-Ascend's ``NPUInputBatch`` inherits, and every model-free drafter skips them). verl 0.6.1's sync
 rollout asks every request for ``logprobs=0`` (``vllm_rollout_spmd.py:265``) although it reads them
@@ -13,7 +13,8 @@ Choice: with a drafter on, requests ask for no log-probs (``logprobs=None``) unl
 log-prob requests unsupported for drafting, so with both on every request would run undrafted: a
 clear error is the honest outcome, and the actor recomputes old log-probs anyway
 (``calculate_log_probs`` only feeds rollout-correction / bypass modes). Without a drafter the
-request is upstream's (``logprobs=0``).
+request is upstream's (``logprobs=0``). Patch vllm 0004 makes vLLM draft log-prob requests too; the sync
+rollout keeps verl 0007's rule (the fully-async server rollout takes both together).
 """
 
 from __future__ import annotations
@@ -60,18 +61,18 @@ def request_logprobs(rollout_config: Any) -> int | None:
         return 0
     if wants:
         raise SpecDecodeLogprobsError(
-            f"rollout.calculate_log_probs=True with speculative_config.method={method!r}: vLLM 0.13 drafts "
-            "nothing for requests that ask for log-probs (vllm/v1/spec_decode/utils.py:9-17), so speculative "
-            "decoding would be silently off; switch one of the two off (SAM_ENABLE=False, or "
+            f"rollout.calculate_log_probs=True with speculative_config.method={method!r}: the sync rollout "
+            "refuses the pair (patches/verl/0007); switch one of the two off (SAM_ENABLE=False, or "
             "actor_rollout_ref.rollout.calculate_log_probs=False)")
     return None
 
 
 def unsupported_reasons(sampling: Mapping[str, Any]) -> list[str]:
-    """Why vLLM 0.13 would draft nothing for requests with these sampling settings (empty = supported).
+    """Why vLLM 0.13 with our patches would draft nothing for requests with these sampling settings (empty =
+    supported; log-probs are drafted since vllm 0004).
 
     ``sampling``: SamplingParams-style keys (``repetition_penalty``, ``frequency_penalty``,
-    ``presence_penalty``, ``min_p``, ``logprobs``); missing keys take vLLM's defaults.
+    ``presence_penalty``, ``min_p``); missing keys take vLLM's defaults.
     """
     out = []
     for key, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
@@ -81,6 +82,4 @@ def unsupported_reasons(sampling: Mapping[str, Any]) -> list[str]:
     min_p = sampling.get("min_p")
     if min_p is not None and float(min_p) > SAMPLING_EPS:
         out.append(f"min_p={min_p} (must be 0)")
-    if "logprobs" in sampling and sampling["logprobs"] is not None:
-        out.append(f"logprobs={sampling['logprobs']} (must be None)")
     return out

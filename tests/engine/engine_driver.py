@@ -7,14 +7,18 @@ SPEC: {"workspace": DIR, "model": DIR, "prompts": [[token ids], ...], "runs": [R
 RUN:  {"name": str, "llm": {LLM kwargs}, "sampling": {SamplingParams kwargs},
        "prompts": optional override, "phases": optional [[prompt indices], ...] (one generate call per
        phase), "max_tokens": optional [per prompt] (requests that finish early shrink the batch),
-       "gc_policy": optional bool (qwen3_rl.rollout.gc_control's per-step gc switch, the gc_guard hook)}
+       "gc_policy": optional bool (qwen3_rl.rollout.gc_control's per-step gc switch, the gc_guard hook),
+       "teacher_force": optional [run names]: the prompts are those runs' prompts + outputs (in order), one
+       token generated with prompt_logprobs=0: the result's "prompt_logprobs" are the engine's log-probs of
+       those outputs recomputed in prefill (what a trainer's old-log-prob pass does)}
 SPEC "ascend": true runs vLLM-Ascend's own engine (NPUWorker -> NPUModelRunner) on the CPU stand-in
 (qwen3_rl.cpu_device.npu) instead of vLLM's CPU runner: Ascend's custom ops on (no "custom_ops": ["none"]),
 a fixed KV-cache size; each result then also has "npu_calls" (the stand-in kernels called so far).
 Each result: {"name", "outputs": [[token ids] per prompt (per phase, flattened in order)],
 "metrics": vLLM's own counters from LLM.get_metrics(), "drafter": the runner's drafter state,
 "gc_enabled_in_step": [gc.isenabled() seen inside each LLMEngine.step (its body, within the hooks' contexts)
-called by LLM._run_engine]}.
+called by LLM._run_engine], with sampling "logprobs" set: "logprobs": [[the sampled token's returned log-prob
+per position] per prompt]; with teacher_force: "prompt_logprobs": [[log-prob of each output token] per prompt]}.
 """
 
 from __future__ import annotations
@@ -136,8 +140,14 @@ def main() -> int:
     from qwen3_rl.rollout import gc_control
 
     results = []
+    done: dict[str, dict] = {}
     for run in spec["runs"]:
         prompts = run.get("prompts", spec["prompts"])
+        forced = [done[n] for n in run.get("teacher_force", [])]
+        if forced:  # prompt + the earlier run's output; only the output part's log-probs are kept
+            prompts = [p + o for r in forced for p, o in zip(r["prompts"], r["outputs"], strict=True)]
+            cut = [len(p) for r in forced for p in r["prompts"]]
+            run = {**run, "sampling": {**run.get("sampling", {}), "max_tokens": 1, "prompt_logprobs": 0}}
         kwargs = dict(model=spec["model"], dtype="float32", enforce_eager=True, seed=0,
                       compilation_config={"custom_ops": ["none"]}, max_model_len=512,
                       gpu_memory_utilization=0.5, disable_log_stats=False)
@@ -160,13 +170,21 @@ def main() -> int:
 
         llm.llm_engine._step = step
         phases = run.get("phases") or [list(range(len(prompts)))]
-        outs = []
+        outs, lps, plps = [], [], []
         for idx in phases:
             res = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in idx], [sps[i] for i in idx],
                                use_tqdm=False)
             outs += [list(o.outputs[0].token_ids) for o in res]
+            if base.get("logprobs") is not None:
+                lps += [[d[t].logprob for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)]
+                        for o in res]
+            if forced:
+                plps += [[d[t].logprob for t, d in zip(o.prompt_token_ids[cut[i]:], o.prompt_logprobs[cut[i]:],
+                                                        strict=True)] for i, o in zip(idx, res, strict=True)]
         gc_control.set_decode_gc_disabled(False)
+        done[run["name"]] = {"prompts": [prompts[i] for idx in phases for i in idx], "outputs": outs}
         results.append({"name": run["name"], "outputs": outs, "metrics": counters(llm),
+                        **({"logprobs": lps} if lps else {}), **({"prompt_logprobs": plps} if forced else {}),
                         "drafter": drafter_state(llm), "gc_enabled_in_step": seen_gc,
                         "gc_enabled_after": gc.isenabled(),
                         **({"npu_calls": dict(stand_in.CALLS), "sam_builds": sam_builds.pop(),

@@ -85,14 +85,20 @@ def test_sam_drafts_through_verls_rollout(sam_rollout: dict) -> None:
             m["spec_decode_num_accepted_tokens"] / m["spec_decode_num_draft_tokens"])
 
 
-def test_without_verl_0011_nothing_is_drafted(engine_ws: Path, tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    # The bug: verl asks every request for logprobs=0; vLLM 0.13 drafts nothing for such requests.
-    # 0011 and the patches stacked on it
-    old = tree_without(engine_ws, tmp_path / "ws-without-0007", "verl", 7)
-    r = run_rollout(rollout_spec(old, tiny_models["moe"], do_sample=(False,)), tmp_path)
-    print(f"without verl 0007: logprobs={r['logprobs']}, {r['generations'][0]['metrics']}")
-    assert r["logprobs"] == 0
-    assert r["generations"][0]["metrics"].get("spec_decode_num_draft_tokens", 0) == 0
+def test_without_verl_0007_logprob_requests_draft_only_with_vllm_0004(engine_ws: Path, tiny_models: dict[str, Path],
+                                                                      tmp_path: Path) -> None:
+    # The bug: verl asks every request for logprobs=0 and vLLM 0.13 drafts nothing for such requests. verl 0007 (and
+    # the patches stacked on it) reversed: logprobs=0, drafted with vllm 0004; with vllm 0004 reversed too, nothing.
+    no_verl = tree_without(engine_ws, tmp_path / "ws-without-0007", "verl", 7)
+    neither = tree_without(no_verl, tmp_path / "ws-without-0007-0004", "vllm", 4, only=True)
+    with_vllm, without = (run_rollout(rollout_spec(ws, tiny_models["moe"], do_sample=(False,)), tmp_path)
+                          for ws in (no_verl, neither))
+    m, m0 = with_vllm["generations"][0]["metrics"], without["generations"][0]["metrics"]
+    print(f"without verl 0007: logprobs={with_vllm['logprobs']}, {m}; and without vllm 0004: {m0}")
+    assert with_vllm["logprobs"] == without["logprobs"] == 0
+    assert m["spec_decode_num_draft_tokens"] > 0 and m["spec_decode_num_accepted_tokens"] > 0
+    assert m0.get("spec_decode_num_draft_tokens", 0) == 0
+    assert with_vllm["generations"][0]["responses"] == without["generations"][0]["responses"]
 
 
 def test_low_temperature_sampling_accepts_drafts(engine_ws: Path, tiny_models: dict[str, Path],

@@ -34,7 +34,8 @@ PATCHED_FILES = {
     "vllm": ["vllm/plugins/extensions.py", "vllm/config/speculative.py", "vllm/v1/engine/llm_engine.py",
              "vllm/v1/engine/core.py",
              "vllm/v1/worker/gpu_model_runner.py", "vllm/v1/engine/core_client.py",
-             "vllm/model_executor/layers/rotary_embedding/common.py"],
+             "vllm/model_executor/layers/rotary_embedding/common.py", "vllm/v1/spec_decode/utils.py",
+             "vllm/v1/sample/rejection_sampler.py"],
     "vllm-ascend": ["vllm_ascend/utils.py", "vllm_ascend/worker/model_runner_v1.py",
                     "vllm_ascend/eplb/core/policy/policy_factory.py", "vllm_ascend/ops/fused_moe/fused_moe.py"],
 }

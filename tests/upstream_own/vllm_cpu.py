@@ -17,7 +17,8 @@ a usage/internal error.
 
 Which files. Our vLLM patches touch ``config/speculative.py`` (seam: drafter registry in the validators),
 ``v1/engine/llm_engine.py``, ``v1/engine/core.py``, ``v1/worker/gpu_model_runner.py``, ``plugins/extensions.py``
-(new), ``v1/engine/core_client.py`` (bug fix) and ``model_executor/layers/rotary_embedding/common.py`` (bug fix).
+(new), ``v1/engine/core_client.py``, ``model_executor/layers/rotary_embedding/common.py``, ``v1/spec_decode/utils.py``
+and ``v1/sample/rejection_sampler.py`` (bug fixes).
 Of vLLM's tests that run on CPU without network: ``tests/v1/core/test_scheduler.py`` (the V1 scheduler, its
 speculative-decoding cases build ``SpeculativeConfig(method="ngram")`` through the patched validators) and
 ``tests/v1/spec_decode/test_ngram.py`` (the n-gram proposer and its ``SpeculativeConfig``). Both name the model
@@ -28,7 +29,8 @@ structured-output manager only loads it). The scheduler's multimodal cases need 
 and are deselected (:data:`DESELECT_K`). Not covered (no CPU-runnable upstream test without a
 model or a CUDA device): ``llm_engine.py``, ``core.py`` (``tests/v1/engine/test_engine_core*.py`` need a Hugging
 Face model or CUDA), ``gpu_model_runner.py``, ``core_client.py``, the rotary-embedding import (its kernel tests are
-parametrized on CUDA devices); tests/engine runs those lines in the real engine.
+parametrized on CUDA devices), the rejection sampler (its tests launch Triton kernels); tests/engine runs those lines
+in the real engine.
 """
 
 from __future__ import annotations

@@ -24,9 +24,10 @@ Trainer: seconds per prompt from the published 235B GRPO run ([ref 002 §1.3] ta
 read from ``qwen3_rl.tools.report.published``): training ("训练时间" = ``timing_s/update_actor``) 797.93 s and the rest
 of the step (total - rollout - training = 7833.16 - 6638.49 - 797.93 = 396.74 s: reward, reference log-probs and
 the other phases, not broken down by the source) per 512 prompts, both charged to the Trainer and scaled by
-``128 / train_dies`` (ideal scaling, assumed). With drafting the rollout cannot return log-probs (vLLM drafts no
-request that asks for them), so the Trainer also computes the old policy's log-probs: 797.93 x 53.92 / 113.81 =
-378.04 s (old_log_prob / update_actor of verl's fully-async README, colocated 128-GPU Qwen2.5-7B table).
+``128 / train_dies`` (ideal scaling, assumed). With drafting the Trainer also computes the old policy's log-probs
+(``USE_ROLLOUT_LOG_PROBS=False``, the default): 797.93 x 53.92 / 113.81 = 378.04 s (old_log_prob / update_actor of
+verl's fully-async README, colocated 128-GPU Qwen2.5-7B table); ``--old-log-prob-s 0`` models the rollout's own
+log-probs instead (``USE_ROLLOUT_LOG_PROBS=True``, drafted since vllm 0004).
 
 The synchronous reference at the same total dies: the rollout makespan (``simulate``) plus the same trainer
 seconds at all dies. ``time_per_sample_s`` = seconds per trained response in the steady state (between the end of
@@ -449,7 +450,8 @@ def add_async_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--train-other-s", type=float, default=c.other_s,
                    help="rest of the step per 512 prompts at 128 dies, on the Trainer ([ref 002 §1.3]: 396.74)")
     g.add_argument("--old-log-prob-s", type=float, default=c.old_log_prob_s,
-                   help="fully-async with drafting: old log-probs on the Trainer per 512 prompts at 128 dies")
+                   help="fully-async with drafting: old log-probs on the Trainer per 512 prompts at 128 dies "
+                        "(0: the rollout's log-probs, USE_ROLLOUT_LOG_PROBS=True)")
     g.add_argument("--async-max-num-seqs", type=int, default=0,
                    help=f"Rollouter requests per rank (0: fill {KV_FILL:g} of the KV budget on average)")
     g.add_argument("--split-sweep", default=None,

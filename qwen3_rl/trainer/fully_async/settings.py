@@ -24,7 +24,8 @@ class AsyncSettings:
     require_batches: int
     #: abort running requests at a sync and resume them after it (False: wait for them to finish first)
     partial_rollout: bool
-    #: the rollout's log-probs as the old log-probs (False: the trainer recomputes them; SAM needs False)
+    #: the rollout's log-probs as the old log-probs (False: the trainer recomputes them); with a drafter too
+    #: (vllm 0004: vLLM drafts for requests with log-probs and returns the raw ones)
     use_rollout_log_probs: bool
     #: prompts per actor update
     prompts_per_update: int
@@ -79,11 +80,6 @@ class AsyncSettings:
         if self.use_rollout_log_probs and not bool(rollout.calculate_log_probs):
             raise AsyncSettingsError("async_training.use_rollout_log_probs=True needs "
                                      "actor_rollout_ref.rollout.calculate_log_probs=True")
-        if self.use_rollout_log_probs and rollout.get("engine_kwargs", {}).get("vllm", {}).get(
-                "speculative_config", None):
-            raise AsyncSettingsError("async_training.use_rollout_log_probs=True with a drafter: vLLM 0.13 drafts "
-                                     "nothing for requests that ask for log-probs (set it False: the trainer "
-                                     "recomputes them)")
         world = int(rollout.tensor_model_parallel_size) * int(rollout.data_parallel_size) * int(
             rollout.pipeline_model_parallel_size)
         pool = self.rollout_procs * self.rollout_nnodes

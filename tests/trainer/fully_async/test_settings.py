@@ -44,11 +44,13 @@ def test_bad_values_stop_with_one_line(key, value, message) -> None:
         AsyncSettings.from_config(_config(**{key: value}))
 
 
-def test_rollout_log_probs_with_a_drafter_are_refused() -> None:
-    cfg = _config(**{"async_training.use_rollout_log_probs": True, "actor_rollout_ref.rollout.calculate_log_probs": True,
-                     "actor_rollout_ref.rollout.engine_kwargs.vllm": {"speculative_config": {"method": "sam"}}})
-    with pytest.raises(AsyncSettingsError, match="drafts nothing"):
-        AsyncSettings.from_config(cfg)
-    # positive control: the same without a drafter is accepted
-    AsyncSettings.from_config(_config(**{"async_training.use_rollout_log_probs": True,
-                                         "actor_rollout_ref.rollout.calculate_log_probs": True}))
+def test_rollout_log_probs_with_a_drafter_are_accepted() -> None:
+    # vllm 0004: vLLM drafts for requests that ask for log-probs and returns the raw ones (tests/engine/
+    # test_engine_spec_decode_logprobs.py), so the pair is no longer refused; the rollout must still return them
+    sam = {"actor_rollout_ref.rollout.engine_kwargs.vllm": {"speculative_config": {"method": "sam"}}}
+    s = AsyncSettings.from_config(_config(**{"async_training.use_rollout_log_probs": True,
+                                             "actor_rollout_ref.rollout.calculate_log_probs": True, **sam}))
+    assert s.use_rollout_log_probs is True
+    with pytest.raises(AsyncSettingsError, match="needs actor_rollout_ref.rollout.calculate_log_probs=True"):
+        AsyncSettings.from_config(_config(**{"async_training.use_rollout_log_probs": True,
+                                             "actor_rollout_ref.rollout.calculate_log_probs": False, **sam}))
