@@ -3,7 +3,8 @@
 process) and the rollout pool (one standalone vLLM 0.13 CPU server, verl's agent loop) on separate processes,
 prompts streamed one group at a time, stale samples allowed (staleness 1), the running requests aborted at every
 weight sync and resumed after it with their tokens so far (partial rollout), the weights broadcast over a stateless
-gloo group, SAM group drafting on (the old log-probs recomputed by the trainer, so the requests ask vLLM for none).
+gloo group, SAM group drafting on, the rollout's log-probs taken as the old log-probs (``USE_ROLLOUT_LOG_PROBS``:
+the requests ask vLLM for them and are drafted all the same, vllm 0004).
 
 What is checked, from the run's training log (``step:N - key:value`` lines; several lines may share a step):
 
@@ -53,7 +54,7 @@ SCRIPT = "internal/train_grpo_tiny_cpu_fully_async.sh"
 #: are running at a sync
 RUN_ENV = {"SYNCS": "6", "TRIGGER_SYNC_STEPS": "1", "PPO_MINI_BATCH_SIZE": "16", "STALENESS_THRESHOLD": "1",
            "PARTIAL_ROLLOUT": "True", "ROLLOUT_MAX_NUM_SEQS": "1", "MAX_RESPONSE_LENGTH": "128",
-           "SAM_ENABLE": "True", "SAM_GROUP": "True", "SAVE_FREQ": "5"}
+           "SAM_ENABLE": "True", "SAM_GROUP": "True", "USE_ROLLOUT_LOG_PROBS": "True", "SAVE_FREQ": "5"}
 #: the resumed launch: from the update-5 checkpoint to the end of the same run (update 6), no validation, no save
 RESUME_STEP = 5
 RESUME_ENV = {**RUN_ENV, "RESUME_MODE": "resume_path", "VAL_BEFORE_TRAIN": "False", "TEST_FREQ": "-1",
