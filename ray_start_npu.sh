@@ -54,16 +54,19 @@ stop_group() {
 }
 
 # shellcheck disable=SC2329  # invoked by the EXIT trap
+# The stops take at most 25 + 5 + 5 + 20 s (+ 5 s per group left behind): under Slurm's KillWait (>= 60 s, launch.md),
+# after which Slurm SIGKILLs this launcher and a Ray of its own process group (setsid) would be left running. A
+# worker's `ray start --block` whose head is already gone can ignore SIGTERM until then (seen after scancel).
 cleanup() {
   local rc=$?
   trap - EXIT INT TERM HUP
   if [[ -n "$TRAIN_PID" ]] && kill -0 "$TRAIN_PID" 2>/dev/null; then
     kill -TERM -- "-${TRAIN_PID}" 2>/dev/null || true   # the training's own process group
-    stop_pid "$TRAIN_PID" "training" 30
+    stop_pid "$TRAIN_PID" "training" 25
   fi
   stop_pid "$WATCH_PID" "head watcher" 5
   stop_pid "$BINDER_PID" "cpu binder" 5
-  stop_pid "$RAY_PID" "ray (started by this launcher)" 60
+  stop_pid "$RAY_PID" "ray (started by this launcher)" 20
   [[ -n "$RAY_PID" ]] && { q3 launch address-file restore --plan-dir "$PLAN_DIR" || true; }   # Ray's ray_current_cluster
   [[ -n "$OWN_TOKEN" ]] && rm -f "$OWN_TOKEN"
   [[ -n "$OWN_PIDFILE" ]] && rm -f "$OWN_PIDFILE"
