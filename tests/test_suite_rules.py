@@ -69,8 +69,11 @@ def test_engine_launcher_tests_are_every_engine_file_that_starts_a_training_run(
     """tests/run_tests.sh runs ENGINE_LAUNCHER_TESTS in a pytest process of their own beside the other engine tests:
     every listed file exists, and every engine test file that starts a whole run (the ``cpu_ws`` workspace, the
     launcher, a Ray cluster) is listed, so two Ray clusters never start at once."""
-    files = _bash_array((REPO / "tests" / "run_tests.sh").read_text(), "ENGINE_LAUNCHER_TESTS")
-    assert files and all((REPO / f).is_file() for f in files), files
+    text = (REPO / "tests" / "run_tests.sh").read_text()
+    files = _bash_array(text, "ENGINE_LAUNCHER_TESTS")
+    beside = _bash_array(text, "ENGINE_BESIDE_LAUNCHER")  # engine-level tests run in the same process (balance)
+    assert files and all((REPO / f).is_file() for f in files + beside), files + beside
+    assert not set(files) & set(beside), beside
     starts_runs = {
         str(f.relative_to(REPO)) for f in sorted((REPO / "tests" / "engine").glob("test_*.py"))
         if re.search(r"\bcpu_ws\b|ray_start_npu\.sh|ray\.init\(", f.read_text())}
