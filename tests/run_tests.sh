@@ -24,8 +24,8 @@ SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_deco
 ENGINE_LAUNCHER_TESTS=(tests/engine/test_e2e_training.py tests/engine/test_slurm.py tests/engine/test_server_rollout.py
                        tests/engine/test_fully_async.py tests/engine/test_ascend_grpo_step.py)
 # engine-level tests (no Ray) that run in the launcher runs' process, so that both processes take about as long
-# (clean-clone CI: launcher runs 1055 s, the others 1226 s before this one moved; it takes about 95 s there)
-ENGINE_BESIDE_LAUNCHER=(tests/engine/test_engine_rebalance.py)
+# (clean-clone CI with test_engine_rebalance here: launcher runs + it 1168 s, the others 1292 s; eval takes ~68 s)
+ENGINE_BESIDE_LAUNCHER=(tests/engine/test_engine_rebalance.py tests/engine/test_engine_eval.py)
 BOUNDSCHECK_NOT_KERNELS=(test_benchmark_smoke test_construction_compiles_every_kernel_of_the_runner_path
                          test_warm_cache_command_fills_numba_cache test_warm_cache_command_refuses_without_cache
                          test_simulate_rollout_with_drafting test_bench_cli_history_and_adaptive

@@ -93,7 +93,7 @@ class ServerRouting:
 class ServerAuth:
     """``qwen3_rl.server_auth``: each vLLM server of the server rollout requires an API key on its OpenAI
     endpoint (vLLM's own ``--api-key`` check on ``/v1/*``); the key is made in the server's process at start-up
-    (``secrets.token_urlsafe``, per server and run), never printed (:meth:`ServerHooks.printable`), and handed
+    (``secrets.token_hex``, per server and run), never printed (:meth:`ServerHooks.printable`), and handed
     only to who asks the server actor for it. verl's own rollout calls the servers through Ray, not HTTP.
     On by default (a security fix: verl 0.6.1 serves the endpoint open on the node's address)."""
 
@@ -455,7 +455,9 @@ class ServerHooks:
         if self.recipe.server_auth.enable:
             import secrets
 
-            self.api_key = secrets.token_urlsafe(32)
+            # hex: a url-safe token starts with "-" once in 64 and verl hands it to vLLM's argparse as
+            # "--api_key <key>", which then reads it as an option ("expected at least one argument")
+            self.api_key = secrets.token_hex(32)
             out["api_key"] = self.api_key
         return out
 

@@ -255,7 +255,7 @@ def test_server_auth_adds_a_fresh_key_and_masks_it_when_printed() -> None:
     got_a, got_b = a.server_args(args), b.server_args(args)
     assert args == {"dtype": "float32", "max_model_len": 160}  # input untouched
     assert got_a["api_key"] == a.api_key and got_b["api_key"] == b.api_key
-    assert a.api_key != b.api_key and len(a.api_key) >= 40  # one per server: 32 random bytes, urlsafe
+    assert a.api_key != b.api_key and len(a.api_key) == 64  # one per server: 32 random bytes, hex
     cli = ["serve", "/m", "--api_key", a.api_key, "--dtype", "float32"]
     assert a.printable(cli) == ["serve", "/m", "--api_key", "***", "--dtype", "float32"]
     assert cli[3] == a.api_key  # the arguments vLLM parses keep the key
@@ -326,3 +326,21 @@ def test_rollout_hooks_worker_call_switches_gc_off_for_model_steps_only() -> Non
     for hooks, method in ((on, "collective_rpc_fn"), (on, b"pickled"), (off, "execute_model")):
         with hooks.worker_call(None, method):
             assert gc.isenabled()
+
+
+def test_server_auth_key_parses_as_the_value_of_api_key() -> None:
+    """verl passes the key to vLLM's argparse as ``--api_key <key>``: a value starting with "-" is read as an option
+    ("argument --api-key: expected at least one argument", seen once in a fully-async CPU run with url-safe keys).
+    Every key made parses as the option's value; positive control: a url-safe-shaped key starting with "-" fails."""
+    import argparse
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    parser.add_argument("--api-key", "--api_key", nargs="+")
+    parser.add_argument("--dtype")
+    for _ in range(2000):  # a url-safe key would start with "-" ~31 times in 2000
+        h = _hooks({"server_routing": {"enable": True}})
+        h.server_args({})
+        assert parser.parse_args(["--api_key", h.api_key, "--dtype", "float32"]).api_key == [h.api_key]
+    with pytest.raises(argparse.ArgumentError, match="expected at least one argument"):
+        parser.parse_args(["--api_key", "-Xq3" + "a" * 39, "--dtype", "float32"])
+
