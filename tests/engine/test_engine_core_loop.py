@@ -128,7 +128,11 @@ def test_rollout_rebalance_moves_running_requests_between_a_servers_dp_engine_co
     off, on, bad = rebalance_runs["off"], rebalance_runs["on"], rebalance_runs["control"]
     assert engine_of(off["steps"]) == {f"req-{i}": {r} for i, r in enumerate(REBALANCE_RANKS)}
     rounds = {r: [x for x in on["rounds"] if x["dp_rank"] == r] for r in (0, 1)}
-    assert rounds[0] and [x["moves"] for x in rounds[0]] == [x["moves"] for x in rounds[1]]  # one plan
+    # one plan: each round both ranks record the same moves; a last empty round may be missing on one rank (its
+    # record cut by the engine's shutdown, seen once in CI), never a round with moves
+    plans = [{x["round"]: x["moves"] for x in rounds[r]} for r in (0, 1)]
+    assert rounds[0] and all(plans[0][k] == plans[1][k] for k in plans[0].keys() & plans[1].keys()), plans
+    assert not [m for k in plans[0].keys() ^ plans[1].keys() for m in (plans[0] | plans[1])[k]], plans
     moves = [tuple(m) for x in rounds[0] for m in x["moves"]]
     kv_moves = [m for m in moves if m[3] == 2 and m[4] > 0 and not m[5]]
     assert kv_moves and all(m[1:3] == (0, 1) for m in kv_moves), moves
