@@ -8,13 +8,9 @@ rollout asks every request for ``logprobs=0`` (``vllm_rollout_spmd.py:265``) alt
 only when ``rollout.calculate_log_probs`` is on (``vllm_rollout_spmd.py:409-421``): with a drafter
 on, nothing is drafted and speculative decoding is silently off.
 
-Choice: with a drafter on, requests ask for no log-probs (``logprobs=None``) unless
-``calculate_log_probs`` is on; both together are refused at start-up. vLLM 0.13 itself marks
-log-prob requests unsupported for drafting, so with both on every request would run undrafted: a
-clear error is the honest outcome, and the actor recomputes old log-probs anyway
-(``calculate_log_probs`` only feeds rollout-correction / bypass modes). Without a drafter the
-request is upstream's (``logprobs=0``). Patch vllm 0004 makes vLLM draft log-prob requests too; the sync
-rollout keeps verl 0007's rule (the fully-async server rollout takes both together).
+Choice (verl 0007): with a drafter on, requests ask for no log-probs (``logprobs=None``) unless
+``calculate_log_probs`` reads them; otherwise upstream's ``logprobs=0``. With both on, vLLM drafts the
+log-prob requests only with patch vllm 0004 (stock vLLM 0.13: none), as the server rollout does.
 """
 
 from __future__ import annotations
@@ -24,10 +20,6 @@ from typing import Any
 
 #: vLLM 0.13 ``_SAMPLING_EPS`` (``vllm/v1/spec_decode/utils.py:6``).
 SAMPLING_EPS = 1e-5
-
-
-class SpecDecodeLogprobsError(ValueError):
-    """A drafter together with ``rollout.calculate_log_probs``: no request could be drafted."""
 
 
 def _get(obj: Any, key: str, default: Any = None) -> Any:
@@ -49,21 +41,13 @@ def speculative_method(rollout_config: Any) -> str | None:
 
 
 def request_logprobs(rollout_config: Any) -> int | None:
-    """``SamplingParams.logprobs`` for verl's sync rollout requests.
+    """``SamplingParams.logprobs`` for verl's sync rollout requests (verl 0007's rule).
 
-    Returns 0 (upstream: the sampled token's log-prob) without a drafter or when
-    ``calculate_log_probs`` is on; None with a drafter and ``calculate_log_probs`` off.
-    Raises ``SpecDecodeLogprobsError`` for a drafter together with ``calculate_log_probs``.
+    Returns None with a drafter and ``calculate_log_probs`` off (nobody reads them, and stock vLLM 0.13 drafts
+    no request that asks for them); 0 (upstream: the sampled token's log-prob) otherwise.
     """
-    method = speculative_method(rollout_config)
-    wants = bool(_get(rollout_config, "calculate_log_probs", False))
-    if method is None:
+    if speculative_method(rollout_config) is None or bool(_get(rollout_config, "calculate_log_probs", False)):
         return 0
-    if wants:
-        raise SpecDecodeLogprobsError(
-            f"rollout.calculate_log_probs=True with speculative_config.method={method!r}: the sync rollout "
-            "refuses the pair (patches/verl/0007); switch one of the two off (SAM_ENABLE=False, or "
-            "actor_rollout_ref.rollout.calculate_log_probs=False)")
     return None
 
 

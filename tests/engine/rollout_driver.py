@@ -104,7 +104,9 @@ def main() -> int:
         before = counters(llm)
         out = rollout.generate_sequences(data)
         after = counters(llm)
+        lp = out.batch["rollout_log_probs"].tolist() if "rollout_log_probs" in out.batch.keys() else None
         generations.append({"do_sample": do_sample, "responses": out.batch["responses"].tolist(),
+                            "rollout_log_probs": lp,
                             "metrics": {k: after[k] - before.get(k, 0.0) for k in after},
                             "meta_info": dict(out.meta_info),
                             # what the seam's trainer hook makes of it (one worker here)

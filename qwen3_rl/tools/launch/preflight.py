@@ -270,18 +270,14 @@ def check_feature_rules(vals: Mapping[str, str], setup: str | None = None) -> li
 
 def check_spec_decode_requests(vals: Mapping[str, str]) -> list[Finding]:
     """A drafter whose every rollout request vLLM 0.13 would leave undrafted (``vllm/v1/spec_decode/utils.py:9-17``:
-    penalties, ``min_p``): a warning per setting; ``calculate_log_probs`` with a drafter in the sync rollout is an
-    error (verl 0007 stops it at start-up; the server rollout drafts for such requests with vllm 0004)."""
+    penalties, ``min_p``): a warning per setting. Requests with log-probs (``calculate_log_probs``) are drafted
+    with vllm 0004, in both rollout modes."""
     from qwen3_rl.spec_decode.requests import unsupported_reasons
 
     method = vals.get(R + "engine_kwargs.vllm.speculative_config.method")
     if not method:
         return []
     out = []
-    sync = (vals.get(R + "mode") or "sync").strip("'\"") != "async"
-    if sync and _get_bool(vals, R + "calculate_log_probs", False):
-        out.append(_err("spec-decode", f"speculative_config.method={method} with rollout.calculate_log_probs=True: "
-                                       "the sync rollout refuses the pair at start-up (patches/verl/0007)"))
     sampling = {k: vals[R + k] for k in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p")
                 if R + k in vals}
     for why in unsupported_reasons(sampling):
