@@ -23,12 +23,9 @@ SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_deco
 # Only these start Ray clusters, and they run one after another in their own process.
 ENGINE_LAUNCHER_TESTS=(tests/engine/test_e2e_training.py tests/engine/test_slurm.py tests/engine/test_server_rollout.py
                        tests/engine/test_fully_async.py tests/engine/test_ascend_grpo_step.py)
-# engine-level tests (no Ray) that a full run starts in a third process beside the main run, whose processes leave
-# about a quarter of two cores idle (verl's own tests wait on Ray start-ups; clean-clone CI: 420 core-seconds idle in
-# its 881 s); the engine part then takes as long as the launcher runs alone. A run of the engine part alone runs
-# them with the other engine tests.
-ENGINE_EARLY=(tests/engine/test_engine_rebalance.py tests/engine/test_engine_eval.py
-              tests/engine/test_engine_verl_rollout.py)
+# engine-level tests (no Ray) that run in the launcher runs' process, so that both processes take about as long
+# (clean-clone CI with test_engine_rebalance here: launcher runs + it 1168 s, the others 1292 s; eval takes ~68 s)
+ENGINE_BESIDE_LAUNCHER=(tests/engine/test_engine_rebalance.py tests/engine/test_engine_eval.py)
 BOUNDSCHECK_NOT_KERNELS=(test_benchmark_smoke test_construction_compiles_every_kernel_of_the_runner_path
                          test_warm_cache_command_fills_numba_cache test_warm_cache_command_refuses_without_cache
                          test_simulate_rollout_with_drafting test_bench_cli_history_and_adaptive
@@ -50,8 +47,7 @@ Examples:  bash tests/run_tests.sh -m engine        # the real-engine tests alon
            bash tests/run_tests.sh tests/tools/upstream/test_pins.py
 Test paths decide the part: paths only under tests/engine skip the main run, paths elsewhere skip
 the engine run. The engine part without test paths runs in two pytest processes at once: the launcher
-runs (ENGINE_LAUNCHER_TESTS: whole trainings through Ray) and the other engine tests. A full run
-starts ENGINE_EARLY (engine-level tests) beside the main run instead.
+runs (ENGINE_LAUNCHER_TESTS: whole trainings through Ray) and the other engine tests.
 On a full run (no test path, -m or -k) every part must run tests: a part that collects nothing fails
 the run. With a selection, one part collecting nothing is fine as long as
 another ran tests. A skipped test fails (tests/conftest.py).
@@ -85,20 +81,16 @@ collect_background() {
 
 run_engine_split() {
   # the engine part in two pytest processes at once: ENGINE_LAUNCHER_TESTS (live output) and the other engine tests
-  # (log printed after), without ENGINE_EARLY when the first argument is "early-ran"; returns 5 when neither
-  # collected a test, else the first failing exit code (5 = none collected in that process is not a failure)
+  # (log printed after); returns 5 when neither collected a test, else the first failing exit code (5 = none
+  # collected in that process is not a failure)
   local ignores=() f log pid rc_a=0 rc_b=0 t0=${SECONDS}
-  local first=("${ENGINE_LAUNCHER_TESTS[@]}")
-  if [[ "${1:-}" == early-ran ]]; then
-    shift
-    for f in "${ENGINE_EARLY[@]}"; do ignores+=("--ignore=${f}"); done
-  fi
+  local first=("${ENGINE_LAUNCHER_TESTS[@]}" "${ENGINE_BESIDE_LAUNCHER[@]}")
   for f in "${first[@]}"; do ignores+=("--ignore=${f}"); done
   log="$(mktemp)"
   echo "== pytest (engine venv: tests/engine without the launcher runs, in the background; log after the launcher runs)"
   "${ENGINE_VENV}/bin/python" -m pytest tests/engine "${ignores[@]}" "$@" >"${log}" 2>&1 &
   pid=$!
-  echo "== pytest (engine venv: the launcher runs, ${first[*]})"
+  echo "== pytest (engine venv: the launcher runs and the tests beside them, ${first[*]})"
   "${ENGINE_VENV}/bin/python" -m pytest "${first[@]}" "$@" || rc_a=$?
   echo "== engine launcher runs: $((SECONDS - t0)) s (exit ${rc_a})"
   collect_background "engine tests without the launcher runs" "${pid}" "${log}" || rc_b=$?
@@ -137,15 +129,11 @@ main() {
       *) main_paths=1 ;;
     esac
   done
-  local rc_main=5 rc_engine=5 rc_bounds=5 rc_verl=5 rc_vllm=5 rc_ascend=5 full=0 t0 early_pid="" early_log="" rc_early=0
+  local rc_main=5 rc_engine=5 rc_bounds=5 rc_verl=5 rc_vllm=5 rc_ascend=5 full=0 t0
   (( main_paths || engine_paths || selective )) || full=1
   if (( main_paths || ! engine_paths )); then
     local verl_log="" verl_pid="" vllm_log="" vllm_pid="" ascend_log="" ascend_pid=""
     if (( full )); then
-      early_log="$(mktemp)"
-      echo "== pytest (engine venv: ${ENGINE_EARLY[*]}, in the background; log after the engine part)"
-      "${ENGINE_VENV}/bin/python" -m pytest "${ENGINE_EARLY[@]}" >"${early_log}" 2>&1 &
-      early_pid=$!
       verl_log="$(mktemp)"
       echo "== verl's own CPU tests, pristine vs patched tree (in the background; log at the end of the main run)"
       "${VENV}/bin/python" tests/upstream_own/verl_cpu.py >"${verl_log}" 2>&1 &
@@ -194,17 +182,11 @@ main() {
     if (( engine_paths )); then
       echo "== pytest (engine venv: tests/engine)"
       "${ENGINE_VENV}/bin/python" -m pytest "$@" || rc_engine=$?
-    elif [[ -n "${early_pid}" ]]; then
-      run_engine_split early-ran "$@" || rc_engine=$?
     else
       run_engine_split "$@" || rc_engine=$?
     fi
   fi
-  if [[ -n "${early_pid}" ]]; then
-    collect_background "engine tests beside the main run" "${early_pid}" "${early_log}" || rc_early=$?
-    if [[ ${rc_early} -ne 0 && ( ${rc_engine} -eq 0 || ${rc_engine} -eq 5 ) ]]; then rc_engine=${rc_early}; fi
-  fi
-  echo "== exit codes: main ${rc_main}, boundscheck ${rc_bounds}, verl-own ${rc_verl}, vllm-own ${rc_vllm}, vllm-ascend-own ${rc_ascend}, engine ${rc_engine} (beside the main run ${rc_early}) (5 = nothing collected or not run)"
+  echo "== exit codes: main ${rc_main}, boundscheck ${rc_bounds}, verl-own ${rc_verl}, vllm-own ${rc_vllm}, vllm-ascend-own ${rc_ascend}, engine ${rc_engine} (5 = nothing collected or not run)"
   if [[ ${rc_main} -eq 5 && ${rc_engine} -eq 5 ]]; then
     echo "error: pytest collected no tests" >&2
     return 1

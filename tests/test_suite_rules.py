@@ -71,7 +71,7 @@ def test_engine_launcher_tests_are_every_engine_file_that_starts_a_training_run(
     launcher, a Ray cluster) is listed, so two Ray clusters never start at once."""
     text = (REPO / "tests" / "run_tests.sh").read_text()
     files = _bash_array(text, "ENGINE_LAUNCHER_TESTS")
-    beside = _bash_array(text, "ENGINE_EARLY")  # engine-level tests a full run starts beside the main run
+    beside = _bash_array(text, "ENGINE_BESIDE_LAUNCHER")  # engine-level tests run in the same process (balance)
     assert files and all((REPO / f).is_file() for f in files + beside), files + beside
     assert not set(files) & set(beside), beside
     starts_runs = {
