@@ -111,12 +111,10 @@ def test_low_temperature_sampling_accepts_drafts(engine_ws: Path, tiny_models: d
     assert m["spec_decode_num_accepted_tokens"] > 0
 
 
-def hf_log_probs(model: Path, prompt: list[int], response: list[int]) -> list[float]:
-    """HF transformers' log-probability of each response token after ``prompt`` (float32, one forward)."""
+def hf_log_probs(m, prompt: list[int], response: list[int]) -> list[float]:  # noqa: ANN001 (an HF causal LM)
+    """HF transformers' log-probability of each response token after ``prompt`` (one forward of ``m``)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     with torch.no_grad():
         logits = m(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0].tolist()
@@ -135,12 +133,16 @@ def test_calculate_log_probs_with_a_drafter_drafts_and_returns_them(engine_ws: P
     assert r["rollout"]["calculate_log_probs"] is True and r["logprobs"] == 0
     assert m["spec_decode_num_draft_tokens"] > 0 and m["spec_decode_num_accepted_tokens"] > 0
     assert g["responses"] == sam_rollout["generations"][0]["responses"]
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["moe"], dtype=torch.float32)
     prompts = [p for p in PROMPTS for _ in range(2)]
     worst = 0.0
     for p, resp, lps in zip(prompts, g["responses"], g["rollout_log_probs"], strict=True):
         n = sum(1 for x in lps if x != -1.0)  # verl pads the log-probs with -1
         assert n == len(resp) == 48
-        ref = hf_log_probs(tiny_models["moe"], p, resp[:n])
+        ref = hf_log_probs(hf, p, resp[:n])
         worst = max(worst, max(abs(a - b) for a, b in zip(lps[:n], ref, strict=True)))
     print(f"rollout log-probs vs transformers: max |diff| {worst:.2e}")
     assert worst < 1e-4  # seen: 1.4e-6
