@@ -1,4 +1,4 @@
-"""Rollout requests that speculative decoding can serve (called by verl patch 0007 and by preflight).
+"""Rollout requests that speculative decoding can serve (preflight's checks).
 
 vLLM 0.13 drafts nothing for a request whose sampling needs per-token extras: any penalty, ``min_p``
 or (before patch vllm 0004) ``logprobs is not None`` (``vllm/v1/spec_decode/utils.py:9-17``; such requests go into
@@ -38,17 +38,6 @@ def speculative_method(rollout_config: Any) -> str | None:
     spec = _get(_get(_get(rollout_config, "engine_kwargs"), "vllm"), "speculative_config")
     method = _get(spec, "method")
     return None if method is None else str(method)
-
-
-def request_logprobs(rollout_config: Any) -> int | None:
-    """``SamplingParams.logprobs`` for verl's sync rollout requests (verl 0007's rule).
-
-    Returns None with a drafter and ``calculate_log_probs`` off (nobody reads them, and stock vLLM 0.13 drafts
-    no request that asks for them); 0 (upstream: the sampled token's log-prob) otherwise.
-    """
-    if speculative_method(rollout_config) is None or bool(_get(rollout_config, "calculate_log_probs", False)):
-        return 0
-    return None
 
 
 def unsupported_reasons(sampling: Mapping[str, Any]) -> list[str]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -143,8 +144,15 @@ def launch(ws: Path, script: str, run_dir: Path, env: dict[str, str] | None = No
     return Run(proc.returncode, log, _events(probe), probe, ckpt, time.monotonic() - t0)
 
 
+_ERROR_LINE = re.compile(r"Traceback|Error|Exception|error:|Killed|FAILED")
+
+
 def _tail(run: Run, n: int = 80) -> str:
-    return "\n".join(run.log.splitlines()[-n:])
+    """The run's error lines first (each cut to 400 characters; a failure message may be shortened from the middle,
+    so the cause must come before the metrics lines), then its last ``n`` lines."""
+    lines = run.log.splitlines()
+    errors = [line[:400] for line in lines if _ERROR_LINE.search(line)][:30]
+    return "\n".join([f"rc={run.rc}; {len(errors)} error line(s):", *errors, f"-- last {n} lines --", *lines[-n:]])
 
 
 def check_weight_sync(run: Run, model_dir: Path) -> None:
