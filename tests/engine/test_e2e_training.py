@@ -148,10 +148,10 @@ _ERROR_LINE = re.compile(r"Traceback|Error|Exception|error:|Killed|FAILED")
 
 
 def _tail(run: Run, n: int = 80) -> str:
-    """The run's error lines first (each cut to 400 characters; a failure message may be shortened from the middle,
-    so the cause must come before the metrics lines), then its last ``n`` lines."""
+    """The run's last 30 error lines first (each cut to 400 characters; a failure message may be shortened from the
+    middle, so the cause must come before the metrics lines), then its last ``n`` lines."""
     lines = run.log.splitlines()
-    errors = [line[:400] for line in lines if _ERROR_LINE.search(line)][:30]
+    errors = [line[:400] for line in lines if _ERROR_LINE.search(line)][-30:]
     return "\n".join([f"rc={run.rc}; {len(errors)} error line(s):", *errors, f"-- last {n} lines --", *lines[-n:]])
 
 
