@@ -1,4 +1,4 @@
-"""qwen3_rl.spec_decode.requests: which rollout requests vLLM 0.13 can draft for (verl 0007)."""
+"""qwen3_rl.spec_decode.requests: which rollout requests vLLM 0.13 can draft for."""
 
 from __future__ import annotations
 
@@ -8,15 +8,18 @@ from omegaconf import OmegaConf
 from qwen3_rl.spec_decode.requests import speculative_method, unsupported_reasons
 
 
-def rollout(method=None, calculate_log_probs=False):
+def rollout(method=None):
     vllm = {"speculative_config": {"method": method, "num_speculative_tokens": 3}} if method else {}
-    return OmegaConf.create({"engine_kwargs": {"vllm": vllm}, "calculate_log_probs": calculate_log_probs})
+    return OmegaConf.create({"engine_kwargs": {"vllm": vllm}})
+
+
+def test_no_speculative_method() -> None:
+    assert speculative_method(rollout()) is None and speculative_method({}) is None
+    assert speculative_method({"engine_kwargs": {"vllm": None}}) is None
 
 
 @pytest.mark.parametrize("method", ["sam", "ngram", "suffix"])
 def test_speculative_method(method: str) -> None:
-    assert speculative_method(rollout()) is None and speculative_method({}) is None
-    assert speculative_method({"engine_kwargs": {"vllm": None}}) is None
     assert speculative_method(rollout(method)) == method
     # plain dicts (verl's RolloutConfig dataclass keeps engine_kwargs as a dict) work the same
     assert speculative_method({"engine_kwargs": {"vllm": {"speculative_config": {"method": method}}}}) == method
