@@ -66,6 +66,9 @@ vLLM-Ascend's own tests: likewise tests/upstream_own/vllm_ascend_cpu.py (engine 
 tests/ut (from its sdist) on the CPU stand-in for torch_npu, on the pristine trees and with patches/vllm/ and
 patches/vllm_ascend/ applied, beside the main run, with a positive control.
 Alone: $QWEN3_RL_ENGINE_VENV/bin/python tests/upstream_own/vllm_ascend_cpu.py
+The pristine tree's outcomes come from tests/upstream_own/recorded/<suite>.json while its key (digests of the
+pristine tree, the repo files the run reads, the interpreter, the installed packages) matches; otherwise the
+pristine tree runs too. Each script takes --full (run it anyway) and --record (write the record after equal runs).
 USAGE
 }
 

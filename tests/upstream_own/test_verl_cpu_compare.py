@@ -71,3 +71,62 @@ def test_equal_outcomes_compare_equal_and_a_changed_one_is_named(runs: dict[str,
 def test_a_test_missing_on_one_side_is_a_difference() -> None:
     assert verl_cpu.compare({"t.py::a": "passed", "t.py::b": "passed"}, {"t.py::a": "passed"}) == [
         "  t.py::b: pristine passed, patched absent"]
+
+
+def _tree(root: Path, files: dict[str, bytes]) -> Path:
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return root
+
+
+def test_recorded_key_changes_with_a_byte_of_the_tree_or_the_repo_and_the_record_answers_only_its_key(
+        tmp_path: Path) -> None:
+    recorded = verl_cpu.recorded
+    tree = _tree(tmp_path / "tree", {"verl/a.py": b"x = 1\n", "tests/t_on_cpu.py": b"def test(): pass\n",
+                                     ".git/HEAD": b"ref\n", "verl/__pycache__/a.pyc": b"\0"})
+    repo = _tree(tmp_path / "repo", {"tests/s.py": b"script\n", "stub/m.py": b"m\n"})
+    key = recorded.run_key(tree, [""], repo, ["tests/s.py", "stub"])
+    records = tmp_path / "records"
+    outcomes = {"tests/t_on_cpu.py::test": "passed", "tests/t_on_cpu.py::test_b": "failed"}
+    # no record yet, then the record for this key
+    assert recorded.lookup("verl", key, records) == (None, "no record verl.json")
+    recorded.write("verl", key, outcomes, records)
+    assert recorded.lookup("verl", key, records)[0] == outcomes
+    # .git and __pycache__ are not inputs; a changed byte of the tree or of a repo input misses the record
+    (tree / ".git" / "HEAD").write_bytes(b"other\n")
+    (tree / "verl" / "__pycache__" / "a.pyc").write_bytes(b"\1")
+    assert recorded.run_key(tree, [""], repo, ["tests/s.py", "stub"]) == key
+    (tree / "verl" / "a.py").write_bytes(b"x = 2\n")
+    (repo / "stub" / "m.py").write_bytes(b"n\n")
+    key2 = recorded.run_key(tree, [""], repo, ["tests/s.py", "stub"])
+    assert {k for k in key if key[k] != key2[k]} == {"tree", "repo"}
+    rec, why = recorded.lookup("verl", key2, records)
+    assert rec is None and why == "record verl.json is for other inputs (repo, tree changed)"
+    # a missing input is an error, not an empty digest; a record that passes nothing is refused
+    with pytest.raises(FileNotFoundError):
+        recorded.run_key(tree, ["nothing-here"], repo, [])
+    with pytest.raises(ValueError):
+        recorded.write("verl", key, {"t::a": "failed"}, records)
+
+
+def test_judge_against_a_recorded_pristine_run_names_a_changed_outcome(runs: dict[str, dict[str, str]],
+                                                                      tmp_path: Path) -> None:
+    """The patched run is a real pytest process on the flipped suite; the pristine outcomes come from a record of the
+    suite as written: the comparison must name the two flipped ids (positive control) and pass against itself."""
+    tree = _tree(tmp_path / "b", {"tests/sub/test_mod_on_cpu.py": SUITE.replace("assert n == 1",
+                                                                                  "assert n == 2").encode()})
+
+    def patched_run(name: str) -> dict[str, subprocess.Popen]:
+        out = tmp_path / f"{name}" / "patched-run"
+        out.mkdir(parents=True)
+        log = (out / "pytest.log").open("wb")
+        env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+        return {"patched": subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir",
+             str(tree), "--junitxml", str(out / "junit.xml"), "tests/sub/test_mod_on_cpu.py"], cwd=tree, env=env,
+            stdout=log, stderr=subprocess.STDOUT)}
+
+    assert not verl_cpu.judge("t", "T", patched_run("differ"), tmp_path / "differ", 0.0,
+                              recorded_pristine=runs["same"])
+    assert verl_cpu.judge("t", "T", patched_run("equal"), tmp_path / "equal", 0.0, recorded_pristine=runs["flipped"])

@@ -14,7 +14,11 @@ be. This script
 
 It fails (exit 1) when the outcomes differ (the differing ids are printed with both outcomes), when a run collects
 nothing or passes nothing, or when pytest stops with a usage/internal error. Usage:
-``python tests/upstream_own/verl_cpu.py [--keep DIR]``.
+``python tests/upstream_own/verl_cpu.py [--keep DIR] [--full] [--record]``.
+
+The pristine tree's outcomes come from ``recorded/verl.json`` when its key (``recorded.py``: the pristine tree, this
+script, the interpreter and the installed packages) equals the present one; else the pristine tree runs too.
+``--full`` runs it whatever the record; ``--record`` writes the record after a run of both trees with equal outcomes.
 
 Deselected on both trees: the two ``test_legacy_config_on_cpu.py`` comparisons, which read
 ``tests/trainer/config/legacy_*.yaml``; the wheel and the sdist do not ship those files (only the git tag does), so
@@ -36,6 +40,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import recorded  # noqa: E402
 
 from qwen3_rl.tools.pins import load_pins  # noqa: E402
 from qwen3_rl.tools.upstream.download import fill_pristine  # noqa: E402
@@ -46,6 +53,8 @@ DESELECT = (
     "tests/trainer/config/test_legacy_config_on_cpu.py::TestConfigComparison::test_ppo_trainer_config_matches_legacy",
 )
 RUN_TIMEOUT_S = 1500
+#: Files of this repository a pristine run depends on (the ``repo`` part of its record's key).
+REPO_INPUTS = ("tests/upstream_own/verl_cpu.py", "tests/upstream_own/recorded.py")
 
 
 def pristine_verl() -> Path:
@@ -136,12 +145,18 @@ def summary(result: dict[str, str]) -> str:
 
 
 def judge(tag: str, upstream: str, procs: dict[str, subprocess.Popen], scratch: Path, t0: float,
-          timeout_s: float = RUN_TIMEOUT_S) -> bool:
+          timeout_s: float = RUN_TIMEOUT_S, recorded_pristine: dict[str, str] | None = None) -> bool:
     """Wait for the pristine and the patched run (``procs``: name -> pytest process writing
     ``scratch/<name>-run/{pytest.log,junit.xml}``), print each run's summary under ``tag`` and whether their
     outcomes are equal (``t0``: monotonic start, s; ``timeout_s``: per run); False if a run stopped, passed
-    nothing, or the outcomes differ."""
+    nothing, or the outcomes differ. With ``recorded_pristine`` (test id -> outcome, ``recorded.lookup``) the
+    pristine outcomes are those and ``procs`` holds the patched run only."""
     results: dict[str, dict[str, str]] = {}
+    if recorded_pristine is not None:
+        if "pristine" in procs:
+            raise ValueError("a recorded pristine run and a live one")
+        results["pristine"] = recorded_pristine
+        print(f"{tag}: pristine (recorded): {summary(recorded_pristine)}")
     ok = True
     for name, proc in procs.items():
         rc = proc.wait(timeout=timeout_s)
@@ -169,28 +184,54 @@ def judge(tag: str, upstream: str, procs: dict[str, subprocess.Popen], scratch: 
 
 
 @contextlib.contextmanager
-def scratch_from_argv(argv: list[str] | None, doc: str, prefix: str) -> Iterator[Path]:
-    """The command line of an own-test script (``--keep DIR``; ``doc``'s first paragraph as its description):
-    yields the scratch folder, ``DIR`` or a temporary one removed afterwards."""
+def scratch_from_argv(argv: list[str] | None, doc: str, prefix: str) -> Iterator[tuple[Path, argparse.Namespace]]:
+    """The command line of an own-test script (``--keep DIR``, ``--full``, ``--record``; ``doc``'s first paragraph as
+    its description): yields the scratch folder (``DIR`` or a temporary one removed afterwards) and the arguments."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--keep", type=Path, help="scratch directory to use and keep (default: a temporary one)")
+    ap.add_argument("--full", action="store_true", help="run the pristine tree too, whatever its record says")
+    ap.add_argument("--record", action="store_true",
+                    help="after a run of both trees with equal outcomes, write the pristine outcomes as the record")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        yield args.keep or Path(tmp)
+        yield args.keep or Path(tmp), args
+
+
+def pristine_source(tag: str, name: str, key: dict[str, str], args: argparse.Namespace) -> dict[str, str] | None:
+    """The recorded pristine outcomes of ``name`` for ``key`` (None: run the pristine tree), printing why under
+    ``tag``; None with ``--full`` or ``--record``."""
+    if args.full or args.record:
+        print(f"{tag}: pristine tree runs ({'--full' if args.full else '--record'})")
+        return None
+    rec, why = recorded.lookup(name, key)
+    print(f"{tag}: pristine outcomes: {why}; {'not run again' if rec is not None else 'the pristine tree runs'}")
+    return rec
+
+
+def record_if_asked(tag: str, name: str, key: dict[str, str], args: argparse.Namespace, ok: bool,
+                    scratch: Path) -> None:
+    """With ``--record`` and equal outcomes of a run of both trees, write ``scratch/pristine-run``'s outcomes as
+    ``name``'s record for ``key``."""
+    if args.record and ok:
+        path = recorded.write(name, key, outcomes(scratch / "pristine-run" / "junit.xml"))
+        print(f"{tag}: recorded the pristine outcomes in {path.relative_to(REPO)}")
 
 
 def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
-    with scratch_from_argv(argv, __doc__, "verl-own-") as scratch:
+    with scratch_from_argv(argv, __doc__, "verl-own-") as (scratch, args):
         pristine_tree, patched_tree = make_trees(scratch)
         files = test_files(pristine_tree)
         if not files:
             print(f"error: no tests/**/*_on_cpu.py in {pristine_tree}", file=sys.stderr)
             return 1
         print(f"verl-own: {len(files)} files: {' '.join(files)}")
-        procs = {name: start_run(tree, files, scratch / f"{name}-run")
-                 for name, tree in (("pristine", pristine_tree), ("patched", patched_tree))}
-        ok = judge("verl-own", "verl", procs, scratch, t0)
+        key = recorded.run_key(pristine_tree, [""], REPO, REPO_INPUTS)
+        rec = pristine_source("verl-own", "verl", key, args)
+        runs = [("patched", patched_tree)] + ([("pristine", pristine_tree)] if rec is None else [])
+        procs = {name: start_run(tree, files, scratch / f"{name}-run") for name, tree in runs}
+        ok = judge("verl-own", "verl", procs, scratch, t0, recorded_pristine=rec)
+        record_if_asked("verl-own", "verl", key, args, ok, scratch)
     return 0 if ok else 1
 
 

@@ -43,7 +43,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from verl_cpu import compare, judge, outcomes, scratch_from_argv  # noqa: E402
+import recorded  # noqa: E402
+from verl_cpu import compare, judge, outcomes, pristine_source, record_if_asked, scratch_from_argv  # noqa: E402
 from vllm_cpu import apply_series, pinned_download  # noqa: E402
 
 from qwen3_rl.tools.engine_workspace import VLLM_CPU_VERSION, installed_vllm_tree  # noqa: E402
@@ -68,6 +69,11 @@ CONTROL_PATH = "vllm_ascend/eplb/core/policy/policy_factory.py"
 CONTROL_EDIT = ('policy.update(build_from_factory("ascend_eplb_policies") or {})',
                 "policy.update({999: DynamicEplb})  # throwaway edit: the positive control")
 RUN_TIMEOUT_S = 900
+#: Files of this repository a pristine run depends on (the ``repo`` part of its record's key): the scripts, the
+#: stand-in for torch_npu (on every run's path) and its site hook.
+REPO_INPUTS = ("tests/upstream_own/vllm_ascend_cpu.py", "tests/upstream_own/vllm_cpu.py",
+               "tests/upstream_own/verl_cpu.py", "tests/upstream_own/recorded.py", "tests/upstream_own/npu_site",
+               "qwen3_rl/__init__.py", "qwen3_rl/cpu_device")
 #: pytest-timeout per test (s): a test that hangs fails instead of stopping the run.
 TEST_TIMEOUT_S = 120
 
@@ -185,17 +191,23 @@ def control_shows(pristine: dict[str, str], control: dict[str, str]) -> list[str
 
 def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
-    with scratch_from_argv(argv, __doc__, "vllm-ascend-own-") as scratch:
+    with scratch_from_argv(argv, __doc__, "vllm-ascend-own-") as (scratch, args):
         pristine_tree, patched_tree = make_trees(scratch)
         control_tree = scratch / "control"
         shutil.copytree(patched_tree, control_tree, ignore=shutil.ignore_patterns(".git"))
         control_edit(control_tree)
         print(f"vllm-ascend-own: tests/ut, left out: {' '.join(CANNOT_RUN) or 'none'}")
-        procs = {name: start_run(tree, scratch / f"{name}-run")
-                 for name, tree in (("pristine", pristine_tree), ("patched", patched_tree))}
-        ok = judge("vllm-ascend-own", "vLLM-Ascend", procs, scratch, t0, timeout_s=RUN_TIMEOUT_S)
+        key = recorded.run_key(pristine_tree, [""], REPO, REPO_INPUTS)
+        rec = pristine_source("vllm-ascend-own", "vllm_ascend", key, args)
+        trees = [("patched", patched_tree)] + ([("pristine", pristine_tree)] if rec is None else [])
+        procs = {name: start_run(tree, scratch / f"{name}-run") for name, tree in trees}
+        ok = judge("vllm-ascend-own", "vLLM-Ascend", procs, scratch, t0, timeout_s=RUN_TIMEOUT_S,
+                   recorded_pristine=rec)
+        record_if_asked("vllm-ascend-own", "vllm_ascend", key, args, ok, scratch)
         runs = {n: outcomes(scratch / f"{n}-run" / "junit.xml") for n in procs
                 if (scratch / f"{n}-run" / "junit.xml").exists()}
+        if rec is not None:
+            runs["pristine"] = rec
         if len(runs) == 2:
             new = unlisted_collection_errors(runs["pristine"], runs["patched"])
             if new:

