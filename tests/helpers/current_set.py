@@ -27,6 +27,15 @@ MINDSPEED = Framework(key="mindspeed", dir="MindSpeed", git_url="https://gitcode
                       git_ref="core_r0.16.0", commit="e4772499f7eb9fa9a68919dd1eaddef00e915b2d", pypi="",
                       version="0.16.0", packages=("mindspeed",))
 SERIES = REPO / "patches" / "current"
+# Device shims (the device layer only) for megatron-core 0.16.1's dist-checkpoint save and load on a CPU host, as
+# Python source for a probe: the writer's host staging waits for the GPU (filesystem_async.py:230, a no-op here)
+# and the save's finalization puts its failure flag on torch.cuda.current_device() (state_dict_saver.py:252; the
+# CPU here, the gloo all-reduce takes it).
+DEVICE_SHIMS = (
+    "import torch\n"
+    "torch.cuda.synchronize = lambda device=None: None\n"
+    "torch.cuda.current_device = lambda: 'cpu'\n"
+)
 
 
 def series(key: str) -> list[Path]:

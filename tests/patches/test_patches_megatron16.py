@@ -30,7 +30,7 @@ import pytest
 from test_patches_megatron import _assert_same_states, _load, _save, _write_bucket
 
 from conftest import run_python
-from helpers.current_set import patched_megatron, pristine_megatron
+from helpers.current_set import DEVICE_SHIMS, patched_megatron, pristine_megatron
 
 HERE = Path(__file__).resolve().parent
 
@@ -286,8 +286,7 @@ _LOSSY_FINISH = """
 import dataclasses, os, pickle, sys
 sys.path.insert(0, sys.argv[1])
 sys.modules["qwen3_rl"] = None
-import torch
-torch.cuda.synchronize = lambda device=None: None  # device shim: the writer's host staging waits for the GPU
+DEVICE_SHIMS
 import torch.distributed as dist
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
@@ -323,6 +322,7 @@ print("LOADED", torch.equal(back["w"], w), sorted(meta))
 def test_pristine_megatron16_loads_without_extra_metadata_attributes(tmp_path: Path) -> None:
     """0004 is obsolete: with torch 2.9's lossy ``finish`` (only Metadata's declared fields pickled) the pristine
     0.16.1 save writes no extra attribute megatron would need, and the checkpoint and its tensor metadata load."""
-    proc = run_python(_LOSSY_FINISH, str(pristine_megatron()), str(tmp_path))
+    proc = run_python(_LOSSY_FINISH.replace("DEVICE_SHIMS\n", DEVICE_SHIMS), str(pristine_megatron()),
+                      str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ATTRS []" in proc.stdout and "LOADED True ['w']" in proc.stdout, proc.stdout

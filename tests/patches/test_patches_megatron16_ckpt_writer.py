@@ -1,16 +1,16 @@
-"""The current set's megatron-core 0.16.1: the checkpoint writer patches, each run in the real 0.16.1 code with its
-positive control (the pristine tree, or the patched tree with the one patch reversed).
+"""The current set's megatron-core 0.16.1 checkpoint writer, in the real 0.16.1 code.
 
-current 0002 (seed 0005), the write-results manager dies with its training process. 0.16.1 starts it with the spawn
-method (``dist_checkpointing/strategies/filesystem_async.py:51-56``): it no longer inherits the training process's
-sockets (the Ray hang of the seed set needed that), which the pristine run below shows, but it still outlives a killed
-training process as an orphan.
+Seed 0005 (the write-results manager dies with its training process) is not carried over: 0.16.1 starts the manager
+with the spawn method (``dist_checkpointing/strategies/filesystem_async.py:51-56``), so it no longer inherits the
+training process's sockets, which is what made a killed Ray worker go unnoticed (the seed set's hang); the test
+below shows it on the pristine tree. (The manager still outlives a SIGKILLed parent, idle; binding it with an
+initializer would make the spawned manager import megatron.core, docs/patches_current.md.)
 
-current 0003 (seed 0006), a synchronous save writes its buckets in threads. 0.16.1 already runs a synchronous save in
+current 0002 (seed 0006), a synchronous save writes its buckets in threads. 0.16.1 already runs a synchronous save in
 the calling process (``strategies/base.py:212-215`` -> ``AsyncRequest.execute_sync``), but its bucket writer still
 forks one process per bucket (``filesystem_async.py:266``), which inherits any lock another thread holds. The probe is
 the seed set's (``test_patches_megatron_ckpt_save.py``): megatron's ``dist_checkpointing.save`` on gloo while another
-thread holds a lock the writer takes for every item.
+thread holds a lock the writer takes for every item; positive control: the patched tree with this patch reversed.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 
 import pytest
-from test_patches_megatron_child_process import _orphan_after_parent_killed
 from test_patches_megatron_ckpt_save import _PROBE, HOLD_S
 
-from helpers.current_set import patch_named, patched_megatron, pristine_megatron
+from conftest import PINS
+from helpers.current_set import DEVICE_SHIMS, patch_named, patched_megatron, pristine_megatron
 
 
 @pytest.fixture(scope="module")
@@ -35,14 +35,7 @@ def patched16(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return patched_megatron(tmp_path_factory.mktemp("m16"))
 
 
-# ---- current 0002: the write-results manager ------------------------------------------------------------------------
-@pytest.mark.parametrize("tree", ["patched", "pristine"])
-def test_megatron16_results_queue_manager(tree: str, patched16: Path) -> None:
-    """megatron-core 0.16.1's write-results manager: it dies with its SIGKILLed parent when patched, stays when not."""
-    root = patched16 if tree == "patched" else pristine_megatron()
-    assert _orphan_after_parent_killed(str(root)) == (tree == "pristine")
-
-
+# ---- seed 0005: not needed on 0.16.1 -------------------------------------------------------------------------------
 _SOCKETS = textwrap.dedent("""
     import multiprocessing as mp, os, socket, sys, time
     sys.modules["qwen3_rl"] = None
@@ -61,19 +54,23 @@ _SOCKETS = textwrap.dedent("""
 """)
 
 
-def test_pristine_megatron16_manager_holds_no_parent_socket() -> None:
-    """Why the seed set's hang is gone on 0.16.1: the spawned manager does not hold the training process's sockets."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(pristine_megatron())}
+@pytest.mark.parametrize("tree", ["current-0.16.1", "seed-0.12.1"])
+def test_pristine_manager_holds_parent_socket_only_on_012(tree: str, pristine_workspace: Path) -> None:
+    """Why the seed set's hang is gone on 0.16.1: its spawned manager does not hold the training process's sockets.
+    Positive control: megatron-core 0.12.1's forked manager (the seed set's pristine tree) does."""
+    root = pristine_megatron() if tree.startswith("current") else pristine_workspace / PINS.frameworks["megatron"].dir
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"PYTHONPATH": str(root)}
     proc = subprocess.run([sys.executable, "-c", _SOCKETS], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0 and "INHERITED False socket:" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    inherited = tree.startswith("seed")
+    assert proc.returncode == 0 and f"INHERITED {inherited} socket:" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 
-# ---- current 0003: synchronous save without forked bucket writers ---------------------------------------------------
+# ---- current 0002: synchronous save without forked bucket writers ---------------------------------------------------
 # The seed set's probe; its CPU device shims are for megatron-core 0.12.1 (they replace megatron's TE module), and
-# 0.16.1's save needs one device call only: the host staging's torch.cuda.synchronize (filesystem_async.py:230).
+# 0.16.1's save and load need two device calls only (DEVICE_SHIMS).
 _SHIMS = "import megatron_shims\nmegatron_shims.install()\n"
 assert _SHIMS in _PROBE
-_PROBE16 = _PROBE.replace(_SHIMS, "import torch\ntorch.cuda.synchronize = lambda device=None: None  # device shim\n")
+_PROBE16 = _PROBE.replace(_SHIMS, DEVICE_SHIMS)
 
 
 BOUND16_S = 300  # start-up on a loaded 2-core machine takes up to a minute (megatron.core imports torch._inductor)
