@@ -90,19 +90,19 @@ def patched16(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def on_path16(patched16: Path):
-    """The patched 0.16.1 tree first on sys.path for this module. Megatron modules another test imported (the seed
-    set's 0.12.1) are dropped before and after, so each module imports its own tree."""
+    """The patched 0.16.1 tree first on sys.path for this module. Megatron modules other tests imported (the seed
+    set's 0.12.1) are set aside meanwhile and put back afterwards, so other modules keep the objects they hold."""
     import sys
 
-    def drop() -> None:
-        for name in [m for m in sys.modules if m == "megatron" or m.startswith("megatron.")]:
-            del sys.modules[name]
+    def take() -> dict:
+        return {m: sys.modules.pop(m) for m in list(sys.modules) if m == "megatron" or m.startswith("megatron.")}
 
-    drop()
+    before = take()
     sys.path.insert(0, str(patched16))
     yield patched16
     sys.path.remove(str(patched16))
-    drop()
+    take()
+    sys.modules.update(before)
 
 
 @pytest.fixture(scope="module")
