@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from qwen3_rl.tools.pins import Framework
 from qwen3_rl.tools.upstream.common import GIT_ENV
 
 from conftest import PINS, REPO, run_script
@@ -39,21 +40,23 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def pinned_mindspeed_workspace(ws: Path) -> Path:
-    """Unpack the verified archive into workspace ``ws`` as a one-commit git repo; returns ``ws``."""
-    if not ARCHIVE.is_file():
-        pytest.fail(MISSING)
+def pinned_mindspeed_workspace(ws: Path, fw: Framework = FW) -> Path:
+    """Unpack the verified archive of ``fw`` (default: the seed set's pinned MindSpeed) into workspace ``ws`` as a
+    one-commit git repo; returns ``ws``."""
+    archive = UPSTREAM / f"mindspeed-{fw.commit}.tar.gz"
+    if not archive.is_file():
+        pytest.fail(MISSING.replace(ARCHIVE.name, archive.name))
     sums = dict(reversed(line.split(None, 1)) for line in (UPSTREAM / "SHA256SUMS").read_text().splitlines()
                 if line.strip())
-    assert sums.get(ARCHIVE.name) == _sha256(ARCHIVE), f"{ARCHIVE.name} does not match ../shared/upstream/SHA256SUMS"
-    with gzip.open(ARCHIVE) as f:  # git archive's pax header names the commit
+    assert sums.get(archive.name) == _sha256(archive), f"{archive.name} does not match ../shared/upstream/SHA256SUMS"
+    with gzip.open(archive) as f:  # git archive's pax header names the commit
         head = f.read(1 << 16)
     proc = subprocess.run(["git", "get-tar-commit-id"], input=head, capture_output=True, timeout=60)
-    assert proc.stdout.decode().strip() == FW.commit, f"{ARCHIVE.name} is not a git archive of {FW.commit}"
-    subprocess.run(["tar", "-xzf", str(ARCHIVE), "-C", str(ws)], check=True, timeout=600)
-    tree = ws / FW.dir
-    assert (tree / "mindspeed").is_dir(), f"the archive holds no {FW.dir}/mindspeed"
-    for args in (("init", "-q"), ("add", "-A", "-f"), ("commit", "-q", "--no-verify", "-m", f"pinned {FW.commit}")):
+    assert proc.stdout.decode().strip() == fw.commit, f"{archive.name} is not a git archive of {fw.commit}"
+    subprocess.run(["tar", "-xzf", str(archive), "-C", str(ws)], check=True, timeout=600)
+    tree = ws / fw.dir
+    assert (tree / "mindspeed").is_dir(), f"the archive holds no {fw.dir}/mindspeed"
+    for args in (("init", "-q"), ("add", "-A", "-f"), ("commit", "-q", "--no-verify", "-m", f"pinned {fw.commit}")):
         proc = git(*args, cwd=tree)
         assert proc.returncode == 0, proc.stderr
     return ws
