@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from qwen3_rl.tools.pins import PinError, load_pins
+from qwen3_rl.tools.pins import DEFAULT_PIN_SET, PinError, Pins, load_pins
 from qwen3_rl.tools.upstream import patches as ps
 from qwen3_rl.tools.upstream.common import (
     OneLineParser,
@@ -20,7 +20,14 @@ from qwen3_rl.tools.upstream.download import download_git, download_pypi
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pins", help="pin file (default: $QWEN3_RL_PINS or <repo>/pins.toml)")
+    p.add_argument("--pin-set", help="pin set: seed or current (default: $PIN_SET, else seed)")
     p.add_argument("--only", help="comma-separated frameworks (default: all in the pin file)")
+
+
+def _report_set(pins: Pins) -> None:
+    """Name a non-default pin set on stdout (the seed set's output stays as it always was)."""
+    if pins.name != DEFAULT_PIN_SET:
+        log(f"pin set: {pins.name} (patches: {pins.patches_dir}/)")
 
 
 def download_main(argv: list[str]) -> int:
@@ -40,9 +47,10 @@ def download_main(argv: list[str]) -> int:
                     help="replace trees at a wrong commit or with local changes (discards changes)")
     a = ap.parse_args(argv)
     try:
-        pins = load_pins(a.pins)
+        pins = load_pins(a.pins, a.pin_set)
         fws = pins.select(a.only)
-        dest = Path(a.dest) if a.dest else default_workspace()
+        _report_set(pins)
+        dest = Path(a.dest) if a.dest else default_workspace(pins)
         wheel_dir = Path(a.wheel_dir) if a.wheel_dir else default_cache() / "wheels"
         for fw in fws:
             if a.source == "pypi":
@@ -75,13 +83,13 @@ def patches_main(argv: list[str]) -> int:
     g.add_argument("--lint", action="store_true", help="check patch names, numbering and headers")
     g.add_argument("--table", action="store_true", help="print the markdown table of the series (as in docs/patches.md)")
     ap.add_argument("--workspace", help="workspace folder (default: $QWEN3_RL_WORKSPACE or <repo>/workspace)")
-    ap.add_argument("--patches-dir", help="patch folder (default: <repo>/patches)")
+    ap.add_argument("--patches-dir", help="patch folder (default: the pin set's, <repo>/patches or <repo>/patches/current)")
     a = ap.parse_args(argv)
     try:
-        pins = load_pins(a.pins)
+        pins = load_pins(a.pins, a.pin_set)
         fws = pins.select(a.only)
-        ws = Path(a.workspace) if a.workspace else default_workspace()
-        root = Path(a.patches_dir) if a.patches_dir else ps.patches_root()
+        ws = Path(a.workspace) if a.workspace else default_workspace(pins)
+        root = Path(a.patches_dir) if a.patches_dir else pins.patches_root
         if a.table:
             print(ps.markdown_table([fw.key for fw in fws], root))
             return 0
@@ -91,8 +99,10 @@ def patches_main(argv: list[str]) -> int:
                 print(p)
             if problems:
                 return die(f"{len(problems)} problem(s) in the patch series")
+            _report_set(pins)
             print(f"patch series OK ({sum(len(ps.series(fw.key, root)) for fw in fws)} patches)")
             return 0
+        _report_set(pins)
         if not a.status and not ws.is_dir():
             raise UpstreamError(f"workspace {ws} does not exist; run download_frameworks_source_code.sh first")
         failures: list[str] = []
