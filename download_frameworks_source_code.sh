@@ -16,6 +16,9 @@ usage: bash download_frameworks_source_code.sh [--source git|pypi] [--dest DIR] 
   --only LIST     comma-separated subset: verl,vllm,vllm_ascend,megatron,mindspeed
   --wheel-dir DIR wheel cache for pypi mode (default: ~/.cache/qwen3_rl/wheels)
   --arch ARCH     wheel architecture for pypi mode (default: this machine's)
+  --archive-dir DIR  pypi mode: MindSpeed (not on PyPI) from DIR/mindspeed-<commit>.tar.gz, checked
+                  against DIR/SHA256SUMS (e.g. ../shared/upstream)
+  --pin-set SET   pin set: seed (default) or current [PIN_SET]
   --force         replace a tree at the wrong commit or with local changes
   --pins FILE     pin file (default: pins.toml beside this script)
 

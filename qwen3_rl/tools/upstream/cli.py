@@ -15,7 +15,7 @@ from qwen3_rl.tools.upstream.common import (
     die,
     log,
 )
-from qwen3_rl.tools.upstream.download import download_git, download_pypi
+from qwen3_rl.tools.upstream.download import download_archive, download_git, download_pypi
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -45,6 +45,9 @@ def download_main(argv: list[str]) -> int:
     ap.add_argument("--arch", help="wheel platform architecture for pypi mode (default: this machine's)")
     ap.add_argument("--force", action="store_true",
                     help="replace trees at a wrong commit or with local changes (discards changes)")
+    ap.add_argument("--archive-dir",
+                    help="pypi mode: take a framework no registry serves (MindSpeed) from DIR/<key>-<commit>.tar.gz, "
+                         "checked against DIR/SHA256SUMS and the commit (e.g. ../shared/upstream)")
     a = ap.parse_args(argv)
     try:
         pins = load_pins(a.pins, a.pin_set)
@@ -54,6 +57,9 @@ def download_main(argv: list[str]) -> int:
         wheel_dir = Path(a.wheel_dir) if a.wheel_dir else default_cache() / "wheels"
         for fw in fws:
             if a.source == "pypi":
+                if not fw.on_pypi and a.archive_dir:
+                    download_archive(fw, dest, Path(a.archive_dir), force=a.force)
+                    continue
                 if not fw.on_pypi:
                     if a.only:
                         raise UpstreamError(

@@ -262,6 +262,66 @@ def download_pypi(fw: Framework, dest: Path, wheel_dir: Path, force: bool = Fals
     return "created"
 
 
+def archive_name(fw: Framework) -> str:
+    """``<key>-<commit>.tar.gz``: a ``git archive --prefix=<dir>/`` of the pinned commit (``../shared/upstream``)."""
+    return f"{fw.key}-{fw.commit}.tar.gz"
+
+
+def download_archive(fw: Framework, dest: Path, archive_dir: Path, force: bool = False) -> str:
+    """Create or verify ``dest/fw.dir`` from ``archive_dir/<key>-<commit>.tar.gz`` for a framework no registry
+    serves (MindSpeed): the archive's sha256 must be listed in ``archive_dir/SHA256SUMS`` and its embedded commit
+    id (``git get-tar-commit-id``) must be the pinned commit. The tree is a one-commit repo like a pypi-mode tree.
+    Returns 'created' or 'verified'."""
+    import gzip
+    import subprocess
+
+    archive = archive_dir / archive_name(fw)
+    if not archive.is_file():
+        raise UpstreamError(f"{fw.key}: no {archive.name} in {archive_dir} (git-only: use --source git)")
+    sums = {}
+    sums_file = archive_dir / "SHA256SUMS"
+    if sums_file.is_file():
+        for line in sums_file.read_text().splitlines():
+            if line.strip():
+                digest, name = line.split(None, 1)
+                sums[name.strip().lstrip("*")] = digest
+    if sums.get(archive.name) != _sha256(archive):
+        raise UpstreamError(f"{fw.key}: {archive.name} does not match {sums_file}")
+    with gzip.open(archive) as f:
+        head = f.read(1 << 16)
+    commit = subprocess.run(["git", "get-tar-commit-id"], input=head, capture_output=True, timeout=60)
+    if commit.stdout.decode().strip() != fw.commit:
+        raise UpstreamError(f"{fw.key}: {archive.name} is not a git archive of {fw.commit}")
+    tree = dest / fw.dir
+    if tree.exists() and not force:
+        if tree_mode(tree) == "pypi" and git(tree, "log", "-1", "--format=%s").stdout.strip() == fw.pristine_message:
+            _verify_clean(fw, tree)
+            log(f"{fw.key}: {tree} verified ({fw.pristine_message}), nothing to do")
+            return "verified"
+        raise UpstreamError(f"{fw.key}: {tree} is not the tree of {archive.name}; re-run with --force --only {fw.key}")
+    if tree.exists():
+        shutil.rmtree(tree)
+    tmp = dest / f".{fw.dir}.partial"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    with tarfile.open(archive) as tf:
+        tf.extractall(tmp, filter="data")
+    inner = tmp / fw.dir
+    if not inner.is_dir():
+        raise UpstreamError(f"{fw.key}: {archive.name} has no top folder {fw.dir}/")
+    run(["git", "init", "-q", str(inner)])
+    git(inner, "config", "core.autocrlf", "false")
+    git(inner, "config", "commit.gpgsign", "false")
+    add_local_excludes(inner)
+    git(inner, "add", "-A", "-f")
+    git(inner, "commit", "-q", "--no-verify", "-m", fw.pristine_message)
+    inner.rename(tree)
+    shutil.rmtree(tmp)
+    log(f"{fw.key}: {tree} created from {archive.name} (commit {fw.commit[:12]})")
+    return "created"
+
+
 def _head(tree: Path) -> str:
     return git(tree, "rev-parse", "HEAD").stdout.strip()
 

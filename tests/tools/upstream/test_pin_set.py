@@ -1,0 +1,130 @@
+"""The pin-set switch (``PIN_SET`` / ``--pin-set``): one function decides, the default is the seed set unchanged, a bad
+value stops every command with one line, and the current set's series lints and applies to its pristine trees."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from qwen3_rl.tools.pins import DEFAULT_PIN_SET, PinError, load_pins, pin_set_names, resolve_pin_set
+from qwen3_rl.tools.upstream.download import fill_pristine, pristine_dir
+
+REPO = Path(__file__).resolve().parents[3]
+PINS = REPO / "pins.toml"
+
+
+def _run(*cmd: str, pin_set: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PIN_SET", "QWEN3_RL_WORKSPACE")}
+    if pin_set is not None:
+        env["PIN_SET"] = pin_set
+    return subprocess.run(list(cmd), cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_one_function_resolves_the_set() -> None:
+    assert pin_set_names(PINS) == ["seed", "current"]
+    assert resolve_pin_set(env={}, path=PINS) == DEFAULT_PIN_SET == "seed"
+    assert resolve_pin_set(env={"PIN_SET": "current"}, path=PINS) == "current"
+    assert resolve_pin_set(env={"PIN_SET": ""}, path=PINS) == "seed"
+    assert resolve_pin_set("seed", env={"PIN_SET": "current"}, path=PINS) == "seed"  # the flag wins
+    for value, env in (("bogus", {}), (None, {"PIN_SET": "Current"})):
+        with pytest.raises(PinError) as e:
+            resolve_pin_set(value, env=env, path=PINS)
+        assert "\n" not in str(e.value) and "use one of: seed, current" in str(e.value)
+
+
+def test_the_two_sets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PIN_SET", raising=False)
+    seed, current = load_pins(PINS), load_pins(PINS, "current")
+    assert seed.name == "seed" and seed.patches_root == REPO / "patches" and seed.workspace_dir == "workspace"
+    assert seed.frameworks["vllm"].version == "0.13.0" and seed.runtime["cann"] == "8.5.0"
+    assert current.patches_root == REPO / "patches" / "current" and current.workspace_dir == "workspace-current"
+    assert list(current.frameworks) == list(seed.frameworks)
+    got = {k: fw.version for k, fw in current.frameworks.items()}
+    assert got == {"verl": "0.9.1", "vllm": "0.23.0", "vllm_ascend": "0.23.0.post1", "megatron": "0.16.1",
+                   "mindspeed": "0.16.0"}
+    assert current.frameworks["vllm_ascend"].sdist and len(current.frameworks["vllm_ascend"].sha256) == 64
+    assert current.frameworks["mindspeed"].commit == "e4772499f7eb9fa9a68919dd1eaddef00e915b2d"
+    assert (current.runtime["cann"], current.runtime["torch"], current.runtime["torch_npu"]) == \
+        ("9.1.0", "2.10.0", "2.10.0.post4")
+    monkeypatch.setenv("PIN_SET", "current")
+    assert load_pins(PINS).name == "current"
+    # each set has its own pristine cache, keyed by its own pins
+    assert pristine_dir(PINS, "seed") != pristine_dir(PINS, "current") == pristine_dir(PINS)
+
+
+@pytest.mark.parametrize("cmd", [
+    ("bash", "apply_all_patches.sh", "--lint"),
+    ("bash", "apply_all_patches.sh", "--check"),
+    ("bash", "download_frameworks_source_code.sh", "--source", "pypi", "--only", "verl"),
+    ("bash", "build_project.sh", "--dry-run"),
+    (sys.executable, "-m", "qwen3_rl", "pins"),
+], ids=lambda c: " ".join(c[1:3]))
+def test_bad_pin_set_stops_with_one_line(cmd: tuple[str, ...]) -> None:
+    proc = _run(*cmd, pin_set="newest")
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines() == [
+        "error: PIN_SET='newest' is not a pin set of pins.toml; use one of: seed, current"], proc.stderr
+    flag = _run(*cmd, "--pin-set", "newest")
+    assert flag.returncode != 0 and len(flag.stderr.strip().splitlines()) == 1 and "--pin-set='newest'" in flag.stderr
+
+
+def test_default_is_the_seed_set_unchanged() -> None:
+    """No switch = ``--pin-set seed`` = the seed series, output without a set line (as before the switch existed)."""
+    plain = _run("bash", "apply_all_patches.sh", "--lint")
+    seed = _run("bash", "apply_all_patches.sh", "--lint", pin_set="seed")
+    n = sum(1 for fw in load_pins(PINS, "seed").frameworks for _ in (REPO / "patches" / fw).glob("*.patch"))
+    assert plain.returncode == 0 and plain.stdout == seed.stdout == f"patch series OK ({n} patches)\n"
+    table = _run("bash", "apply_all_patches.sh", "--table")
+    assert "](../patches/verl/0001-" in table.stdout and "patches/current/" not in table.stdout
+
+
+def test_current_series_lints_and_a_bad_patch_does_not(tmp_path: Path) -> None:
+    root = REPO / "patches" / "current"
+    pats = sorted(root.glob("*/*.patch"))
+    assert {p.parent.name for p in pats} >= {"vllm", "vllm_ascend"}
+    assert {p.parent.name for p in pats} <= set(load_pins(PINS, "current").frameworks)
+    proc = _run("bash", "apply_all_patches.sh", "--lint", pin_set="current")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == ["pin set: current (patches: patches/current/)",
+                                        f"patch series OK ({len(pats)} patches)"]
+    # positive control: the same folder with one header field dropped fails the lint
+    bad = tmp_path / "patches"
+    (bad / "vllm").mkdir(parents=True)
+    src = root / "vllm" / "0001-vllm-bugfix-rope_registry.patch"
+    (bad / "vllm" / src.name).write_text(src.read_text().replace("Upstream:", "Upstream-Status:", 1))
+    proc = _run("bash", "apply_all_patches.sh", "--lint", "--patches-dir", str(bad), pin_set="current")
+    assert proc.returncode == 1 and "header lacks 'Upstream:'" in proc.stdout
+
+
+def test_current_series_checks_clean_on_pristine_trees(tmp_path: Path) -> None:
+    """``PIN_SET=current bash apply_all_patches.sh --check`` on the pristine trees of the current set's PyPI pins (the
+    download script's pypi mode, cached per set), then apply, status, revert back to pristine."""
+    pins = load_pins(PINS, "current")
+    keys = [k for k, fw in pins.frameworks.items() if fw.on_pypi]
+    t0 = time.perf_counter()
+    pristine = fill_pristine(PINS, [pins.frameworks[k] for k in keys], pin_set="current")
+    ws = tmp_path / "ws"
+    for k in keys:
+        subprocess.run(["git", "clone", "-q", "--shared", str(pristine / pins.frameworks[k].dir),
+                        str(ws / pins.frameworks[k].dir)], check=True, timeout=300)
+    base = ("bash", "apply_all_patches.sh", "--workspace", str(ws), "--only", ",".join(keys))
+    check = _run(*base, "--check", pin_set="current")
+    assert check.returncode == 0, check.stdout + check.stderr
+    want = sorted(f"{k}: would apply {p.name}" for k in keys for p in (pins.patches_root / k).glob("*.patch"))
+    assert sorted(ln for ln in check.stdout.splitlines() if "would apply" in ln) == want and want
+    assert _run(*base, pin_set="current").returncode == 0
+    status = _run(*base, "--status", pin_set="current")
+    assert status.returncode == 0 and status.stdout.count(" applied ") == len(want), status.stdout
+    seed_on_current = _run(*base, "--status")  # the seed series does not fit the 0.23 trees: the set matters
+    assert seed_on_current.returncode == 1 and "conflict" in seed_on_current.stdout
+    assert _run(*base, "--revert", pin_set="current").returncode == 0
+    for k in keys:
+        dirty = subprocess.run(["git", "-C", str(ws / pins.frameworks[k].dir), "status", "--porcelain"],
+                               capture_output=True, text=True, check=True).stdout
+        assert dirty == "", (k, dirty)
+    print(f"current set: fill + check + apply + status + revert in {time.perf_counter() - t0:.1f} s")
