@@ -128,3 +128,53 @@ def test_current_series_checks_clean_on_pristine_trees(tmp_path: Path) -> None:
                                capture_output=True, text=True, check=True).stdout
         assert dirty == "", (k, dirty)
     print(f"current set: fill + check + apply + status + revert in {time.perf_counter() - t0:.1f} s")
+
+
+def test_preflight_and_plan_report_the_set_and_stop_on_a_bad_one() -> None:
+    """The launch-side readers: preflight (env contract only, the tiny CPU setup) and ``plan``."""
+    pre = (sys.executable, "-m", "qwen3_rl", "preflight", "internal/train_grpo_tiny_cpu.sh", "--env-only")
+    bad = _run(*pre, pin_set="newest")
+    assert bad.returncode == 1
+    assert bad.stderr.strip().splitlines() == [
+        "error: [pin-set] PIN_SET='newest' is not a pin set of pins.toml; use one of: seed, current"]
+    seed = _run(*pre)
+    assert seed.returncode == 0 and seed.stdout.strip().splitlines()[-1] == \
+        "preflight (environment contract only): 0 error(s), 0 warning(s) - OK", seed.stdout + seed.stderr
+    cur = _run(*pre, pin_set="current")
+    assert cur.returncode == 0 and "(pin set current): 0 error(s), 1 warning(s) - OK" in cur.stdout
+    assert "pin set current: the contract's rules cite the seed set's" in cur.stdout
+    plan = (sys.executable, "-m", "qwen3_rl", "plan", "--model-config", "tests/data/qwen3_235b_a22b_config.json",
+            "--rollout-tp", "4", "--rollout-ep", "128", "--rollout-dp", "32", "--max-model-len", "32768")
+    out = _run(*plan)
+    assert out.returncode == 0 and out.stdout.splitlines()[0] == "pin set: seed", out.stdout + out.stderr
+    assert _run(*plan, pin_set="current").stdout.startswith("pin set: current (")
+    wrong = _run(*plan, pin_set="newest")
+    assert wrong.returncode == 1 and len(wrong.stderr.strip().splitlines()) == 1 and "newest" in wrong.stderr
+
+
+def test_current_requirements_agree_with_the_pins_and_vllm_ascend() -> None:
+    """requirements-current.txt (build_project.sh's requirements for the set) pins what pins.toml [sets.current.runtime]
+    and vLLM-Ascend 0.23.0.post1's own requirements.txt (in its pristine sdist tree) pin."""
+    import re
+
+    pins = load_pins(PINS, "current")
+    ours = {}
+    for line in (REPO / "requirements-current.txt").read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.\-\[\]]+)==(\S+)$", line.strip())
+        if m:
+            ours[re.sub(r"\[.*\]", "", m.group(1)).lower().replace("_", "-")] = m.group(2)
+    assert ours["torch"] == pins.runtime["torch"] and ours["torch-npu"] == pins.runtime["torch_npu"]
+    assert ours["ray"] == pins.runtime["ray"]
+    tree = fill_pristine(PINS, [pins.frameworks["vllm_ascend"]], pin_set="current") / pins.frameworks["vllm_ascend"].dir
+    theirs = {}
+    for line in (tree / "requirements.txt").read_text().splitlines():
+        m = re.match(r"^([A-Za-z0-9_.\-]+)==(\S+)$", line.strip())
+        if m:
+            theirs[m.group(1).lower().replace("_", "-")] = m.group(2)
+    shared = sorted(set(ours) & set(theirs))
+    assert {"torch", "torch-npu", "torchvision", "triton-ascend", "transformers"} <= set(shared)
+    assert {k: ours[k] for k in shared} == {k: theirs[k] for k in shared}
+    from qwen3_rl.tools.upstream.build import requirements_file
+
+    assert requirements_file("seed") == REPO / "requirements.txt"
+    assert requirements_file("current") == REPO / "requirements-current.txt"
