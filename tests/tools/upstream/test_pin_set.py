@@ -178,3 +178,88 @@ def test_current_requirements_agree_with_the_pins_and_vllm_ascend() -> None:
 
     assert requirements_file("seed") == REPO / "requirements.txt"
     assert requirements_file("current") == REPO / "requirements-current.txt"
+
+
+def _git(*args: str, cwd: Path) -> str:
+    from qwen3_rl.tools.upstream.common import GIT_ENV
+
+    env = {**os.environ, **GIT_ENV}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout.strip()
+
+
+@pytest.fixture
+def tagged_repo(tmp_path: Path) -> dict[str, str]:
+    """A file:// upstream whose tag v1.0 is one commit behind its head, plus its ``git archive`` of v1.0."""
+    up = tmp_path / "upstream"
+    (up / "pkg").mkdir(parents=True)
+    _git("init", "-q", cwd=up)
+    (up / "pkg" / "__init__.py").write_text("V = 1\n")
+    (up / "setup.py").write_text("")
+    _git("add", "-A", cwd=up)
+    _git("commit", "-qm", "release", cwd=up)
+    _git("tag", "v1.0", cwd=up)
+    release = _git("rev-parse", "HEAD", cwd=up)
+    (up / "pkg" / "__init__.py").write_text("V = 2\n")
+    _git("commit", "-qam", "later", cwd=up)
+    arch = tmp_path / "archives"
+    arch.mkdir()
+    _git("archive", "--format=tar.gz", "--prefix=Demo/", "-o", str(arch / f"demo-{release}.tar.gz"), release, cwd=up)
+    import hashlib
+
+    digest = hashlib.sha256((arch / f"demo-{release}.tar.gz").read_bytes()).hexdigest()
+    (arch / "SHA256SUMS").write_text(f"{digest}  demo-{release}.tar.gz\n")
+    return {"up": str(up), "release": release, "archives": str(arch)}
+
+
+def _pins_with_current(tmp_path: Path, up: str, git_ref: str, commit: str) -> Path:
+    table = (f'dir = "Demo"\ngit_url = "file://{up}"\ngit_ref = "{git_ref}"\ncommit = "{commit}"\npypi = ""\n'
+             'version = "1.0"\npackages = ["pkg"]\n')
+    p = tmp_path / "pins.toml"
+    seed = table.replace(f'commit = "{commit}"', f'commit = "{"0" * 40}"')
+    p.write_text(f"schema = 1\n[framework.demo]\n{seed}\n[sets.current.framework.demo]\n{table}")
+    return p
+
+
+@pytest.mark.parametrize("kind", ["abbreviated", "tag only"])
+def test_git_mode_with_an_abbreviated_or_no_commit(tmp_path: Path, tagged_repo: dict[str, str], kind: str) -> None:
+    commit = tagged_repo["release"][:9] if kind == "abbreviated" else ""
+    pins = _pins_with_current(tmp_path, tagged_repo["up"], "v1.0", commit)
+    cmd = ("bash", "download_frameworks_source_code.sh", "--pins", str(pins), "--dest", str(tmp_path / "ws"))
+    proc = _run(*cmd, pin_set="current")
+    assert proc.returncode == 0, proc.stderr
+    assert _git("rev-parse", "HEAD", cwd=tmp_path / "ws" / "Demo") == tagged_repo["release"]
+    assert ("no commit pinned: the tag's" in proc.stdout) == (kind == "tag only")
+    assert "verified" in _run(*cmd, pin_set="current").stdout
+    if kind == "abbreviated":  # positive control: an abbreviation the tag does not have stops with one line
+        bad = _pins_with_current(tmp_path, tagged_repo["up"], "v1.0", "abcdef123")
+        proc = _run("bash", "download_frameworks_source_code.sh", "--pins", str(bad), "--dest", str(tmp_path / "ws2"),
+                    pin_set="current")
+        assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1
+        assert "pins.toml says abcdef123" in proc.stderr
+
+
+def test_git_mode_refuses_a_pin_without_a_tag(tmp_path: Path, tagged_repo: dict[str, str]) -> None:
+    pins = _pins_with_current(tmp_path, tagged_repo["up"], "", tagged_repo["release"][:9])
+    proc = _run("bash", "download_frameworks_source_code.sh", "--pins", str(pins), "--dest", str(tmp_path / "ws"),
+                pin_set="current")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == ["error: demo 1.0 has no upstream tag in pins.toml: download it with "
+                                                "--source pypi"]
+
+
+def test_archive_dir_makes_a_checked_tree(tmp_path: Path, tagged_repo: dict[str, str]) -> None:
+    """``--archive-dir``: a framework no registry serves, from its git archive (checksum and commit checked)."""
+    pins = _pins_with_current(tmp_path, tagged_repo["up"], "v1.0", tagged_repo["release"])
+    ws = tmp_path / "ws"
+    cmd = ("bash", "download_frameworks_source_code.sh", "--pins", str(pins), "--dest", str(ws), "--source", "pypi",
+           "--archive-dir", tagged_repo["archives"])
+    proc = _run(*cmd, pin_set="current")
+    assert proc.returncode == 0, proc.stderr
+    assert (ws / "Demo" / "pkg" / "__init__.py").read_text() == "V = 1\n"
+    assert _git("log", "--format=%s", cwd=ws / "Demo") == "pristine demo 1.0"
+    assert "verified" in _run(*cmd, pin_set="current").stdout
+    sums = Path(tagged_repo["archives"]) / "SHA256SUMS"
+    sums.write_text("0" * 64 + sums.read_text()[64:])  # positive control: a checksum that does not match
+    proc = _run("bash", "download_frameworks_source_code.sh", "--pins", str(pins), "--dest", str(tmp_path / "ws2"),
+                "--source", "pypi", "--archive-dir", tagged_repo["archives"], pin_set="current")
+    assert proc.returncode == 1 and "does not match" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
