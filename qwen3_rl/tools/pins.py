@@ -125,15 +125,24 @@ def pin_set_names(path: str | os.PathLike[str] | None = None) -> list[str]:
     return [DEFAULT_PIN_SET, *(data.get("sets") or {})]
 
 
+def _switch(data: dict) -> tuple[str, str]:
+    """(environment variable, default set) as the pin file's ``[pin_set]`` table declares the switch."""
+    decl = data.get("pin_set") or {}
+    return str(decl.get("env", PIN_SET_ENV)), str(decl.get("default", DEFAULT_PIN_SET))
+
+
 def resolve_pin_set(value: str | None = None, env: Mapping[str, str] | None = None,
                     path: str | os.PathLike[str] | None = None) -> str:
-    """THE choice of pin set, for every command: ``value`` (a ``--pin-set`` flag) if given, else ``$PIN_SET`` in
-    ``env`` (default: this process's environment), else ``seed``. An unknown name raises PinError (one line)."""
+    """THE choice of pin set, for every command: ``value`` (a ``--pin-set`` flag) if given, else the switch's
+    environment variable (``[pin_set].env`` of the pin file: ``PIN_SET``) in ``env`` (default: this process's
+    environment), else the declared default (``seed``). An unknown name raises PinError (one line)."""
     env = os.environ if env is None else env
-    name = value if value else (env.get(PIN_SET_ENV) or DEFAULT_PIN_SET)
-    known = pin_set_names(path)
+    data = _read(Path(path) if path else default_pins_path())
+    var, default = _switch(data)
+    name = value if value else (env.get(var) or default)
+    known = [DEFAULT_PIN_SET, *(data.get("sets") or {})]
     if name not in known:
-        source = "--pin-set" if value else PIN_SET_ENV
+        source = "--pin-set" if value else var
         raise PinError(f"{source}={name!r} is not a pin set of pins.toml; use one of: {', '.join(known)}")
     return name
 

@@ -24,10 +24,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", help="comma-separated frameworks (default: all in the pin file)")
 
 
-def _report_set(pins: Pins) -> None:
-    """Name a non-default pin set on stdout (the seed set's output stays as it always was)."""
+def _report_set(pins: Pins, root: Path | None = None) -> None:
+    """Name a non-default pin set (and the patch folder used) on stdout; the seed set's output stays as it was."""
     if pins.name != DEFAULT_PIN_SET:
-        log(f"pin set: {pins.name} (patches: {pins.patches_dir}/)")
+        where = f"{pins.patches_dir}/" if root is None or root == pins.patches_root else str(root)
+        log(f"pin set: {pins.name} (patches: {where})")
 
 
 def download_main(argv: list[str]) -> int:
@@ -105,10 +106,10 @@ def patches_main(argv: list[str]) -> int:
                 print(p)
             if problems:
                 return die(f"{len(problems)} problem(s) in the patch series")
-            _report_set(pins)
+            _report_set(pins, root)
             print(f"patch series OK ({sum(len(ps.series(fw.key, root)) for fw in fws)} patches)")
             return 0
-        _report_set(pins)
+        _report_set(pins, root)
         if not a.status and not ws.is_dir():
             raise UpstreamError(f"workspace {ws} does not exist; run download_frameworks_source_code.sh first")
         failures: list[str] = []

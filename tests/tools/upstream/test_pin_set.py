@@ -263,3 +263,32 @@ def test_archive_dir_makes_a_checked_tree(tmp_path: Path, tagged_repo: dict[str,
     proc = _run("bash", "download_frameworks_source_code.sh", "--pins", str(pins), "--dest", str(tmp_path / "ws2"),
                 "--source", "pypi", "--archive-dir", tagged_repo["archives"], pin_set="current")
     assert proc.returncode == 1 and "does not match" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_the_switch_is_declared_once_in_the_pin_file() -> None:
+    import tomllib
+
+    decl = tomllib.loads(PINS.read_text())["pin_set"]
+    assert decl == {"env": "PIN_SET", "default": "seed"}
+    features = (REPO / "features.toml").read_text()
+    assert "PIN_SET" not in features  # declared once: pins.toml [pin_set]
+
+
+def test_current_mindspeed_tree_from_the_archive_checks_clean(tmp_path: Path) -> None:
+    """MindSpeed (no registry serves it) for the current set: ``download --source pypi --archive-dir ../shared/upstream``
+    (the pristine archive beside the checkout, ../shared/upstream/README.md; missing, the test fails), then
+    ``PIN_SET=current apply_all_patches.sh --check`` on it lists exactly patches/current/mindspeed/."""
+    pins = load_pins(PINS, "current")
+    fw = pins.frameworks["mindspeed"]
+    archives = REPO.parent / "shared" / "upstream"
+    assert (archives / f"mindspeed-{fw.commit}.tar.gz").is_file(), f"no MindSpeed archive of {fw.commit} in {archives}"
+    ws = tmp_path / "ws"
+    got = _run("bash", "download_frameworks_source_code.sh", "--source", "pypi", "--only", "mindspeed", "--dest", str(ws),
+               "--archive-dir", str(archives), pin_set="current")
+    assert got.returncode == 0, got.stderr
+    assert (ws / fw.dir / "mindspeed").is_dir()
+    check = _run("bash", "apply_all_patches.sh", "--check", "--only", "mindspeed", "--workspace", str(ws),
+                 pin_set="current")
+    assert check.returncode == 0, check.stdout + check.stderr
+    want = sorted(f"mindspeed: would apply {p.name}" for p in (pins.patches_root / "mindspeed").glob("*.patch"))
+    assert sorted(ln for ln in check.stdout.splitlines() if "would apply" in ln) == want
