@@ -119,7 +119,10 @@ def test_patched_current_rope_builds_and_uses_flash_attn_only_on_rocm(current_tr
                                                                        tmp_path: Path) -> None:
     fake = _plant_flash_attn(tmp_path / "fake", _BROKEN)
     working = _plant_flash_attn(tmp_path / "working", _WORKING)
-    res = _result(_probe(_ROPE, current_trees["patched"], fake, args=(str(working),)))
+    proc = _probe(_ROPE, current_trees["patched"], fake, args=(str(working),))
+    res = _result(proc)
+    warned = "flash_attn is installed but its rotary kernel does not import (ImportError: libcudart.so.12"
+    assert warned in proc.stdout + proc.stderr  # the except branch ran (stand-in ROCm, broken build)
     assert str(current_trees["patched"]) in res["file"]
     assert res["is_cpu"] is False  # the path an NPU takes
     assert res["built"] is True and res["imported"] is False and res["native_ok"] is True
@@ -144,7 +147,8 @@ with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu")
         res["options"][g] = dict(u.create_hccl_pg_options(g).hccl_config)
 for bad in ({"qwen3_rl": "tp=aiv"}, {"qwen3_rl": {"hccl_op_expansion_mode": "aiv"}},
             {"qwen3_rl": {"hccl_op_expansion_mode": {"tp": "fastest"}}},
-            {"qwen3_rl": {"hccl_op_expansion_mode": {"tp": 7}}}):
+            {"qwen3_rl": {"hccl_op_expansion_mode": {"tp": 7}}},
+            {"qwen3_rl": {"hccl_op_expansion_mode": {"tp": True}}}):
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"), additional_config=bad)):
         try:
             u.get_hccl_config_for_pg_options("tp")
@@ -167,10 +171,12 @@ def test_current_hccl_op_expansion_reaches_the_groups_only_when_patched(current_
     assert patched["options"]["tp"] == {**g["tp"], "group_name": "tp"}
     assert "hccl_op_expansion_mode" not in patched["options"]["dp"]
     assert patched["unset"] == {k: v for k, v in g["tp"].items() if k != "hccl_op_expansion_mode"}
-    assert len(patched["bad"]) == 4 and "accepted" not in patched["bad"]
-    assert "must be a mapping" in patched["bad"][0] and "unknown mode 'fastest'" in patched["bad"][2]
+    assert len(patched["bad"]) == 5 and "accepted" not in patched["bad"]
+    assert "must be a mapping" in patched["bad"][0] and "must map group names" in patched["bad"][1]
+    assert "unknown mode 'fastest'" in patched["bad"][2] and "unknown mode 7" in patched["bad"][3]
+    assert "unknown mode True" in patched["bad"][4]  # a bool is not a mode number
     # positive control: vLLM-Ascend 0.23.0.post1 as pinned ignores the option (buffer sizes equal, no mode)
     res = _result(_probe(_HCCL, current_trees["pristine"]))
     assert str(current_trees["pristine"]) in res["file"]
     assert res["groups"]["tp"] == patched["unset"] and "hccl_op_expansion_mode" not in res["groups"]["ep"]
-    assert res["bad"] == ["accepted"] * 4
+    assert res["bad"] == ["accepted"] * 5
