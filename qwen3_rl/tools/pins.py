@@ -71,6 +71,7 @@ class Pins:
     name: str = DEFAULT_PIN_SET
     patches_dir: str = "patches"
     workspace_dir: str = "workspace"
+    source: str = "git"  # the download script's default --source for this set
 
     @property
     def patches_root(self) -> Path:
@@ -193,7 +194,8 @@ def load_pins(path: str | os.PathLike[str] | None = None, pin_set: str | None = 
         return Pins(path=p, frameworks=fws, runtime=runtime)
     return Pins(path=p, frameworks=fws, runtime=runtime, name=name,
                 patches_dir=str(data.get("patches", f"patches/{name}")),
-                workspace_dir=str(data.get("workspace", f"workspace-{name}")))
+                workspace_dir=str(data.get("workspace", f"workspace-{name}")),
+                source=str(data.get("source", "git")))
 
 
 def pypi_requirement(fw: Framework) -> str:

@@ -37,9 +37,10 @@ def download_main(argv: list[str]) -> int:
         description="Fetch the pinned upstream source trees into a workspace (git or PyPI).",
     )
     _common(ap)
-    ap.add_argument("--source", choices=("git", "pypi"), default="git",
-                    help="git: clone and check out the pinned commit (default); "
-                         "pypi: unpack the pinned wheels' text sources into one-commit git repos")
+    ap.add_argument("--source", choices=("git", "pypi"), default=None,
+                    help="git: clone and check out the pinned commit (the seed set's default); "
+                         "pypi: unpack the pinned wheels' (or sdist's) text sources into one-commit git repos "
+                         "(the current set's default)")
     ap.add_argument("--dest", "--workspace", dest="dest",
                     help="workspace folder (default: $QWEN3_RL_WORKSPACE or <repo>/workspace)")
     ap.add_argument("--wheel-dir", help="wheel cache for pypi mode (default: ~/.cache/qwen3_rl/wheels)")
@@ -56,8 +57,9 @@ def download_main(argv: list[str]) -> int:
         _report_set(pins)
         dest = Path(a.dest) if a.dest else default_workspace(pins)
         wheel_dir = Path(a.wheel_dir) if a.wheel_dir else default_cache() / "wheels"
+        source = a.source or pins.source
         for fw in fws:
-            if a.source == "pypi":
+            if source == "pypi":
                 if not fw.on_pypi and a.archive_dir:
                     download_archive(fw, dest, Path(a.archive_dir), force=a.force)
                     continue

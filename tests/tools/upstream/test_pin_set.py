@@ -292,3 +292,20 @@ def test_current_mindspeed_tree_from_the_archive_checks_clean(tmp_path: Path) ->
     assert check.returncode == 0, check.stdout + check.stderr
     want = sorted(f"mindspeed: would apply {p.name}" for p in (pins.patches_root / "mindspeed").glob("*.patch"))
     assert sorted(ln for ln in check.stdout.splitlines() if "would apply" in ln) == want
+
+
+def test_dockerfile_takes_the_set_as_build_args() -> None:
+    """The image: PIN_SET as a build argument exported to every script, the base image as a build argument, the
+    set's default download source, MindSpeed by git in either set, both requirements files copied."""
+    text = (REPO / "Dockerfile.vllm_ascend.mindspeed.qwen3").read_text()
+    assert "ARG PIN_SET=seed" in text and "ENV PIN_SET=${PIN_SET}" in text
+    assert "ARG BASE_IMAGE=" in text and "FROM ${BASE_IMAGE}" in text
+    assert 'ARG SOURCE=""' in text and '${SOURCE:+--source "${SOURCE}"}' in text
+    assert "download_frameworks_source_code.sh --source git --only mindspeed" in text
+    assert "requirements-current.txt" in text
+    current = load_pins(PINS, "current")
+    assert "--pin-set current --get runtime.base_image" in text
+    assert current.source == "pypi" and load_pins(PINS, "seed").source == "git"
+    for fw in current.frameworks.values():  # nothing of the current set hard-coded either
+        for pinned in (fw.commit, fw.git_ref, f"=={fw.version}"):
+            assert not pinned or pinned not in text, (fw.key, pinned)
