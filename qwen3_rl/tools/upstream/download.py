@@ -49,7 +49,7 @@ MAX_TEXT_BYTES = 4 * 1024 * 1024
 
 
 def _platform_tags(arch: str) -> list[str]:
-    return [f"manylinux_2_{v}_{arch}" for v in (35, 31, 28, 24, 17)] + [f"manylinux2014_{arch}"]
+    return [f"manylinux_2_{v}_{arch}" for v in (35, 34, 31, 28, 24, 17)] + [f"manylinux2014_{arch}"]
 
 
 def wheel_pattern(fw: Framework) -> str:
