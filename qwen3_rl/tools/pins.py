@@ -1,18 +1,25 @@
 """The pin file (``pins.toml``): the single source of every upstream version and commit.
 
 Everything that needs a version or commit (download, apply, build, Dockerfile, tests, docs)
-reads it through :func:`load_pins`.
+reads it through :func:`load_pins`. The file holds two pin sets: ``seed`` (the top-level tables, the
+default) and ``current`` (``[sets.current]``). Which one is used is decided in one place,
+:func:`resolve_pin_set`: a ``--pin-set`` flag, else the ``PIN_SET`` environment variable, else ``seed``;
+any other value stops with one line.
 """
 
 from __future__ import annotations
 
 import os
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PINS_ENV = "QWEN3_RL_PINS"
+PIN_SET_ENV = "PIN_SET"
+DEFAULT_PIN_SET = "seed"
+_HEX = frozenset("0123456789abcdef")
 
 _REQUIRED = ("dir", "git_url", "git_ref", "commit", "pypi", "version", "packages")
 
@@ -37,6 +44,8 @@ class Framework:
     version: str
     packages: tuple[str, ...]
     submodules: bool = False
+    sdist: bool = False
+    sha256: str = ""
 
     @property
     def on_pypi(self) -> bool:
@@ -50,9 +59,33 @@ class Framework:
 
 @dataclass(frozen=True)
 class Pins:
+    """One pin set of the pin file.
+
+    ``name``: the set (``seed`` or ``current``); ``patches_dir`` / ``workspace_dir``: its patch folder and default
+    workspace, relative to the checkout (``patches`` and ``workspace`` for the seed set).
+    """
+
     path: Path
     frameworks: dict[str, Framework]
     runtime: dict[str, str] = field(default_factory=dict)
+    name: str = DEFAULT_PIN_SET
+    patches_dir: str = "patches"
+    workspace_dir: str = "workspace"
+    source: str = "git"  # the download script's default --source for this set
+
+    @property
+    def patches_root(self) -> Path:
+        """The set's patch folder (``patches/`` or ``patches/current/``): ``<root>/<fw key>/NNNN-*.patch``."""
+        return REPO_ROOT / self.patches_dir
+
+    def digest(self) -> str:
+        """sha256 (hex) of the set's frameworks and runtime: a cache key that changes only when this set's pins do."""
+        import hashlib
+        import json
+
+        data = {"frameworks": {k: {**fw.__dict__, "packages": list(fw.packages)} for k, fw in self.frameworks.items()},
+                "runtime": self.runtime}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
     def select(self, only: str | None) -> list[Framework]:
         """Frameworks named in a comma-separated ``only`` list (all, in pin-file order, if empty).
@@ -75,9 +108,7 @@ def default_pins_path() -> Path:
     return Path(env) if env else REPO_ROOT / "pins.toml"
 
 
-def load_pins(path: str | os.PathLike[str] | None = None) -> Pins:
-    """Parse and validate the pin file (default: ``$QWEN3_RL_PINS`` or the repo's ``pins.toml``)."""
-    p = Path(path) if path else default_pins_path()
+def _read(p: Path) -> dict:
     if not p.is_file():
         raise PinError(f"pin file not found: {p}")
     try:
@@ -86,17 +117,63 @@ def load_pins(path: str | os.PathLike[str] | None = None) -> Pins:
         raise PinError(f"{p}: not valid TOML: {e}") from e
     if data.get("schema") != 1:
         raise PinError(f"{p}: expected 'schema = 1', found {data.get('schema')!r}")
+    return data
+
+
+def pin_set_names(path: str | os.PathLike[str] | None = None) -> list[str]:
+    """The sets the pin file defines: ``seed`` first, then its ``[sets.*]`` tables."""
+    data = _read(Path(path) if path else default_pins_path())
+    return [DEFAULT_PIN_SET, *(data.get("sets") or {})]
+
+
+def _switch(data: dict) -> tuple[str, str]:
+    """(environment variable, default set) as the pin file's ``[pin_set]`` table declares the switch."""
+    decl = data.get("pin_set") or {}
+    return str(decl.get("env", PIN_SET_ENV)), str(decl.get("default", DEFAULT_PIN_SET))
+
+
+def resolve_pin_set(value: str | None = None, env: Mapping[str, str] | None = None,
+                    path: str | os.PathLike[str] | None = None) -> str:
+    """THE choice of pin set, for every command: ``value`` (a ``--pin-set`` flag) if given, else the switch's
+    environment variable (``[pin_set].env`` of the pin file: ``PIN_SET``) in ``env`` (default: this process's
+    environment), else the declared default (``seed``). An unknown name raises PinError (one line)."""
+    env = os.environ if env is None else env
+    data = _read(Path(path) if path else default_pins_path())
+    var, default = _switch(data)
+    name = value if value else (env.get(var) or default)
+    known = [DEFAULT_PIN_SET, *(data.get("sets") or {})]
+    if name not in known:
+        source = "--pin-set" if value else var
+        raise PinError(f"{source}={name!r} is not a pin set of pins.toml; use one of: {', '.join(known)}")
+    return name
+
+
+def _commit_ok(commit: str) -> bool:
+    """A full (40) or abbreviated (7-39) lowercase hex commit id, or "" (tag only)."""
+    return commit == "" or (7 <= len(commit) <= 40 and set(commit) <= _HEX)
+
+
+def load_pins(path: str | os.PathLike[str] | None = None, pin_set: str | None = None) -> Pins:
+    """Parse and validate one set of the pin file (default: ``$QWEN3_RL_PINS`` or the repo's ``pins.toml``; the
+    set from :func:`resolve_pin_set`: ``pin_set``, else ``$PIN_SET``, else ``seed``)."""
+    p = Path(path) if path else default_pins_path()
+    top = _read(p)
+    name = resolve_pin_set(pin_set, path=p)
+    data = top if name == DEFAULT_PIN_SET else top["sets"][name]
+    where = "" if name == DEFAULT_PIN_SET else f"sets.{name}."
     fws: dict[str, Framework] = {}
     for key, entry in (data.get("framework") or {}).items():
         missing = [k for k in _REQUIRED if k not in entry]
         if missing:
-            raise PinError(f"{p}: framework.{key} lacks {', '.join(missing)}")
+            raise PinError(f"{p}: {where}framework.{key} lacks {', '.join(missing)}")
         commit = str(entry["commit"])
-        if len(commit) != 40 or any(c not in "0123456789abcdef" for c in commit):
-            raise PinError(f"{p}: framework.{key}.commit must be 40 lowercase hex digits: {commit!r}")
+        if not _commit_ok(commit):
+            raise PinError(f"{p}: {where}framework.{key}.commit must be 7-40 lowercase hex digits or \"\": {commit!r}")
+        if entry.get("sdist") and not entry.get("sha256"):
+            raise PinError(f"{p}: {where}framework.{key}: an sdist pin needs its sha256")
         packages = entry["packages"]
         if not isinstance(packages, list) or not packages:
-            raise PinError(f"{p}: framework.{key}.packages must be a non-empty list")
+            raise PinError(f"{p}: {where}framework.{key}.packages must be a non-empty list")
         fws[key] = Framework(
             key=key,
             dir=str(entry["dir"]),
@@ -107,11 +184,18 @@ def load_pins(path: str | os.PathLike[str] | None = None) -> Pins:
             version=str(entry["version"]),
             packages=tuple(str(x) for x in packages),
             submodules=bool(entry.get("submodules", False)),
+            sdist=bool(entry.get("sdist", False)),
+            sha256=str(entry.get("sha256", "")),
         )
     if not fws:
-        raise PinError(f"{p}: no [framework.*] tables")
+        raise PinError(f"{p}: no [{where}framework.*] tables")
     runtime = {k: str(v) for k, v in (data.get("runtime") or {}).items()}
-    return Pins(path=p, frameworks=fws, runtime=runtime)
+    if name == DEFAULT_PIN_SET:
+        return Pins(path=p, frameworks=fws, runtime=runtime)
+    return Pins(path=p, frameworks=fws, runtime=runtime, name=name,
+                patches_dir=str(data.get("patches", f"patches/{name}")),
+                workspace_dir=str(data.get("workspace", f"workspace-{name}")),
+                source=str(data.get("source", "git")))
 
 
 def pypi_requirement(fw: Framework) -> str:
@@ -130,12 +214,16 @@ def pins_main(argv: list[str]) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m qwen3_rl pins", description=pins_main.__doc__)
     ap.add_argument("--pins")
+    ap.add_argument("--pin-set", help="pin set (default: $PIN_SET, else seed)")
     ap.add_argument("--format", choices=("table", "shell", "json"), default="table")
     ap.add_argument("--get", help="print one value, e.g. vllm.version or runtime.torch")
     a = ap.parse_args(argv)
     try:
-        pins = load_pins(a.pins)
+        pins = load_pins(a.pins, a.pin_set)
         if a.get:
+            if a.get == "set":
+                print(pins.name)
+                return 0
             sect, _, fld = a.get.partition(".")
             if sect == "runtime":
                 if fld not in pins.runtime:
@@ -153,8 +241,9 @@ def pins_main(argv: list[str]) -> int:
         return 1
     if a.format == "json":
         data = {k: {**fw.__dict__, "packages": list(fw.packages)} for k, fw in pins.frameworks.items()}
-        print(json.dumps({"frameworks": data, "runtime": pins.runtime}, indent=2))
+        print(json.dumps({"set": pins.name, "frameworks": data, "runtime": pins.runtime}, indent=2))
     elif a.format == "shell":
+        print(f"PIN_SET={shlex.quote(pins.name)}")
         for k, fw in pins.frameworks.items():
             up = k.upper()
             for fld in ("dir", "git_url", "git_ref", "commit", "pypi", "version"):
@@ -162,7 +251,8 @@ def pins_main(argv: list[str]) -> int:
         for k, v in pins.runtime.items():
             print(f"PIN_RUNTIME_{k.upper()}={shlex.quote(v)}")
     else:
+        print(f"pin set: {pins.name}")
         for k, fw in pins.frameworks.items():
-            src = f"{fw.pypi}=={fw.version}" if fw.on_pypi else "(git only)"
-            print(f"{k:12s} {fw.git_ref:22s} {fw.commit[:12]}  {src}")
+            src = f"{fw.pypi}=={fw.version}" + (" (sdist)" if fw.sdist else "") if fw.on_pypi else "(git only)"
+            print(f"{k:12s} {fw.git_ref or '-':22s} {fw.commit[:12] or '-':12s}  {src}")
     return 0

@@ -28,7 +28,7 @@ def _count_values() -> dict[str, object]:
     from qwen3_rl.tools.upstream.patches import series
 
     reg = _registry()
-    per_fw = {k: len(series(k)) for k in load_pins().frameworks}
+    per_fw = {k: len(series(k)) for k in load_pins(pin_set="seed").frameworks}
     setups = reg.setups()
     tiny = sum(1 for s in setups if "tiny" in s)
     return {"switches": len(reg.features), "patches": sum(per_fw.values()),
@@ -50,7 +50,7 @@ def _counts_zh() -> str:
 
 
 def _pins() -> str:
-    pins = load_pins()
+    pins = load_pins(pin_set="seed")
     rows = ["| framework | git tag | commit | PyPI |", "|---|---|---|---|"]
     for k, fw in pins.frameworks.items():
         src = f"`{fw.pypi}=={fw.version}`" if fw.on_pypi else "git only"
@@ -59,11 +59,41 @@ def _pins() -> str:
     return "\n".join(rows) + f"\n\nRuntime (image): {rt}."
 
 
+def _pins_current() -> str:
+    """One line: the current pin set's versions (``PIN_SET=current``)."""
+    pins = load_pins(pin_set="current")
+    fws = ", ".join(f"{fw.pypi or fw.key} {fw.version}" + (" (sdist)" if fw.sdist else "")
+                    + (f" ({fw.git_ref} `{fw.commit[:8]}`)" if not fw.on_pypi else "") for fw in pins.frameworks.values())
+    rt = pins.runtime
+    return f"{fws}; CANN {rt['cann']}, torch {rt['torch']}, torch-npu {rt['torch_npu']}, Python {rt['python']}."
+
+
+def _short_switch(text: str, limit: int = 110) -> str:
+    """A patch header's Switch: its first clause (up to the first '; ' or '. ' outside parentheses), at most ``limit``
+    characters, parentheses closed (the header has the rest)."""
+    depth, end = 0, len(text)
+    for i, ch in enumerate(text):
+        depth += (ch == "(") - (ch == ")")
+        if depth == 0 and ch in ";." and text[i + 1:i + 2] == " " and text[max(0, i - 3):i] not in ("e.g", "i.e"):
+            end = i
+            break
+    first = text[:end]
+    if len(first) > limit:
+        first = first[:limit].rsplit(" ", 1)[0] + " …"
+    first = first.replace("none (bug fix, always on", "none (bug fix")
+    return first + ")" * max(0, first.count("(") - first.count(")"))
+
+
 def _patches() -> str:
     """The patch table of ``upstream.patches.markdown_table``, each link named ``NNNN kind name`` (the framework is
     the row's first column), the common key prefixes abbreviated as in the switch table."""
-    table = re.sub(r"\[(\d{4})-[a-z_]+-(feature|bugfix)-([a-z0-9_]+)\.patch\]", r"[\1 \2 \3]",
-                   markdown_table(list(load_pins().frameworks)))
+    rows = markdown_table(list(load_pins(pin_set="seed").frameworks)).splitlines()
+    for i, row in enumerate(rows[2:], start=2):
+        cols = row.split(" | ")
+        cols[3] = _short_switch(cols[3])
+        cols[2] = re.sub(r"^(verl|vllm|vLLM|mindspeed|megatron): ", "", cols[2])  # the framework column says it
+        rows[i] = " | ".join(cols)
+    table = re.sub(r"\[(\d{4})-[a-z_]+-(feature|bugfix)-([a-z0-9_]+)\.patch\]", r"[\1]", "\n".join(rows))
     for long, short in KEY_PREFIXES:
         table = table.replace(long, short)
     return table
@@ -216,7 +246,7 @@ def _find_fix(name: str) -> str:
     """The bug-fix patch whose file name ends in ``-bugfix-<name>.patch`` (any framework), as ``fw/file``."""
     from qwen3_rl.tools.upstream.patches import series
 
-    hits = [f"{k}/{p.path.name}" for k in load_pins().frameworks for p in series(k)
+    hits = [f"{k}/{p.path.name}" for k in load_pins(pin_set="seed").frameworks for p in series(k)
             if p.path.name.endswith(f"-bugfix-{name}.patch")]
     if len(hits) != 1:
         raise ValueError(f"features.toml [reference]: fix {name!r} matches {len(hits)} bug-fix patches")
@@ -265,14 +295,14 @@ def _fixes() -> str:
     from qwen3_rl.tools.upstream.patches import series
 
     out = ["| patch | upstream status |", "|---|---|"]
-    for k in load_pins().frameworks:
+    for k in load_pins(pin_set="seed").frameworks:
         for p in series(k):
             if p.kind != "bugfix":
                 continue
             head = p.header()
             up = " ".join(head.get("Upstream", "").split())
-            out.append(f"| [{k} {p.path.name[:4]} {p.name}](../patches/{k}/{p.path.name}) | "
-                       f"{_first_sentence(up, 200).replace('|', '/')} |")
+            out.append(f"| [{k} {p.path.name[:4]}](../patches/{k}/{p.path.name}) | "
+                       f"{_first_sentence(up, 100).replace('|', '/')} |")
     return "\n".join(out)
 
 
@@ -342,7 +372,7 @@ DOC_SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
     "README.zh-CN.md": {"counts": _counts_zh},
     DOC_FEATURES: {"feature-index": _feature_index, "switches": _switches},
     "docs/environment.md": {"env-contract": _env_contract},
-    "docs/patches.md": {"pins": _pins, "patches": _patches, "reference": _reference},
+    "docs/patches.md": {"pins": _pins, "pins_current": _pins_current, "patches": _patches, "reference": _reference},
     "docs/setups.md": {"feature-defaults": _feature_defaults},
     "docs/real_engine_tests.md": {"shims": _shims},
     "docs/upstream_checks.md": {"fixes": _fixes},

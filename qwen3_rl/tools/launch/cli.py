@@ -112,7 +112,8 @@ def format_plan(plan: LaunchPlan, env_now: dict[str, str], env_before: dict[str,
               f"this node:   {plan.node_ip} on interface {plan.ifname}",
               f"logs:        {plan.log_file} (training), {plan.ray_log} (ray)",
               f"dashboard:   {f'{plan.dashboard_host}:{plan.dashboard_port}' if plan.dashboard else 'off'}",
-              f"cpu binding: {'on' if plan.cpu_binding else 'off'}"]
+              f"cpu binding: {'on' if plan.cpu_binding else 'off'}",
+              f"pin set:     {plan.pin_set} (PIN_SET; pins.toml)"]
     lines += [f"note:        {n}" for n in plan.notes]
     step = 0
 

@@ -100,6 +100,7 @@ class LaunchPlan:
     auth_token_file: str = ""
     auth_token_make: bool = False
     ray_address_file: str = ""  # <ray temp dir>/ray_current_cluster (restored on exit; see launch/ray_node.py)
+    pin_set: str = "seed"  # PIN_SET (qwen3_rl.tools.pins.resolve_pin_set): which pin set's stack this node runs
     notes: list[str] = field(default_factory=list)
 
     def shell_vars(self) -> dict[str, str]:
@@ -272,6 +273,12 @@ def parse_options(argv: list[str], env: dict[str, str] | None = None) -> LaunchP
     if ns.dry_run and ns.stop:
         raise LaunchError("--dry-run and --stop cannot be combined")
     mode = "stop" if ns.stop else ("dry-run" if ns.dry_run else "run")
+    from qwen3_rl.tools.pins import PinError, resolve_pin_set
+
+    try:
+        pin_set = resolve_pin_set(env=env)
+    except PinError as exc:
+        raise LaunchError(str(exc)) from exc
 
     nnodes = _int(ns, "nnodes", env, 1)
     npus = _int(ns, "npus_per_node", env, 1, 64)
@@ -405,7 +412,7 @@ def parse_options(argv: list[str], env: dict[str, str] | None = None) -> LaunchP
         preflight=preflight, join_retries=join_retries, join_interval=join_interval,
         watch_interval=watch_interval, watch_misses=watch_misses, cann_home=str(cann_home),
         npu_env=str(Path(str(npu_env)).resolve()), ray_bin=ray_bin, ray_start=ray_start,
-        python=sys.executable, repo=str(REPO), auth_mode=auth_mode, auth_token_file=token_file,
+        python=sys.executable, repo=str(REPO), pin_set=pin_set, auth_mode=auth_mode, auth_token_file=token_file,
         auth_token_make=token_make,
         ray_address_file=str(ray_temp_root(str(temp_dir) if temp_dir else None, env) / ADDRESS_FILE), notes=notes,
     )

@@ -48,6 +48,7 @@ from qwen3_rl.tools.launch.env_contract import (
 )
 from qwen3_rl.tools.launch.npu_smi import NpuSmiError, parse_chip_map, run_npu_smi
 from qwen3_rl.tools.launch.train_script import TrainCommand, TrainScriptError, parse_train_script
+from qwen3_rl.tools.pins import PinError, resolve_pin_set
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -461,9 +462,10 @@ def check_cann(env: Mapping[str, str]) -> list[Finding]:
                          "source internal/npu_env.sh or the toolkit's set_env.sh")]
 
 
-def check_patches(workspace: str | None, only: str | None = None, timeout_s: float = 300.0) -> list[Finding]:
-    """Every pinned tree present and every patch applied, from ``apply_all_patches.sh --status``."""
-    cmd = ["bash", str(REPO / "apply_all_patches.sh"), "--status"]
+def check_patches(workspace: str | None, only: str | None = None, timeout_s: float = 300.0,
+                  pin_set: str = "seed") -> list[Finding]:
+    """Every pinned tree present and every patch applied, from ``apply_all_patches.sh --status`` (of ``pin_set``)."""
+    cmd = ["bash", str(REPO / "apply_all_patches.sh"), "--status", "--pin-set", pin_set]
     if workspace:
         cmd += ["--workspace", workspace]
     if only:
@@ -516,19 +518,26 @@ def run_preflight(train_script: str, env_script: str | None = None, nnodes: int 
     except EnvResolveError as exc:
         return [_err("env", str(exc))]
     try:
+        pin_set = resolve_pin_set(env=env)
+    except PinError as exc:
+        return [_err("pin-set", str(exc))]
+    try:
         cmd = parse_train_script(train_script, env=env, extra_args=extra_args)
     except TrainScriptError as exc:
         return [_err("script", str(exc))]
     vals = cmd.override_map()
     cfg = load_config(vals.get("actor_rollout_ref.model.path"))
+    contract = check_contract(cmd, cfg) if pin_set == "seed" else [_warn(
+        CONTRACT_CHECK, f"pin set {pin_set}: the contract's rules cite the seed set's verl / vLLM / vLLM-Ascend lines; "
+                        "not checked")]
     if env_only:
-        return check_contract(cmd, cfg)
+        return contract
     findings: list[Finding] = []
     if node_checks:
         findings += check_npus(npus_per_node or _get_int(vals, "trainer.n_gpus_per_node", 16) or 16)
         findings += check_cann(env)
-        findings += check_patches(workspace, patch_only)
-    findings += check_contract(cmd, cfg)
+        findings += check_patches(workspace, patch_only, pin_set=pin_set)
+    findings += contract
     findings += check_model(vals)
     if role == "head":
         findings += check_datasets(vals)
@@ -577,7 +586,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for f in findings:
             print(f.line(), file=sys.stderr if f.level == "error" else sys.stdout)
-        print(f"preflight{' (environment contract only)' if a.env_only else ''}: {len(errors)} error(s), "
+        try:
+            pin_set = resolve_pin_set()
+        except PinError:  # reported as the [pin-set] error above
+            pin_set = "seed"
+        print(f"preflight{' (environment contract only)' if a.env_only else ''}"
+              f"{'' if pin_set == 'seed' else f' (pin set {pin_set})'}: {len(errors)} error(s), "
               f"{len(findings) - len(errors)} warning(s)"
               f"{'' if errors else ' - OK'}")
     return 1 if errors else 0

@@ -277,7 +277,10 @@ def format_plan(plan: Mapping[str, Any]) -> str:
     """Human-readable summary of :func:`build_plan`'s result."""
     r = plan["rollout"]
     lay, dev, res = r["layout"], r["device"], r["reserved"]
+    pin_set = plan.get("pin_set", "seed")
     lines = [
+        f"pin set: {pin_set}" + ("" if pin_set == "seed" else
+                                 " (the memory model's vLLM-Ascend constants are read from the seed set's 0.13)"),
         f"model: {plan['model']['name']}  params {plan['model']['total_params'] / 1e9:.2f} B",
         f"rollout TP{lay['tp']} EP{lay['ep']} DP{lay['dp']}  max_model_len {lay['max_model_len']}  "
         f"gpu_memory_utilization {lay['gpu_memory_utilization']}",
@@ -323,13 +326,17 @@ def format_plan(plan: Mapping[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry: returns 0 on success, 1 on a plan error (one line on stderr), 2 on usage errors."""
+    from qwen3_rl.tools.pins import PinError, resolve_pin_set
+
     args = _build_parser().parse_args(argv)
     try:
+        pin_set = resolve_pin_set()
         spec = load_model_config(args.model_config)
         plan = build_plan(spec, _resolve(args), args)
-    except PlanError as e:
+    except (PlanError, PinError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    plan["pin_set"] = pin_set
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return 0
 

@@ -9,7 +9,12 @@ patched tree in the workspace:
   frameworks (vllm built for the ``empty`` target is pure Python, verl, megatron-core) a
   ``qwen3_rl-<key>.pth`` file in site-packages puts the patched tree on ``sys.path`` — the same
   effect as an editable install. vllm-ascend compiles custom operators and MindSpeed is git-only:
-  a pypi-mode tree of either is refused with the command that fixes it.
+  a pypi-mode tree of either is refused with the command that fixes it, unless it was made from an sdist
+  or a git archive (the whole source tree with its build files: the current set's vllm-ascend, MindSpeed from
+  ``--archive-dir``), which is built like a git tree.
+
+The pin set (``PIN_SET`` / ``--pin-set``) picks the trees' default workspace and the requirements file
+(``requirements.txt`` for the seed set, ``requirements-<set>.txt`` otherwise).
 
 Every step is skipped when already done (editable install pointing at the tree, or the same
 ``.pth``), so a rerun is a no-op. ``--dry-run`` prints the steps and runs nothing.
@@ -26,7 +31,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from qwen3_rl.tools.pins import REPO_ROOT, Framework, PinError, load_pins
+from qwen3_rl.tools.pins import DEFAULT_PIN_SET, REPO_ROOT, Framework, PinError, load_pins
 from qwen3_rl.tools.upstream.common import OneLineParser, UpstreamError, default_workspace, die, log
 from qwen3_rl.tools.upstream.download import tree_mode
 
@@ -100,6 +105,11 @@ def npu_ready(python: str) -> tuple[bool, str]:
     return True, ""
 
 
+def requirements_file(pin_set: str = DEFAULT_PIN_SET) -> Path:
+    """The runtime requirements of a pin set: ``requirements.txt`` (seed) or ``requirements-<set>.txt``."""
+    return REPO_ROOT / ("requirements.txt" if pin_set == DEFAULT_PIN_SET else f"requirements-{pin_set}.txt")
+
+
 def plan_steps(
     fws: dict[str, Framework],
     workspace: Path,
@@ -108,16 +118,18 @@ def plan_steps(
     requirements: bool = True,
     skip_npu: bool = False,
     with_package: bool = True,
+    pin_set: str = DEFAULT_PIN_SET,
+    target_python: str = "3.11",
 ) -> list[Step]:
     """The ordered build steps for the selected frameworks (nothing is run)."""
     info = _py_info(python)
-    if info["version"] != "3.11":
-        log(f"warning: {python} is Python {info['version']}; the pinned stack targets 3.11")
+    if info["version"] != target_python:
+        log(f"warning: {python} is Python {info['version']}; the pinned stack targets {target_python}")
     purelib = Path(info["purelib"])
     pip = [python, "-m", "pip", "install"]
     steps: list[Step] = []
     if requirements:
-        steps.append(Step("requirements", pip + ["-r", str(REPO_ROOT / "requirements.txt")]))
+        steps.append(Step("requirements", pip + ["-r", str(requirements_file(pin_set))]))
     for key in ORDER:
         if key not in fws or (only and key not in only):
             continue
@@ -132,6 +144,8 @@ def plan_steps(
             steps.append(Step(key, done=True, note="skipped (--skip-npu)"))
             continue
         mode = tree_mode(tree) or "git"
+        if mode == "pypi" and any((tree / f).is_file() for f in ("setup.py", "pyproject.toml")):
+            mode = "git"  # an unpacked sdist or git archive is the whole source tree: built like a git checkout
         if mode == "pypi":
             if key not in PURE_PYTHON:
                 raise UpstreamError(
@@ -186,8 +200,9 @@ def run_steps(steps: list[Step], python: str, skip_npu: bool) -> None:
 def build_main(argv: list[str]) -> int:
     ap = OneLineParser(prog="build_project.sh", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pins")
+    ap.add_argument("--pin-set", help="pin set: seed or current (default: $PIN_SET, else seed)")
     ap.add_argument("--only", help="comma-separated subset of " + ",".join(ORDER))
-    ap.add_argument("--workspace", help="workspace (default: $QWEN3_RL_WORKSPACE or <repo>/workspace)")
+    ap.add_argument("--workspace", help="workspace (default: $QWEN3_RL_WORKSPACE or the set's, <repo>/workspace)")
     ap.add_argument("--python", default=sys.executable, help="target interpreter (default: this one)")
     ap.add_argument("--dry-run", action="store_true", help="print the steps, run nothing")
     ap.add_argument("--skip-npu", action="store_true", help="skip NPU-only builds (vllm-ascend)")
@@ -195,16 +210,19 @@ def build_main(argv: list[str]) -> int:
     ap.add_argument("--no-package", action="store_true", help="do not install qwen3_rl itself")
     a = ap.parse_args(argv)
     try:
-        pins = load_pins(a.pins)
+        pins = load_pins(a.pins, a.pin_set)
         sel = [fw.key for fw in pins.select(a.only)]
-        ws = Path(a.workspace) if a.workspace else default_workspace()
+        if pins.name != DEFAULT_PIN_SET:
+            log(f"pin set: {pins.name}")
+        ws = Path(a.workspace) if a.workspace else default_workspace(pins)
         if not ws.is_dir():
             raise UpstreamError(f"workspace {ws} does not exist; run download_frameworks_source_code.sh first")
         if importlib.util.find_spec("tomllib") is None:  # pragma: no cover - 3.11+ always has it
             raise UpstreamError("Python 3.11+ is required")
         steps = plan_steps(pins.frameworks, ws, a.python, only=sel if a.only else None,
                            requirements=not a.no_requirements, skip_npu=a.skip_npu,
-                           with_package=not a.no_package)
+                           with_package=not a.no_package, pin_set=pins.name,
+                           target_python=pins.runtime.get("python", "3.11"))
         if a.dry_run:
             for i, st in enumerate(steps, start=1):
                 state = f"  # {st.note}" if st.note else ""

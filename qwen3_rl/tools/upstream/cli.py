@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from qwen3_rl.tools.pins import PinError, load_pins
+from qwen3_rl.tools.pins import DEFAULT_PIN_SET, PinError, Pins, load_pins
 from qwen3_rl.tools.upstream import patches as ps
 from qwen3_rl.tools.upstream.common import (
     OneLineParser,
@@ -15,12 +15,20 @@ from qwen3_rl.tools.upstream.common import (
     die,
     log,
 )
-from qwen3_rl.tools.upstream.download import download_git, download_pypi
+from qwen3_rl.tools.upstream.download import download_archive, download_git, download_pypi
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pins", help="pin file (default: $QWEN3_RL_PINS or <repo>/pins.toml)")
+    p.add_argument("--pin-set", help="pin set: seed or current (default: $PIN_SET, else seed)")
     p.add_argument("--only", help="comma-separated frameworks (default: all in the pin file)")
+
+
+def _report_set(pins: Pins, root: Path | None = None) -> None:
+    """Name a non-default pin set (and the patch folder used) on stdout; the seed set's output stays as it was."""
+    if pins.name != DEFAULT_PIN_SET:
+        where = f"{pins.patches_dir}/" if root is None or root == pins.patches_root else str(root)
+        log(f"pin set: {pins.name} (patches: {where})")
 
 
 def download_main(argv: list[str]) -> int:
@@ -29,23 +37,32 @@ def download_main(argv: list[str]) -> int:
         description="Fetch the pinned upstream source trees into a workspace (git or PyPI).",
     )
     _common(ap)
-    ap.add_argument("--source", choices=("git", "pypi"), default="git",
-                    help="git: clone and check out the pinned commit (default); "
-                         "pypi: unpack the pinned wheels' text sources into one-commit git repos")
+    ap.add_argument("--source", choices=("git", "pypi"), default=None,
+                    help="git: clone and check out the pinned commit (the seed set's default); "
+                         "pypi: unpack the pinned wheels' (or sdist's) text sources into one-commit git repos "
+                         "(the current set's default)")
     ap.add_argument("--dest", "--workspace", dest="dest",
                     help="workspace folder (default: $QWEN3_RL_WORKSPACE or <repo>/workspace)")
     ap.add_argument("--wheel-dir", help="wheel cache for pypi mode (default: ~/.cache/qwen3_rl/wheels)")
     ap.add_argument("--arch", help="wheel platform architecture for pypi mode (default: this machine's)")
     ap.add_argument("--force", action="store_true",
                     help="replace trees at a wrong commit or with local changes (discards changes)")
+    ap.add_argument("--archive-dir",
+                    help="pypi mode: take a framework no registry serves (MindSpeed) from DIR/<key>-<commit>.tar.gz, "
+                         "checked against DIR/SHA256SUMS and the commit (e.g. ../shared/upstream)")
     a = ap.parse_args(argv)
     try:
-        pins = load_pins(a.pins)
+        pins = load_pins(a.pins, a.pin_set)
         fws = pins.select(a.only)
-        dest = Path(a.dest) if a.dest else default_workspace()
+        _report_set(pins)
+        dest = Path(a.dest) if a.dest else default_workspace(pins)
         wheel_dir = Path(a.wheel_dir) if a.wheel_dir else default_cache() / "wheels"
+        source = a.source or pins.source
         for fw in fws:
-            if a.source == "pypi":
+            if source == "pypi":
+                if not fw.on_pypi and a.archive_dir:
+                    download_archive(fw, dest, Path(a.archive_dir), force=a.force)
+                    continue
                 if not fw.on_pypi:
                     if a.only:
                         raise UpstreamError(
@@ -75,13 +92,13 @@ def patches_main(argv: list[str]) -> int:
     g.add_argument("--lint", action="store_true", help="check patch names, numbering and headers")
     g.add_argument("--table", action="store_true", help="print the markdown table of the series (as in docs/patches.md)")
     ap.add_argument("--workspace", help="workspace folder (default: $QWEN3_RL_WORKSPACE or <repo>/workspace)")
-    ap.add_argument("--patches-dir", help="patch folder (default: <repo>/patches)")
+    ap.add_argument("--patches-dir", help="patch folder (default: the pin set's, <repo>/patches or <repo>/patches/current)")
     a = ap.parse_args(argv)
     try:
-        pins = load_pins(a.pins)
+        pins = load_pins(a.pins, a.pin_set)
         fws = pins.select(a.only)
-        ws = Path(a.workspace) if a.workspace else default_workspace()
-        root = Path(a.patches_dir) if a.patches_dir else ps.patches_root()
+        ws = Path(a.workspace) if a.workspace else default_workspace(pins)
+        root = Path(a.patches_dir) if a.patches_dir else pins.patches_root
         if a.table:
             print(ps.markdown_table([fw.key for fw in fws], root))
             return 0
@@ -91,8 +108,10 @@ def patches_main(argv: list[str]) -> int:
                 print(p)
             if problems:
                 return die(f"{len(problems)} problem(s) in the patch series")
+            _report_set(pins, root)
             print(f"patch series OK ({sum(len(ps.series(fw.key, root)) for fw in fws)} patches)")
             return 0
+        _report_set(pins, root)
         if not a.status and not ws.is_dir():
             raise UpstreamError(f"workspace {ws} does not exist; run download_frameworks_source_code.sh first")
         failures: list[str] = []

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from qwen3_rl.tools.pins import REPO_ROOT
+from qwen3_rl.tools.pins import REPO_ROOT, Pins
 
 WORKSPACE_ENV = "QWEN3_RL_WORKSPACE"
 CACHE_ENV = "QWEN3_RL_CACHE"
@@ -30,10 +30,10 @@ class UpstreamError(RuntimeError):
     """A one-line, user-facing reason; commands print it and exit non-zero."""
 
 
-def default_workspace() -> Path:
-    """``$QWEN3_RL_WORKSPACE`` or ``<repo>/workspace``."""
+def default_workspace(pins: Pins | None = None) -> Path:
+    """``$QWEN3_RL_WORKSPACE`` or the pin set's workspace in the checkout (``workspace``; ``workspace-current``)."""
     env = os.environ.get(WORKSPACE_ENV)
-    return Path(env) if env else REPO_ROOT / "workspace"
+    return Path(env) if env else REPO_ROOT / (pins.workspace_dir if pins else "workspace")
 
 
 def default_cache() -> Path:

@@ -7,7 +7,9 @@ so one patch series applies to either.
 * git mode: clone ``git_url``, check out the exact pinned commit (plus submodules where pinned),
   verify ``HEAD``.
 * pypi mode: download the pinned wheel (cached), unpack only the text files of the pinned package
-  folders, and commit them once as ``pristine <key> <version>`` with a fixed author and date.
+  folders, and commit them once as ``pristine <key> <version>`` with a fixed author and date. A framework pinned
+  as an sdist (``sdist = true``: PyPI serves no wheel) is fetched from the package index's simple API, checked
+  against its pinned sha256, and all its text files are unpacked (the sdist is the whole source tree).
 
 Reruns verify and do nothing. A tree at another commit or with local changes stops with expected
 vs found and the fix (``--force``).
@@ -18,13 +20,18 @@ from __future__ import annotations
 import fcntl
 import fnmatch
 import hashlib
+import json
+import os
 import platform
 import shutil
+import tarfile
+import urllib.parse
+import urllib.request
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from qwen3_rl.tools.pins import Framework, pypi_requirement
+from qwen3_rl.tools.pins import Framework, load_pins, pypi_requirement
 from qwen3_rl.tools.upstream.common import (
     UpstreamError,
     add_local_excludes,
@@ -42,7 +49,7 @@ MAX_TEXT_BYTES = 4 * 1024 * 1024
 
 
 def _platform_tags(arch: str) -> list[str]:
-    return [f"manylinux_2_{v}_{arch}" for v in (35, 31, 28, 24, 17)] + [f"manylinux2014_{arch}"]
+    return [f"manylinux_2_{v}_{arch}" for v in (35, 34, 31, 28, 24, 17)] + [f"manylinux2014_{arch}"]
 
 
 def wheel_pattern(fw: Framework) -> str:
@@ -71,6 +78,84 @@ def fetch_wheel(fw: Framework, wheel_dir: Path, arch: str | None = None) -> Path
     if not found:
         raise UpstreamError(f"{fw.key}: pip reported success but no {wheel_pattern(fw)} in {wheel_dir}")
     return found[0]
+
+
+def sdist_name(fw: Framework) -> str:
+    """File name of the pinned sdist (PEP 625: normalised name, ``.tar.gz``)."""
+    return f"{fw.pypi.replace('-', '_')}-{fw.version}.tar.gz"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _index_url() -> str:
+    """pip's index (``PIP_INDEX_URL``, else PyPI's simple API): the same registry ``pip download`` uses."""
+    return (os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple").rstrip("/")
+
+
+def fetch_sdist(fw: Framework, cache_dir: Path) -> Path:
+    """The pinned sdist from ``cache_dir``, downloaded from the index's simple API (JSON, PEP 691) if absent, and
+    checked against ``fw.sha256`` either way. ``pip download`` cannot fetch it: it builds an sdist's metadata,
+    which for vllm-ascend needs CANN."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    out = cache_dir / sdist_name(fw)
+    if not out.is_file():
+        url = f"{_index_url()}/{fw.pypi}/"
+        req = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                files = json.load(r).get("files", [])
+        except (OSError, ValueError) as e:
+            raise UpstreamError(f"{fw.key}: cannot read the package index {url}: {e}") from e
+        hit = next((f for f in files if f.get("filename") == out.name), None)
+        if hit is None:
+            raise UpstreamError(f"{fw.key}: the index {url} lists no {out.name}")
+        log(f"{fw.key}: downloading {out.name} (sdist) into {cache_dir}")
+        tmp = out.with_suffix(".partial")
+        try:
+            with urllib.request.urlopen(urllib.parse.urljoin(url, hit["url"]), timeout=600) as r, tmp.open("wb") as f:
+                shutil.copyfileobj(r, f)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise UpstreamError(f"{fw.key}: download of {out.name} failed: {e}") from e
+        tmp.rename(out)
+    got = _sha256(out)
+    if got != fw.sha256:
+        raise UpstreamError(f"{fw.key}: {out} has sha256 {got}, pins.toml says {fw.sha256}; delete it and rerun")
+    return out
+
+
+def unpack_sdist(fw: Framework, sdist: Path, tree: Path) -> tuple[int, int]:
+    """Unpack the text files of ``sdist`` (its top folder stripped) into ``tree``. Returns (written, skipped)."""
+    written = skipped = 0
+    with tarfile.open(sdist) as tf:
+        for m in tf.getmembers():
+            if not m.isfile():
+                continue
+            parts = m.name.split("/", 1)
+            if len(parts) < 2 or ".." in parts[1].split("/"):
+                continue
+            name = parts[1]
+            f = tf.extractfile(m)
+            data = f.read() if f else b""
+            if any(name.endswith(s) for s in BINARY_SUFFIXES) or not _is_text(data):
+                skipped += 1
+                continue
+            out = tree / name
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(data)
+            if m.mode & 0o111:
+                out.chmod(0o755)
+            written += 1
+    missing = [p for p in fw.packages if not (tree / p).exists()]
+    if missing:
+        raise UpstreamError(f"{fw.key}: sdist {sdist.name} has no folder {', '.join(missing)}")
+    return written, skipped
 
 
 def _is_text(data: bytes) -> bool:
@@ -160,12 +245,12 @@ def download_pypi(fw: Framework, dest: Path, wheel_dir: Path, force: bool = Fals
                 f"found {found}; re-run with --force --only {fw.key} to replace it"
             )
         shutil.rmtree(tree)
-    wheel = fetch_wheel(fw, wheel_dir, arch)
+    archive = fetch_sdist(fw, wheel_dir) if fw.sdist else fetch_wheel(fw, wheel_dir, arch)
     tmp = dest / f".{fw.dir}.partial"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    written, skipped = unpack_wheel(fw, wheel, tmp)
+    written, skipped = (unpack_sdist if fw.sdist else unpack_wheel)(fw, archive, tmp)
     run(["git", "init", "-q", str(tmp)])
     git(tmp, "config", "core.autocrlf", "false")
     git(tmp, "config", "commit.gpgsign", "false")
@@ -173,7 +258,67 @@ def download_pypi(fw: Framework, dest: Path, wheel_dir: Path, force: bool = Fals
     git(tmp, "add", "-A", "-f")
     git(tmp, "commit", "-q", "--no-verify", "-m", fw.pristine_message)
     tmp.rename(tree)  # only a complete tree ever gets the final name
-    log(f"{fw.key}: {tree} created from {wheel.name} ({written} text files, {skipped} binaries left out)")
+    log(f"{fw.key}: {tree} created from {archive.name} ({written} text files, {skipped} binaries left out)")
+    return "created"
+
+
+def archive_name(fw: Framework) -> str:
+    """``<key>-<commit>.tar.gz``: a ``git archive --prefix=<dir>/`` of the pinned commit (``../shared/upstream``)."""
+    return f"{fw.key}-{fw.commit}.tar.gz"
+
+
+def download_archive(fw: Framework, dest: Path, archive_dir: Path, force: bool = False) -> str:
+    """Create or verify ``dest/fw.dir`` from ``archive_dir/<key>-<commit>.tar.gz`` for a framework no registry
+    serves (MindSpeed): the archive's sha256 must be listed in ``archive_dir/SHA256SUMS`` and its embedded commit
+    id (``git get-tar-commit-id``) must be the pinned commit. The tree is a one-commit repo like a pypi-mode tree.
+    Returns 'created' or 'verified'."""
+    import gzip
+    import subprocess
+
+    archive = archive_dir / archive_name(fw)
+    if not archive.is_file():
+        raise UpstreamError(f"{fw.key}: no {archive.name} in {archive_dir} (git-only: use --source git)")
+    sums = {}
+    sums_file = archive_dir / "SHA256SUMS"
+    if sums_file.is_file():
+        for line in sums_file.read_text().splitlines():
+            if line.strip():
+                digest, name = line.split(None, 1)
+                sums[name.strip().lstrip("*")] = digest
+    if sums.get(archive.name) != _sha256(archive):
+        raise UpstreamError(f"{fw.key}: {archive.name} does not match {sums_file}")
+    with gzip.open(archive) as f:
+        head = f.read(1 << 16)
+    commit = subprocess.run(["git", "get-tar-commit-id"], input=head, capture_output=True, timeout=60)
+    if commit.stdout.decode().strip() != fw.commit:
+        raise UpstreamError(f"{fw.key}: {archive.name} is not a git archive of {fw.commit}")
+    tree = dest / fw.dir
+    if tree.exists() and not force:
+        if tree_mode(tree) == "pypi" and git(tree, "log", "-1", "--format=%s").stdout.strip() == fw.pristine_message:
+            _verify_clean(fw, tree)
+            log(f"{fw.key}: {tree} verified ({fw.pristine_message}), nothing to do")
+            return "verified"
+        raise UpstreamError(f"{fw.key}: {tree} is not the tree of {archive.name}; re-run with --force --only {fw.key}")
+    if tree.exists():
+        shutil.rmtree(tree)
+    tmp = dest / f".{fw.dir}.partial"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    with tarfile.open(archive) as tf:
+        tf.extractall(tmp, filter="data")
+    inner = tmp / fw.dir
+    if not inner.is_dir():
+        raise UpstreamError(f"{fw.key}: {archive.name} has no top folder {fw.dir}/")
+    run(["git", "init", "-q", str(inner)])
+    git(inner, "config", "core.autocrlf", "false")
+    git(inner, "config", "commit.gpgsign", "false")
+    add_local_excludes(inner)
+    git(inner, "add", "-A", "-f")
+    git(inner, "commit", "-q", "--no-verify", "-m", fw.pristine_message)
+    inner.rename(tree)
+    shutil.rmtree(tmp)
+    log(f"{fw.key}: {tree} created from {archive.name} (commit {fw.commit[:12]})")
     return "created"
 
 
@@ -187,7 +332,12 @@ def _submodules_ok(tree: Path) -> list[str]:
 
 
 def download_git(fw: Framework, dest: Path, force: bool = False) -> str:
-    """Clone or verify ``dest/fw.dir`` at the pinned commit. Returns 'created', 'updated' or 'verified'."""
+    """Clone or verify ``dest/fw.dir`` at the pinned commit. Returns 'created', 'updated' or 'verified'.
+
+    An abbreviated commit pin is checked as a prefix of ``HEAD``; an empty one (tag only) is reported, not checked.
+    """
+    if not fw.git_ref:
+        raise UpstreamError(f"{fw.key} {fw.version} has no upstream tag in pins.toml: download it with --source pypi")
     tree = dest / fw.dir
     action = "verified"
     if tree.exists() and not is_git_repo(tree):
@@ -216,7 +366,7 @@ def download_git(fw: Framework, dest: Path, force: bool = False) -> str:
         action = "created"
     else:
         head = _head(tree)
-        if head != fw.commit:
+        if not _at_pin(fw, head):
             if not force:
                 raise UpstreamError(
                     f"{fw.key}: expected commit {fw.commit} ({fw.git_ref}) at {tree}, found {head}; "
@@ -237,13 +387,33 @@ def download_git(fw: Framework, dest: Path, force: bool = False) -> str:
             )
     _verify_clean(fw, tree)
     head = _head(tree)
-    if head != fw.commit:
+    if not _at_pin(fw, head):
         raise UpstreamError(f"{fw.key}: expected commit {fw.commit}, found {head} after checkout")
-    log(f"{fw.key}: {tree} {action} at {fw.git_ref} ({fw.commit[:12]})")
+    pinned = fw.commit[:12] if fw.commit else f"{head[:12]}, no commit pinned: the tag's"
+    log(f"{fw.key}: {tree} {action} at {fw.git_ref} ({pinned})")
     return action
 
 
+def _at_pin(fw: Framework, head: str) -> bool:
+    """HEAD is the pinned commit (a full id, or an abbreviation of it); with no commit pinned, the tag's commit."""
+    if fw.commit:
+        return head.startswith(fw.commit)
+    return True
+
+
 def _checkout(fw: Framework, tree: Path) -> None:
+    if not fw.commit or len(fw.commit) < 40:  # resolve the tag, then check its commit against the abbreviation
+        git(tree, "fetch", "-q", "origin", f"+refs/tags/{fw.git_ref}:refs/tags/{fw.git_ref}", check=False)
+        target = git(tree, "rev-parse", f"refs/tags/{fw.git_ref}^{{commit}}", check=False).stdout.strip()
+        if not target or not _at_pin(fw, target):
+            raise UpstreamError(f"{fw.key}: tag {fw.git_ref} of {fw.git_url} is {target or 'absent'}, "
+                                f"pins.toml says {fw.commit or '(any)'}")
+        git(tree, "checkout", "-q", "-f", "--detach", target)
+        git(tree, "clean", "-q", "-fd")
+        if fw.submodules:
+            git(tree, "submodule", "sync", "--recursive")
+            git(tree, "submodule", "update", "-q", "--init", "--recursive", "--force")
+        return
     has = git(tree, "cat-file", "-e", f"{fw.commit}^{{commit}}", check=False).returncode == 0
     if not has:
         git(tree, "fetch", "-q", "origin", f"+refs/tags/{fw.git_ref}:refs/tags/{fw.git_ref}",
@@ -261,16 +431,17 @@ def _checkout(fw: Framework, tree: Path) -> None:
         git(tree, "submodule", "update", "-q", "--init", "--recursive", "--force")
 
 
-def pristine_dir(pins_file: Path) -> Path:
-    """``<cache>/pristine-<first 12 hex of sha256(pins file)>``: the shared cache of pristine trees of one pin set."""
-    return default_cache() / f"pristine-{hashlib.sha256(pins_file.read_bytes()).hexdigest()[:12]}"
+def pristine_dir(pins_file: Path, pin_set: str | None = None) -> Path:
+    """``<cache>/pristine-<first 12 hex of the set's digest>``: the shared cache of pristine trees of one pin set
+    (``pin_set``, else ``$PIN_SET``, else seed; :meth:`Pins.digest`: it changes only when that set's pins do)."""
+    return default_cache() / f"pristine-{load_pins(pins_file, pin_set).digest()[:12]}"
 
 
-def fill_pristine(pins_file: Path, frameworks: Iterable[Framework]) -> Path:
+def fill_pristine(pins_file: Path, frameworks: Iterable[Framework], pin_set: str | None = None) -> Path:
     """:func:`pristine_dir` of ``pins_file`` holding the pristine tree of each of ``frameworks`` (from its pinned
     wheel; made once, verified after). Processes filling the same cache at the same time (the test suite and
     ``tests/upstream_own/verl_cpu.py``) take turns on a lock file beside it. Returns the cache folder."""
-    ws = pristine_dir(pins_file)
+    ws = pristine_dir(pins_file, pin_set)
     ws.mkdir(parents=True, exist_ok=True)
     with (ws.parent / f"{ws.name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -294,5 +294,7 @@ def markdown_table(keys: list[str], root: Path | None = None, link_prefix: str =
             subject = head.get("Subject", "").replace("|", "\\|")
             switch = head.get("Switch", "").replace("|", "\\|")
             level = verified_level(head.get("Verified", "")).replace("|", "\\|")
-            rows.append(f"| {key} | [{p.path.name}]({link_prefix}patches/{key}/{p.path.name}) | {subject} | {switch} | {level} |")
+            rel = p.path.resolve().relative_to(REPO_ROOT).as_posix() if p.path.resolve().is_relative_to(REPO_ROOT) \
+                else f"patches/{key}/{p.path.name}"
+            rows.append(f"| {key} | [{p.path.name}]({link_prefix}{rel}) | {subject} | {switch} | {level} |")
     return "\n".join(rows)

@@ -356,6 +356,7 @@ def test_dry_run_worker_and_dashboard(stubs):
     assert "this node:   10.20.0.5 on interface eth0" in p.stdout
     assert "note:        --dashboard only applies on the head" in p.stdout
     assert "stay while 10.20.0.1:6380 answers" in p.stdout
+    assert "pin set:     seed (PIN_SET; pins.toml)" in p.stdout  # the default set, reported
     # head with the dashboard: bound to loopback unless told otherwise
     env = stub_env(root, bin_dir, STUB_IP_ADDRS=HEAD_ADDRS)
     p = run_launcher(["internal/train_grpo_qwen3_32b_32die_true_weight.sh", "--dashboard", "--dry-run"], env)
@@ -398,6 +399,7 @@ BAD_INPUTS = [
      "--dashboard-host='everywhere' is not an IP address"),
     ("bad-bool-env", [S32], {"CPU_BINDING": "maybe"}, "CPU_BINDING='maybe' must be 0 or 1"),
     ("dry-run-and-stop", [S32, "--dry-run", "--stop"], {}, "--dry-run and --stop cannot be combined"),
+    ("bad-pin-set", [S32, "--dry-run"], {"PIN_SET": "newest"}, "PIN_SET='newest' is not a pin set of pins.toml"),
     ("script-fails", ["internal/train_grpo_qwen3_235b_128die_true_weight.sh"], {"ROLLOUT_TP": "0"},
      "failed in print mode"),
 ]
