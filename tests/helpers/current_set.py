@@ -2,8 +2,7 @@
 MindSpeed core_r0.16.0 (the archive in ``../shared/upstream``), for the tests of ``patches/current/megatron`` and
 ``patches/current/mindspeed``.
 
-The two entries below are what these tests assume of ``pins.toml``'s current set (key, tree folder, version,
-commit); the pristine megatron tree is made by the same download code as the seed set's
+The two entries are ``pins.toml``'s current set; the pristine megatron tree is made by the same download code as the seed set's
 (``qwen3_rl.tools.upstream.download.fill_pristine``: the wheel's text files as a one-commit git repo, cached), the
 MindSpeed tree by ``helpers.mindspeed_tree`` from its verified archive. A patched tree is a ``git clone --shared`` of
 the pristine one with the series of ``patches/current/<key>/`` applied in order by ``git apply`` (what
@@ -15,17 +14,15 @@ import re
 import subprocess
 from pathlib import Path
 
-from qwen3_rl.tools.pins import Framework
+from qwen3_rl.tools.pins import load_pins
 from qwen3_rl.tools.upstream.download import fill_pristine
 
 from conftest import REPO, _clone
 
-MEGATRON = Framework(key="megatron", dir="Megatron-LM", git_url="https://github.com/NVIDIA/Megatron-LM.git",
-                     git_ref="core_v0.16.1", commit="", pypi="megatron-core", version="0.16.1",
-                     packages=("megatron",))
-MINDSPEED = Framework(key="mindspeed", dir="MindSpeed", git_url="https://gitcode.com/Ascend/MindSpeed.git",
-                      git_ref="core_r0.16.0", commit="e4772499f7eb9fa9a68919dd1eaddef00e915b2d", pypi="",
-                      version="0.16.0", packages=("mindspeed",))
+#: The current set's entries of pins.toml (``PIN_SET=current``), whatever the switch says in this process.
+_CURRENT = load_pins(REPO / "pins.toml", "current").frameworks
+MEGATRON = _CURRENT["megatron"]
+MINDSPEED = _CURRENT["mindspeed"]
 SERIES = REPO / "patches" / "current"
 # Device shims (the device layer only) for megatron-core 0.16.1's dist-checkpoint save and load on a CPU host, as
 # Python source for a probe: the writer's host staging waits for the GPU (filesystem_async.py:230, a no-op here)
@@ -57,7 +54,7 @@ def patched_files(patch: Path) -> list[str]:
 
 def pristine_megatron() -> Path:
     """The pristine megatron-core 0.16.1 tree (cached, shared by the processes that ask for it)."""
-    ws = fill_pristine(Path(__file__), [MEGATRON])  # cache folder keyed on this file's bytes (the entries above)
+    ws = fill_pristine(REPO / "pins.toml", [MEGATRON], "current")
     tree = ws / MEGATRON.dir
     assert (tree / "megatron" / "core" / "package_info.py").is_file()
     return tree
