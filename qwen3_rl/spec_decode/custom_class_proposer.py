@@ -26,10 +26,12 @@ What that interface does not carry, and what follows here:
   again from the runner's buffer (one pass over it).
 * **no prompt length, no sampling options**: the whole text at first sight stands as the prompt; group mode
   (siblings keyed by their prompt), its finished-response cache, history and the sibling exchange need the
-  request's id and prompt length and are refused in one line. The seam they need: the runner passing
-  ``self.input_batch`` (``req_ids``, ``num_prompt_tokens``) and ``scheduler_output.finished_req_ids`` to
-  ``propose`` (two arguments at ``gpu_model_runner.py:4833-4839``), or a ``drafter_cls`` the runner builds with
-  itself, as vLLM 0.13 + our seam do (``vllm_proposer.SamVllmProposer``).
+  request's id and prompt length and are refused in one line, unless the worker hands the proposer its runner:
+  ``worker_cls=qwen3_rl.spec_decode.custom_class_worker.SamCPUWorker`` (upstream's worker extension point) calls
+  :meth:`SamCustomClassProposer.bind_runner`, after which the proposer reads ``runner.input_batch`` and
+  ``runner.requests`` as the seed set's proposer does. Without a worker class, the seam upstream would need is the
+  runner passed to the class (``create_custom_proposer(self.vllm_config)`` at ``gpu_model_runner.py:559``). The
+  sibling exchange also needs the recipe's engine-step hook: refused.
 
 The SAM logic is the seed set's: :class:`~qwen3_rl.spec_decode.runner_drafter.SamRunnerDrafter` (own text,
 ``pad_drafts``, adaptive k) over a view of the batch with the recognised ids.
@@ -51,6 +53,8 @@ from qwen3_rl.spec_decode.sam import SamConfig
 ADDITIONAL_CONFIG_KEY = "qwen3_rl"
 #: SAM options that need request ids / prompt lengths, which ``custom_class`` does not pass
 NEEDS_REQUEST_IDS = ("group_mode", "group_exchange", "history_responses")
+#: the worker that binds the proposer to its runner (``custom_class_worker``), which gives it request ids
+BINDING_WORKERS = ("qwen3_rl.spec_decode.custom_class_worker.SamCPUWorker",)
 #: token positions probed from each end of a held text to recognise its row (``RowIdentity``)
 PROBES = 4
 
@@ -68,9 +72,13 @@ def config_from_vllm_config(vllm_config: Any) -> SamConfig:
     raw = (ours or {}).get("sam_config") if isinstance(ours, Mapping) else None
     cfg = parse_sam_options(raw, int(spec.num_speculative_tokens))
     on = [name for name in NEEDS_REQUEST_IDS if getattr(cfg, name)]
-    if on:
+    worker = getattr(getattr(vllm_config, "parallel_config", None), "worker_cls", None)
+    if on and worker not in BINDING_WORKERS:
         raise ValueError(f"sam_config {on} need request ids and prompt lengths, which vLLM's custom_class proposer "
-                         "interface does not pass (use per-request SAM here, or the recipe's 'sam' method)")
+                         f"interface does not pass: set worker_cls={BINDING_WORKERS[0]} (it hands the proposer its "
+                         "runner), or use per-request SAM")
+    if cfg.group_exchange:
+        raise ValueError("sam_config.group_exchange needs the recipe's engine-step hook, which vLLM 0.23 has not")
     return cfg
 
 
@@ -189,9 +197,15 @@ class SamCustomClassProposer:
         # builds the drafter and compiles every kernel it calls (the engine's first step compiles nothing)
         self.sam = SamRunnerDrafter(self.config, vllm_config.model_config.max_model_len)
         self.steps = 0
+        self.runner: Any = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         """No model to load (vLLM calls this after loading the target model)."""
+
+    def bind_runner(self, runner: Any) -> None:
+        """Read request ids, prompt lengths and live requests from ``runner`` (its ``input_batch`` and ``requests``)
+        from now on, as the seed set's proposer does; called by ``custom_class_worker``'s workers."""
+        self.runner = runner
 
     def propose(self, sampled_token_ids: Sequence[Sequence[int]], num_tokens_no_spec: np.ndarray,
                 token_ids_cpu: np.ndarray, slot_mappings: Any = None) -> list[list[int]]:
@@ -207,6 +221,9 @@ class SamCustomClassProposer:
         Returns:
             one list of <= k token ids per row.
         """
+        self.steps += 1
+        if self.runner is not None:  # bound (custom_class_worker): the runner's own ids, prompts and live requests
+            return self.sam.step(self.runner.input_batch, sampled_token_ids, self.runner.requests, None)
         n = len(sampled_token_ids)
         num = np.asarray(num_tokens_no_spec[:n], dtype=np.int64)
         keys, alive = self.rows.assign(num, token_ids_cpu)
@@ -215,5 +232,4 @@ class SamCustomClassProposer:
                                 num_prompt_tokens=num, spec_decode_unsupported_reqs=frozenset())
         out = self.sam.step(batch, sampled_token_ids, dict.fromkeys(alive), None)
         self.rows.fed_to(keys, num, token_ids_cpu)
-        self.steps += 1
         return out

@@ -46,7 +46,8 @@ def drafter_state(llm) -> dict:
     st = {"class": f"{type(d).__module__}.{type(d).__name__}"}
     rows = getattr(d, "rows", None)
     if rows is not None:
-        st.update(steps=d.steps, new=rows.new, moved=rows.moved, released=rows.released, k=d.k)
+        st.update(steps=d.steps, new=rows.new, moved=rows.moved, released=rows.released, k=d.k,
+                  bound=getattr(d, "runner", None) is runner, worker=type(core.model_executor.driver_worker.worker).__name__)
     sam = getattr(d, "sam", None)
     if sam is not None and sam.adaptive is not None:
         st["k_hist"] = [int(x) for x in sam.adaptive.k_hist]

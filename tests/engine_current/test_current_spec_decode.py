@@ -23,8 +23,10 @@ PROMPTS = [[5, 6, 7, 8, 9, 10], [20, 21, 22, 23], [30, 31, 30, 31, 30], [40, 41,
 GROUP = [p for p in PROMPTS for _ in range(2)]
 WAVES = [[0, 2, 4, 6], [1, 3, 5, 7]]
 SAM_CLASS = "qwen3_rl.spec_decode.custom_class_proposer.SamCustomClassProposer"
+#: upstream's worker extension point: our worker hands the proposer its runner (request ids: group mode)
+SAM_WORKER = "qwen3_rl.spec_decode.custom_class_worker.SamCPUWorker"
 #: drafters compared in the live engine at k = 3 (run names)
-DRAFTERS = ("sam", "suffix", "ngram")
+DRAFTERS = ("sam", "sam_group", "suffix", "ngram")
 
 
 def sam(k: int = K, **sam_config) -> dict:
@@ -55,10 +57,12 @@ def hf_greedy(model: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
 def runs(request, tiny_models: dict[str, Path], tmp_path_factory) -> dict:
-    """One engine process per model: no drafts, SAM (custom_class), suffix, n-gram, all on the same two waves of
-    the 4 prompts x 2 samples; SAM with adaptive k and padded drafts on the dense model."""
+    """One engine process per model: no drafts, SAM (custom_class) per request and in group mode (our worker class
+    binds it to the runner), suffix, n-gram, all on the same two waves of the 4 prompts x 2 samples; SAM with adaptive
+    k and padded drafts on the dense model."""
     wave = {"prompts": GROUP, "phases": WAVES, "sampling": {"max_tokens": TOKENS}}
     spec_runs = [{"name": "base", **wave}, {"name": "sam", "llm": sam(), **wave},
+                 {"name": "sam_group", "llm": {**sam(group_mode=True), "worker_cls": SAM_WORKER}, **wave},
                  {"name": "suffix", "llm": SUFFIX, **wave}, {"name": "ngram", "llm": NGRAM, **wave}]
     if request.param == "dense":
         spec_runs.append({"name": "sam_adaptive_pad", "llm": sam(KMAX, adaptive_k=True, pad_drafts=True), **wave})
@@ -82,7 +86,7 @@ def test_greedy_output_equals_transformers_and_is_batch_independent(runs: dict) 
     assert out[4:] == out[:4], "the second wave differs from the first"
 
 
-@pytest.mark.parametrize("name", ["sam", "suffix", "ngram", "sam_adaptive_pad"])
+@pytest.mark.parametrize("name", ["sam", "sam_group", "suffix", "ngram", "sam_adaptive_pad"])
 def test_drafting_is_lossless_and_drafts_are_accepted(runs: dict, name: str) -> None:
     if name not in runs["runs"]:
         assert runs["model"] == "moe" and name == "sam_adaptive_pad"  # dense only (CI time)
@@ -100,6 +104,10 @@ def test_sam_is_built_through_custom_class(runs: dict) -> None:
     assert d["class"] == SAM_CLASS and d["k"] == K, d
     # 8 requests in two waves: each recognised once as new (4 rows per wave); none lost to release
     assert d["new"] == len(GROUP) and d["released"] <= len(GROUP), d
+    g = runs["runs"]["sam_group"]["drafter"]
+    assert d["bound"] is False and g["bound"] is True and g["worker"] == "SamCPUWorker" and g["new"] == 0, (d, g)
+    # bound to the runner, group mode drafts wave 2 from wave 1's finished responses: more accepted than per request
+    assert drafted(runs["runs"]["sam_group"])[2] > drafted(runs["runs"]["sam"])[2]
     if "sam_adaptive_pad" in runs["runs"]:
         a = runs["runs"]["sam_adaptive_pad"]["drafter"]
         assert a["k"] == KMAX and sum(a["k_hist"]) > 0 and len([x for x in a["k_hist"] if x]) > 1, a

@@ -7,7 +7,8 @@ Checked on a runner-like batch (token buffer + counts, rows condensed when a req
 * the drafts equal those of the seed set's ``SamRunnerDrafter`` given the true request ids, step by step;
 * positive control: a proposer that forgets identities (every row new each step) drafts differently;
 * requests that leave are released after ``max_absent_steps``; one coming back is fed again from the buffer;
-* options that need request ids (group mode, history, exchange) are refused in one line.
+* options that need request ids (group mode, history) are refused in one line unless the worker binds the proposer
+  to its runner (``custom_class_worker``); bound, group mode drafts a finished sibling's response.
 
 The real engine run (vLLM 0.23.0's CPU engine) is ``tests/engine_current/test_current_spec_decode.py``.
 """
@@ -20,7 +21,7 @@ import numpy as np
 import pytest
 
 from qwen3_rl.spec_decode.config import parse_sam_options
-from qwen3_rl.spec_decode.custom_class_proposer import RowIdentity, SamCustomClassProposer
+from qwen3_rl.spec_decode.custom_class_proposer import BINDING_WORKERS, RowIdentity, SamCustomClassProposer
 from qwen3_rl.spec_decode.runner_drafter import SamRunnerDrafter
 
 K = 3
@@ -28,11 +29,12 @@ MAX_LEN = 4096
 ROWS = 8
 
 
-def vllm_config(k: int = K, sam_config: dict | None = None) -> SimpleNamespace:
+def vllm_config(k: int = K, sam_config: dict | None = None, worker_cls: str = "auto") -> SimpleNamespace:
     extra = {"qwen3_rl": {"sam_config": sam_config}} if sam_config is not None else {}
     return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
                            model_config=SimpleNamespace(max_model_len=MAX_LEN),
-                           scheduler_config=SimpleNamespace(max_num_seqs=ROWS), additional_config=extra)
+                           scheduler_config=SimpleNamespace(max_num_seqs=ROWS), additional_config=extra,
+                           parallel_config=SimpleNamespace(worker_cls=worker_cls))
 
 
 class Batch:
@@ -157,10 +159,44 @@ def test_absent_requests_are_released_and_fed_again_on_return() -> None:
 
 
 @pytest.mark.parametrize("opts", [{"group_mode": True}, {"group_mode": True, "history_responses": 2}])
-def test_options_needing_request_ids_are_refused(opts: dict) -> None:
+def test_options_needing_request_ids_are_refused_without_the_binding_worker(opts: dict) -> None:
     with pytest.raises(ValueError, match="need request ids") as e:
         SamCustomClassProposer(vllm_config(sam_config=opts))
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and BINDING_WORKERS[0] in str(e.value)
+    ours = SamCustomClassProposer(vllm_config(sam_config=opts, worker_cls=BINDING_WORKERS[0]))  # accepted
+    assert ours.config.group_mode and ours.runner is None
+
+
+def test_bound_proposer_drafts_from_the_runners_batch() -> None:
+    """Bound to a runner (``custom_class_worker``), group mode drafts from the runner's ids and live requests: the
+    second sample of a prompt drafts its finished sibling's response (the finished-response cache)."""
+    ours = SamCustomClassProposer(vllm_config(sam_config={"group_mode": True}, worker_cls=BINDING_WORKERS[0]))
+    b = Batch()
+    rng = np.random.default_rng(5)  # no repeats: the sibling's response is the only earlier occurrence
+    prompt, resp = rng.permutation(5000)[:30].astype(np.int32), rng.permutation(5000)[:60].astype(np.int32) + 5000
+    b.add("a", prompt)
+    runner = SimpleNamespace(input_batch=None, requests={"a": None})
+    ours.bind_runner(runner)
+    for n in range(1, 60):  # sample "a" decodes its response, then finishes
+        b.tok[0, 30: 30 + n] = resp[:n]
+        b.num[0] = 30 + n
+        runner.input_batch = b.view()
+        ours.propose([[1]], b.num.copy(), b.tok)
+    b.remove("a")
+    runner.requests = {"b": None}
+    b.add("b", prompt)
+    b.tok[0, 30] = resp[0]
+    b.num[0] = 31
+    runner.input_batch = b.view()
+    draft = ours.propose([[1]], b.num.copy(), b.tok)[0]
+    assert draft == resp[1: 1 + K].tolist(), draft
+    assert ours.rows.new == 0  # the text-recognition path was not used
+
+
+def test_exchange_is_refused() -> None:
+    with pytest.raises(ValueError, match="engine-step hook"):
+        SamCustomClassProposer(vllm_config(sam_config={"group_mode": True, "group_exchange": True},
+                                           worker_cls=BINDING_WORKERS[0]))
 
 
 def test_bad_option_is_refused_in_one_line() -> None:
