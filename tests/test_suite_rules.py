@@ -43,6 +43,10 @@ def test_engine_tests_refused_outside_the_engine_venv():
                       cwd=REPO, timeout=120)
     assert proc.returncode == 4, proc.stdout + proc.stderr
     assert "needs the engine venv" in proc.stdout + proc.stderr
+    proc = run_python("import sys, pytest; sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', "
+                      "'tests/engine_current']))", cwd=REPO, timeout=120)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    assert "needs the current-set engine venv" in proc.stdout + proc.stderr
 
 
 def _bash_array(text: str, name: str) -> list[str]:

