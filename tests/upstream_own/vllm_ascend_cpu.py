@@ -73,7 +73,7 @@ RUN_TIMEOUT_S = 900
 #: stand-in for torch_npu (on every run's path) and its site hook.
 REPO_INPUTS = ("tests/upstream_own/vllm_ascend_cpu.py", "tests/upstream_own/vllm_cpu.py",
                "tests/upstream_own/verl_cpu.py", "tests/upstream_own/recorded.py", "tests/upstream_own/npu_site",
-               "qwen3_rl/__init__.py", "qwen3_rl/cpu_device")
+               "qwen3_rl/__init__.py", "qwen3_rl/cpu_device/__init__.py", "qwen3_rl/cpu_device/npu")
 #: pytest-timeout per test (s): a test that hangs fails instead of stopping the run.
 TEST_TIMEOUT_S = 120
 
