@@ -75,17 +75,26 @@ def route_table(app) -> list[dict]:  # noqa: ANN001 - a FastAPI app
     websocket routes."""
     from starlette.routing import Mount, Route, WebSocketRoute
 
+    def flat(routes):  # noqa: ANN001, ANN202 - (path, route) pairs, included routers opened
+        for r in routes:
+            if hasattr(r, "effective_route_contexts"):  # FastAPI >= 0.165: include_router keeps the router
+                for ctx in r.effective_route_contexts():
+                    yield ctx.path or ctx.original_route.path, ctx.original_route
+            else:
+                yield r.path, r
+
     out = []
-    for r in app.routes:
+    for path, r in flat(app.routes):
         if isinstance(r, WebSocketRoute):
-            out.append({"path": r.path, "kind": "websocket", "methods": ["GET"]})
+            out.append({"path": path, "kind": "websocket", "methods": ["GET"]})
         elif isinstance(r, Mount):
-            out.append({"path": r.path, "kind": "mount", "methods": ["GET"]})
+            out.append({"path": path, "kind": "mount", "methods": ["GET"]})
         elif isinstance(r, Route):  # FastAPI's APIRoute too
-            out.append({"path": r.path, "kind": "http", "methods": sorted(r.methods or ["GET"])})
+            out.append({"path": path, "kind": "http", "methods": sorted(r.methods or ["GET"])})
         else:
             raise AssertionError(f"a route of a kind the walk does not know: {type(r).__name__} {r!r}")
-    return out
+    seen = set()
+    return [r for r in out if (r["path"], r["kind"]) not in seen and not seen.add((r["path"], r["kind"]))]
 
 
 def main(spec: dict) -> dict:
@@ -104,6 +113,7 @@ def main(spec: dict) -> dict:
 
     srv.build_app = keep_app
     cfg = RolloutConfig(name="vllm", mode="async", free_cache_engine=False, dtype="float32", enforce_eager=True,
+                        tensor_model_parallel_size=1, data_parallel_size=1,
                         max_num_seqs=4, max_num_batched_tokens=256, prompt_length=64, response_length=32,
                         gpu_memory_utilization=0.5, qwen3_rl=spec["group"],
                         # the CPU engine's native ops (train_add_tiny_cpu_overrides)
