@@ -442,7 +442,8 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
 # lists a one-element list; every other variable (shell sizes and paths, int switches) a distinct number
 _EVERY_VAR_FALSE = ("MOE_ALLTOALLV", "USE_MBRIDGE", "SAM_GROUP_EXCHANGE", "ROLLOUT_REBALANCE", "SERVER_ROUTING",
                     "USE_CURRENT_LOG_PROB_AS_OLD")
-_CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1", "SAM_K_MAX": "15", "ROLLOUT_REBALANCE_KV_PATH": "host", "ROLLOUT_MODE": "sync"}  # values the rules accept
+_CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1", "SAM_K_MAX": "15", "ROLLOUT_REBALANCE_KV_PATH": "host", "ROLLOUT_MODE": "sync",
+                    "SERVER_HTTP_HOST": "node"}  # values the rules accept
 _RUNTIME_ENV = ("PWD", "OLDPWD", "SHLVL", "_")
 
 

@@ -32,6 +32,8 @@ from collections.abc import Hashable, Mapping, Sequence
 PREFIX = "rollout/routing/"
 #: Count-name prefix (the counts travel with the spec-decode counts, see ``qwen3_rl.trainer.seam``).
 COUNT_PREFIX = "routing_"
+#: request ids verl 0.6.1's ``AsyncLLMServerManager`` remembers (its LRU's ``max_cache_size``)
+VERL_MAX_CACHE_SIZE = 10_000
 
 
 def prompt_key(prompt_ids: Sequence[int]) -> str:
@@ -49,22 +51,30 @@ class VerlLeastAssigned:
     requests assigned so far (ties: the lowest index; verl breaks them by a heap over shuffled servers, which does
     not change the spread); inside a server with vLLM DP > 1, vLLM's DP balancer (the least loaded engine,
     ``vllm/v1/engine/core_client.py:1211``), replayed as the engine with the fewest requests assigned (all of a
-    batch arrive before any finishes). Returns the engine index ``server * dp + dp_rank``."""
+    batch arrive before any finishes). Returns the engine index ``server * dp + dp_rank``.
 
-    def __init__(self, n_servers: int, dp: int = 1) -> None:
+    The request ids are remembered as verl's ``AsyncLLMServerManager`` remembers them: an LRU of ``max_ids``
+    (verl's ``max_cache_size``, 10000), so the replay stays sticky for a request sent again under its id (a
+    resumed partial rollout) and its memory stays bounded."""
+
+    def __init__(self, n_servers: int, dp: int = 1, max_ids: int = VERL_MAX_CACHE_SIZE) -> None:
         self.dp = dp
         self.assigned = [0] * n_servers
         self.engine_assigned = [0] * (n_servers * dp)
-        self.by_request: dict[str, int] = {}
+        self.max_ids = max_ids
+        self.by_request: OrderedDict[str, int] = OrderedDict()
 
     def choose(self, request_id: str) -> int:
         if request_id in self.by_request:
+            self.by_request.move_to_end(request_id)
             return self.by_request[request_id]
         i = min(range(len(self.assigned)), key=lambda s: self.assigned[s])
         self.assigned[i] += 1
         engine = min(range(i * self.dp, (i + 1) * self.dp), key=lambda e: self.engine_assigned[e])
         self.engine_assigned[engine] += 1
         self.by_request[request_id] = engine
+        while len(self.by_request) > self.max_ids:
+            self.by_request.popitem(last=False)
         return engine
 
 
@@ -104,12 +114,26 @@ class GroupRouter:
         floor = min(self.in_flight) + self.slack
         return max((t for t in range(self.n) if self.in_flight[t] <= floor), key=lambda t: _rank(key, t))
 
-    def choose(self, request_id: str, prompt_ids: Sequence[int]) -> int:
-        """The target index for this request: ``server = target // dp``, ``dp_rank = target % dp``."""
+    def choose(self, request_id: str, prompt_ids: Sequence[int], resumed: bool = False) -> int:
+        """The target index for this request: ``server = target // dp``, ``dp_rank = target % dp``.
+
+        ``resumed``: the request continues one aborted at a weight sync (partial rollout) and ``prompt_ids`` is
+        its original prompt, not the prompt plus its response so far: it goes back to its prompt's engine (its
+        siblings'), whatever the batch, and counts as no new sample (no sibling pair, no revisit)."""
         if request_id in self._placed:  # verl's stickiness per request id (multi-turn): keep it
             return self._placed[request_id][1]
         key = prompt_key(prompt_ids)
         seen = self.target_of_key.get(key)
+        if resumed:
+            target = seen[0] if seen is not None else self._place(key)
+            self.target_of_key[key] = (target, seen[1] if seen is not None else self.batch)
+            self.target_of_key.move_to_end(key)
+            verl = self.shadow.choose(request_id)
+            self._placed[request_id] = (key, target, verl)
+            self.in_flight[target] += 1
+            self.requests[target] += 1
+            self.verl_requests[verl] += 1
+            return target
         if seen is not None and seen[1] == self.batch:  # a sibling
             target = seen[0]
         else:

@@ -91,13 +91,30 @@ class ServerRouting:
 
 @dataclass(frozen=True)
 class ServerAuth:
-    """``qwen3_rl.server_auth``: each vLLM server of the server rollout requires an API key on its OpenAI
-    endpoint (vLLM's own ``--api-key`` check on ``/v1/*``); the key is made in the server's process at start-up
-    (``secrets.token_hex``, per server and run), never printed (:meth:`ServerHooks.printable`), and handed
-    only to who asks the server actor for it. verl's own rollout calls the servers through Ray, not HTTP.
-    On by default (a security fix: verl 0.6.1 serves the endpoint open on the node's address)."""
+    """``qwen3_rl.server_auth``: each vLLM server of the server rollout requires an API key on every route of its
+    HTTP endpoint but the liveness probe ``/health`` (vLLM's own ``--api-key`` check guards only ``/v1/*``; the
+    recipe's middleware :class:`qwen3_rl.rollout.server_auth.KeyEveryRoute` the rest); the key is made in the
+    server's process at start-up (``secrets.token_hex``, per server and run), never printed
+    (:meth:`ServerHooks.printable`), and handed only to who asks the server actor for it. verl's own rollout calls
+    the servers through Ray, not HTTP. On by default (a security fix: verl 0.6.1 serves the endpoint open on the
+    node's address)."""
 
     enable: bool = True
+
+
+@dataclass(frozen=True)
+class ServerHttp:
+    """``qwen3_rl.server_http``: where each vLLM server's HTTP endpoint listens (``host``): ``loopback``
+    (127.0.0.1, the default: the rollout calls the servers through Ray, so only processes on the server's node
+    need the port), ``node`` (the node's address, verl 0.6.1's own choice) or ``all`` (every interface)."""
+
+    host: str = "loopback"
+
+    def __post_init__(self) -> None:
+        from qwen3_rl.rollout.server_auth import HOSTS
+
+        if self.host not in HOSTS:
+            raise ValueError(f"host must be one of {', '.join(HOSTS)}, got {self.host!r}")
 
 
 @dataclass(frozen=True)
@@ -139,6 +156,7 @@ FEATURES: dict[str, type] = {
     "spec_decode_metrics": SpecDecodeMetrics,
     "server_routing": ServerRouting,
     "server_auth": ServerAuth,
+    "server_http": ServerHttp,
     "old_log_prob": OldLogProb,
     "hdp": HDPConfig,
     # weight sync
@@ -158,6 +176,7 @@ class RecipeConfig:
     spec_decode_metrics: SpecDecodeMetrics = field(default_factory=SpecDecodeMetrics)
     server_routing: ServerRouting = field(default_factory=ServerRouting)
     server_auth: ServerAuth = field(default_factory=ServerAuth)
+    server_http: ServerHttp = field(default_factory=ServerHttp)
     old_log_prob: OldLogProb = field(default_factory=OldLogProb)
     hdp: HDPConfig = field(default_factory=HDPConfig)
     # weight sync
@@ -429,7 +448,8 @@ class ServerHooks:
 
     def server_args(self, args: dict[str, Any]) -> dict[str, Any]:
         """The server's ``vllm serve`` arguments (name -> value), with the recipe's additions (server_auth: a new
-        ``api_key``, kept as :attr:`api_key` in this process; disable_gc: ``additional_config.qwen3_rl.disable_gc``,
+        ``api_key``, kept as :attr:`api_key` in this process, and the ``middleware`` that keys every route but
+        ``/health`` with it; disable_gc: ``additional_config.qwen3_rl.disable_gc``,
         which the ``gc_guard`` hook reads in the server's engine core processes; rollout_rebalance: its settings as
         ``additional_config.qwen3_rl.rollout_rebalance``, which the ``rollout_rebalance`` hook of each DP engine
         core reads, :func:`qwen3_rl.rollout.vllm_engine_hook.core_settings`)."""
@@ -459,7 +479,18 @@ class ServerHooks:
             # "--api_key <key>", which then reads it as an option ("expected at least one argument")
             self.api_key = secrets.token_hex(32)
             out["api_key"] = self.api_key
+            from qwen3_rl.rollout.server_auth import MIDDLEWARE
+
+            # vLLM's own key check guards only /v1/*: this one every route but the liveness probe
+            out["middleware"] = MIDDLEWARE
         return out
+
+    def http_address(self, node_address: str) -> tuple[str, str]:
+        """(address the server's HTTP endpoint binds, address it reports) for ``server_http.host``;
+        ``node_address``: the node's address verl found (verl patch 0017, ``vLLMHttpServerBase.run_server``)."""
+        from qwen3_rl.rollout.server_auth import http_address
+
+        return http_address(self.recipe.server_http.host, node_address)
 
     def printable(self, server_args: list[str]) -> list[str]:
         """``server_args`` as verl prints them: the value after ``--api_key`` masked."""
@@ -486,7 +517,15 @@ class ServerHooks:
             cfg = self.recipe.server_routing
             self.router = GroupRouter(len(self._handles), dp=server_dp_size(self.config), slack=cfg.slack,
                                       max_keys=cfg.max_prompts)
-        target = self.router.choose(request_id, prompt_ids)
+        # a resumed partial rollout (fully async) sends its prompt plus its response so far and says where its
+        # prompt ends: routed by the prompt, it stays on its siblings' engine
+        from qwen3_rl.spec_decode.runner_drafter import GROUP_PROMPT_LEN_KEY
+
+        group_len = sampling_params.get(GROUP_PROMPT_LEN_KEY)
+        if group_len is None:
+            target = self.router.choose(request_id, prompt_ids)
+        else:
+            target = self.router.choose(request_id, list(prompt_ids)[:int(group_len)], resumed=True)
         return self._handles[target // self.router.dp], {**sampling_params, DP_RANK_KEY: target % self.router.dp}
 
     def request_kwargs(self, sampling_params: dict[str, Any]) -> dict[str, Any]:

@@ -344,3 +344,66 @@ def test_server_auth_key_parses_as_the_value_of_api_key() -> None:
     with pytest.raises(argparse.ArgumentError, match="expected at least one argument"):
         parser.parse_args(["--api_key", "-Xq3" + "a" * 39, "--dtype", "float32"])
 
+
+
+# ---- issue 42, finding 8: resumed requests, verl's replayed request-id memory ----------------------------
+
+
+def test_a_resumed_request_stays_on_its_siblings_engine() -> None:
+    """A partial rollout aborted at a weight sync is sent again as its prompt plus its response so far, with the
+    prompt's length under GROUP_PROMPT_LEN_KEY (fully-async agent loop). Under SERVER_ROUTING it goes back to its
+    siblings' engine in the next batch, even when that engine is the busiest; control: routed by a hash of prompt
+    plus response (what the router did before), most resumes land elsewhere."""
+    from qwen3_rl.spec_decode.runner_drafter import GROUP_PROMPT_LEN_KEY
+
+    handles = [_Handle("aa"), _Handle("bb"), _Handle("cc"), _Handle("dd")]
+    hooks = _hooks({"server_routing": {"enable": True}})
+    control = _hooks({"server_routing": {"enable": True}})
+    reqs = _grpo_requests(40, 4, seed=3)
+    engine_of: dict[str, object] = {}
+    for h in (hooks, control):
+        mgr = _Manager(list(handles))
+        for rid, ids in reqs:  # batch 0: every sample placed; none finishes (all in flight at the sync)
+            server, _ = h.route(mgr, rid, ids, {})
+            engine_of.setdefault(f"{id(h)}/{rid}", server)
+        for rid, _ in reqs:  # the sync aborts them all: their answers come back (3 tokens each)
+            h.request_done(rid, type("Out", (), {"token_ids": [7, 8, 9]})())
+        h.worker_meta()  # the worker's call ends: the next requests are a new batch
+    rng = random.Random(4)
+    moved = kept = 0
+    for rid, ids in reqs[::3]:
+        resp = [rng.randrange(1, 500) for _ in range(5)]
+        server, params = hooks.route(_Manager(list(handles)), rid, ids + resp, {GROUP_PROMPT_LEN_KEY: len(ids)})
+        assert server is engine_of[f"{id(hooks)}/{rid}"], rid
+        assert params[GROUP_PROMPT_LEN_KEY] == len(ids)  # the server still needs it (the drafter's group)
+        kept += 1
+        old, _ = control.route(_Manager(list(handles)), rid + "-ctl", ids + resp, {})
+        moved += old is not engine_of[f"{id(control)}/{rid}"]
+    counts = hooks.worker_meta()
+    from qwen3_rl.trainer.seam import ROUTING_META_KEY
+
+    assert counts[ROUTING_META_KEY]["routing_sibling_pairs"] == 0  # resumes are no new siblings
+    assert counts[ROUTING_META_KEY]["routing_revisits"] == 0  # nor a prompt's later visit
+    print(f"resumed on their siblings' engine {kept} of {kept}; by a hash of prompt + response {kept - moved} "
+          f"of {kept}")
+    assert moved >= kept // 2, (moved, kept)
+
+
+def test_verl_replay_remembers_request_ids_as_verl_does() -> None:
+    """verl's AsyncLLMServerManager keeps request id -> server in an LRU of 10000 (max_cache_size): the replay
+    is sticky for a request sent again under its id while remembered, and its memory stays bounded (it grew
+    with every request before)."""
+    from qwen3_rl.rollout.server_routing import VERL_MAX_CACHE_SIZE
+
+    assert VERL_MAX_CACHE_SIZE == 10_000
+    v = VerlLeastAssigned(3, max_ids=4)
+    first = [v.choose(f"r{i}") for i in range(4)]
+    assert v.choose("r0") == first[0]  # still remembered: sticky, and now the most recent
+    for i in range(4, 40):
+        v.choose(f"r{i}")
+    assert len(v.by_request) == 4 and list(v.by_request) == ["r36", "r37", "r38", "r39"]
+    r = GroupRouter(2)
+    for i in range(VERL_MAX_CACHE_SIZE + 500):
+        r.choose(f"q{i}", [i % 7, 1])
+        r.done(f"q{i}", 1)
+    assert len(r.shadow.by_request) == VERL_MAX_CACHE_SIZE and not r._placed

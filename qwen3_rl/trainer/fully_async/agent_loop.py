@@ -1,7 +1,9 @@
 """The agent loop of the fully-async rollout: one chat turn, like verl's ``single_turn_agent``, but a request the
 server aborted at a weight sync (partial rollout) is sent again with its tokens so far appended to the prompt,
-under the new weights, until it finishes; the trajectory records the weight version that started it and how
-many times it was resumed (``extra_fields``: ``param_version_start``, ``param_version_end``, ``num_resumes``).
+under the new weights, until it finishes; the trajectory records the weight version that generated its first
+token, the one of its last, and how many times it was resumed (``extra_fields``: ``param_version_start``,
+``param_version_end``, ``num_resumes``); a segment aborted before its first token is sent again without counting as
+a resume, and its version is not the start.
 
 Registered as ``qwen3_rl_partial`` in verl's agent-loop registry when imported (the fully-async agent-loop
 worker imports it, :mod:`.rollout`)."""
@@ -45,15 +47,17 @@ class PartialRolloutAgentLoop(AgentLoopBase):
                     params[GROUP_PROMPT_LEN_KEY] = len(prompt_ids)
                 out = await self.server_manager.generate(request_id=request_id, prompt_ids=prompt_ids + response,
                                                          sampling_params=params)
-                if start_version < 0:
-                    start_version = int(out.param_version)
                 end_version = int(out.param_version)
+                if start_version < 0 and (out.token_ids or not out.aborted):
+                    start_version = end_version  # the first weights that generated a token of it
                 response += list(out.token_ids)
                 if out.log_probs is not None:
                     log_probs = (log_probs or []) + list(out.log_probs)
                 if not out.aborted or len(response) >= self.response_length:
                     break
-                resumes += 1
+                if out.token_ids:  # aborted before its first token (queued at the sync): sent again, not resumed
+                    resumes += 1
+        start_version = end_version if start_version < 0 else start_version
         n = min(len(response), self.response_length)
         return AgentLoopOutput(
             prompt_ids=prompt_ids, response_ids=response[:n], response_mask=[1] * n,

@@ -80,6 +80,12 @@ class AsyncSettings:
         if self.use_rollout_log_probs and not bool(rollout.calculate_log_probs):
             raise AsyncSettingsError("async_training.use_rollout_log_probs=True needs "
                                      "actor_rollout_ref.rollout.calculate_log_probs=True")
+        megatron = config.actor_rollout_ref.actor.get("megatron") or {}
+        offload = [k for k in ("param_offload", "grad_offload", "optimizer_offload") if megatron.get(k, False)]
+        if offload:  # verl 0.6.1 reads them only for an actor that also rolls out (megatron_workers.py:272-283)
+            raise AsyncSettingsError(f"actor_rollout_ref.actor.megatron.{offload[0]}=True (OFFLOAD=True): the "
+                                     "fully-async trainer pool does not offload (verl offloads an actor only when it "
+                                     "shares its devices with the rollout); set OFFLOAD=False")
         world = int(rollout.tensor_model_parallel_size) * int(rollout.data_parallel_size) * int(
             rollout.pipeline_model_parallel_size)
         pool = self.rollout_procs * self.rollout_nnodes

@@ -62,13 +62,29 @@ def plan_buckets(specs: Sequence[TensorSpec], itemsize: dict[str, int], bucket_b
     return buckets
 
 
-def make_group(host: str, port: int, rank: int, world: int, backend: str, timeout_s: float = 1800.0) -> Any:
+def bound_socket() -> tuple[int, int]:
+    """A TCP socket bound to a free port on every interface, for rank 0's store (:func:`make_group`'s
+    ``listen_fd``): (its file descriptor, now owned by the caller; the port)."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("", 0))
+    port = s.getsockname()[1]
+    return s.detach(), port
+
+
+def make_group(host: str, port: int, rank: int, world: int, backend: str, timeout_s: float = 1800.0,
+               listen_fd: int | None = None) -> Any:
     """A process group of ``world`` ranks outside torch's default group: a TCP store served by rank 0 at
-    ``host:port`` and a gloo (CPU) or HCCL (NPU) backend on it. Every rank must call it (they meet in the store)."""
+    ``host:port`` and a gloo (CPU) or HCCL (NPU) backend on it. Every rank must call it (they meet in the store).
+    ``listen_fd`` (rank 0): a socket already bound to ``port`` (:func:`bound_socket`) the store serves on, so the
+    port is never free between its choice and the store."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.PrefixStore("qwen3_rl_weight_sync", dist.TCPStore(host, port, world, rank == 0, timeout=timeout))
+    extra = {} if listen_fd is None or rank != 0 else {"master_listen_fd": listen_fd}
+    store = dist.PrefixStore("qwen3_rl_weight_sync",
+                             dist.TCPStore(host, port, world, rank == 0, timeout=timeout, **extra))
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world, timeout)
     if backend == "hccl":  # Ascend: torch_npu's backend on the same store (not run on the CPU machines)

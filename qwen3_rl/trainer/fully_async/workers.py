@@ -3,7 +3,6 @@ needs it) plus the weight export to the rollout's pool (:mod:`.weight_sync`)."""
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +11,7 @@ from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils.megatron_utils import per_tensor_generator
 from verl.workers.megatron_workers import ActorRolloutRefWorker
 
-from qwen3_rl.trainer.fully_async.weight_sync import TensorSpec, make_group, send, specs_of
+from qwen3_rl.trainer.fully_async.weight_sync import TensorSpec, bound_socket, make_group, send, specs_of
 
 
 class TrainerWorker(ActorRolloutRefWorker):
@@ -25,6 +24,7 @@ class TrainerWorker(ActorRolloutRefWorker):
             n, dp = int(self.config.rollout.n), mpu.get_data_parallel_world_size()
             self.config.actor.ppo_mini_batch_size = self.config.actor.ppo_mini_batch_size * n // dp
         self._q3_group: Any = None
+        self._q3_listen_fd: int | None = None  # the store's socket, bound by qwen3_rl_sync_address
 
     def _export(self):
         """The actor's weights as ``(HF name, tensor)``, one at a time (collective over the trainer's ranks)."""
@@ -39,21 +39,23 @@ class TrainerWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def qwen3_rl_sync_address(self) -> tuple[str, int] | None:
-        """Rank 0: its node's address and a free port for the weight-sync group's store."""
+        """Rank 0: its node's address and the port of the weight-sync group's store, bound here (port 0: the
+        system's choice) and held until the store serves on it (:meth:`qwen3_rl_join_group`), so no other process
+        can take it in between."""
         if self.rank != 0:
             return None
         import ray
 
         host = ray.util.get_node_ip_address().strip("[]")
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return host, s.getsockname()[1]
+        self._q3_listen_fd, port = bound_socket()
+        return host, port
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def qwen3_rl_join_group(self, host: str, port: int, world: int, backend: str) -> None:
-        """Rank 0 joins the weight-sync group as its root (the other trainer ranks are not in it)."""
+        """Rank 0 joins the weight-sync group as its root (the other trainer ranks are not in it); its store
+        serves on the socket :meth:`qwen3_rl_sync_address` bound."""
         if self.rank == 0:
-            self._q3_group = make_group(host, port, 0, world, backend)
+            self._q3_group = make_group(host, port, 0, world, backend, listen_fd=self._q3_listen_fd)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def qwen3_rl_export_specs(self) -> list[TensorSpec]:

@@ -54,3 +54,21 @@ def test_rollout_log_probs_with_a_drafter_are_accepted() -> None:
     with pytest.raises(AsyncSettingsError, match="needs actor_rollout_ref.rollout.calculate_log_probs=True"):
         AsyncSettings.from_config(_config(**{"async_training.use_rollout_log_probs": True,
                                              "actor_rollout_ref.rollout.calculate_log_probs": False, **sam}))
+
+
+@pytest.mark.parametrize("key", ["param_offload", "grad_offload", "optimizer_offload"])
+def test_actor_offload_is_refused_in_the_trainer_pool(key) -> None:
+    """OFFLOAD=True: verl 0.6.1 reads the actor's offload flags only for an actor that also rolls out
+    (megatron_workers.py:272-283), so the trainer pool ignored them silently; now one line. The fully-async setups
+    default to OFFLOAD=False (features.toml), and False passes."""
+    with pytest.raises(AsyncSettingsError, match=rf"^actor_rollout_ref.actor.megatron.{key}=True \(OFFLOAD=True\)"):
+        AsyncSettings.from_config(_config(**{f"actor_rollout_ref.actor.megatron.{key}": True}))
+    AsyncSettings.from_config(_config(**{f"actor_rollout_ref.actor.megatron.{key}": False}))
+
+
+def test_fully_async_setups_default_to_no_offload() -> None:
+    from qwen3_rl.tools.features import load_registry, resolve
+
+    reg = load_registry()
+    for script in reg.groups["fully_async"]:
+        assert resolve(reg, script, {}, {})["OFFLOAD"] == "False", script
