@@ -16,7 +16,9 @@ class AsyncSettings:
 
     Sizes are in prompts (each prompt is one group of ``n`` samples)."""
 
-    #: extra versions' worth of prompts the rollout may generate ahead of the trainer (0 = on-policy batches)
+    #: extra versions' worth of prompts the rollout may start under one weight version, counted from the prompts
+    #: not yet trained at its sync (verl's count, :class:`.stream.PromptStream`); a trained sample is at most
+    #: ``ceil(staleness_threshold)`` versions old (0 = on-policy batches: the rollout waits for each sync)
     staleness_threshold: float
     #: actor updates between two weight syncs
     trigger_parameter_sync_step: int
