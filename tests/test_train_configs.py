@@ -401,7 +401,8 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     "eplb_lowercase_and_intervals": ({"ROLLOUT_EPLB": "true", "ROLLOUT_EPLB_HEAT_INTERVAL": "100",
                                       "ROLLOUT_EPLB_ALGO_INTERVAL": "7", "NNODES": "4"}, []),
     "balance_and_old_log_prob": ({"DATA_REBALANCE": "True", "USE_CURRENT_LOG_PROB_AS_OLD": "True"}, []),
-    "rollout_rebalance": ({"ROLLOUT_REBALANCE": "True"}, []),  # 235B: on; 32B (vLLM DP 1): refused
+    # 235B: on; 32B (vLLM DP 1) and the fully-async setups (partial rollout on): refused
+    "rollout_rebalance": ({"ROLLOUT_REBALANCE": "True"}, []),
     # server mode: verl's agent loop over vLLM servers (MoE: verl's rollout DP x EP, no engine_kwargs DP)
     "server_mode": ({"ROLLOUT_MODE": "async", "SERVER_ROUTING": "True"}, []),
     "bad_server_mode_with_data_rebalance": ({"ROLLOUT_MODE": "async", "DATA_REBALANCE": "True"}, []),
@@ -442,7 +443,8 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
 # lists a one-element list; every other variable (shell sizes and paths, int switches) a distinct number
 _EVERY_VAR_FALSE = ("MOE_ALLTOALLV", "USE_MBRIDGE", "SAM_GROUP_EXCHANGE", "ROLLOUT_REBALANCE", "SERVER_ROUTING",
                     "USE_CURRENT_LOG_PROB_AS_OLD")
-_CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1", "SAM_K_MAX": "15", "ROLLOUT_REBALANCE_KV_PATH": "host", "ROLLOUT_MODE": "sync"}  # values the rules accept
+_CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1", "SAM_K_MAX": "15", "ROLLOUT_REBALANCE_KV_PATH": "host", "ROLLOUT_MODE": "sync",
+                    "ROLLOUT_CORRECTION": "off"}  # values the rules accept
 _RUNTIME_ENV = ("PWD", "OLDPWD", "SHLVL", "_")
 
 

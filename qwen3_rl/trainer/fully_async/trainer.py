@@ -223,6 +223,11 @@ def make_fully_async_trainer_class():
                 return batch
             return super()._compute_old_log_prob(batch, metrics, timing_raw)
 
+        def _rollout_correction(self, batch: Any, metrics: dict) -> Any:
+            if self.fa.use_rollout_log_probs:  # the old log-probs are the rollout's: the PPO ratio is the correction
+                return batch
+            return super()._rollout_correction(batch, metrics)
+
         def _train(self, batch: Any, version: int) -> dict[str, Any]:
             """One actor update on ``batch`` (in the training thread); its metrics."""
             metrics: dict[str, Any] = {}
