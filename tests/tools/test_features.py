@@ -227,7 +227,7 @@ RULE_CASES += [
      "which is 1 when the old log-probs are the rollout's (the PPO ratio against the rollout policy is then the "
      "correction): ROLLOUT_CORRECTION=off with it"),
     (FA, {"ROLLOUT_REBALANCE": "True"}, FA_CTX,
-     "PARTIAL_ROLLOUT=True excludes ROLLOUT_REBALANCE=True: a request rebalance moved to another vLLM DP engine is no "
+     "PARTIAL_ROLLOUT=True excludes ROLLOUT_REBALANCE=True and ROLLOUT_MODE=async: a request rebalance moved to another vLLM DP engine is no "
      "longer in its origin's client entry, through which the pause's abort goes (vllm core_client.py:1248-1267 after "
      "qwen3_rl/rollout/vllm_engine_hook.py release_request): it would run on through the weight sync; "
      "PARTIAL_ROLLOUT=False (the pause waits for running requests) or ROLLOUT_REBALANCE=False"),

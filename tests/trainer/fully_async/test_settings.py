@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from qwen3_rl.trainer.fully_async.settings import AsyncSettings, AsyncSettingsError, behaviour_log_prob_problems
+from qwen3_rl.trainer.fully_async.settings import (
+    AsyncSettings,
+    AsyncSettingsError,
+    behaviour_log_prob_problems,
+)
 
 
 def _config(**over):
