@@ -13,7 +13,8 @@
 #     engine (the sync setups' TP4 DP32 EP128: 7.1 GiB, 28).
 # Updates of 96 prompts x 16 samples (verl's balance_batch splits them evenly over the 96 trainer dies; 128 would
 # not), a weight sync every 4 updates (384 prompts per version; the sync setup's batch: 512), staleness 0.5,
-# partial rollout; the trainer recomputes the old log-probs (SAM can draft).
+# partial rollout (samples at most 1 version old); the trainer recomputes the old log-probs and weighs the loss by
+# pi_old / pi_rollout truncated at 2 (ROLLOUT_CORRECTION=token; SAM can draft).
 #
 # Every path and size is an environment variable with a default; extra Hydra overrides may be passed as arguments.
 # QWEN3_RL_PRINT_COMMAND=1 prints the final command (NUL-separated) instead of running it.

@@ -9,7 +9,8 @@
 #   trainer 16 dies: actor TP2 PP2 EP8 (DP 4), 33.6 GiB static per die (the 32-die sync setup's layout: 23.0);
 #   rollout 16 dies: one vLLM server of TP2 x DP8 with EP16, 308 sequences of 3072 tokens per engine.
 # Updates of 32 prompts x 16 samples, a weight sync every 4 updates (128 prompts per version, the sync setup's
-# batch), staleness 0.5, partial rollout; the trainer recomputes the old log-probs (SAM can draft).
+# batch), staleness 0.5 (samples at most 1 version old), partial rollout; the trainer recomputes the old log-probs
+# and weighs the loss by pi_old / pi_rollout truncated at 2 (ROLLOUT_CORRECTION=token; SAM can draft).
 #
 # Every path and size is an environment variable with a default; extra Hydra overrides may be passed as arguments.
 # QWEN3_RL_PRINT_COMMAND=1 prints the final command (NUL-separated) instead of running it.

@@ -31,7 +31,8 @@ REQUIRE_BATCHES=${REQUIRE_BATCHES:-1}
 TRAIN_BATCH_SIZE=$((PPO_MINI_BATCH_SIZE * REQUIRE_BATCHES))
 # actor updates between two weight syncs (one weight version = TRIGGER_SYNC_STEPS updates)
 TRIGGER_SYNC_STEPS=${TRIGGER_SYNC_STEPS:-1}
-# prompts running or queued < (1 + STALENESS_THRESHOLD) x the prompts of one version
+# per weight version, the prompts untrained at its sync + those started under it < (1 + STALENESS_THRESHOLD) x
+# the prompts it trains: samples at most ceil(STALENESS_THRESHOLD) versions old, 0 = on-policy
 STALENESS_THRESHOLD=${STALENESS_THRESHOLD:-1}
 # weight syncs of the run: updates = SYNCS x TRIGGER_SYNC_STEPS
 SYNCS=${SYNCS:-6}

@@ -401,7 +401,8 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     "eplb_lowercase_and_intervals": ({"ROLLOUT_EPLB": "true", "ROLLOUT_EPLB_HEAT_INTERVAL": "100",
                                       "ROLLOUT_EPLB_ALGO_INTERVAL": "7", "NNODES": "4"}, []),
     "balance_and_old_log_prob": ({"DATA_REBALANCE": "True", "USE_CURRENT_LOG_PROB_AS_OLD": "True"}, []),
-    "rollout_rebalance": ({"ROLLOUT_REBALANCE": "True"}, []),  # 235B: on; 32B (vLLM DP 1): refused
+    # 235B: on; 32B (vLLM DP 1) and the fully-async setups (partial rollout on): refused
+    "rollout_rebalance": ({"ROLLOUT_REBALANCE": "True"}, []),
     # server mode: verl's agent loop over vLLM servers (MoE: verl's rollout DP x EP, no engine_kwargs DP)
     "server_mode": ({"ROLLOUT_MODE": "async", "SERVER_ROUTING": "True"}, []),
     "bad_server_mode_with_data_rebalance": ({"ROLLOUT_MODE": "async", "DATA_REBALANCE": "True"}, []),
@@ -443,7 +444,7 @@ GOLDEN_CASES: dict[str, tuple[dict[str, str], list[str]]] = {
 _EVERY_VAR_FALSE = ("MOE_ALLTOALLV", "USE_MBRIDGE", "SAM_GROUP_EXCHANGE", "ROLLOUT_REBALANCE", "SERVER_ROUTING",
                     "USE_CURRENT_LOG_PROB_AS_OLD")
 _CHECKED_CHOICES = {"MOE_ZERO_MEMORY": "level1", "SAM_K_MAX": "15", "ROLLOUT_REBALANCE_KV_PATH": "host", "ROLLOUT_MODE": "sync",
-                    "SERVER_HTTP_HOST": "node"}  # values the rules accept
+                    "SERVER_HTTP_HOST": "node", "ROLLOUT_CORRECTION": "off"}  # values the rules accept
 _RUNTIME_ENV = ("PWD", "OLDPWD", "SHLVL", "_")
 
 
@@ -699,7 +700,7 @@ def test_compose_every_feature_key(patched_imports: Path) -> None:
                       SAM_GROUP_EXCHANGE="False", USE_ROLLOUT_LOG_PROBS="False")
         envs = [{}, on, {**on, "NPUGRAPH_EX": "False"}, {"USE_MBRIDGE": "True"}, server]
         if fully_async:
-            envs.append({"USE_ROLLOUT_LOG_PROBS": "True"})
+            envs.append({"USE_ROLLOUT_LOG_PROBS": "True", "ROLLOUT_CORRECTION": "off"})
         for env in envs:
             cmd = parse_train_script(INTERNAL / name, env={**BASE_ENV, **env})
             cfg = _compose(cmd.overrides, cmd.config_name, verl_config_dir)
@@ -728,24 +729,32 @@ def test_fully_async_setups(patched_imports: Path) -> None:
         cfg = _compose(cmd.overrides, cmd.config_name, verl_config_dir)
         OmegaConf.resolve(cfg)
         r = omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout, dataclass_type=RolloutConfig)
-        assert r.mode == "async" and cfg.data.return_raw_chat is True and not r.calculate_log_probs, name
+        # the off-policy correction on: the rollout returns its log-probs, verl's rollout correction weighs by them
+        assert r.mode == "async" and cfg.data.return_raw_chat is True and r.calculate_log_probs, name
+        assert cfg.algorithm.rollout_correction.rollout_is == "token", name
+        assert cfg.algorithm.rollout_correction.rollout_is_threshold == 2.0, name
         s = AsyncSettings.from_config(cfg)
         assert (s.trainer_procs * s.trainer_nnodes, s.rollout_procs * s.rollout_nnodes) == (train, rollout), name
         assert (s.prompts_per_update, r.n, r.tensor_model_parallel_size, r.data_parallel_size) == (
             per_update, n, rtp, rdp), name
-        assert s.partial_rollout and not s.use_rollout_log_probs, name
+        assert s.partial_rollout and not s.use_rollout_log_probs and s.rollout_is == "token", name
         assert rollout % (rtp * rdp) == 0, name  # whole vLLM servers on the rollout's dies
-        on = parse_train_script(INTERNAL / name, env={**BASE_ENV, "USE_ROLLOUT_LOG_PROBS": "True"})
+        bypass = {"USE_ROLLOUT_LOG_PROBS": "True", "ROLLOUT_CORRECTION": "off"}
+        on = parse_train_script(INTERNAL / name, env={**BASE_ENV, **bypass})
         assert on.get("actor_rollout_ref.rollout.calculate_log_probs") == "True"
         assert on.get("async_training.use_rollout_log_probs") == "True"
         # with a drafter too (vllm 0004: requests asking for log-probs are drafted)
-        sam = parse_train_script(INTERNAL / name, env={**BASE_ENV, "USE_ROLLOUT_LOG_PROBS": "True", "SAM_ENABLE": "True"})
+        sam = parse_train_script(INTERNAL / name, env={**BASE_ENV, **bypass, "SAM_ENABLE": "True"})
         cfg = _compose(sam.overrides, sam.config_name, verl_config_dir)
         assert AsyncSettings.from_config(cfg).use_rollout_log_probs, name
         # rollout rebalance needs vLLM DP inside a server (the MoE servers: DP x EP)
-        if rdp > 1:
-            reb = parse_train_script(INTERNAL / name, env={**BASE_ENV, "ROLLOUT_REBALANCE": "True"})
+        if rdp > 1:  # and not with partial rollout: its abort would miss a moved request
+            with pytest.raises(TrainScriptError, match="PARTIAL_ROLLOUT=True excludes ROLLOUT_REBALANCE=True and ROLLOUT_MODE=async"):
+                parse_train_script(INTERNAL / name, env={**BASE_ENV, "ROLLOUT_REBALANCE": "True"})
+            reb = parse_train_script(INTERNAL / name, env={**BASE_ENV, "ROLLOUT_REBALANCE": "True",
+                                                           "PARTIAL_ROLLOUT": "False"})
             assert reb.get("qwen3_rl.rollout_rebalance.enable") == "True", name
         else:
             with pytest.raises(TrainScriptError, match="ROLLOUT_REBALANCE=True requires VLLM_DP > 1"):
-                parse_train_script(INTERNAL / name, env={**BASE_ENV, "ROLLOUT_REBALANCE": "True"})
+                parse_train_script(INTERNAL / name, env={**BASE_ENV, "ROLLOUT_REBALANCE": "True",
+                                                         "PARTIAL_ROLLOUT": "False"})

@@ -6,7 +6,8 @@
 #
 # A script provides: NNODES, TRAIN_PROCS, ROLLOUT_PROCS, PPO_MINI_BATCH_SIZE, REQUIRE_BATCHES, TRIGGER_SYNC_STEPS,
 # STALENESS_THRESHOLD, SYNCS (null: TOTAL_EPOCHS decide). The switches (features.toml group fully_async):
-# PARTIAL_ROLLOUT, USE_ROLLOUT_LOG_PROBS, and ROLLOUT_MODE (async by default for these setups).
+# PARTIAL_ROLLOUT, USE_ROLLOUT_LOG_PROBS, ROLLOUT_CORRECTION (token by default for these setups) and ROLLOUT_MODE
+# (async by default for these setups).
 [[ "${BASH_SOURCE[0]}" != "$0" ]] || { echo "${BASH_SOURCE[0]}: source it from a train script" >&2; exit 2; }
 # the rollout's processes per node (train_add_feature_overrides passes it as context ROLLOUT_PROCS_PER_NODE)
 _rollout_procs_per_node=${ROLLOUT_PROCS:?the fully-async script sets ROLLOUT_PROCS before sourcing lib/fully_async.sh}

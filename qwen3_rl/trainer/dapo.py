@@ -161,6 +161,22 @@ def make_dapo_trainer_class():
                 metrics["actor/entropy"] = ent.detach().item()
                 return batch.union(old)
 
+        def _rollout_correction(self, batch: DataProto, metrics: dict) -> DataProto:
+            """verl's rollout correction where ``RayPPOTrainer.fit`` applies it (its decoupled mode, before the
+            advantages): with ``algorithm.rollout_correction`` and the rollout's log-probs in the batch, the
+            per-token weights pi_old / pi_rollout (truncated at ``rollout_is_threshold``; ``rollout_is``: token or
+            sequence, null = metrics only) go into the batch as ``rollout_is_weights`` (the actor's policy loss
+            multiplies by them) and ``rollout_corr/*`` into ``metrics``. Skipped without recomputed old
+            log-probs (the actor's current log-prob as the old one, USE_CURRENT_LOG_PROB_AS_OLD)."""
+            cfg = self.config.algorithm.get("rollout_correction", None)
+            if cfg is None or "rollout_log_probs" not in batch.batch.keys() or "old_log_probs" not in batch.batch.keys():
+                return batch
+            from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
+
+            batch, corr = compute_rollout_correction_and_add_to_batch(batch, cfg)
+            metrics.update(corr)
+            return batch
+
         def _update_on_batch(self, batch: DataProto, metrics: dict, timing_raw: dict) -> DataProto:
             if self.config.trainer.balance_batch:
                 self._balance_batch(batch, metrics=metrics)
@@ -180,6 +196,7 @@ def make_dapo_trainer_class():
                     metrics.update(kl_metrics)
                 else:
                     batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+                batch = self._rollout_correction(batch, metrics)
                 batch = compute_advantage(
                     batch,
                     adv_estimator=self.config.algorithm.adv_estimator,

@@ -3,15 +3,18 @@
 process) and the rollout pool (one standalone vLLM 0.13 CPU server, verl's agent loop) on separate processes,
 prompts streamed one group at a time, stale samples allowed (staleness 1), the running requests aborted at every
 weight sync and resumed after it with their tokens so far (partial rollout), the weights broadcast over a stateless
-gloo group, SAM group drafting on, the rollout's log-probs taken as the old log-probs (``USE_ROLLOUT_LOG_PROBS``:
-the requests ask vLLM for them and are drafted all the same, vllm 0004).
+gloo group, SAM group drafting on, the fully-async setups' off-policy correction on (``ROLLOUT_CORRECTION=token``,
+the default: the requests ask vLLM for their log-probs and are drafted all the same, vllm 0004; verl's truncated
+importance weights pi_old / pi_rollout reach the Megatron actor's policy loss).
 
 What is checked, from the run's training log (``step:N - key:value`` lines; several lines may share a step):
 
+* off-policy correction: every batch logs verl's ``rollout_corr/rollout_is_mean`` (the weights were computed);
 * learning: validation accuracy (``val-core``, greedy, the 64 test problems) after the last update is at least 0.10
   above the accuracy before the first;
-* staleness: every trained batch logs ``fully_async/staleness/mean`` and ``max``, and some batch was trained on
-  samples started by an older weight version (max >= 1);
+* staleness: every trained batch logs ``fully_async/staleness/mean`` and ``max``; every batch's max is at most
+  ``ceil(STALENESS_THRESHOLD)`` = 1 and some batch was trained on samples started by an older weight version
+  (max >= 1);
 * partial rollout: requests were aborted at a weight sync (``fully_async/sync/aborted_requests``) and trajectories
   resumed after it were trained on (``fully_async/partial/resumed`` summed over the batches > 0);
 * weight sync: every sync's per-tensor checksums matched on both sides (the trainer stops otherwise) and the last
@@ -31,6 +34,11 @@ tokens so far, as the partial rollout sends it) continues the greedy output toke
 on, and the original prompt's length in ``extra_args`` keeps it in its siblings' drafter group (it drafts from the
 finished sibling's answer kept in the group's history: more accepted tokens than the same resume without it).
 
+On-policy at staleness 0 (a short third launch, ``STALENESS_THRESHOLD=0``, 3 syncs, no validation, the rollout's
+log-probs as the old ones: ``USE_ROLLOUT_LOG_PROBS=True ROLLOUT_CORRECTION=off``): every batch's staleness is 0 (max
+and mean), each version started exactly one update's prompts, and no request was running at a sync (nothing to
+abort: the rollout waits for the sync).
+
 ``bash tests/run_tests.sh -m fully_async`` runs these tests alone.
 """
 
@@ -43,6 +51,7 @@ import pytest
 from test_e2e_training import LEARNING_MARGIN, Run, check_resume_state, launch, prompts_of_step
 
 from qwen3_rl.spec_decode.metrics import ACCEPTED_TOKENS, DRAFT_TOKENS
+from qwen3_rl.trainer.fully_async.stream import staleness_bound
 
 from conftest import run_engine
 
@@ -54,7 +63,7 @@ SCRIPT = "internal/train_grpo_tiny_cpu_fully_async.sh"
 #: are running at a sync
 RUN_ENV = {"SYNCS": "6", "TRIGGER_SYNC_STEPS": "1", "PPO_MINI_BATCH_SIZE": "16", "STALENESS_THRESHOLD": "1",
            "PARTIAL_ROLLOUT": "True", "ROLLOUT_MAX_NUM_SEQS": "1", "MAX_RESPONSE_LENGTH": "128",
-           "SAM_ENABLE": "True", "SAM_GROUP": "True", "USE_ROLLOUT_LOG_PROBS": "True", "SAVE_FREQ": "5"}
+           "SAM_ENABLE": "True", "SAM_GROUP": "True", "ROLLOUT_CORRECTION": "token", "SAVE_FREQ": "5"}
 #: the resumed launch: from the update-5 checkpoint to the end of the same run (update 6), no validation, no save
 RESUME_STEP = 5
 RESUME_ENV = {**RUN_ENV, "RESUME_MODE": "resume_path", "VAL_BEFORE_TRAIN": "False", "TEST_FREQ": "-1",
@@ -115,6 +124,8 @@ def test_fully_async_learns_stale_partial_and_drafts_after_resume(cpu_ws: Path, 
     assert sorted(trained) == list(range(1, int(RUN_ENV["SYNCS"]) + 1)), f"trained steps {sorted(trained)}"
     for s, m in trained.items():
         assert "fully_async/staleness/mean" in m and "fully_async/staleness/max" in m, f"step {s}: {sorted(m)}"
+        assert "rollout_corr/rollout_is_mean" in m, f"step {s}: no rollout correction: {sorted(m)}"
+    is_mean = {s: round(m["rollout_corr/rollout_is_mean"], 4) for s, m in trained.items()}
     staleness = {s: m["fully_async/staleness/max"] for s, m in trained.items()}
     aborted = {s: m.get("fully_async/sync/aborted_requests", 0.0) for s, m in trained.items()}
     resumed = {s: m.get("fully_async/partial/resumed", 0.0) for s, m in trained.items()}
@@ -122,8 +133,10 @@ def test_fully_async_learns_stale_partial_and_drafts_after_resume(cpu_ws: Path, 
     accepted = {s: m.get(ACCEPTED_TOKENS, 0.0) for s, m in trained.items()}
     print(f"fully async: validation accuracy {before:.3f} -> {after:.3f} in {run.seconds:.0f} s; staleness max per "
           f"batch {staleness}; requests aborted at the sync after each step {aborted}; resumed trajectories per "
-          f"batch {resumed}; drafted tokens per version {drafted}; accepted {accepted}")
+          f"batch {resumed}; drafted tokens per version {drafted}; accepted {accepted}; mean IS weight per batch {is_mean}")
     assert after >= before + LEARNING_MARGIN, f"no learning: {before:.3f} -> {after:.3f} ({acc})"
+    bound = staleness_bound(float(RUN_ENV["STALENESS_THRESHOLD"]))
+    assert all(v <= bound for v in staleness.values()), f"a batch staler than {bound} versions: {staleness}"
     assert max(staleness.values()) >= 1, f"no batch was trained on stale samples: {staleness}"
     assert sum(aborted.values()) > 0, f"no request was running at a weight sync: {aborted}"
     assert sum(resumed.values()) > 0, f"no trajectory resumed after a sync was trained on: {resumed}"
@@ -201,3 +214,26 @@ def test_resumed_request_is_lossless_and_drafts_from_its_group(engine_ws: Path, 
     drafted = {n: int(res[n]["metrics"].get("spec_decode_num_draft_tokens", 0)) for n in ("grouped", "own")}
     print(f"resume after {CUT} tokens: drafted {drafted}, accepted {acc} (grouped = extra_args group length)")
     assert drafted["grouped"] > 0 and acc["grouped"] > acc["own"], (drafted, acc)
+
+
+#: staleness 0: 3 syncs of one update each, no validation, no checkpoint (what it checks is the staleness)
+ON_POLICY_ENV = {**RUN_ENV, "SYNCS": "3", "STALENESS_THRESHOLD": "0", "SAVE_FREQ": "-1", "VAL_BEFORE_TRAIN": "False",
+                 "TEST_FREQ": "-1", "SAM_ENABLE": "False", "SAM_GROUP": "False", "USE_ROLLOUT_LOG_PROBS": "True",
+                 "ROLLOUT_CORRECTION": "off"}
+
+
+@pytest.mark.timeout(1200)
+def test_staleness_zero_trains_on_policy(cpu_ws: Path, tmp_path: Path) -> None:
+    run = launch(cpu_ws, SCRIPT, tmp_path / "run", env=ON_POLICY_ENV)
+    tail = "\n".join(run.log.splitlines()[-60:])
+    assert run.rc == 0, f"fully-async run failed (exit {run.rc}):\n{tail}"
+    trained = {s: m for s, m in step_metrics(run.log).items() if s > 0}
+    assert sorted(trained) == list(range(1, int(ON_POLICY_ENV["SYNCS"]) + 1)), f"trained steps {sorted(trained)}"
+    staleness = {s: (m["fully_async/staleness/max"], m["fully_async/staleness/mean"]) for s, m in trained.items()}
+    started = {s: m["fully_async/count/started_in_version"] for s, m in trained.items()}
+    aborted = {s: m["fully_async/sync/aborted_requests"] for s, m in trained.items()}
+    print(f"staleness 0: (max, mean) staleness per batch {staleness}; prompts started per version {started}; "
+          f"requests aborted at each sync {aborted}; {run.seconds:.0f} s launcher run")
+    assert all(v == (0.0, 0.0) for v in staleness.values()), f"off-policy batches at staleness 0: {staleness}"
+    assert all(n == float(ON_POLICY_ENV["PPO_MINI_BATCH_SIZE"]) for n in started.values()), started
+    assert all(n == 0 for n in aborted.values()), f"requests were running at a sync at staleness 0: {aborted}"

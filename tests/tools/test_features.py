@@ -217,6 +217,21 @@ RULE_CASES += [
      "SERVER_ROUTING=True requires ROLLOUT_MODE=async (got ROLLOUT_MODE=sync): routing chooses among the vLLM servers "
      "of verl's agent loop; the sync rollout has none"),
 ]
+# the fully-async setups (30B: rollout DP 8 over 16 dies): off-policy correction and partial rollout
+FA = "train_grpo_qwen3_30b_a3b_32die_fully_async.sh"
+FA_CTX = ["VLLM_DP=8", "ROLLOUT_TP=2", "TRAIN_BATCH_SIZE=32", "PPO_MINI_BATCH_SIZE=32", "DIST_CKPT_PATH=/ckpt",
+          "ROLLOUT_PROCS_PER_NODE=8"]
+RULE_CASES += [
+    (FA, {"USE_ROLLOUT_LOG_PROBS": "True"}, FA_CTX,
+     "USE_ROLLOUT_LOG_PROBS=True excludes ROLLOUT_CORRECTION not off: the correction weighs by pi_old / pi_rollout, "
+     "which is 1 when the old log-probs are the rollout's (the PPO ratio against the rollout policy is then the "
+     "correction): ROLLOUT_CORRECTION=off with it"),
+    (FA, {"ROLLOUT_REBALANCE": "True"}, FA_CTX,
+     "PARTIAL_ROLLOUT=True excludes ROLLOUT_REBALANCE=True and ROLLOUT_MODE=async: a request rebalance moved to another vLLM DP engine is no "
+     "longer in its origin's client entry, through which the pause's abort goes (vllm core_client.py:1248-1267 after "
+     "qwen3_rl/rollout/vllm_engine_hook.py release_request): it would run on through the weight sync; "
+     "PARTIAL_ROLLOUT=False (the pause waits for running requests) or ROLLOUT_REBALANCE=False"),
+]
 # rules whose switches set no key while the rule is broken (SAM_ENABLE off, sync mode): preflight has nothing to read
 NO_KEY_CASES = ({"SAM_GROUP": "True"}, {"SAM_ADAPTIVE_K": "True"}, {"SERVER_ROUTING": "True"},
                 {"DATA_REBALANCE": "False", "DATA_REBALANCE_BY_KEY": "True"})
@@ -243,6 +258,18 @@ def test_every_rule_is_reported() -> None:
     assert setup_overrides(MOE, {"MOE_ZERO_MEMORY": "level0", "MOE_ALLTOALL_OVERLAP": "True"}, MOE_CTX, REG)
     assert setup_overrides(MOE, {"SAM_ENABLE": "True", "SAM_GROUP": "True", "SAM_GROUP_EXCHANGE": "True"}, MOE_CTX,
                            REG)
+    # the fully-async defaults: token-level correction on the rollout's log-probs; either pair member alone is fine
+    fa = setup_overrides(FA, {}, FA_CTX, REG)
+    assert {"algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.rollout.calculate_log_probs=True",
+            "async_training.use_rollout_log_probs=False", "async_training.partial_rollout=True"} <= set(fa)
+    bypass = setup_overrides(FA, {"USE_ROLLOUT_LOG_PROBS": "True", "ROLLOUT_CORRECTION": "off"}, FA_CTX, REG)
+    assert {"algorithm.rollout_correction.rollout_is=null", "actor_rollout_ref.rollout.calculate_log_probs=True",
+            "async_training.use_rollout_log_probs=True"} <= set(bypass)
+    plain = setup_overrides(FA, {"ROLLOUT_CORRECTION": "off"}, FA_CTX, REG)
+    assert not any(o.startswith("actor_rollout_ref.rollout.calculate_log_probs=") for o in plain)
+    for env in ({"ROLLOUT_CORRECTION": "off"}, {"USE_ROLLOUT_LOG_PROBS": "True", "ROLLOUT_CORRECTION": "off"}):
+        assert check_command(_keys_for(FA, env, FA_CTX), FA, REG) == []  # read back as set, not as the default
+    assert setup_overrides(FA, {"ROLLOUT_REBALANCE": "True", "PARTIAL_ROLLOUT": "False"}, FA_CTX, REG)
     table = {"SAM_ENABLE": "True", "SAM_ADAPTIVE_K": "True", "SAM_COST_TABLE": "/t/cost.json"}
     assert ("+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.sam_config.cost_table=/t/cost.json"
             in setup_overrides(DENSE, table, DENSE_CTX, REG))

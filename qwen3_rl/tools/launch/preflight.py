@@ -13,6 +13,9 @@ verl command with every default resolved), then checks, all at once:
 * batches: the sizes verl and Megatron divide really divide;
 * features: the requires / excludes rules of ``features.toml`` on the final command (extra Hydra arguments
   included), one ``error: [feature] ...`` line per broken rule;
+* rollout log-probs: with the rollout's log-probs in the loss (``async_training.use_rollout_log_probs`` or
+  ``algorithm.rollout_correction.rollout_is``), sampling that makes them not the behaviour policy's (temperature
+  other than 1, top-p below 1, top-k) is an error;
 * SAM cost table (``SAM_COST_TABLE``): the file exists and parses as a cost table for the longest draft;
 * lengths: prompt + response fits the model's context (and the dynamic-batch token budget);
 * environment contract (:mod:`qwen3_rl.tools.launch.env_contract`): the environment the Ray workers will get
@@ -287,6 +290,26 @@ def check_spec_decode_requests(vals: Mapping[str, str]) -> list[Finding]:
     return out
 
 
+def check_rollout_log_probs(vals: Mapping[str, str]) -> list[Finding]:
+    """The rollout's log-probs stand for the behaviour policy (as the old log-probs, or as pi_rollout in the rollout
+    correction): vLLM returns them raw, before temperature / top-p / top-k, so any of those changes the sampling
+    policy away from them (one error naming the settings)."""
+    from qwen3_rl.trainer.fully_async.settings import behaviour_log_prob_problems
+
+    as_old = _get_bool(vals, "async_training.use_rollout_log_probs", False)
+    corr = (vals.get("algorithm.rollout_correction.rollout_is") or "null").strip("'\"")
+    if not as_old and corr in ("null", "None", "~", ""):
+        return []
+    use = "async_training.use_rollout_log_probs=True" if as_old else f"algorithm.rollout_correction.rollout_is={corr}"
+    bad = behaviour_log_prob_problems(float(vals.get(R + "temperature", "1.0")), float(vals.get(R + "top_p", "1.0")),
+                                      _get_int(vals, R + "top_k", -1))
+    if not bad:
+        return []
+    return [_err("rollout-log-probs", f"{', '.join(bad)} with {use}: vLLM's log-probs are taken before temperature / "
+                                      "top-p / top-k, so they are not the sampling policy's (set temperature 1, "
+                                      "top_p 1, top_k -1, or turn USE_ROLLOUT_LOG_PROBS / ROLLOUT_CORRECTION off)")]
+
+
 def check_server_mode(vals: Mapping[str, str]) -> list[Finding]:
     """Server-mode rollout (``rollout.mode=async``, verl's agent loop over vLLM servers): what verl 0.6.1 needs of
     the command that the sync rollout does not (one error each)."""
@@ -548,6 +571,7 @@ def run_preflight(train_script: str, env_script: str | None = None, nnodes: int 
         findings += check_lengths(vals, cfg)
         findings += check_feature_rules(vals, Path(train_script).name)
         findings += check_spec_decode_requests(vals)
+        findings += check_rollout_log_probs(vals)
         findings += check_sam_cost_table(vals)
         findings += check_server_mode(vals)
     except ValueError as exc:

@@ -10,13 +10,29 @@ class AsyncSettingsError(ValueError):
     """A bad ``async_training`` / ``rollout`` pool setting (one line naming the key)."""
 
 
+def behaviour_log_prob_problems(temperature: float, top_p: float, top_k: int | None) -> list[str]:
+    """The rollout sampling settings under which the rollout's log-probs are not the behaviour policy's: vLLM 0.13
+    returns the raw log-probs (``logprobs_mode`` ``raw_logprobs``: of the model's logits, before temperature, top-p
+    and top-k), while the tokens were sampled from the processed distribution. One ``key=value`` text each."""
+    out = []
+    if float(temperature) != 1.0:
+        out.append(f"rollout.temperature={temperature:g}")
+    if float(top_p) < 1.0:
+        out.append(f"rollout.top_p={top_p:g}")
+    if top_k is not None and int(top_k) > 0:
+        out.append(f"rollout.top_k={int(top_k)}")
+    return out
+
+
 @dataclass(frozen=True)
 class AsyncSettings:
     """What the fully-async driver reads from the config.
 
     Sizes are in prompts (each prompt is one group of ``n`` samples)."""
 
-    #: extra versions' worth of prompts the rollout may generate ahead of the trainer (0 = on-policy batches)
+    #: extra versions' worth of prompts the rollout may start under one weight version, counted from the prompts
+    #: not yet trained at its sync (verl's count, :class:`.stream.PromptStream`); a trained sample is at most
+    #: ``ceil(staleness_threshold)`` versions old (0 = on-policy batches: the rollout waits for each sync)
     staleness_threshold: float
     #: actor updates between two weight syncs
     trigger_parameter_sync_step: int
@@ -27,6 +43,10 @@ class AsyncSettings:
     #: the rollout's log-probs as the old log-probs (False: the trainer recomputes them); with a drafter too
     #: (vllm 0004: vLLM drafts for requests with log-probs and returns the raw ones)
     use_rollout_log_probs: bool
+    #: verl's rollout correction (``algorithm.rollout_correction.rollout_is``: ``token`` / ``sequence``; None =
+    #: off): the policy loss weighted by pi_old / pi_rollout truncated at ``rollout_is_threshold`` (TIS), with the
+    #: old log-probs recomputed by the trainer and the rollout's as pi_rollout
+    rollout_is: str | None
     #: prompts per actor update
     prompts_per_update: int
     #: the trainer's pool and the rollout's pool (processes per node, nodes)
@@ -51,6 +71,7 @@ class AsyncSettings:
             require_batches=int(at.require_batches),
             partial_rollout=bool(at.partial_rollout),
             use_rollout_log_probs=bool(at.use_rollout_log_probs),
+            rollout_is=_rollout_is(config),
             prompts_per_update=int(at.require_batches) * int(config.actor_rollout_ref.actor.ppo_mini_batch_size),
             trainer_procs=int(config.trainer.n_gpus_per_node),
             trainer_nnodes=int(config.trainer.nnodes),
@@ -86,9 +107,38 @@ class AsyncSettings:
             raise AsyncSettingsError(f"actor_rollout_ref.actor.megatron.{offload[0]}=True (OFFLOAD=True): the "
                                      "fully-async trainer pool does not offload (verl offloads an actor only when it "
                                      "shares its devices with the rollout); set OFFLOAD=False")
+        if self.rollout_is is not None:
+            if not bool(rollout.calculate_log_probs):
+                raise AsyncSettingsError(f"algorithm.rollout_correction.rollout_is={self.rollout_is} needs "
+                                         "actor_rollout_ref.rollout.calculate_log_probs=True (pi_rollout)")
+            if self.use_rollout_log_probs:
+                raise AsyncSettingsError(
+                    f"algorithm.rollout_correction.rollout_is={self.rollout_is} with async_training."
+                    "use_rollout_log_probs=True: the weights pi_old / pi_rollout are 1 when the old log-probs are "
+                    "the rollout's (ROLLOUT_CORRECTION=off with USE_ROLLOUT_LOG_PROBS=True)")
+        if self.use_rollout_log_probs or self.rollout_is is not None:
+            bad = behaviour_log_prob_problems(rollout.get("temperature", 1.0), rollout.get("top_p", 1.0),
+                                             rollout.get("top_k", -1))
+            if bad:
+                raise AsyncSettingsError(
+                    f"{', '.join(bad)}: the rollout's log-probs (taken before temperature / top-p / top-k) are not "
+                    "the sampling policy's; use_rollout_log_probs and rollout_correction need temperature 1, top_p "
+                    "1, top_k -1")
         world = int(rollout.tensor_model_parallel_size) * int(rollout.data_parallel_size) * int(
             rollout.pipeline_model_parallel_size)
         pool = self.rollout_procs * self.rollout_nnodes
         if pool % world:
             raise AsyncSettingsError(f"rollout pool {pool} processes is not a multiple of one server's "
                                      f"TP x DP x PP = {world}")
+
+
+def _rollout_is(config: Any) -> str | None:
+    """``algorithm.rollout_correction.rollout_is`` (None when absent or null)."""
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(config, "algorithm.rollout_correction.rollout_is", default=None)
+    if value is None:
+        return None
+    if str(value) not in ("token", "sequence"):
+        raise AsyncSettingsError(f"algorithm.rollout_correction.rollout_is={value}: must be token, sequence or null")
+    return str(value)

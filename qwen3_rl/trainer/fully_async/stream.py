@@ -1,16 +1,93 @@
-"""The prompt stream's bookkeeping (pure): how many prompts the rollout may start under a weight version, and
-the per-batch staleness and resume metrics the trainer logs."""
+"""The prompt stream's bookkeeping (pure): which prompts the rollout may start under a weight version, which
+finished groups the next update trains on, and the per-batch staleness and resume metrics the trainer logs.
+
+Staleness is counted per weight version, as verl's fully-async recipe counts it (``FullyAsyncRollouter``:
+``staleness_samples`` against ``max_required_samples``): when version v becomes current, the counter is set to the
+prompts started and not yet trained; each start adds one; no prompt starts once it reaches (1 + staleness) x the
+prompts of one version, until the next weight sync. With staleness 0 the rollout starts exactly one version's
+prompts and then waits for the sync: every batch is on-policy.
+
+On top of verl's counter, the updates take the finished groups oldest start version first, and a batch never
+includes a group newer than a prompt still running: so a sample's staleness (the trainer's version minus the one
+that started it) is at most ``ceil(staleness)`` (:func:`staleness_bound`), also when requests finish out of order.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 
 def version_quota(prompts_per_version: int, staleness_threshold: float) -> int:
-    """Prompts the rollout may start while one weight version is current: (1 + staleness) x the prompts trained
-    per version, rounded up (staleness 0: exactly one version's worth, the batches are on-policy at their start)."""
+    """The counter's bound: (1 + staleness) x the prompts trained per version, rounded up (staleness 0: exactly one
+    version's worth)."""
     return math.ceil((1.0 + staleness_threshold) * prompts_per_version)
+
+
+def staleness_bound(staleness_threshold: float) -> int:
+    """The largest staleness (in weight versions) a trained sample can have under :class:`PromptStream`."""
+    return math.ceil(staleness_threshold)
+
+
+class PromptStream:
+    """The driver's prompts between start and training, and verl's per-version start counter.
+
+    ``quota``: :func:`version_quota`. Keys are the driver's handles of started prompts (Ray object refs); items are
+    what the driver keeps with them (opaque here). Versions are weight versions (ints, the rollout's current one
+    when the prompt started)."""
+
+    def __init__(self, quota: int, version: int = 0) -> None:
+        if quota < 1:
+            raise ValueError(f"quota {quota}: must be >= 1")
+        self.quota = quota
+        self.version = version
+        #: verl's ``staleness_samples``: prompts counted against this version (untrained at its start + started)
+        self.counted = 0
+        #: prompts started in this version
+        self.started_in_version = 0
+        self.inflight: dict[Hashable, tuple[Any, int]] = {}  # key -> (item, start version), in start order
+        self.ready: list[tuple[Any, int]] = []  # (item, start version), in finish order
+
+    def may_start(self) -> bool:
+        """Whether one more prompt may start under the current version."""
+        return self.counted < self.quota
+
+    def start(self, key: Hashable, item: Any) -> None:
+        """A prompt started under the current version (only when :meth:`may_start`)."""
+        if not self.may_start():
+            raise RuntimeError(f"prompt started past the version quota {self.quota}")
+        self.inflight[key] = (item, self.version)
+        self.counted += 1
+        self.started_in_version += 1
+
+    def finish(self, key: Hashable, item: Any) -> None:
+        """The prompt ``key`` finished; ``item`` (e.g. its scored group) is queued for training."""
+        _, version = self.inflight.pop(key)
+        self.ready.append((item, version))
+
+    def take_batch(self, size: int) -> list[tuple[Any, int]] | None:
+        """The next update's ``size`` finished prompts, (item, start version) each: the oldest start versions first
+        (finish order within a version); None while fewer are finished, or while a running prompt started under an
+        older version than the batch's newest (it goes first)."""
+        if len(self.ready) < size:
+            return None
+        order = sorted(range(len(self.ready)), key=lambda i: self.ready[i][1])[:size]
+        newest = self.ready[order[-1]][1]
+        if any(v < newest for _, v in self.inflight.values()):
+            return None
+        picked = set(order)
+        batch = [self.ready[i] for i in sorted(order, key=lambda i: (self.ready[i][1], i))]
+        self.ready = [r for i, r in enumerate(self.ready) if i not in picked]
+        return batch
+
+    def new_version(self, version: int) -> None:
+        """A weight sync made ``version`` current: the counter restarts at the prompts not yet trained."""
+        if version <= self.version:
+            raise ValueError(f"version {version} after {self.version}")
+        self.version = version
+        self.counted = len(self.inflight) + len(self.ready)
+        self.started_in_version = 0
 
 
 def staleness_metrics(trainer_version: int, start_versions: Sequence[int]) -> dict[str, float]:

@@ -3,13 +3,15 @@ steps it reuses: old log-probs, ref, advantage, actor update) whose workers are 
 
 The loop (one driver thread; the actor update runs in a second thread so that the rollout keeps being fed):
 
-1. start prompts (one group of n samples each, on the agent-loop workers, round robin) while the prompts started
-   and not yet taken by the trainer (running or queued) are fewer than (1 + staleness) x the prompts of one weight
-   version (the rollout keeps generating while the trainer updates);
+1. start prompts (one group of n samples each, on the agent-loop workers, round robin) while the weight version's
+   counter is below (1 + staleness) x the prompts of one version (verl's count, :class:`.stream.PromptStream`: it
+   restarts at each sync from the prompts not yet trained; staleness 0: one version's prompts, then nothing starts
+   until the sync);
 2. collect finished groups, score them (verl's reward manager; the agent loop already scored each sample) and
    queue them;
-3. when ``require_batches`` x ``ppo_mini_batch_size`` groups are queued and the trainer is idle, train on the oldest
-   (staleness of each sample = trainer version - the version that started it);
+3. when ``require_batches`` x ``ppo_mini_batch_size`` groups are finished and the trainer is idle, train on them,
+   oldest start version first, never past a running prompt of an older version (staleness of each sample = trainer
+   version - the version that started it, at most ``ceil(staleness)``);
 4. after every ``trigger_parameter_sync_step`` updates: pause the servers (abort running requests with
    ``partial_rollout``), broadcast the trainer's export to the rollout workers, check the checksums, resume
    under the new version (the aborted requests continue with their tokens so far);
@@ -41,7 +43,7 @@ from qwen3_rl.trainer.fully_async.checkpoint import (
     untrained_prompts,
 )
 from qwen3_rl.trainer.fully_async.settings import AsyncSettings
-from qwen3_rl.trainer.fully_async.stream import resume_metrics, staleness_metrics, version_quota
+from qwen3_rl.trainer.fully_async.stream import PromptStream, resume_metrics, staleness_metrics, version_quota
 
 
 def spec_decode_since(hooks: Any, server_handles: list[Any], state: Any) -> tuple[dict[str, float], Any]:
@@ -221,6 +223,11 @@ def make_fully_async_trainer_class():
                 return batch
             return super()._compute_old_log_prob(batch, metrics, timing_raw)
 
+        def _rollout_correction(self, batch: Any, metrics: dict) -> Any:
+            if self.fa.use_rollout_log_probs:  # the old log-probs are the rollout's: the PPO ratio is the correction
+                return batch
+            return super()._rollout_correction(batch, metrics)
+
         def _train(self, batch: Any, version: int) -> dict[str, Any]:
             """One actor update on ``batch`` (in the training thread); its metrics."""
             metrics: dict[str, Any] = {}
@@ -269,21 +276,20 @@ def make_fully_async_trainer_class():
                 logger.log(data=val, step=self.global_steps)
                 _, sd_state = spec_decode_since(sd_hooks, manager.server_handles, None)
             total = self.total_training_steps
-            quota = version_quota(fa.prompts_per_version, fa.staleness_threshold)
+            # ref -> (prompt row, its n rows) while running, then (prompt row, scored group) once finished
+            stream = PromptStream(version_quota(fa.prompts_per_version, fa.staleness_threshold), version)
             prompts = self._prompts(carried, start_epoch)
             to_start = (total - self.global_steps) * fa.prompts_per_update
             updates, resumed_total = self.global_steps, 0
             manager.resume(version)
-            inflight: dict[Any, tuple[Any, Any]] = {}  # ref -> (prompt row, its n rows); in start order
-            ready: deque = deque()  # (prompt row, scored group), in finish order
-            started_in_version, rr = 0, 0
+            rr = 0
             pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fully_async_train")
             training: Future | None = None
             workers = manager.agent_loop_workers
             t_version = time.perf_counter()
             while updates < total:
                 # 1. keep the rollout fed within the staleness bound
-                while to_start > 0 and len(inflight) + len(ready) < quota:
+                while to_start > 0 and stream.may_start():
                     try:
                         prompt = next(prompts)
                     except StopIteration:
@@ -291,23 +297,25 @@ def make_fully_async_trainer_class():
                         break
                     ref, rows = self._start(prompt, workers[rr % len(workers)])
                     rr += 1
-                    inflight[ref] = (prompt, rows)
+                    stream.start(ref, (prompt, rows))
                     to_start -= 1
-                    started_in_version += 1
-                if to_start == 0 and not inflight and training is None and len(ready) < fa.prompts_per_update:
+                inflight = stream.inflight
+                if (to_start == 0 and not inflight and training is None
+                        and len(stream.ready) < fa.prompts_per_update):
                     raise RuntimeError(f"fully async: the prompts ran out after {updates} of {total} updates "
                                        "(trainer.total_epochs x the dataset is too small for the run)")
                 # 2. finished groups -> the queue
                 if inflight:
                     done, _ = ray.wait(list(inflight), num_returns=len(inflight), timeout=0.05)
                     for ref in done:
-                        prompt, rows = inflight.pop(ref)
-                        ready.append((prompt, self._score(rows, ray.get(ref))))
+                        prompt, rows = inflight[ref][0]
+                        stream.finish(ref, (prompt, self._score(rows, ray.get(ref))))
                 else:
                     time.sleep(0.05)
                 # 3. an update on the oldest finished groups
-                if training is None and len(ready) >= fa.prompts_per_update:
-                    batch = DataProto.concat([ready.popleft()[1] for _ in range(fa.prompts_per_update)])
+                taken = stream.take_batch(fa.prompts_per_update) if training is None else None
+                if taken is not None:
+                    batch = DataProto.concat([group for (_, group), _ in taken])
                     self.global_steps = updates + 1
                     training = pool.submit(self._train, batch, version)
                 # 4. a finished update (and a weight sync after every trigger_parameter_sync_step of them)
@@ -322,14 +330,15 @@ def make_fully_async_trainer_class():
                     if synced:
                         sd, sd_state = spec_decode_since(sd_hooks, manager.server_handles, sd_state)
                         metrics.update(sd)
-                        metrics["fully_async/count/started_in_version"] = float(started_in_version)
+                        metrics["fully_async/count/started_in_version"] = float(stream.started_in_version)
                         metrics["timing_s/fully_async/version"] = time.perf_counter() - t_version
                         version += 1
                         metrics.update(self.sync_weights(version))
-                        started_in_version, t_version = 0, time.perf_counter()
+                        stream.new_version(version)
+                        t_version = time.perf_counter()
                     metrics["fully_async/count/current_param_version"] = float(version)
-                    metrics["fully_async/count/queued_groups"] = float(len(ready))
-                    metrics["fully_async/count/inflight_groups"] = float(len(inflight))
+                    metrics["fully_async/count/queued_groups"] = float(len(stream.ready))
+                    metrics["fully_async/count/inflight_groups"] = float(len(stream.inflight))
                     test_freq = self.config.trainer.test_freq
                     if self.val_reward_fn is not None and test_freq > 0 and (last or updates % test_freq == 0):
                         with marked_timer("testing", metrics):
@@ -338,8 +347,8 @@ def make_fully_async_trainer_class():
                     save_freq = self.config.trainer.save_freq
                     if save_freq > 0 and (last or updates % save_freq == 0):
                         with marked_timer("timing_s/fully_async/save_checkpoint", metrics):
-                            carried_n = self._save_stream(version, synced, [p for p, _ in ready],
-                                                          [p for p, _ in inflight.values()])
+                            carried_n = self._save_stream(version, synced, [p for (p, _), _ in stream.ready],
+                                                          [p for (p, _), _ in stream.inflight.values()])
                             self._save_checkpoint()
                         metrics["fully_async/checkpoint/carried_prompts"] = float(carried_n)
                     metrics.update({"training/global_step": updates, "training/epoch": getattr(self, "_epoch", 0)})

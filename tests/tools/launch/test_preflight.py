@@ -375,3 +375,36 @@ def test_fully_async_pools_and_stream():
     # the sync rules on the same sizes (positive control): the world is the trainer's 1 + the rollout's 1 there
     sync = {k: v for k, v in vals.items() if not k.startswith(("rollout.", "async_training."))}
     assert check_world(sync, 1, 2)
+
+
+FA_30B = REPO / "internal" / "train_grpo_qwen3_30b_a3b_32die_fully_async.sh"
+
+
+def _log_prob_errors(extra: list[str], **env: str) -> list[str]:
+    """[rollout-log-probs] lines of the real 30B fully-async script's final command (features of ``env``, extra
+    Hydra overrides)."""
+    from qwen3_rl.tools.launch.preflight import run_preflight
+
+    base = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **env}
+    found = run_preflight(str(FA_30B), node_checks=False, env=base, extra_args=extra, npu_env=None)
+    assert not [f for f in found if f.check in ("script", "feature")], found
+    return [f.line() for f in found if f.check == "rollout-log-probs"]
+
+
+def test_rollout_log_probs_need_the_behaviour_policys_sampling():
+    """The fully-async default (ROLLOUT_CORRECTION=token) and USE_ROLLOUT_LOG_PROBS use the rollout's raw log-probs:
+    temperature, top-p and top-k each are refused on one line; with neither, any sampling passes."""
+    assert _log_prob_errors([]) == []
+    t = R_ + "temperature=0.7"
+    assert _log_prob_errors([t]) == [
+        "error: [rollout-log-probs] rollout.temperature=0.7 with algorithm.rollout_correction.rollout_is=token: "
+        "vLLM's log-probs are taken before temperature / top-p / top-k, so they are not the sampling policy's (set "
+        "temperature 1, top_p 1, top_k -1, or turn USE_ROLLOUT_LOG_PROBS / ROLLOUT_CORRECTION off)"]
+    bypass = {"USE_ROLLOUT_LOG_PROBS": "True", "ROLLOUT_CORRECTION": "off"}
+    (line,) = _log_prob_errors([R_ + "top_p=0.9", R_ + "top_k=20"], **bypass)
+    assert line.startswith("error: [rollout-log-probs] rollout.top_p=0.9, rollout.top_k=20 with "
+                           "async_training.use_rollout_log_probs=True: "), line
+    assert _log_prob_errors([t], ROLLOUT_CORRECTION="off") == []  # the trainer's log-probs only
+
+
+R_ = "actor_rollout_ref.rollout."

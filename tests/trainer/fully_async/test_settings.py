@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from qwen3_rl.trainer.fully_async.settings import AsyncSettings, AsyncSettingsError
+from qwen3_rl.trainer.fully_async.settings import (
+    AsyncSettings,
+    AsyncSettingsError,
+    behaviour_log_prob_problems,
+)
 
 
 def _config(**over):
@@ -72,3 +76,38 @@ def test_fully_async_setups_default_to_no_offload() -> None:
     reg = load_registry()
     for script in reg.groups["fully_async"]:
         assert resolve(reg, script, {}, {})["OFFLOAD"] == "False", script
+
+
+def test_rollout_correction_is_read_and_needs_the_rollout_log_probs() -> None:
+    on = {"algorithm.rollout_correction.rollout_is": "token", "actor_rollout_ref.rollout.calculate_log_probs": True}
+    assert AsyncSettings.from_config(_config(**on)).rollout_is == "token"
+    assert AsyncSettings.from_config(_config()).rollout_is is None
+    with pytest.raises(AsyncSettingsError, match="rollout_is=token needs actor_rollout_ref.rollout.calculate_log_probs"):
+        AsyncSettings.from_config(_config(**{**on, "actor_rollout_ref.rollout.calculate_log_probs": False}))
+    with pytest.raises(AsyncSettingsError, match="weights pi_old / pi_rollout are 1"):
+        AsyncSettings.from_config(_config(**on, **{"async_training.use_rollout_log_probs": True}))
+    with pytest.raises(AsyncSettingsError, match="rollout_is=geometric: must be token, sequence or null"):
+        AsyncSettings.from_config(_config(**{**on, "algorithm.rollout_correction.rollout_is": "geometric"}))
+
+
+@pytest.mark.parametrize("mode", ["use_rollout_log_probs", "rollout_correction"])
+@pytest.mark.parametrize(("key", "value", "shown"), [
+    ("temperature", 0.7, "rollout.temperature=0.7"), ("top_p", 0.95, "rollout.top_p=0.95"),
+    ("top_k", 20, "rollout.top_k=20")])
+def test_sampling_whose_log_probs_are_not_the_behaviour_policys_is_refused(mode, key, value, shown) -> None:
+    on = ({"async_training.use_rollout_log_probs": True} if mode == "use_rollout_log_probs"
+          else {"algorithm.rollout_correction.rollout_is": "token"})
+    on["actor_rollout_ref.rollout.calculate_log_probs"] = True
+    plain = {"actor_rollout_ref.rollout.temperature": 1.0, "actor_rollout_ref.rollout.top_p": 1.0,
+             "actor_rollout_ref.rollout.top_k": -1}
+    AsyncSettings.from_config(_config(**on, **plain))
+    bad = {**plain, f"actor_rollout_ref.rollout.{key}": value}
+    with pytest.raises(AsyncSettingsError, match=f"^{shown}: the rollout's log-probs"):
+        AsyncSettings.from_config(_config(**on, **bad))
+    AsyncSettings.from_config(_config(**bad))  # the trainer's own log-probs only: any sampling
+
+
+def test_behaviour_log_prob_problems() -> None:
+    assert behaviour_log_prob_problems(1.0, 1.0, -1) == behaviour_log_prob_problems(1, 1, 0) == []
+    assert behaviour_log_prob_problems(0.6, 0.9, 5) == ["rollout.temperature=0.6", "rollout.top_p=0.9",
+                                                        "rollout.top_k=5"]
