@@ -6,6 +6,7 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${QWEN3_RL_VENV:-${HOME}/.cache/qwen3_rl/venv}"
 ENGINE_VENV="${QWEN3_RL_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/engine-venv}"
+CURRENT_ENGINE_VENV="${QWEN3_RL_CURRENT_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/current-engine-venv}"
 SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_decode/test_sibling_exchange.py tests/spec_decode/test_sam_warm_up.py
                        tests/spec_decode/test_sam_exchange_hook.py tests/spec_decode/test_sam_group_key.py tests/spec_decode/test_sam_boundscheck.py
                        tests/spec_decode/test_sam_history.py tests/spec_decode/test_sam_adaptive_k.py
@@ -41,12 +42,14 @@ BOUNDSCHECK_NOT_KERNELS=(test_benchmark_smoke test_construction_compiles_every_k
 usage() {
   cat <<'USAGE'
 usage: bash tests/run_tests.sh [PYTEST_ARGS...]
-Runs ruff and shellcheck on the repo, then pytest twice with the same arguments: the main suite in
-$QWEN3_RL_VENV and tests/engine (vLLM 0.13.0's real CPU engine) in $QWEN3_RL_ENGINE_VENV.
+Runs ruff and shellcheck on the repo, then pytest with the same arguments in three venvs: the main suite in
+$QWEN3_RL_VENV, tests/engine (the seed set's vLLM 0.13.0 real CPU engine) in $QWEN3_RL_ENGINE_VENV and
+tests/engine_current (the current set's vLLM 0.23.0 CPU engine) in $QWEN3_RL_CURRENT_ENGINE_VENV.
 Examples:  bash tests/run_tests.sh -m engine        # the real-engine tests alone
            bash tests/run_tests.sh tests/tools/upstream/test_pins.py
-Test paths decide the part: paths only under tests/engine skip the main run, paths elsewhere skip
-the engine run. The engine part without test paths runs in two pytest processes at once: the launcher
+Test paths decide the part: paths under tests/engine, tests/engine_current or elsewhere run only their
+part(s). Without test paths the current engine part runs in the background beside the main run.
+The engine part without test paths runs in two pytest processes at once: the launcher
 runs (ENGINE_LAUNCHER_TESTS: whole trainings through Ray) and the other engine tests.
 On a full run (no test path, -m or -k) every part must run tests: a part that collects nothing fails
 the run. With a selection, one part collecting nothing is fine as long as
@@ -108,9 +111,10 @@ run_engine_split() {
 main() {
   case "${1:-}" in -h|--help) usage; return 0 ;; esac
   local v
-  for v in "${VENV}" "${ENGINE_VENV}"; do
+  for v in "${VENV}" "${ENGINE_VENV}" "${CURRENT_ENGINE_VENV}"; do
     if [[ ! -x "${v}/bin/python" ]]; then
-      echo "error: no test environment at ${v}; run: bash tests/setup_env.sh && bash tests/setup_engine_env.sh" >&2
+      echo "error: no test environment at ${v}; run: bash tests/setup_env.sh && bash tests/setup_engine_env.sh" \
+           "&& bash tests/setup_current_engine_env.sh" >&2
       return 1
     fi
   done
@@ -123,18 +127,30 @@ main() {
   if [[ ${#scripts[@]} -gt 0 ]]; then
     "${VENV}/bin/shellcheck" -x "${scripts[@]}"
   fi
-  local arg main_paths=0 engine_paths=0 selective=0
+  local arg main_paths=0 engine_paths=0 current_paths=0 selective=0
   for arg in "$@"; do
     [[ "${arg}" == -m* || "${arg}" == -k* ]] && selective=1
     [[ "${arg}" == -* || ! -e "${arg%%::*}" ]] && continue
     case "$(realpath "${arg%%::*}")" in
+      "${HERE}/tests/engine_current"*) current_paths=1 ;;
       "${HERE}/tests/engine"*) engine_paths=1 ;;
       *) main_paths=1 ;;
     esac
   done
-  local rc_main=5 rc_engine=5 rc_bounds=5 rc_verl=5 rc_vllm=5 rc_ascend=5 full=0 t0
-  (( main_paths || engine_paths || selective )) || full=1
-  if (( main_paths || ! engine_paths )); then
+  local rc_main=5 rc_engine=5 rc_current=5 rc_bounds=5 rc_verl=5 rc_vllm=5 rc_ascend=5 full=0 t0
+  local current_log="" current_pid=""
+  (( main_paths || engine_paths || current_paths || selective )) || full=1
+  if (( current_paths )); then
+    echo "== pytest (current engine venv: tests/engine_current)"
+    rc_current=0
+    "${CURRENT_ENGINE_VENV}/bin/python" -m pytest "$@" || rc_current=$?
+  elif (( ! main_paths && ! engine_paths )); then
+    current_log="$(mktemp)"
+    echo "== pytest (current engine venv: tests/engine_current, vLLM 0.23.0; in the background, log after the main run)"
+    "${CURRENT_ENGINE_VENV}/bin/python" -m pytest tests/engine_current "$@" >"${current_log}" 2>&1 &
+    current_pid=$!
+  fi
+  if (( main_paths || (! engine_paths && ! current_paths) )); then
     local verl_log="" verl_pid="" vllm_log="" vllm_pid="" ascend_log="" ascend_pid=""
     if (( full )); then
       verl_log="$(mktemp)"
@@ -180,7 +196,11 @@ main() {
       collect_background "vLLM-Ascend's own unit tests" "${ascend_pid}" "${ascend_log}" || rc_ascend=$?
     fi
   fi
-  if (( engine_paths || ! main_paths )); then
+  if [[ -n "${current_pid}" ]]; then
+    rc_current=0
+    collect_background "current engine tests (vLLM 0.23.0)" "${current_pid}" "${current_log}" || rc_current=$?
+  fi
+  if (( engine_paths || (! main_paths && ! current_paths) )); then
     rc_engine=0
     if (( engine_paths )); then
       echo "== pytest (engine venv: tests/engine)"
@@ -189,20 +209,21 @@ main() {
       run_engine_split "$@" || rc_engine=$?
     fi
   fi
-  echo "== exit codes: main ${rc_main}, boundscheck ${rc_bounds}, verl-own ${rc_verl}, vllm-own ${rc_vllm}, vllm-ascend-own ${rc_ascend}, engine ${rc_engine} (5 = nothing collected or not run)"
-  if [[ ${rc_main} -eq 5 && ${rc_engine} -eq 5 ]]; then
+  echo "== exit codes: main ${rc_main}, boundscheck ${rc_bounds}, verl-own ${rc_verl}, vllm-own ${rc_vllm}," \
+       "vllm-ascend-own ${rc_ascend}, engine ${rc_engine}, current engine ${rc_current} (5 = nothing collected or not run)"
+  if [[ ${rc_main} -eq 5 && ${rc_engine} -eq 5 && ${rc_current} -eq 5 ]]; then
     echo "error: pytest collected no tests" >&2
     return 1
   fi
   if (( full )); then
     if [[ ${rc_main} -eq 5 || ${rc_bounds} -eq 5 || ${rc_verl} -eq 5 || ${rc_vllm} -eq 5 || ${rc_ascend} -eq 5 \
-          || ${rc_engine} -eq 5 ]]; then
+          || ${rc_engine} -eq 5 || ${rc_current} -eq 5 ]]; then
       echo "error: a full run needs every part to run tests (exit 5 = none collected)" >&2
       return 1
     fi
   fi
   local rc
-  for rc in "${rc_main}" "${rc_bounds}" "${rc_verl}" "${rc_vllm}" "${rc_ascend}" "${rc_engine}"; do
+  for rc in "${rc_main}" "${rc_bounds}" "${rc_verl}" "${rc_vllm}" "${rc_ascend}" "${rc_engine}" "${rc_current}"; do
     if [[ ${rc} -ne 0 && ${rc} -ne 5 ]]; then
       return "${rc}"
     fi
