@@ -10,11 +10,13 @@ VENV="${QWEN3_RL_VERL091_VENV:-${HOME}/.cache/qwen3_rl/verl091-venv}"
 PYTHON="${PYTHON:-python3.11}"
 TORCH_SPEC="torch==2.13.0"
 NO_DEPS=(verl==0.9.1 megatron-core==0.16.1)
-# verl 0.9.1's install requirements (its wheel's Requires-Dist, less wandb), pytest-asyncio for its async tests,
-# mbridge's "megatron" extra (einops, safetensors), and the ray of pins.toml's runtime.ray
+# verl 0.9.1's install requirements (its wheel's Requires-Dist, less wandb: imported only when logging to it), the
+# pure-Python part of its "verl-core" extra its own tests import (server, agent loop, transfer queue), pytest-asyncio
+# for its async tests, mbridge's "megatron" extra (einops, safetensors), and the ray of pins.toml's runtime.ray
 DEPS=(mbridge==0.15.1 accelerate codetiming datasets dill hydra-core "numpy>=2.0.0" pandas peft "pyarrow>=19.0.0"
       pybind11 pylatexenc torchdata "tensordict>=0.8.0,<=0.10.0,!=0.9.0" "transformers>=5.5.3,<5.11,!=5.6.0"
-      "packaging>=20.0" tensorboard einops safetensors pytest pytest-asyncio pytest-timeout)
+      "packaging>=20.0" tensorboard "TransferQueue>=0.1.10" pyzmq msgspec fastapi uvicorn cachetools
+      einops safetensors pytest pytest-asyncio pytest-timeout)
 
 usage() {
   cat <<'USAGE'

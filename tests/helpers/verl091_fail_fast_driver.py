@@ -12,9 +12,9 @@ method, ``func_generator``'s blocking ``ray.get``; ``wg.execute_all_sync("run", 
 - ``raises``: rank 1 raises, rank 0 blocks for 600 s;
 - ``killed``: both block for 600 s; rank 1's actor is killed after 1 s (``ray.kill``).
 
-A failure case's call runs in a thread; it counts as ``raised`` (with the exception's class and the seconds it took)
-if the thread ends within WAIT_S, else ``blocked``. Then every actor is killed (a blocked ``ray.get`` ends with the
-dead actor's error) and Ray shut down. OUT.json: {"values": {...}, "<case>/<call>": {"outcome", "error", "s"}}.
+Each failure case has its own group; the four calls run at once, each in a thread, and count as ``raised`` (with the
+exception's class and the seconds since they started) if the thread ends within WAIT_S of the start, else
+``blocked``. Then every actor is killed (a blocked ``ray.get`` ends with the dead actor's error) and Ray shut down. OUT.json: {"values": {...}, "<case>/<call>": {"outcome", "error", "s"}}.
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def main() -> int:
             time.sleep(block_s)
             return self.rank
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+    # logical CPUs: each group's placement group holds one per worker (8 in all, never released while Ray runs)
+    ray.init(address="local", num_cpus=16, include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1")
     result: dict = {}
     groups = []
@@ -57,37 +58,40 @@ def main() -> int:
         return wg
 
     calls = {"decorated": lambda wg, *a: wg.run(*a), "execute_all_sync": lambda wg, *a: wg.execute_all_sync("run", *a)}
-    wg = group("values")
-    result["values"] = {name: call(wg, 0.0, -1) for name, call in calls.items()}
-    for case in ("raises", "killed"):
-        for name, call in calls.items():
-            wg = group(f"{case}_{name}")
-            args = (BLOCK_S, 1 if case == "raises" else -1)
-            box: dict = {}
-            t0 = time.monotonic()
+    cases = [(case, name) for case in ("raises", "killed") for name in calls]
+    wgs = {c: group(f"{c[0]}_{c[1]}") for c in cases}
+    first = wgs[cases[0]]
+    result["values"] = {name: call(first, 0.0, -1) for name, call in calls.items()}
+    boxes: dict = {}
+    threads = {}
+    t0 = time.monotonic()
+    for case, name in cases:
+        box: dict = {}
 
-            def target(wg=wg, call=call, args=args, box=box, t0=t0) -> None:
-                try:
-                    box["value"] = call(wg, *args)
-                except Exception as e:  # noqa: BLE001 (reported)
-                    box["error"] = type(e).__name__
-                box["s"] = time.monotonic() - t0
+        def target(wg=wgs[(case, name)], call=calls[name], fail_rank=1 if case == "raises" else -1, box=box) -> None:
+            try:
+                box["value"] = call(wg, BLOCK_S, fail_rank)
+            except Exception as e:  # noqa: BLE001 (reported)
+                box["error"] = type(e).__name__
+            box["s"] = time.monotonic() - t0
 
-            t = threading.Thread(target=target, daemon=True)
-            t.start()
-            if case == "killed":
-                time.sleep(1.0)
-                ray.kill(wg.workers[1], no_restart=True)
-            t.join(timeout=wait_s)
-            raised = not t.is_alive() and "error" in box
-            result[f"{case}/{name}"] = {"outcome": "raised" if raised else "blocked", "error": box.get("error"),
-                                        "s": round(box["s"], 2) if raised else None}
-            for w in wg.workers:
-                ray.kill(w, no_restart=True)
-            t.join(timeout=60)
+        boxes[(case, name)] = box
+        threads[(case, name)] = threading.Thread(target=target, daemon=True)
+        threads[(case, name)].start()
+    time.sleep(1.0)
+    for name in calls:
+        ray.kill(wgs[("killed", name)].workers[1], no_restart=True)
+    for c, t in threads.items():
+        t.join(timeout=max(0.0, t0 + wait_s - time.monotonic()))
+        raised = not t.is_alive() and "error" in boxes[c]
+        result["/".join(c)] = {"outcome": "raised" if raised else "blocked", "error": boxes[c].get("error"),
+                               "s": round(boxes[c]["s"], 2) if raised else None}
+        print(f"fail-fast driver: {'/'.join(c)}: {result['/'.join(c)]}", file=sys.stderr, flush=True)
     for wg in groups:
         for w in wg.workers:
             ray.kill(w, no_restart=True)
+    for t in threads.values():
+        t.join(timeout=60)
     ray.shutdown()
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
