@@ -1,5 +1,5 @@
-"""verl 0.9.1's worker group when one worker fails while another blocks: the calls patch 0001 changes, run on a
-verl tree (first on ``PYTHONPATH``) in a local Ray on 127.0.0.1 with two workers.
+"""verl 0.9.1's worker group when one worker fails while another blocks: the two calls the seed set's verl 0009
+changed, on a verl tree (first on ``PYTHONPATH``) in a local Ray on 127.0.0.1 with two workers.
 
     python tests/helpers/verl091_fail_fast_driver.py OUT.json WAIT_S
 
