@@ -7,6 +7,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${QWEN3_RL_VENV:-${HOME}/.cache/qwen3_rl/venv}"
 ENGINE_VENV="${QWEN3_RL_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/engine-venv}"
 CURRENT_ENGINE_VENV="${QWEN3_RL_CURRENT_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/current-engine-venv}"
+VERL091_VENV="${QWEN3_RL_VERL091_VENV:-${HOME}/.cache/qwen3_rl/verl091-venv}"
 SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_decode/test_sibling_exchange.py tests/spec_decode/test_sam_warm_up.py
                        tests/spec_decode/test_sam_exchange_hook.py tests/spec_decode/test_sam_group_key.py tests/spec_decode/test_sam_boundscheck.py
                        tests/spec_decode/test_sam_history.py tests/spec_decode/test_sam_adaptive_k.py
@@ -72,6 +73,8 @@ Alone: $QWEN3_RL_ENGINE_VENV/bin/python tests/upstream_own/vllm_ascend_cpu.py
 The pristine tree's outcomes come from tests/upstream_own/recorded/<suite>.json while its key (digests of the
 pristine tree, the repo files the run reads, the interpreter, the installed packages) matches; otherwise the
 pristine tree runs too. Each script takes --full (run it anyway) and --record (write the record after equal runs).
+verl 0.9.1's own tests (current set): likewise tests/upstream_own/verl091_cpu.py in $QWEN3_RL_VERL091_VENV
+(tests/setup_verl091_env.sh), beside the main run.
 USAGE
 }
 
@@ -111,10 +114,10 @@ run_engine_split() {
 main() {
   case "${1:-}" in -h|--help) usage; return 0 ;; esac
   local v
-  for v in "${VENV}" "${ENGINE_VENV}" "${CURRENT_ENGINE_VENV}"; do
+  for v in "${VENV}" "${ENGINE_VENV}" "${CURRENT_ENGINE_VENV}" "${VERL091_VENV}"; do
     if [[ ! -x "${v}/bin/python" ]]; then
       echo "error: no test environment at ${v}; run: bash tests/setup_env.sh && bash tests/setup_engine_env.sh" \
-           "&& bash tests/setup_current_engine_env.sh" >&2
+           "&& bash tests/setup_current_engine_env.sh && bash tests/setup_verl091_env.sh" >&2
       return 1
     fi
   done
@@ -137,7 +140,7 @@ main() {
       *) main_paths=1 ;;
     esac
   done
-  local rc_main=5 rc_engine=5 rc_current=5 rc_bounds=5 rc_verl=5 rc_vllm=5 rc_ascend=5 full=0 t0
+  local rc_main=5 rc_engine=5 rc_current=5 rc_bounds=5 rc_verl=5 rc_vllm=5 rc_ascend=5 rc_verl091=5 full=0 t0
   local current_log="" current_pid=""
   (( main_paths || engine_paths || current_paths || selective )) || full=1
   if (( current_paths )); then
@@ -151,7 +154,7 @@ main() {
     current_pid=$!
   fi
   if (( main_paths || (! engine_paths && ! current_paths) )); then
-    local verl_log="" verl_pid="" vllm_log="" vllm_pid="" ascend_log="" ascend_pid=""
+    local verl_log="" verl_pid="" vllm_log="" vllm_pid="" ascend_log="" ascend_pid="" verl091_log="" verl091_pid=""
     if (( full )); then
       verl_log="$(mktemp)"
       echo "== verl's own CPU tests, pristine vs patched tree (in the background; log at the end of the main run)"
@@ -165,6 +168,10 @@ main() {
       echo "== vLLM-Ascend's own unit tests on the NPU stand-in, pristine vs patched trees (in the background; log at the end of the main run)"
       "${ENGINE_VENV}/bin/python" tests/upstream_own/vllm_ascend_cpu.py >"${ascend_log}" 2>&1 &
       ascend_pid=$!
+      verl091_log="$(mktemp)"
+      echo "== verl 0.9.1's own CPU tests (current set), pristine vs patched tree (in the background; log at the end of the main run)"
+      "${VERL091_VENV}/bin/python" tests/upstream_own/verl091_cpu.py >"${verl091_log}" 2>&1 &
+      verl091_pid=$!
     fi
     echo "== pytest (main venv)"
     t0=${SECONDS}
@@ -195,6 +202,10 @@ main() {
       rc_ascend=0
       collect_background "vLLM-Ascend's own unit tests" "${ascend_pid}" "${ascend_log}" || rc_ascend=$?
     fi
+    if [[ -n "${verl091_pid}" ]]; then
+      rc_verl091=0
+      collect_background "verl 0.9.1's own CPU tests" "${verl091_pid}" "${verl091_log}" || rc_verl091=$?
+    fi
   fi
   if [[ -n "${current_pid}" ]]; then
     rc_current=0
@@ -210,20 +221,22 @@ main() {
     fi
   fi
   echo "== exit codes: main ${rc_main}, boundscheck ${rc_bounds}, verl-own ${rc_verl}, vllm-own ${rc_vllm}," \
-       "vllm-ascend-own ${rc_ascend}, engine ${rc_engine}, current engine ${rc_current} (5 = nothing collected or not run)"
+       "vllm-ascend-own ${rc_ascend}, verl091-own ${rc_verl091}, engine ${rc_engine}, current engine ${rc_current}" \
+       "(5 = nothing collected or not run)"
   if [[ ${rc_main} -eq 5 && ${rc_engine} -eq 5 && ${rc_current} -eq 5 ]]; then
     echo "error: pytest collected no tests" >&2
     return 1
   fi
   if (( full )); then
     if [[ ${rc_main} -eq 5 || ${rc_bounds} -eq 5 || ${rc_verl} -eq 5 || ${rc_vllm} -eq 5 || ${rc_ascend} -eq 5 \
-          || ${rc_engine} -eq 5 || ${rc_current} -eq 5 ]]; then
+          || ${rc_verl091} -eq 5 || ${rc_engine} -eq 5 || ${rc_current} -eq 5 ]]; then
       echo "error: a full run needs every part to run tests (exit 5 = none collected)" >&2
       return 1
     fi
   fi
   local rc
-  for rc in "${rc_main}" "${rc_bounds}" "${rc_verl}" "${rc_vllm}" "${rc_ascend}" "${rc_engine}" "${rc_current}"; do
+  for rc in "${rc_main}" "${rc_bounds}" "${rc_verl}" "${rc_vllm}" "${rc_ascend}" "${rc_verl091}" "${rc_engine}" \
+            "${rc_current}"; do
     if [[ ${rc} -ne 0 && ${rc} -ne 5 ]]; then
       return "${rc}"
     fi
