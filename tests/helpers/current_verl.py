@@ -1,9 +1,9 @@
 """Pristine and patched trees of the current pin set's verl 0.9.1, and the venv its checks run in, for
 ``tests/patches/test_patches_verl091.py`` and ``tests/upstream_own/verl091_cpu.py``.
 
-:data:`VERL` is what these checks assume of ``pins.toml``'s current set. The pristine tree is made by the seed set's
+:data:`VERL` is ``pins.toml``'s current-set entry. The pristine tree is made by the
 download code (``qwen3_rl.tools.upstream.download.fill_pristine``: the PyPI wheel's text files, ``verl/``,
-``scripts/`` and ``tests/``, as a one-commit git repo, cached under a folder keyed on this file's bytes). A patched
+``scripts/`` and ``tests/``, as a one-commit git repo, in the current set's pristine cache). A patched
 tree is a ``git clone --shared`` of it with ``patches/current/verl/NNNN-*.patch`` applied in order by ``git apply``.
 The code runs in :data:`VENV` (``tests/setup_verl091_env.sh``): verl 0.9.1 imports transformers 5 and tensordict
 0.10, which the seed set's venvs do not hold.
@@ -16,12 +16,11 @@ import re
 import subprocess
 from pathlib import Path
 
-from qwen3_rl.tools.pins import Framework
+from qwen3_rl.tools.pins import load_pins
 from qwen3_rl.tools.upstream.download import fill_pristine
 
 REPO = Path(__file__).resolve().parents[2]
-VERL = Framework(key="verl", dir="verl", git_url="https://github.com/volcengine/verl.git", git_ref="v0.9.1",
-                 commit="", pypi="verl", version="0.9.1", packages=("verl", "scripts", "tests"))
+VERL = load_pins(REPO / "pins.toml", "current").frameworks["verl"]
 SERIES = REPO / "patches" / "current" / "verl"
 VENV = Path(os.environ.get("QWEN3_RL_VERL091_VENV", Path.home() / ".cache" / "qwen3_rl" / "verl091-venv"))
 PYTHON = VENV / "bin" / "python"
@@ -42,7 +41,7 @@ def patched_files(patch: Path) -> list[str]:
 
 def pristine_verl() -> Path:
     """The pristine verl 0.9.1 tree (downloaded and unpacked once, cached; processes take turns on a lock)."""
-    tree = fill_pristine(Path(__file__), [VERL]) / VERL.dir
+    tree = fill_pristine(REPO / "pins.toml", [VERL], "current") / VERL.dir
     if not (tree / "verl" / "single_controller" / "ray" / "base.py").is_file():
         raise FileNotFoundError(f"{tree} is not verl's tree")
     return tree
