@@ -26,7 +26,7 @@ from verl.workers.rollout.vllm_rollout import vLLMAsyncRollout
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServerBase, vLLMReplica
 
 from qwen3_rl.spec_decode.runner_drafter import GROUP_PROMPT_LEN_KEY
-from qwen3_rl.trainer.fully_async.weight_sync import TensorSpec, make_group, receive
+from qwen3_rl.trainer.fully_async.weight_sync import TensorSpec, byte_checksum, make_group, receive
 
 
 class PartialTokenOutput(TokenOutput):
@@ -122,15 +122,15 @@ class WeightReceiverMixin:
     def qwen3_rl_join_group(self, host: str, port: int, rank: int, world: int, backend: str) -> None:
         self._q3_group = make_group(host, port, rank, world, backend)
 
-    async def qwen3_rl_receive(self, specs: Sequence[TensorSpec], buckets: Sequence[Sequence[int]]) -> list[float]:
-        """Receive one sync and load it (verl's ``update_weights``); returns each tensor's float64 sum."""
-        from verl.utils.device import get_device_name
-
-        sums: list[float] = []
+    async def qwen3_rl_receive(self, specs: Sequence[TensorSpec], buckets: Sequence[Sequence[int]]
+                               ) -> list[tuple[int, int]]:
+        """Receive one sync (on the sync group's device) and load it (verl's ``update_weights``); returns each
+        tensor's :func:`~.weight_sync.byte_checksum`."""
+        sums: list[tuple[int, int]] = []
 
         def tensors():
-            for name, t in receive(self._q3_group, specs, buckets, device=get_device_name()):
-                sums.append(float(t.double().sum()))
+            for name, t in receive(self._q3_group, specs, buckets):
+                sums.append(byte_checksum(t))
                 yield name, t
 
         await self.update_weights(tensors())
