@@ -16,6 +16,7 @@ bounded chunks (no float64 copy of the weight; equal bytes give equal sums whate
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,8 @@ BACKEND_DEVICE = {"gloo": "cpu", "hccl": "npu", "nccl": "cuda"}
 CHECKSUM_CHUNK = 1 << 22
 #: the position weights of :func:`byte_checksum` cycle with this period (the largest prime below 2**16)
 CHECKSUM_PERIOD = 65521
+#: seconds :func:`gather_sync` waits, after a call failed, for Ray to report a dead process behind the failure
+DEATH_GRACE_S = 5.0
 
 
 def collective_backend(device: str) -> str:
@@ -182,6 +185,11 @@ def gather_sync(send_refs: Sequence[Any], recv_refs: Sequence[Any]) -> tuple[lis
     names = [f"trainer rank {i}" for i in range(len(send_refs))] + [f"rollout worker {i}" for i in range(len(recv_refs))]
     values: list[Any] = [None] * len(refs)
     pending = {ref: i for i, ref in enumerate(refs)}
+
+    def died(i: int, e: BaseException) -> RuntimeError:
+        return RuntimeError(f"weight sync: {names[i]} died during the sync ({type(e).__name__}); "
+                            f"{len(pending)} of {len(refs)} calls unfinished, the run stops")
+
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1)
         for ref in ready:
@@ -189,10 +197,21 @@ def gather_sync(send_refs: Sequence[Any], recv_refs: Sequence[Any]) -> tuple[lis
             try:
                 values[i] = ray.get(ref)
             except ray.exceptions.RayActorError as e:
-                raise RuntimeError(f"weight sync: {names[i]} died during the sync ({type(e).__name__}); "
-                                   f"{len(pending)} of {len(refs)} calls unfinished, the run stops") from None
+                raise died(i, e) from None
             except ray.exceptions.RayTaskError as e:
-                cause = str(e.cause if getattr(e, "cause", None) is not None else e).strip().splitlines()
-                raise RuntimeError(f"weight sync: {names[i]} failed: {cause[-1] if cause else type(e).__name__}"
-                                   ) from e
+                # a peer's death often surfaces first as the collective's error on another rank ("Connection
+                # closed by peer"): name the dead process if Ray reports one within DEATH_GRACE_S
+                deadline = time.monotonic() + DEATH_GRACE_S
+                while pending and (left := deadline - time.monotonic()) > 0:
+                    for ref2 in ray.wait(list(pending), num_returns=1, timeout=left)[0]:
+                        j = pending.pop(ref2)
+                        try:
+                            ray.get(ref2)
+                        except ray.exceptions.RayActorError as e2:
+                            raise died(j, e2) from None
+                        except ray.exceptions.RayError:
+                            pass
+                cause = getattr(e, "cause", None) or e
+                last = (str(cause).strip().splitlines() or [""])[-1]
+                raise RuntimeError(f"weight sync: {names[i]} failed: {type(cause).__name__}: {last}") from e
     return values[:len(send_refs)], values[len(send_refs):]

@@ -250,3 +250,46 @@ def test_a_rollout_worker_killed_mid_sync_stops_the_wait_at_once(tmp_path) -> No
     finally:
         os.kill(pids[0], signal.SIGCONT)
         ray.shutdown()
+
+
+def test_sync_wait_names_the_dead_worker_behind_a_collective_error() -> None:
+    """A rollout worker's death often reaches the trainer first as its broadcast's error ("Connection closed by
+    peer"): ``gather_sync`` then names the worker Ray reports dead within DEATH_GRACE_S; with no death (control)
+    the trainer's own error is the line."""
+    import signal
+    import threading
+
+    import ray
+
+    from qwen3_rl.trainer.fully_async.weight_sync import gather_sync
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+    try:
+        @ray.remote(num_cpus=0)
+        class Side:
+            def pid(self) -> int:
+                return os.getpid()
+
+            def fail(self) -> None:
+                raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:4242")
+
+            def hang(self) -> None:
+                import time
+
+                time.sleep(600)
+
+        trainer, worker = Side.remote(), Side.remote()
+        pid = ray.get(worker.pid.remote())
+        threading.Timer(1.0, os.kill, (pid, signal.SIGKILL)).start()
+        with pytest.raises(RuntimeError) as err:
+            gather_sync([trainer.fail.remote()], [worker.hang.remote()])
+        assert str(err.value).startswith("weight sync: rollout worker 0 died during the sync"), err.value
+        trainer, alive = Side.remote(), Side.remote()
+        with pytest.raises(RuntimeError) as err:
+            gather_sync([trainer.fail.remote()], [alive.hang.remote()])
+        assert str(err.value) == ("weight sync: trainer rank 0 failed: RuntimeError: [gloo] Connection closed by peer "
+                                  "[127.0.0.1]:4242"), err.value
+    finally:
+        ray.shutdown()
