@@ -131,7 +131,9 @@ def make_fully_async_trainer_class():
 
             workers = self.async_rollout_manager.workers
             world = 1 + len(workers)
-            backend = weight_sync_backend(self.config)
+            # the trainer's rank 0 (it holds the weights and sees its device) says where they live
+            device = next(d for d in self.actor_rollout_wg.qwen3_rl_sync_device() if d is not None)
+            backend = weight_sync_backend(device)
             host, port = next(a for a in self.actor_rollout_wg.qwen3_rl_sync_address() if a is not None)
             refs = self.actor_rollout_wg.qwen3_rl_join_group(host, port, world, backend)
             refs = list(refs) + [w.qwen3_rl_join_group.remote(host, port, 1 + i, world, backend)
@@ -349,13 +351,14 @@ def make_fully_async_trainer_class():
     return FullyAsyncTrainer
 
 
-def weight_sync_backend(config: Any) -> str:
-    """The weight-sync group's collective backend, from the configured device ``trainer.device`` (the device the
-    trainer's and the rollout's workers hold their weights on): decided from the config, not by probing devices in
-    the process that calls it (verl's ``TaskRunner``, a Ray actor with no device: Ray hides them from it)."""
+def weight_sync_backend(tensor_device: str) -> str:
+    """The weight-sync group's collective backend for the device the trainer's weights live on (``tensor_device``,
+    reported by the trainer's rank 0 worker, which holds them: ``npu`` on an Ascend node, ``cpu`` on the CPU
+    profile, whose scripts also say ``trainer.device=npu`` for the Ray resource). Not from a device probe where
+    this runs: verl's ``TaskRunner`` is a Ray actor without devices (Ray sets ``ASCEND_RT_VISIBLE_DEVICES=""``)."""
     from qwen3_rl.trainer.fully_async.weight_sync import collective_backend
 
-    return collective_backend(str(config.trainer.device))
+    return collective_backend(tensor_device)
 
 
 class _TaskRunnerMixin:

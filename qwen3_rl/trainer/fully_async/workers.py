@@ -49,6 +49,13 @@ class TrainerWorker(ActorRolloutRefWorker):
             s.bind(("", 0))
             return host, s.getsockname()[1]
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def qwen3_rl_sync_device(self) -> str | None:
+        """Rank 0: the device its weights live on (verl's device name in this process, which holds the device)."""
+        from verl.utils.device import get_device_name
+
+        return get_device_name() if self.rank == 0 else None
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def qwen3_rl_join_group(self, host: str, port: int, world: int, backend: str) -> None:
         """Rank 0 joins the weight-sync group as its root (the other trainer ranks are not in it)."""

@@ -34,11 +34,12 @@ def test_backend_per_device() -> None:
         collective_backend("xpu")
 
 
-def test_backend_from_the_configured_device_in_an_actor_without_devices(patched_imports) -> None:
+def test_backend_from_the_trainer_workers_device_in_an_actor_without_devices(patched_imports) -> None:
     """The trainer's choice (``weight_sync_backend``, called by ``_init_weight_sync`` in verl's ``TaskRunner``, a
     ``ray.remote(num_cpus=1)`` actor) run in such an actor on a node that advertises NPUs: Ray hides the devices
-    from it (``ASCEND_RT_VISIBLE_DEVICES=""``) and verl's device probe there says ``cpu`` (positive control: a
-    choice from a probe would pick gloo); the choice follows ``trainer.device``: HCCL for npu, gloo for cpu."""
+    from it (``ASCEND_RT_VISIBLE_DEVICES=""``) and verl's device probe there says ``cpu`` (positive control: the
+    former choice from that probe picked gloo); the choice follows the device the trainer's rank 0 worker reports
+    for its weights: HCCL for npu, gloo for cpu (the CPU profile: ``trainer.device=npu``, weights on the host)."""
     import ray
 
     path = [p for p in sys.path if p.startswith(str(patched_imports))] + [str(REPO)]
@@ -51,14 +52,12 @@ def test_backend_from_the_configured_device_in_an_actor_without_devices(patched_
         @ray.remote(num_cpus=1)
         class TaskRunnerLike:
             def choose(self, devices: list[str]) -> dict:
-                from omegaconf import OmegaConf
                 from verl.utils.device import get_device_name
 
                 from qwen3_rl.trainer.fully_async.trainer import weight_sync_backend
 
                 return {"visible": os.environ.get("ASCEND_RT_VISIBLE_DEVICES"), "probe": get_device_name(),
-                        "backend": {d: weight_sync_backend(OmegaConf.create({"trainer": {"device": d}}))
-                                    for d in devices}}
+                        "backend": {d: weight_sync_backend(d) for d in devices}}
 
         got = ray.get(TaskRunnerLike.remote().choose.remote(["npu", "cpu"]), timeout=300)
     finally:
