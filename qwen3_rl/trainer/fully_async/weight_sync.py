@@ -3,11 +3,11 @@
 (root) and every rollout worker; the trainer's export (HF names, one tensor at a time) goes out in buckets of
 same-dtype tensors flattened into one buffer.
 
-The backend is chosen in one place, :func:`collective_backend`, from the configured device (``trainer.device``),
-never by probing devices where the choice runs (the driver is a Ray actor without devices): gloo on CPU (run here),
-HCCL on an Ascend NPU through torch_npu's ``ProcessGroupHCCL`` (not run here: no NPU on the CPU machines; Ray
-2.52.1's ``ray.util.collective`` has no HCCL backend, which is why the group is torch's own). Both sides put the
-tensors on the device of the group's backend (:attr:`SyncGroup.device`).
+The backend is chosen in one place, :func:`collective_backend`, from the device the trainer's rank 0 worker reports
+for its weights, never by probing devices where the choice runs (the driver is a Ray actor without devices): gloo
+on CPU (run here), HCCL on an Ascend NPU through torch_npu's ``ProcessGroupHCCL`` (not run here: no NPU on the CPU
+machines; Ray 2.52.1's ``ray.util.collective`` has no HCCL backend, which is why the group is torch's own). Both
+sides put the tensors on the device of the group's backend (:attr:`SyncGroup.device`).
 
 Each tensor's check is :func:`byte_checksum`: exact integer sums over its raw bytes, computed on the device in
 bounded chunks (no float64 copy of the weight; equal bytes give equal sums whatever the reduction order).
