@@ -12,6 +12,9 @@ worker (``vLLMAsyncRollout``, same module) once imported:
   with the checkpoint on disk.
   Rank 0 also saves what the engine holds after the sync (its named parameters, vLLM's fused layout) as
   ``engine-<n>.safetensors``: the test compares it with an independent conversion of the saved checkpoint.
+  Fault injection (the fully-async test's killed rollout worker): with ``QWEN3_RL_E2E_KILL_IN_SYNC=N`` a process
+  whose ``update_weights`` runs its N-th sync records ``killed_in_sync`` once the first tensor has arrived and
+  kills itself (SIGKILL) before loading it.
 * ``generate_sequences``: a start and an end record per call (the fault test kills a worker between them).
 * server mode (``verl/workers/rollout/vllm_rollout/vllm_async_server.py``): every request a vLLM server answers
   (``vLLMHttpServerBase.generate``): the server's replica rank, the prompt's group key and the response length
@@ -128,9 +131,16 @@ def _wrap_update_weights(cls, rec: _Recorder, worker_of) -> None:
     async def update_weights(self, weights, **kwargs):
         received: dict = {}
 
+        kill_in = int(os.environ.get("QWEN3_RL_E2E_KILL_IN_SYNC", "0"))
+
         def tee():
             for name, t in weights:
                 received[name] = t.detach().to("cpu", copy=True)
+                if kill_in and rec.syncs + 1 == kill_in:
+                    import signal
+
+                    rec.write("killed_in_sync", n=rec.syncs + 1, first_tensor=name)
+                    os.kill(os.getpid(), signal.SIGKILL)
                 yield name, t
 
         t0 = time.perf_counter()

@@ -237,3 +237,30 @@ def test_staleness_zero_trains_on_policy(cpu_ws: Path, tmp_path: Path) -> None:
     assert all(v == (0.0, 0.0) for v in staleness.values()), f"off-policy batches at staleness 0: {staleness}"
     assert all(n == float(ON_POLICY_ENV["PPO_MINI_BATCH_SIZE"]) for n in started.values()), started
     assert all(n == 0 for n in aborted.values()), f"requests were running at a sync at staleness 0: {aborted}"
+
+
+#: the killed-worker run: no validation, no save; the rollout worker kills itself in the first weight sync
+KILL_ENV = {**RUN_ENV, "SYNCS": "2", "VAL_BEFORE_TRAIN": "False", "TEST_FREQ": "-1", "SAVE_FREQ": "-1",
+            "SAM_ENABLE": "False", "SAM_GROUP": "False", "QWEN3_RL_E2E_KILL_IN_SYNC": "1"}
+KILL_EXIT_BOUND_S = 120.0
+
+
+@pytest.mark.timeout(1500)
+def test_rollout_worker_killed_in_a_weight_sync_ends_the_run(cpu_ws: Path, tmp_path: Path) -> None:
+    """The product command with the rollout worker killed (SIGKILL, by the probe: ``QWEN3_RL_E2E_KILL_IN_SYNC``)
+    in the first weight sync, after the first tensor arrived: the run exits non-zero within KILL_EXIT_BOUND_S of
+    the kill, with the trainer's one-line error naming the dead worker (the seconds are printed)."""
+    import time
+
+    run = launch(cpu_ws, SCRIPT, tmp_path / "killed", env=KILL_ENV)
+    ended = time.time()
+    kills = run.of("killed_in_sync")
+    tail = "\n".join(run.log.splitlines()[-40:])
+    assert kills, f"no rollout worker was killed in a sync (exit {run.rc}):\n{tail}"
+    seconds = ended - kills[0]["time"]
+    said = [ln for ln in run.log.splitlines() if "weight sync: rollout worker 0 died during the sync" in ln]
+    print(f"rollout worker killed in weight sync {kills[0]['n']} ({kills[0]['first_tensor']} received): the "
+          f"launcher exited {run.rc} {seconds:.0f} s after the kill; {said[:1]}")
+    assert run.rc != 0, tail
+    assert said, f"the run did not say which worker died:\n{tail}"
+    assert seconds <= KILL_EXIT_BOUND_S, f"the run took {seconds:.0f} s to exit after the kill"

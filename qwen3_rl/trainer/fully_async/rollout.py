@@ -14,6 +14,7 @@ classes (no verl patch):
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import Any
 from uuid import uuid4
@@ -26,7 +27,10 @@ from verl.workers.rollout.vllm_rollout import vLLMAsyncRollout
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServerBase, vLLMReplica
 
 from qwen3_rl.spec_decode.runner_drafter import GROUP_PROMPT_LEN_KEY
-from qwen3_rl.trainer.fully_async.weight_sync import TensorSpec, make_group, receive
+from qwen3_rl.trainer.fully_async.weight_sync import TensorSpec, byte_checksum, make_group, receive
+
+#: seconds a pause waits for vLLM's DP engine cores to stop stepping once no request runs
+DP_IDLE_TIMEOUT_S = 120.0
 
 
 class PartialTokenOutput(TokenOutput):
@@ -86,9 +90,10 @@ class PartialServerMixin:
                                   param_version=version)
 
     async def qwen3_rl_pause(self, abort: bool) -> int:
-        """Stop new requests; abort the running ones (``abort``) or let them finish; wait until none runs; clear
-        the prefix cache. Returns the number of requests aborted (0 on a server without an engine: the other
-        nodes of a multi-node replica)."""
+        """Stop new requests; abort the running ones (``abort``) or let them finish; wait until none runs and
+        vLLM's DP engine cores have stopped stepping (:meth:`_q3_wait_engines_idle`); clear the prefix cache.
+        Returns the number of requests aborted (0 on a server without an engine: the other nodes of a
+        multi-node replica)."""
         self._q3_state()
         if getattr(self, "engine", None) is None:
             return 0
@@ -101,8 +106,25 @@ class PartialServerMixin:
                     await self.engine.abort(ids)
                     aborted.update(ids)
             await asyncio.sleep(0.02)
+        await self._q3_wait_engines_idle()
         await self.engine.reset_prefix_cache()
         return len(aborted)
+
+    async def _q3_wait_engines_idle(self) -> None:
+        """Wait until vLLM's DP engine cores have stopped stepping (at most ``DP_IDLE_TIMEOUT_S``). With DP > 1
+        they go on running dummy batches, each with the MoE layers' expert-parallel collectives, after the last
+        request has ended, until an all-reduce every 32 steps finds all ranks idle (vLLM 0.13
+        ``DPEngineCoreProc.run_busy_loop``); a weight receive started meanwhile holds its worker's event loop
+        (verl's ZeroMQ executor calls) while another worker waits for it in such a step. vLLM's front end learns
+        that the wave ended from its DP coordinator (``dp_engines_running``, what vLLM's own
+        ``wait_for_requests_to_drain`` reads); without DP it is always False."""
+        core = self.engine.engine_core
+        t0 = time.monotonic()
+        while core.dp_engines_running():
+            if time.monotonic() - t0 > DP_IDLE_TIMEOUT_S:
+                raise RuntimeError(f"fully async: vLLM's DP engine cores still run {DP_IDLE_TIMEOUT_S:.0f} s after "
+                                   "the last request ended: no weight sync while they step")
+            await asyncio.sleep(0.01)
 
     async def qwen3_rl_resume(self, version: int) -> None:
         """Let requests in again, tagged with weight version ``version``."""
@@ -122,15 +144,15 @@ class WeightReceiverMixin:
     def qwen3_rl_join_group(self, host: str, port: int, rank: int, world: int, backend: str) -> None:
         self._q3_group = make_group(host, port, rank, world, backend)
 
-    async def qwen3_rl_receive(self, specs: Sequence[TensorSpec], buckets: Sequence[Sequence[int]]) -> list[float]:
-        """Receive one sync and load it (verl's ``update_weights``); returns each tensor's float64 sum."""
-        from verl.utils.device import get_device_name
-
-        sums: list[float] = []
+    async def qwen3_rl_receive(self, specs: Sequence[TensorSpec], buckets: Sequence[Sequence[int]]
+                               ) -> list[tuple[int, int]]:
+        """Receive one sync (on the sync group's device) and load it (verl's ``update_weights``); returns each
+        tensor's :func:`~.weight_sync.byte_checksum`."""
+        sums: list[tuple[int, int]] = []
 
         def tensors():
-            for name, t in receive(self._q3_group, specs, buckets, device=get_device_name()):
-                sums.append(float(t.double().sum()))
+            for name, t in receive(self._q3_group, specs, buckets):
+                sums.append(byte_checksum(t))
                 yield name, t
 
         await self.update_weights(tensors())

@@ -89,7 +89,7 @@ def make_fully_async_trainer_class():
     from qwen3_rl.trainer.dapo import attach_rewards, make_dapo_trainer_class
     from qwen3_rl.trainer.fully_async.agent_loop import AGENT_NAME
     from qwen3_rl.trainer.fully_async.rollout import PartialAgentLoopManager
-    from qwen3_rl.trainer.fully_async.weight_sync import collective_backend, plan_buckets
+    from qwen3_rl.trainer.fully_async.weight_sync import gather_sync, plan_buckets
     from qwen3_rl.trainer.fully_async.workers import TrainerWorker
 
     base = make_dapo_trainer_class()
@@ -133,8 +133,9 @@ def make_fully_async_trainer_class():
 
             workers = self.async_rollout_manager.workers
             world = 1 + len(workers)
-            backend = collective_backend("cpu" if self.config.trainer.device == "cpu" or not _has_accelerator()
-                                         else self.config.trainer.device)
+            # the trainer's rank 0 (it holds the weights and sees its device) says where they live
+            device = next(d for d in self.actor_rollout_wg.qwen3_rl_sync_device() if d is not None)
+            backend = weight_sync_backend(device)
             host, port = next(a for a in self.actor_rollout_wg.qwen3_rl_sync_address() if a is not None)
             refs = self.actor_rollout_wg.qwen3_rl_join_group(host, port, world, backend)
             refs = list(refs) + [w.qwen3_rl_join_group.remote(host, port, 1 + i, world, backend)
@@ -154,8 +155,8 @@ def make_fully_async_trainer_class():
             send = self.actor_rollout_wg.qwen3_rl_send_weights(self.sync_specs, self.sync_buckets)
             recv = [w.qwen3_rl_receive.remote(self.sync_specs, self.sync_buckets)
                     for w in self.async_rollout_manager.workers]
-            sent = ray.get(send)[0]
-            got = ray.get(recv)
+            sends, got = gather_sync(list(send), recv)  # a dead rollout worker stops the wait at once
+            sent = sends[0]
             bad = [(self.sync_specs[i].name, sent[i], g[i]) for g in got for i in range(len(sent)) if g[i] != sent[i]]
             if bad:
                 raise RuntimeError(f"weight sync: {len(bad)} tensor(s) arrived different, e.g. {bad[:3]}")
@@ -359,10 +360,14 @@ def make_fully_async_trainer_class():
     return FullyAsyncTrainer
 
 
-def _has_accelerator() -> bool:
-    from verl.utils.device import get_device_name
+def weight_sync_backend(tensor_device: str) -> str:
+    """The weight-sync group's collective backend for the device the trainer's weights live on (``tensor_device``,
+    reported by the trainer's rank 0 worker, which holds them: ``npu`` on an Ascend node, ``cpu`` on the CPU
+    profile, whose scripts also say ``trainer.device=npu`` for the Ray resource). Not from a device probe where
+    this runs: verl's ``TaskRunner`` is a Ray actor without devices (Ray sets ``ASCEND_RT_VISIBLE_DEVICES=""``)."""
+    from qwen3_rl.trainer.fully_async.weight_sync import collective_backend
 
-    return get_device_name() != "cpu"
+    return collective_backend(tensor_device)
 
 
 class _TaskRunnerMixin:

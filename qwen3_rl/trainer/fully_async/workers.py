@@ -50,6 +50,13 @@ class TrainerWorker(ActorRolloutRefWorker):
         self._q3_listen_fd, port = bound_socket()
         return host, port
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def qwen3_rl_sync_device(self) -> str | None:
+        """Rank 0: the device its weights live on (verl's device name in this process, which holds the device)."""
+        from verl.utils.device import get_device_name
+
+        return get_device_name() if self.rank == 0 else None
+
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     def qwen3_rl_join_group(self, host: str, port: int, world: int, backend: str) -> None:
         """Rank 0 joins the weight-sync group as its root (the other trainer ranks are not in it); its store
@@ -63,13 +70,13 @@ class TrainerWorker(ActorRolloutRefWorker):
         return specs_of(self._export())
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def qwen3_rl_send_weights(self, specs: Sequence[TensorSpec], buckets: Sequence[Sequence[int]]) -> list[float]:
-        """Export and broadcast (rank 0) the weights; returns rank 0's per-tensor float64 sums ([] elsewhere)."""
-        from verl.utils.device import get_device_name
-
+    def qwen3_rl_send_weights(self, specs: Sequence[TensorSpec], buckets: Sequence[Sequence[int]]
+                              ) -> list[tuple[int, int]]:
+        """Export and broadcast (rank 0, on the sync group's device) the weights; returns rank 0's per-tensor
+        :func:`~.weight_sync.byte_checksum` ([] elsewhere)."""
         named = self._export()
         if self.rank != 0:
             for _ in named:  # the other ranks take part in the export's own collectives
                 pass
             return []
-        return send(self._q3_group, named, specs, buckets, device=get_device_name())
+        return send(self._q3_group, named, specs, buckets)
