@@ -31,19 +31,10 @@ from conftest import run_python
 HERE = Path(__file__).resolve().parent
 
 
-def build_fake_dist_optimizer(seed: int, amsgrad_none: bool = True) -> tuple[Any, dict, list]:
-    """A ``DistributedOptimizer`` with one fp32 bucket holding two params (shapes (2, 3) and (4,)).
-
-    Main params are flat fp32 shards of 6 and 4 elements; each has ``exp_avg``/``exp_avg_sq``
-    tensors (random, from ``seed``) and ``max_exp_avg_sq = None`` (as MindSpeed's swap optimizer
-    stores it without amsgrad) when ``amsgrad_none``. The bucket's grad buffer has 12 elements,
-    so the fully-sharded-bucket-space format also adds a 2-element padding entry.
-
-    Returns (optimizer, model sharded state dict, main params). Imports megatron lazily.
-    """
+def adamw_with_states(seed: int, amsgrad_none: bool) -> tuple[list, Any, list]:
+    """Model params (2x3, 4), an AdamW over flat fp32 main params of 6 and 4 elements with random ``exp_avg`` /
+    ``exp_avg_sq`` (from ``seed``) and ``max_exp_avg_sq = None`` when ``amsgrad_none``: (model, optimizer, mains)."""
     import torch
-    from megatron.core.dist_checkpointing import ShardedTensor
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
 
     gen = torch.Generator().manual_seed(seed)
     model = [torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))]
@@ -58,6 +49,24 @@ def build_fake_dist_optimizer(seed: int, amsgrad_none: bool = True) -> tuple[Any
         }
         if amsgrad_none:
             inner.state[main]["max_exp_avg_sq"] = None
+    return model, inner, mains
+
+
+def build_fake_dist_optimizer(seed: int, amsgrad_none: bool = True) -> tuple[Any, dict, list]:
+    """A ``DistributedOptimizer`` with one fp32 bucket holding two params (shapes (2, 3) and (4,)).
+
+    Main params are flat fp32 shards of 6 and 4 elements; each has ``exp_avg``/``exp_avg_sq``
+    tensors (random, from ``seed``) and ``max_exp_avg_sq = None`` (as MindSpeed's swap optimizer
+    stores it without amsgrad) when ``amsgrad_none``. The bucket's grad buffer has 12 elements,
+    so the fully-sharded-bucket-space format also adds a 2-element padding entry.
+
+    Returns (optimizer, model sharded state dict, main params). Imports megatron lazily.
+    """
+    import torch
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+
+    model, inner, mains = adamw_with_states(seed, amsgrad_none)
 
     opt = DistributedOptimizer.__new__(DistributedOptimizer)
     opt.ddp_config = SimpleNamespace(use_custom_fsdp=False)

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from test_patches_megatron import _assert_same_states, _load, _save, _write_bucket
+from test_patches_megatron import _assert_same_states, _load, _save, _write_bucket, adamw_with_states
 
 from conftest import run_python
 from helpers.current_set import DEVICE_SHIMS, patched_megatron, pristine_megatron
@@ -46,19 +46,7 @@ def build_dist_optimizer_016(seed: int, amsgrad_none: bool = True) -> tuple[Any,
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
 
-    gen = torch.Generator().manual_seed(seed)
-    model = [torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(4))]
-    inner = torch.optim.AdamW(
-        [torch.nn.Parameter(torch.randn(6, generator=gen)), torch.nn.Parameter(torch.randn(4, generator=gen))]
-    )
-    mains = inner.param_groups[0]["params"]
-    for main in mains:
-        inner.state[main] = {
-            "exp_avg": torch.randn(main.numel(), generator=gen),
-            "exp_avg_sq": torch.rand(main.numel(), generator=gen),
-        }
-        if amsgrad_none:
-            inner.state[main]["max_exp_avg_sq"] = None
+    model, inner, mains = adamw_with_states(seed, amsgrad_none)
 
     opt = DistributedOptimizer.__new__(DistributedOptimizer)
     opt.ddp_config = SimpleNamespace(use_megatron_fsdp=False)
