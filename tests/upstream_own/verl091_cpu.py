@@ -37,7 +37,8 @@ REPO_INPUTS = ("tests/upstream_own/verl091_cpu.py", "tests/upstream_own/verl_cpu
 
 def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
-    with scratch_from_argv(argv, __doc__, "verl091-own-") as (scratch, args):
+    # a short prefix: Ray's socket paths under <scratch>/pristine-run/ray must stay within AF_UNIX's 107 bytes
+    with scratch_from_argv(argv, __doc__, "v091-") as (scratch, args):
         pristine_tree = clone(pristine_verl(), scratch / "pristine" / "verl")
         patched_tree = patched_verl(scratch / "patched")
         print(f"{NAME}-own: {len(series())} patches of patches/current/verl applied")
