@@ -11,7 +11,8 @@ engine step (``LLMEngine.step``: schedule, forward over ``B * (k + 1)`` query to
 ``--steps`` rounds over the ks (every k once per round, so that load elsewhere on the machine hits every k alike);
 the row's ``step_ms`` is the median over the rounds.
 vLLM's own spec-decode counters check that each timed step verified ``B * k`` draft tokens
-(``draft_tokens_per_step``).
+(``draft_tokens_per_step``). Rows that cost much less than a row with fewer query tokens (``inversions``: a
+measurement another load disturbed) are listed in the table and printed as warnings.
 
 The table (``verify_cost_h100.json``'s schema: rows of ``model``, ``B``, ``k``, ``ctx``, ``step_ms``,
 ``ratio_to_k0``) goes to ``--out`` (default ``<workspace>/calibration/verify_cost_<setup>.json``, the workspace
@@ -45,6 +46,9 @@ DEFAULT_BATCH = (1, 8, 32, 128, 256)
 DEFAULT_K = (0, 1, 3, 7, 15)
 DEFAULT_CTX = (1024, 8192)
 DEFAULT_K_MAX = 15  # SAM_K_MAX's default
+#: a row more than this much (relative) cheaper than a row of the same cell with fewer query tokens is reported as
+#: an inversion: on a quiet device more verified tokens never cost less, so it flags a disturbed measurement
+INVERSION_TOL = 0.25
 #: engine options of the setup not passed to the calibration engine (one engine, no drafting of its own)
 _SKIPPED_KW = ("speculative_config.", "data_parallel_size", "data_parallel_")
 
@@ -287,7 +291,33 @@ def measure(plan: CalibratePlan, log: Any = print) -> dict[str, Any]:
             "notes": ["step_ms: median of the timed LLMEngine.step calls (schedule + forward + sampling + "
                       "drafting); k = 0 drops the drafts of the same engine",
                       "dummy weights: drafts are rarely accepted, so each step decodes about one token"],
-            "rows": rows}
+            "rows": rows, "inversions": inversions(rows)}
+
+
+def inversions(rows: list[dict[str, Any]], key: str = "step_ms", tol: float = INVERSION_TOL) -> list[dict[str, Any]]:
+    """The rows that cost less than ``1 - tol`` of a row with fewer query tokens: a longer draft in the same
+    (B, ctx) cell, or more requests at the same (k, ctx). On a device of its own more verified tokens never cost
+    less, so each one is a measurement some other load disturbed (re-run ``calibrate``, or raise ``--steps``).
+
+    Args:
+        rows: the table's rows (``B``, ``k``, ``ctx``, ``key`` in ms).
+        key: the time to compare (``step_ms``: median; ``step_ms_min``: the fastest round).
+        tol: relative tolerance.
+    Returns:
+        One dict per inversion: ``row`` and ``than`` (``(B, k, ctx)`` each), ``ratio`` (row / that row's time),
+        worst first.
+    """
+    ms = {(int(r["B"]), int(r["k"]), int(r["ctx"])): float(r[key]) for r in rows}
+    found = []
+    for (b, k, c), t in ms.items():
+        fewer = [(bb, kk, cc) for (bb, kk, cc) in ms if cc == c and ((bb == b and kk < k) or (kk == k and bb < b))]
+        if not fewer:
+            continue
+        worst = max(fewer, key=lambda f: ms[f])
+        ratio = t / ms[worst]
+        if ratio < 1 - tol:
+            found.append({"row": (b, k, c), "than": worst, "ratio": round(ratio, 4)})
+    return sorted(found, key=lambda f: f["ratio"])
 
 
 def _device_name(torch: Any) -> str:
@@ -345,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1) + "\n")
     load_cost_table(str(out))  # the table must load as the drafter will load it
+    for inv in table["inversions"]:
+        b, k, c = inv["row"]
+        print(f"warning: calibrate: B={b} k={k} ctx={c} took {inv['ratio']:.2f}x the time of B={inv['than'][0]} "
+              f"k={inv['than'][1]} (fewer query tokens): another load disturbed it; re-run or raise --steps")
     print(f"calibrate: wrote {len(table['rows'])} rows to {out} in {table['elapsed_s']:.1f} s "
           f"(engine start {table['engine_start_s']:.1f} s)")
     return 0

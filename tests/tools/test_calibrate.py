@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen3_rl.tools.calibrate import CalibrateError, default_out, main, plan_from_command
+from qwen3_rl.tools.calibrate import CalibrateError, default_out, inversions, main, plan_from_command
 from qwen3_rl.tools.launch.cli import calibrate_wanted, cmd_calibrate
 from qwen3_rl.tools.launch.train_script import parse_train_script
 
@@ -94,3 +94,24 @@ def test_preflight_names_an_unreplaced_calibrate() -> None:
     sc = "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config."
     (f,) = check_sam_cost_table({sc + "method": "sam", sc + "sam_config.cost_table": "calibrate"})
     assert "replaced by the launcher" in str(f) and "python -m qwen3_rl calibrate" in str(f)
+
+
+def _grid_rows(ms: dict[tuple[int, int, int], float]) -> list[dict]:
+    return [{"model": "m", "B": b, "k": k, "ctx": c, "step_ms": t} for (b, k, c), t in ms.items()]
+
+
+def test_inversions_flag_a_row_cheaper_than_fewer_query_tokens() -> None:
+    """A monotone grid has none; a longer draft at half the time of k = 0, or B = 4 at half of B = 1, is flagged
+    against the dearest row with fewer query tokens; small noise within the tolerance is not."""
+    clean = {(b, k, c): 1.0 + 0.1 * b + 0.05 * k + 0.01 * c for b in (1, 4) for k in (0, 1, 3) for c in (32, 128)}
+    assert inversions(_grid_rows(clean)) == []
+    noisy = dict(clean)
+    noisy[(4, 1, 32)] = clean[(4, 0, 32)] * 0.9  # 10 % cheaper: within the 25 % tolerance
+    assert inversions(_grid_rows(noisy)) == []
+    bad = dict(clean)
+    bad[(1, 3, 128)] = clean[(1, 1, 128)] / 2
+    bad[(4, 0, 32)] = clean[(1, 0, 32)] * 0.6
+    found = inversions(_grid_rows(bad))
+    assert [(f["row"], f["than"]) for f in found] == [((1, 3, 128), (1, 1, 128)), ((4, 0, 32), (1, 0, 32))]
+    assert found[0]["ratio"] == 0.5 and found[1]["ratio"] == 0.6
+    assert inversions(_grid_rows(bad), tol=0.45) == [found[0]]  # 0.5 < 0.55, 0.6 is not
