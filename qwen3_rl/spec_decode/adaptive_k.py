@@ -11,10 +11,15 @@ position ``j`` (1-based) of request ``i`` is worth its probability of being acce
 
     g[i, j] = a_i * c_2 * ... * c_j
 
-``a_i`` = the request's recent first-token acceptance (exponential average over its own steps, prior =
-the batch's), ``c_m`` = the batch-wide conditional acceptance of position ``m`` given ``m - 1`` accepted
-(decayed counts; accepted drafts come in runs, so ``c_m`` rises with ``m``). Every request advances its
-bonus token. The step keeps the draft tokens that maximise the modelled throughput::
+``c_m`` = the conditional acceptance of position ``m`` given ``m - 1`` accepted in the request's
+match-length bucket (``match_bucket``: the drafter's matched suffix, 0, 1, 2-3, 4-7, ... 64+ tokens; on the dev
+rollouts a 1-token match has its first draft token accepted 31 % of the time and 0.8 tokens accepted on average,
+a 16-31-token one 84 % and 5.5): decayed counts per bucket, shrunk to the batch-wide estimate, which is itself
+shrunk to position ``m - 1``'s (a position no draft has reached yet takes the one before it, so the policy tries
+longer drafts when the deepest reached position accepts well; accepted drafts come in runs, so ``c_m`` rises with
+``m``). ``a_i`` = the request's recent first-token acceptance (exponential average over its own steps) shrunk to
+its bucket's ``c_1``. The constants were chosen on half of the dev corpus (``drafters --half a``) and reported on
+the other half (docs/sam_decoding.md). Every request advances its bonus token. The step keeps the draft tokens that maximise the modelled throughput::
 
     (n + sum of kept g) / t(n, kept, C)
 
@@ -48,26 +53,44 @@ from qwen3_rl.spec_decode.cost_table import CostTable, curve_into, price
 
 _FIRST_DECAY = 0.7  # weight of a request's past in its first-token acceptance estimate (per step)
 _POS_DECAY = 0.995  # decay of the batch-wide per-position counts (per step)
-_PRIOR = 2.0  # pseudo-observations of the batch prior in a request's estimate
+_PRIOR = 0.5  # pseudo-observations of the bucket's prior in a request's first-token estimate
 _BINS = 512  # gain bins of the table-priced threshold sweep (gains are probabilities in [0, 1])
+_POS_PRIOR = 2.0  # pseudo-observations of position j - 1's conditional acceptance in position j's estimate
+_MATCH_BUCKETS = 8  # match-length buckets: 0, 1, 2-3, 4-7, ..., >= 64 tokens (bit length, capped)
+_BUCKET_PRIOR = 4.0  # pseudo-observations of the batch-wide estimate in a bucket's per-position estimate
+
+
+def match_bucket(match_len: np.ndarray) -> np.ndarray:
+    """Bucket of each match length, int64[n]: its bit length (0, 1, 2-3, 4-7, ...) capped at _MATCH_BUCKETS - 1."""
+    m = np.maximum(np.asarray(match_len, np.int64), 0)
+    return np.minimum(np.where(m > 0, np.floor(np.log2(np.maximum(m, 1))).astype(np.int64) + 1, 0),
+                      _MATCH_BUCKETS - 1)
 
 
 @njit(cache=CACHE)
-def _observe(slots, drafted, accepted, reach, acc, first, pos_decay, first_decay):  # pragma: no cover - numba
-    """Decay the per-position counts once, add each row's reached / accepted positions, update the rows'
-    first-token estimates (a negative estimate starts from the batch's)."""
-    km = reach.shape[0]
-    for j in range(km):
-        reach[j] *= pos_decay
-        acc[j] *= pos_decay
+def _observe(slots, drafted, accepted, bucket, reach, acc, first, pos_decay, first_decay):  # pragma: no cover
+    """Decay the per-bucket, per-position counts (``reach``/``acc``: float[buckets, k_max]) once, add each row's
+    reached / accepted positions to its draft's bucket (``bucket[slot]``), update the rows' first-token estimates
+    (a negative estimate starts from the batch's)."""
+    nb, km = reach.shape
+    for b in range(nb):
+        for j in range(km):
+            reach[b, j] *= pos_decay
+            acc[b, j] *= pos_decay
+    r0 = 0.0
+    a0 = 0.0
     for i in range(slots.shape[0]):
         d = min(drafted[i], km)
         a = min(accepted[i], d)
+        b = bucket[slots[i]]
         for j in range(min(a + 1, d)):
-            reach[j] += 1.0
+            reach[b, j] += 1.0
         for j in range(a):
-            acc[j] += 1.0
-    prior0 = acc[0] / reach[0]
+            acc[b, j] += 1.0
+    for b in range(nb):
+        r0 += reach[b, 0]
+        a0 += acc[b, 0]
+    prior0 = a0 / r0 if r0 > 0 else 0.5
     for i in range(slots.shape[0]):
         d = min(drafted[i], km)
         if d <= 0:
@@ -79,11 +102,11 @@ def _observe(slots, drafted, accepted, reach, acc, first, pos_decay, first_decay
 
 
 @njit(cache=CACHE)
-def _choose(a, tail, avail, runs, base, tok, kmin, uniform, out):  # pragma: no cover - numba
-    """Draft lengths into ``out`` (int64[n]) for gains ``g[i, j] = a[i] * tail[j]`` (j < avail[i]); returns the
+def _choose(G, avail, runs, base, tok, kmin, uniform, out):  # pragma: no cover - numba
+    """Draft lengths into ``out`` (int64[n]) for gains ``g[i, j] = G[i, j]`` (j < avail[i]; falling in j); returns the
     uniform k (uniform mode) or the longest length."""
-    n = a.shape[0]
-    km = tail.shape[0]
+    n = G.shape[0]
+    km = G.shape[1]
     if uniform:
         best_k = kmin
         best = -1.0
@@ -91,7 +114,7 @@ def _choose(a, tail, avail, runs, base, tok, kmin, uniform, out):  # pragma: no 
         for k in range(1, km + 1):
             for i in range(n):
                 if k <= avail[i]:
-                    gain += a[i] * tail[k - 1]
+                    gain += G[i, k - 1]
             if k >= kmin:
                 val = (runs + gain) / (base + tok * n * k)
                 if val > best:
@@ -107,7 +130,7 @@ def _choose(a, tail, avail, runs, base, tok, kmin, uniform, out):  # pragma: no 
         cnt = 0
         for i in range(n):
             for j in range(min(avail[i], km)):
-                g = a[i] * tail[j]
+                g = G[i, j]
                 if g <= thr:
                     break
                 gsum += g
@@ -121,7 +144,7 @@ def _choose(a, tail, avail, runs, base, tok, kmin, uniform, out):  # pragma: no 
     for i in range(n):
         k = 0
         for j in range(min(avail[i], km)):
-            if a[i] * tail[j] <= thr:
+            if G[i, j] <= thr:
                 break
             k += 1
         k = max(k, min(avail[i], kmin))
@@ -131,13 +154,13 @@ def _choose(a, tail, avail, runs, base, tok, kmin, uniform, out):  # pragma: no 
 
 
 @njit(cache=CACHE)
-def _choose_table(a, tail, avail, runs, q_grid, curve, kmin, uniform, cnt, gsum, out):  # pragma: no cover - numba
-    """Draft lengths into ``out`` (int64[n]) for gains ``g[i, j] = a[i] * tail[j]`` (j < avail[i]) with the step
+def _choose_table(G, avail, runs, q_grid, curve, kmin, uniform, cnt, gsum, out):  # pragma: no cover - numba
+    """Draft lengths into ``out`` (int64[n]) for gains ``g[i, j] = G[i, j]`` (j < avail[i]; falling in j) with the step
     priced on a table curve (``cost_table.curve_into`` over ``q_grid`` = 1 + k, at the step's B and context):
     drafted tokens ``m`` cost ``price(q_grid, curve, 1 + m / runs)``. ``cnt`` / ``gsum``: float64[_BINS] scratch.
     Returns the uniform k (uniform mode) or the longest length."""
-    n = a.shape[0]
-    km = tail.shape[0]
+    n = G.shape[0]
+    km = G.shape[1]
     if uniform:
         best_k = kmin
         best = -1.0
@@ -145,7 +168,7 @@ def _choose_table(a, tail, avail, runs, q_grid, curve, kmin, uniform, cnt, gsum,
         for k in range(1, km + 1):
             for i in range(n):
                 if k <= avail[i]:
-                    gain += a[i] * tail[k - 1]
+                    gain += G[i, k - 1]
             if k >= kmin:
                 val = (runs + gain) / price(q_grid, curve, 1.0 + n * k / runs)
                 if val > best:
@@ -164,7 +187,7 @@ def _choose_table(a, tail, avail, runs, q_grid, curve, kmin, uniform, cnt, gsum,
         top = min(avail[i], km)
         floor = min(top, kmin)
         for j in range(top):
-            g = a[i] * tail[j]
+            g = G[i, j]
             if j < floor:
                 gain += g
                 m += 1.0
@@ -204,7 +227,7 @@ def _choose_table(a, tail, avail, runs, q_grid, curve, kmin, uniform, cnt, gsum,
         for i in range(n):
             top = min(avail[i], km)
             for j in range(min(top, kmin), top):
-                g = a[i] * tail[j]
+                g = G[i, j]
                 b = min(int(g * nb), nb - 1)
                 if b == top_b or b == lo:
                     region[r] = g
@@ -223,7 +246,7 @@ def _choose_table(a, tail, avail, runs, q_grid, curve, kmin, uniform, cnt, gsum,
     for i in range(n):
         top = min(avail[i], km)
         k = min(top, kmin)
-        while k < top and a[i] * tail[k] >= thr:
+        while k < top and G[i, k] >= thr:
             k += 1
         out[i] = k
         longest = max(longest, k)
@@ -261,9 +284,13 @@ class AdaptiveK:
             self._curve = np.empty(table.k.shape[0])
             self._cnt = np.empty(_BINS)
             self._gsum = np.empty(_BINS)
-        # batch-wide per position: drafts that reached position j (j-1 accepted) and accepted it
-        self.reach = np.full(k_max, 2.0)
-        self.acc = np.full(k_max, 1.0)
+        # per match-length bucket (row _MATCH_BUCKETS: drafts of unknown match length) and position: decayed
+        # counts of the drafts that reached position j (j - 1 accepted) and accepted it
+        self.reach = np.zeros((_MATCH_BUCKETS + 1, k_max))
+        self.acc = np.zeros((_MATCH_BUCKETS + 1, k_max))
+        self.reach[_MATCH_BUCKETS, 0], self.acc[_MATCH_BUCKETS, 0] = 2.0, 1.0  # prior of the first position: 1 of 2
+        # per drafter slot: the match-length bucket of its last draft (what its next observation is filed under)
+        self.bucket = np.full(64, _MATCH_BUCKETS, np.int64)
         # per drafter slot: first-token acceptance estimate (negative = no observation yet)
         self.first = np.full(64, -1.0)
         self.steps = 0
@@ -274,15 +301,19 @@ class AdaptiveK:
     # ------------------------------------------------------------------ observations
     def _room(self, slots: np.ndarray) -> None:
         if slots.shape[0] and int(slots.max()) >= self.first.shape[0]:
-            grown = np.full(max(2 * self.first.shape[0], int(slots.max()) + 1), -1.0)
-            grown[: self.first.shape[0]] = self.first
-            self.first = grown
+            size = max(2 * self.first.shape[0], int(slots.max()) + 1)
+            for name, fill in (("first", -1.0), ("bucket", _MATCH_BUCKETS)):
+                old = getattr(self, name)
+                grown = np.full(size, fill, old.dtype)
+                grown[: old.shape[0]] = old
+                setattr(self, name, grown)
 
     def reset(self, slots: np.ndarray) -> None:
         """New requests in these drafter slots: forget the previous owner's estimate."""
         slots = np.asarray(slots, np.int64)
         self._room(slots)
         self.first[slots] = -1.0
+        self.bucket[slots] = _MATCH_BUCKETS
 
     def observe(self, slots: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> None:
         """Verification results of the previous step: request ``slots[i]`` had ``drafted[i]`` draft tokens,
@@ -291,8 +322,9 @@ class AdaptiveK:
         if not slots.shape[0]:
             return
         self._room(slots)
-        _observe(slots, np.ascontiguousarray(drafted, np.int64), np.ascontiguousarray(accepted, np.int64),
-                 self.reach, self.acc, self.first, _POS_DECAY, _FIRST_DECAY)
+        drafted = np.ascontiguousarray(np.minimum(drafted, self.k_max), np.int64)
+        accepted = np.ascontiguousarray(np.minimum(accepted, drafted), np.int64)
+        _observe(slots, drafted, accepted, self.bucket, self.reach, self.acc, self.first, _POS_DECAY, _FIRST_DECAY)
 
     def pin(self, n: float, ctx: float) -> None:
         """Benches: price every step as a step of ``n`` running requests with ``ctx`` context tokens each (one cell
@@ -303,11 +335,40 @@ class AdaptiveK:
 
     # ------------------------------------------------------------------ choice
     def cond(self) -> np.ndarray:
-        """Batch-wide acceptance of position j given j - 1 accepted, float[k_max]."""
-        return self.acc / self.reach
+        """Batch-wide acceptance of position j given j - 1 accepted, float[k_max]: position j's decayed counts (all
+        buckets) with ``_POS_PRIOR`` pseudo-observations of position j - 1's estimate (a position no draft has
+        reached yet takes the one before it, so longer drafts are tried when the deepest reached position accepts
+        well)."""
+        reach, acc = self.reach.sum(axis=0), self.acc.sum(axis=0)
+        c = np.empty(self.k_max)
+        c[0] = acc[0] / reach[0]
+        for j in range(1, self.k_max):
+            c[j] = (acc[j] + _POS_PRIOR * c[j - 1]) / (reach[j] + _POS_PRIOR)
+        return c
 
-    def choose(self, slots: np.ndarray, avail: np.ndarray, ctx_tokens: float, n_running: int | None = None
-               ) -> np.ndarray:
+    def cond_buckets(self) -> np.ndarray:
+        """Acceptance of position j given j - 1 accepted per match-length bucket, float[buckets + 1, k_max]: the
+        bucket's counts with ``_BUCKET_PRIOR`` pseudo-observations of the batch-wide estimate (``cond``)."""
+        c = self.cond()
+        return (self.acc + _BUCKET_PRIOR * c) / (self.reach + _BUCKET_PRIOR)
+
+    def gains(self, slots: np.ndarray) -> np.ndarray:
+        """What a draft token is worth, float64[n, k_max] (C-contiguous): ``g[i, j] = a_i * c_2 ... c_j``, the
+        probability that position j + 1 of request ``slots[i]``'s draft is accepted, with the conditional
+        acceptances ``c`` of the request's match-length bucket (as of the last ``choose``) and ``a_i`` its
+        first-token estimate shrunk to that bucket's; falls with j."""
+        slots = np.asarray(slots, np.int64)
+        cb = self.cond_buckets()
+        b = self.bucket[slots]
+        prior = cb[b, 0]
+        a = self.first[slots]
+        a = np.where(a < 0, prior, a)
+        a = (a + _PRIOR * prior) / (1.0 + _PRIOR)
+        tails = np.cumprod(np.concatenate((np.ones((cb.shape[0], 1)), cb[:, 1:]), axis=1), axis=1)
+        return np.ascontiguousarray(a[:, None] * tails[b])
+
+    def choose(self, slots: np.ndarray, avail: np.ndarray, ctx_tokens: float, n_running: int | None = None,
+               match_len: np.ndarray | None = None) -> np.ndarray:
         """Draft length per request for this step, int64[n] (0 <= k_i <= min(avail_i, k_max)).
 
         Args:
@@ -315,6 +376,9 @@ class AdaptiveK:
             avail: int[n] draft tokens the drafter has for each (its proposal at k_max).
             ctx_tokens: context tokens of the step's sequences (sum), for the cost model.
             n_running: sequences in the step (default n; requests that cannot draft still run).
+            match_len: int[n] tokens of each request's suffix that the drafter matched (SAM: the match its draft
+                continues); longer matches are accepted further, so each request is priced with its bucket's
+                acceptance (``match_bucket``). None: one batch-wide estimate.
         """
         slots = np.asarray(slots, np.int64)
         avail = np.ascontiguousarray(np.minimum(np.asarray(avail, np.int64), self.k_max))
@@ -324,22 +388,18 @@ class AdaptiveK:
         if n == 0:
             return np.zeros(0, np.int64)
         self._room(slots)
-        c = self.cond()
-        prior = c[0]
-        a = self.first[slots]
-        a = np.where(a < 0, prior, a)
-        a = (a + _PRIOR * prior) / (1.0 + _PRIOR)
-        tail = np.cumprod(np.concatenate(([1.0], c[1:])))  # P_j = c_2 ... c_j
+        self.bucket[slots] = _MATCH_BUCKETS if match_len is None else match_bucket(np.asarray(match_len, np.int64))
+        G = self.gains(slots)
         k_out = np.empty(n, np.int64)
         if self.table is None:
             base = self.base_ms + self.seq_ms * runs + self.kctx_ms * ctx_tokens / 1000.0
-            self.last_k = int(_choose(a, tail, avail, float(runs), base, self.token_ms, self.k_min, self.uniform,
+            self.last_k = int(_choose(G, avail, float(runs), base, self.token_ms, self.k_min, self.uniform,
                                       k_out))
         else:
             t = self.table
             b, c = self.cell if self.cell is not None else (float(runs), ctx_tokens / runs)
             curve_into(t.b, t.ctx, t.ms, b, c, self._curve)
-            self.last_k = int(_choose_table(a, tail, avail, float(runs), self._q, self._curve, self.k_min,
+            self.last_k = int(_choose_table(G, avail, float(runs), self._q, self._curve, self.k_min,
                                             self.uniform, self._cnt, self._gsum, k_out))
         self.k_hist += np.bincount(k_out, minlength=self.k_max + 1)[: self.k_max + 1]
         self.step_hist[self.last_k] += 1

@@ -233,7 +233,8 @@ class SamRunnerDrafter:
         if pol is not None:
             avail = np.minimum(counts.astype(np.int64), np.maximum(room, 0))
             ctx = float(np.asarray(num[:n], np.int64).sum())
-            kk = pol.choose(np.ascontiguousarray(slots[rows_a]), avail, ctx, n_running=n)
+            dslots = np.ascontiguousarray(slots[rows_a])
+            kk = pol.choose(dslots, avail, ctx, n_running=n, match_len=self.drafter.match_lengths(dslots))
             if pad:
                 kk[:] = pol.last_k  # one k for the step (uniform decode batch), padded below
         for j, i in enumerate(rows):

@@ -593,6 +593,11 @@ class SamProposer:
                         self._cache_stamp, self._out, self._out_n)
         return self._drafts(n)
 
+    def match_lengths(self, slots: np.ndarray) -> np.ndarray:
+        """Tokens of each string's suffix matched in its own automaton (its text and, in group mode, its running
+        siblings'), int64[n]: the match a draft continues (a longer match from the cache is not counted)."""
+        return self._SM[np.asarray(slots, np.int64), K.M_CLEN].astype(np.int64)
+
     def step_arrays(self, slots: np.ndarray, toks: np.ndarray, offs: np.ndarray, k: int | None = None
                     ) -> tuple[np.ndarray, np.ndarray]:
         """One decode step in one kernel call: ``extend_arrays`` then ``propose_arrays`` (same shapes)."""

@@ -126,9 +126,10 @@ def test_runner_k_follows_the_batch(pad: bool) -> None:
     bulk = [k for n, k in longest[2:12]]
     tail = [k for n, k in longest[16:]]
     print(f"longest draft per step (running, k): {longest}")
-    # pad_drafts: the policy learns from the real draft tokens only (pad tokens are no drafts), so the positions the
-    # bulk never drafted keep their prior (0.5) when the tail starts: its k grows from 9 as it sees them
-    assert max(bulk) <= 6 and np.median(tail) >= (9 if pad else 10)
+    # 15 % noise: about 0.85 of a reached position is accepted, so with 128 running the linear model keeps drafts
+    # up to ~9 tokens (a token's gain above token_ms x the step's tokens per ms); with 2 running, up to 15.
+    # pad_drafts: the policy learns from the real draft tokens only (pad tokens are no drafts)
+    assert max(bulk) <= 9 and max(bulk) < np.median(tail) and np.median(tail) >= (9 if pad else 10)
     pol = sam.adaptive
     assert pol is not None and (pol.step_hist > 0).sum() >= 2
 

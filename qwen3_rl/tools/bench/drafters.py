@@ -105,8 +105,10 @@ def verify_draft(draft: Sequence[int], resp: np.ndarray, pos: int) -> tuple[int,
     return a, min(a + 1, resp.shape[0] - pos)
 
 
-def load_corpus(path: str | Path, limit_prompts: int | None = None) -> list[list[Sample]]:
-    """Read the JSON-lines corpus; returns groups (one per prompt, in file order) of samples."""
+def load_corpus(path: str | Path, limit_prompts: int | None = None, half: str | None = None) -> list[list[Sample]]:
+    """Read the JSON-lines corpus; returns groups (one per prompt, in file order) of samples. ``half``: "a" keeps the
+    1st, 3rd, ... prompts (after ``limit_prompts``), "b" the 2nd, 4th, ...: a split to tune on one half and report
+    on the other."""
     groups: dict[int, list[Sample]] = {}
     with open(path) as f:
         for line in f:
@@ -120,7 +122,12 @@ def load_corpus(path: str | Path, limit_prompts: int | None = None) -> list[list
                 groups[pid] = []
             groups[pid].append(Sample(pid, int(row["sample_id"]), np.asarray(row["prompt_ids"], np.int32),
                                       np.asarray(row["response_ids"], np.int32)))
-    return [sorted(g, key=lambda s: s.sample_id) for g in groups.values()]
+    out = [sorted(g, key=lambda s: s.sample_id) for g in groups.values()]
+    if half is not None:
+        if half not in ("a", "b"):
+            raise ValueError(f"half must be 'a' or 'b', got {half!r}")
+        out = out[0 if half == "a" else 1::2]
+    return out
 
 
 # --------------------------------------------------------------------------------- adapters
@@ -221,7 +228,7 @@ class SamAdaptiveDrafter(SamDrafter):
         if self.last is not None:
             self.pol.observe(slots, self.last, acc)
         out, cnt = self.p.step_arrays(slots, toks, offs, self.kmax)
-        kk = self.pol.choose(slots, cnt, ctx)
+        kk = self.pol.choose(slots, cnt, ctx, match_len=self.p.match_lengths(slots))
         self.last = kk
         return _Drafts(out, np.minimum(cnt, kk).astype(np.int32))
 
@@ -662,7 +669,8 @@ def replay_visits(groups: list[list[Sample]], cfg: SamConfig, k: int, history: i
         out, cnt = p.propose_arrays(slots, kq)
         out, cnt = out.copy(), cnt.astype(np.int64).copy()
         ctx_tokens = float(sum(ctx[i] + pos[i] for i in live))
-        kk = pol.choose(slots, cnt, ctx_tokens) if pol is not None else np.minimum(cnt, k)
+        kk = (pol.choose(slots, cnt, ctx_tokens, match_len=p.match_lengths(slots)) if pol is not None
+              else np.minimum(cnt, k))
         if pol is not None and pol.uniform and kk.shape[0]:
             kk = np.full_like(kk, int(kk.max()))  # padded to the step's k (pad tokens verified, never accepted)
         if on_step is not None:
@@ -1256,7 +1264,7 @@ def _null(reason: str) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     for spec in args.cost_table or ():  # a bad table stops before the long runs (one line)
         tables_of(spec)
-    groups = load_corpus(args.corpus, args.limit_prompts)
+    groups = load_corpus(args.corpus, args.limit_prompts, args.half)
     if not groups:
         raise SystemExit(f"empty corpus {args.corpus}")
     k = args.k
@@ -1485,6 +1493,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache-responses", type=int, default=SamConfig.cache_max_responses)
     p.add_argument("--cache-tokens", type=int, default=SamConfig.cache_max_tokens)
     p.add_argument("--limit-prompts", type=int, default=None, help="use the first N prompts only")
+    p.add_argument("--half", choices=["a", "b"], default=None,
+                   help="a: the 1st, 3rd, ... prompts only; b: the 2nd, 4th, ... (tune on one half, report on the other)")
     p.add_argument("--methods", nargs="*", default=None, help="subset of methods to run")
     p.add_argument("--vllm-tree", default=None,
                    help="vLLM source tree holding vllm/ (default: the workspace's, fetched if missing), or 'installed': "
