@@ -60,3 +60,17 @@ def test_bad_cost_table_is_one_line(tmp_path: Path, spec: str, msg: str) -> None
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("error: cost table ") and msg in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_halves_split_the_prompts() -> None:
+    """``--half a`` / ``b``: the odd and the even prompts of the file, disjoint, together all of it; another value is
+    refused."""
+    from qwen3_rl.tools.bench.drafters import load_corpus
+
+    every = [g[0].prompt_id for g in load_corpus(CORPUS)]
+    a = [g[0].prompt_id for g in load_corpus(CORPUS, half="a")]
+    b = [g[0].prompt_id for g in load_corpus(CORPUS, half="b")]
+    assert a == every[0::2] and b == every[1::2] and not set(a) & set(b) and len(a) + len(b) == len(every) == 22
+    assert [len(g) for g in load_corpus(CORPUS, half="a")] == [8] * 11
+    with pytest.raises(ValueError, match="half must be"):
+        load_corpus(CORPUS, half="c")
