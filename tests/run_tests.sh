@@ -75,6 +75,8 @@ pristine tree, the repo files the run reads, the interpreter, the installed pack
 pristine tree runs too. Each script takes --full (run it anyway) and --record (write the record after equal runs).
 verl 0.9.1's own tests (current set): likewise tests/upstream_own/verl091_cpu.py in $QWEN3_RL_VERL091_VENV
 (tests/setup_verl091_env.sh), beside the main run.
+vLLM 0.23.0's own tests (current set): likewise tests/upstream_own/vllm023_cpu.py in $QWEN3_RL_CURRENT_ENGINE_VENV
+(its RoPE compile-pass, scheduler and n-gram tests with patches/current/vllm/ applied), beside the main run.
 USAGE
 }
 
@@ -140,7 +142,8 @@ main() {
       *) main_paths=1 ;;
     esac
   done
-  local rc_main=5 rc_engine=5 rc_current=5 rc_bounds=5 rc_verl=5 rc_vllm=5 rc_ascend=5 rc_verl091=5 full=0 t0
+  local rc_main=5 rc_engine=5 rc_current=5 rc_bounds=5 rc_verl=5 rc_vllm=5 rc_ascend=5 rc_verl091=5 rc_vllm023=5
+  local full=0 t0
   local current_log="" current_pid=""
   (( main_paths || engine_paths || current_paths || selective )) || full=1
   if (( current_paths )); then
@@ -155,6 +158,7 @@ main() {
   fi
   if (( main_paths || (! engine_paths && ! current_paths) )); then
     local verl_log="" verl_pid="" vllm_log="" vllm_pid="" ascend_log="" ascend_pid="" verl091_log="" verl091_pid=""
+    local vllm023_log="" vllm023_pid=""
     if (( full )); then
       verl_log="$(mktemp)"
       echo "== verl's own CPU tests, pristine vs patched tree (in the background; log at the end of the main run)"
@@ -172,6 +176,10 @@ main() {
       echo "== verl 0.9.1's own CPU tests (current set), pristine vs patched tree (in the background; log at the end of the main run)"
       "${VERL091_VENV}/bin/python" tests/upstream_own/verl091_cpu.py >"${verl091_log}" 2>&1 &
       verl091_pid=$!
+      vllm023_log="$(mktemp)"
+      echo "== vLLM 0.23.0's own CPU tests (current set), pristine vs patched tree (in the background; log at the end of the main run)"
+      "${CURRENT_ENGINE_VENV}/bin/python" tests/upstream_own/vllm023_cpu.py >"${vllm023_log}" 2>&1 &
+      vllm023_pid=$!
     fi
     echo "== pytest (main venv)"
     t0=${SECONDS}
@@ -206,6 +214,10 @@ main() {
       rc_verl091=0
       collect_background "verl 0.9.1's own CPU tests" "${verl091_pid}" "${verl091_log}" || rc_verl091=$?
     fi
+    if [[ -n "${vllm023_pid}" ]]; then
+      rc_vllm023=0
+      collect_background "vLLM 0.23.0's own CPU tests" "${vllm023_pid}" "${vllm023_log}" || rc_vllm023=$?
+    fi
   fi
   if [[ -n "${current_pid}" ]]; then
     rc_current=0
@@ -221,7 +233,8 @@ main() {
     fi
   fi
   echo "== exit codes: main ${rc_main}, boundscheck ${rc_bounds}, verl-own ${rc_verl}, vllm-own ${rc_vllm}," \
-       "vllm-ascend-own ${rc_ascend}, verl091-own ${rc_verl091}, engine ${rc_engine}, current engine ${rc_current}" \
+       "vllm-ascend-own ${rc_ascend}, verl091-own ${rc_verl091}, vllm023-own ${rc_vllm023}, engine ${rc_engine}," \
+       "current engine ${rc_current}" \
        "(5 = nothing collected or not run)"
   if [[ ${rc_main} -eq 5 && ${rc_engine} -eq 5 && ${rc_current} -eq 5 ]]; then
     echo "error: pytest collected no tests" >&2
@@ -229,14 +242,14 @@ main() {
   fi
   if (( full )); then
     if [[ ${rc_main} -eq 5 || ${rc_bounds} -eq 5 || ${rc_verl} -eq 5 || ${rc_vllm} -eq 5 || ${rc_ascend} -eq 5 \
-          || ${rc_verl091} -eq 5 || ${rc_engine} -eq 5 || ${rc_current} -eq 5 ]]; then
+          || ${rc_verl091} -eq 5 || ${rc_vllm023} -eq 5 || ${rc_engine} -eq 5 || ${rc_current} -eq 5 ]]; then
       echo "error: a full run needs every part to run tests (exit 5 = none collected)" >&2
       return 1
     fi
   fi
   local rc
-  for rc in "${rc_main}" "${rc_bounds}" "${rc_verl}" "${rc_vllm}" "${rc_ascend}" "${rc_verl091}" "${rc_engine}" \
-            "${rc_current}"; do
+  for rc in "${rc_main}" "${rc_bounds}" "${rc_verl}" "${rc_vllm}" "${rc_ascend}" "${rc_verl091}" "${rc_vllm023}" \
+            "${rc_engine}" "${rc_current}"; do
     if [[ ${rc} -ne 0 && ${rc} -ne 5 ]]; then
       return "${rc}"
     fi

