@@ -19,7 +19,8 @@ shrunk to position ``m - 1``'s (a position no draft has reached yet takes the on
 longer drafts when the deepest reached position accepts well; accepted drafts come in runs, so ``c_m`` rises with
 ``m``). ``a_i`` = the request's recent first-token acceptance (exponential average over its own steps) shrunk to
 its bucket's ``c_1``. The constants were chosen on half of the dev corpus (``drafters --half a``) and reported on
-the other half (docs/sam_decoding.md). Every request advances its bonus token. The step keeps the draft tokens that maximise the modelled throughput::
+the other half (docs/sam_decoding.md). Every request advances its bonus token. The step keeps the draft tokens that
+maximise the modelled throughput::
 
     (n + sum of kept g) / t(n, kept, C)
 
@@ -52,7 +53,7 @@ from qwen3_rl.spec_decode._sam_kernels import CACHE
 from qwen3_rl.spec_decode.cost_table import CostTable, curve_into, price
 
 _FIRST_DECAY = 0.7  # weight of a request's past in its first-token acceptance estimate (per step)
-_POS_DECAY = 0.995  # decay of the batch-wide per-position counts (per step)
+_POS_DECAY = 0.995  # decay of the per-bucket, per-position counts (per step)
 _PRIOR = 0.5  # pseudo-observations of the bucket's prior in a request's first-token estimate
 _BINS = 512  # gain bins of the table-priced threshold sweep (gains are probabilities in [0, 1])
 _POS_PRIOR = 2.0  # pseudo-observations of position j - 1's conditional acceptance in position j's estimate
