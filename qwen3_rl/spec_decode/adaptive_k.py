@@ -323,9 +323,8 @@ class AdaptiveK:
         if not slots.shape[0]:
             return
         self._room(slots)
-        drafted = np.ascontiguousarray(np.minimum(drafted, self.k_max), np.int64)
-        accepted = np.ascontiguousarray(np.minimum(accepted, drafted), np.int64)
-        _observe(slots, drafted, accepted, self.bucket, self.reach, self.acc, self.first, _POS_DECAY, _FIRST_DECAY)
+        _observe(slots, np.ascontiguousarray(drafted, np.int64), np.ascontiguousarray(accepted, np.int64),
+                 self.bucket, self.reach, self.acc, self.first, _POS_DECAY, _FIRST_DECAY)  # the kernel clips both
 
     def pin(self, n: float, ctx: float) -> None:
         """Benches: price every step as a step of ``n`` running requests with ``ctx`` context tokens each (one cell
@@ -389,7 +388,7 @@ class AdaptiveK:
         if n == 0:
             return np.zeros(0, np.int64)
         self._room(slots)
-        self.bucket[slots] = _MATCH_BUCKETS if match_len is None else match_bucket(np.asarray(match_len, np.int64))
+        self.bucket[slots] = _MATCH_BUCKETS if match_len is None else match_bucket(match_len)
         G = self.gains(slots)
         k_out = np.empty(n, np.int64)
         if self.table is None:
