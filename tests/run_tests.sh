@@ -40,6 +40,14 @@ BOUNDSCHECK_NOT_KERNELS=(test_benchmark_smoke test_construction_compiles_every_k
                          test_out_of_range_index_raises_under_boundscheck
                          test_warm_up_compiles_the_table_kernels test_corpus_goals_on_the_h100_table)
 
+# Upstream's own test suites, each run on the pristine and on the patched tree beside the main run on a full run
+# (they mostly wait on Ray and interpreter start-ups): "name|venv variable|script|title", in collection order.
+UPSTREAM_OWN_RUNS=("verl-own|VENV|tests/upstream_own/verl_cpu.py|verl 0.6.1's own CPU tests"
+                   "vllm-own|ENGINE_VENV|tests/upstream_own/vllm_cpu.py|vLLM 0.13.0's own CPU tests"
+                   "vllm-ascend-own|ENGINE_VENV|tests/upstream_own/vllm_ascend_cpu.py|vLLM-Ascend 0.13.0's own unit tests on the NPU stand-in"
+                   "verl091-own|VERL091_VENV|tests/upstream_own/verl091_cpu.py|verl 0.9.1's own CPU tests (current set)"
+                   "vllm023-own|CURRENT_ENGINE_VENV|tests/upstream_own/vllm023_cpu.py|vLLM 0.23.0's own CPU tests (current set)")
+
 usage() {
   cat <<'USAGE'
 usage: bash tests/run_tests.sh [PYTEST_ARGS...]
@@ -142,7 +150,8 @@ main() {
       *) main_paths=1 ;;
     esac
   done
-  local rc_main=5 rc_engine=5 rc_current=5 rc_bounds=5 rc_verl=5 rc_vllm=5 rc_ascend=5 rc_verl091=5 rc_vllm023=5
+  local rc_main=5 rc_engine=5 rc_current=5 rc_bounds=5 own name venv_var script title own_rcs=()
+  local -A own_pid=() own_log=() own_rc=()
   local full=0 t0
   local current_log="" current_pid=""
   (( main_paths || engine_paths || current_paths || selective )) || full=1
@@ -157,29 +166,14 @@ main() {
     current_pid=$!
   fi
   if (( main_paths || (! engine_paths && ! current_paths) )); then
-    local verl_log="" verl_pid="" vllm_log="" vllm_pid="" ascend_log="" ascend_pid="" verl091_log="" verl091_pid=""
-    local vllm023_log="" vllm023_pid=""
     if (( full )); then
-      verl_log="$(mktemp)"
-      echo "== verl's own CPU tests, pristine vs patched tree (in the background; log at the end of the main run)"
-      "${VENV}/bin/python" tests/upstream_own/verl_cpu.py >"${verl_log}" 2>&1 &
-      verl_pid=$!
-      vllm_log="$(mktemp)"
-      echo "== vLLM's own CPU tests, pristine vs patched tree (in the background; log at the end of the main run)"
-      "${ENGINE_VENV}/bin/python" tests/upstream_own/vllm_cpu.py >"${vllm_log}" 2>&1 &
-      vllm_pid=$!
-      ascend_log="$(mktemp)"
-      echo "== vLLM-Ascend's own unit tests on the NPU stand-in, pristine vs patched trees (in the background; log at the end of the main run)"
-      "${ENGINE_VENV}/bin/python" tests/upstream_own/vllm_ascend_cpu.py >"${ascend_log}" 2>&1 &
-      ascend_pid=$!
-      verl091_log="$(mktemp)"
-      echo "== verl 0.9.1's own CPU tests (current set), pristine vs patched tree (in the background; log at the end of the main run)"
-      "${VERL091_VENV}/bin/python" tests/upstream_own/verl091_cpu.py >"${verl091_log}" 2>&1 &
-      verl091_pid=$!
-      vllm023_log="$(mktemp)"
-      echo "== vLLM 0.23.0's own CPU tests (current set), pristine vs patched tree (in the background; log at the end of the main run)"
-      "${CURRENT_ENGINE_VENV}/bin/python" tests/upstream_own/vllm023_cpu.py >"${vllm023_log}" 2>&1 &
-      vllm023_pid=$!
+      for own in "${UPSTREAM_OWN_RUNS[@]}"; do
+        IFS='|' read -r name venv_var script title <<<"${own}"
+        own_log[${name}]="$(mktemp)"
+        echo "== ${title}, pristine vs patched tree (in the background; log at the end of the main run)"
+        "${!venv_var}/bin/python" "${script}" >"${own_log[${name}]}" 2>&1 &
+        own_pid[${name}]=$!
+      done
     fi
     echo "== pytest (main venv)"
     t0=${SECONDS}
@@ -198,26 +192,12 @@ main() {
       rm -rf "${cache_dir}"
       echo "== boundscheck run: $((SECONDS - t0)) s"
     fi
-    if [[ -n "${verl_pid}" ]]; then
-      rc_verl=0
-      collect_background "verl's own CPU tests" "${verl_pid}" "${verl_log}" || rc_verl=$?
-    fi
-    if [[ -n "${vllm_pid}" ]]; then
-      rc_vllm=0
-      collect_background "vLLM's own CPU tests" "${vllm_pid}" "${vllm_log}" || rc_vllm=$?
-    fi
-    if [[ -n "${ascend_pid}" ]]; then
-      rc_ascend=0
-      collect_background "vLLM-Ascend's own unit tests" "${ascend_pid}" "${ascend_log}" || rc_ascend=$?
-    fi
-    if [[ -n "${verl091_pid}" ]]; then
-      rc_verl091=0
-      collect_background "verl 0.9.1's own CPU tests" "${verl091_pid}" "${verl091_log}" || rc_verl091=$?
-    fi
-    if [[ -n "${vllm023_pid}" ]]; then
-      rc_vllm023=0
-      collect_background "vLLM 0.23.0's own CPU tests" "${vllm023_pid}" "${vllm023_log}" || rc_vllm023=$?
-    fi
+    for own in "${UPSTREAM_OWN_RUNS[@]}"; do
+      IFS='|' read -r name _ _ title <<<"${own}"
+      [[ -n "${own_pid[${name}]:-}" ]] || continue
+      own_rc[${name}]=0
+      collect_background "${title}" "${own_pid[${name}]}" "${own_log[${name}]}" || own_rc[${name}]=$?
+    done
   fi
   if [[ -n "${current_pid}" ]]; then
     rc_current=0
@@ -232,24 +212,28 @@ main() {
       run_engine_split "$@" || rc_engine=$?
     fi
   fi
-  echo "== exit codes: main ${rc_main}, boundscheck ${rc_bounds}, verl-own ${rc_verl}, vllm-own ${rc_vllm}," \
-       "vllm-ascend-own ${rc_ascend}, verl091-own ${rc_verl091}, vllm023-own ${rc_vllm023}, engine ${rc_engine}," \
-       "current engine ${rc_current}" \
-       "(5 = nothing collected or not run)"
+  local own_summary=""
+  for own in "${UPSTREAM_OWN_RUNS[@]}"; do
+    IFS='|' read -r name _ _ _ <<<"${own}"
+    own_rcs+=("${own_rc[${name}]:-5}")
+    own_summary+=" ${name} ${own_rc[${name}]:-5},"
+  done
+  echo "== exit codes: main ${rc_main}, boundscheck ${rc_bounds},${own_summary} engine ${rc_engine}," \
+       "current engine ${rc_current} (5 = nothing collected or not run)"
   if [[ ${rc_main} -eq 5 && ${rc_engine} -eq 5 && ${rc_current} -eq 5 ]]; then
     echo "error: pytest collected no tests" >&2
     return 1
   fi
-  if (( full )); then
-    if [[ ${rc_main} -eq 5 || ${rc_bounds} -eq 5 || ${rc_verl} -eq 5 || ${rc_vllm} -eq 5 || ${rc_ascend} -eq 5 \
-          || ${rc_verl091} -eq 5 || ${rc_vllm023} -eq 5 || ${rc_engine} -eq 5 || ${rc_current} -eq 5 ]]; then
-      echo "error: a full run needs every part to run tests (exit 5 = none collected)" >&2
-      return 1
-    fi
-  fi
   local rc
-  for rc in "${rc_main}" "${rc_bounds}" "${rc_verl}" "${rc_vllm}" "${rc_ascend}" "${rc_verl091}" "${rc_vllm023}" \
-            "${rc_engine}" "${rc_current}"; do
+  if (( full )); then
+    for rc in "${rc_main}" "${rc_bounds}" "${own_rcs[@]}" "${rc_engine}" "${rc_current}"; do
+      if [[ ${rc} -eq 5 ]]; then
+        echo "error: a full run needs every part to run tests (exit 5 = none collected)" >&2
+        return 1
+      fi
+    done
+  fi
+  for rc in "${rc_main}" "${rc_bounds}" "${own_rcs[@]}" "${rc_engine}" "${rc_current}"; do
     if [[ ${rc} -ne 0 && ${rc} -ne 5 ]]; then
       return "${rc}"
     fi
