@@ -155,6 +155,20 @@ class GroupRouter:
         theirs[verl] += 1
         return target
 
+    def place(self, request_id: str, target: int) -> None:
+        """A request placed on ``target`` by its caller (a later turn of a multi-turn request on its first turn's
+        engine): in flight there until :meth:`done`, counted as a request but not as a new sample (no sibling pair,
+        no revisit)."""
+        if not 0 <= target < self.n:
+            raise ValueError(f"target {target} out of range: {self.n} targets")
+        if request_id in self._placed:
+            return
+        verl = self.shadow.choose(request_id)
+        self._placed[request_id] = ("", target, verl)
+        self.in_flight[target] += 1
+        self.requests[target] += 1
+        self.verl_requests[verl] += 1
+
     def verl_engine(self, request_id: str) -> int:
         """The engine verl's replayed routing gave a request that is still in flight."""
         return self._placed[request_id][2]
