@@ -75,6 +75,23 @@ class ContextVar:
     also: tuple[str, ...] = ()
 
 
+#: what a feature does on the current pin set (``current = { status, note }`` in features.toml):
+#: runs = built and run on the current set's upstream code; upstream = the current set's upstream does it itself (the
+#: switch is ignored there, with a note); dropped = its mode is gone upstream; pending = not ported yet.
+#: A feature in use (:func:`in_use`) that is dropped or pending stops ``features overrides`` on that set.
+PIN_STATUSES = ("runs", "upstream", "dropped", "pending")
+#: resolved values that mean "off" (the feature is not in use)
+OFF_VALUES = frozenset({"", "False", "0", "off", "disable", "none"})
+
+
+@dataclass(frozen=True)
+class PinStatus:
+    """A feature on one pin set: ``status`` (one of :data:`PIN_STATUSES`) and a one-line ``note`` (where / why)."""
+
+    status: str
+    note: str
+
+
 @dataclass(frozen=True)
 class Feature:
     env: str
@@ -93,6 +110,7 @@ class Feature:
     modules: tuple[str, ...] = ()
     tests: tuple[str, ...] = ()
     doc: str = ""
+    current: PinStatus | None = None  # the current pin set (the seed set is the registry itself)
 
     def expected(self) -> str:
         """What a valid value looks like (the second half of the one-line error)."""
@@ -239,7 +257,19 @@ def _seam_default(env: str, key: str) -> object:
 
 
 _FEATURE_KEYS = {"name", "type", "default", "default_for", "allowed", "min", "setups", "sets", "requires", "excludes",
-                 "patches", "modules", "tests", "doc"}
+                 "patches", "modules", "tests", "doc", "current"}
+
+
+def _pin_status(env: str, raw: object) -> PinStatus:
+    if not isinstance(raw, dict) or set(raw) != {"status", "note"}:
+        raise FeatureError(f"feature.{env}: current must be {{ status = ..., note = ... }}, got {raw!r}")
+    if raw["status"] not in PIN_STATUSES:
+        raise FeatureError(f"feature.{env}: current.status must be one of {', '.join(PIN_STATUSES)}, "
+                           f"got {raw['status']!r}")
+    note = str(raw["note"]).strip()
+    if not note or "\n" in note:
+        raise FeatureError(f"feature.{env}: current.note must be one non-empty line")
+    return PinStatus(str(raw["status"]), note)
 
 
 def _feature(env: str, raw: dict) -> Feature:
@@ -267,7 +297,8 @@ def _feature(env: str, raw: dict) -> Feature:
                 requires=_rules(env, "requires", raw.get("requires")),
                 excludes=_rules(env, "excludes", raw.get("excludes")),
                 patches=tuple(raw.get("patches", [])), modules=tuple(raw.get("modules", [])),
-                tests=tuple(raw.get("tests", [])), doc=str(raw.get("doc", "")))
+                tests=tuple(raw.get("tests", [])), doc=str(raw.get("doc", "")),
+                current=_pin_status(env, raw["current"]) if "current" in raw else None)
     if typ == "enum" and not f.allowed:
         raise FeatureError(f"feature.{env}: an enum needs 'allowed'")
     for value in (f.default, *f.default_for.values()):  # defaults pass the same validation as the env (""= unset)
@@ -423,9 +454,33 @@ def render(reg: Registry, values: Mapping[str, str | None]) -> list[str]:
     return out
 
 
+def in_use(value: str | None) -> bool:
+    """Whether a resolved feature value switches its feature on (None: the feature does not apply)."""
+    return value is not None and value not in OFF_VALUES
+
+
+def pin_set_problems(reg: Registry, values: Mapping[str, str | None], pin_set: str) -> tuple[list[str], list[str]]:
+    """The features in use that ``pin_set`` cannot run (errors: dropped or pending there) and those its upstream
+    does itself (notes: the switch is ignored there). The seed set: none."""
+    errors: list[str] = []
+    notes: list[str] = []
+    if pin_set == "seed":
+        return errors, notes
+    for f in reg.features.values():
+        st = f.current
+        if st is None or not in_use(values.get(f.env)) or st.status == "runs":
+            continue
+        line = f"{f.env}={values[f.env]} on pin set {pin_set}: {st.status}: {st.note}"
+        (notes if st.status == "upstream" else errors).append(line)
+    return errors, notes
+
+
 def setup_overrides(setup: str, env: Mapping[str, str], context: list[str],
                     reg: Registry | None = None, notes: list[str] | None = None) -> list[str]:
-    """Validate the features of ``setup`` (a train script name) from ``env`` and return their overrides."""
+    """Validate the features of ``setup`` (a train script name) from ``env`` and return their overrides; on the
+    current pin set (``PIN_SET`` in ``env``) a feature in use that the set cannot run stops it (one line)."""
+    from qwen3_rl.tools.pins import PinError, resolve_pin_set
+
     reg = reg or load_registry()
     if setup not in reg.setups():
         raise FeatureError(f"--setup {setup!r}: not a setup of features.toml (one of {', '.join(reg.setups())}); "
@@ -435,6 +490,16 @@ def setup_overrides(setup: str, env: Mapping[str, str], context: list[str],
     broken = rule_violations(reg, values)
     if broken:
         raise FeatureError(broken[0])
+    try:
+        pin_set = resolve_pin_set(env=env)
+    except PinError as exc:
+        raise FeatureError(str(exc)) from exc
+    errors, upstream = pin_set_problems(reg, values, pin_set)
+    if errors:
+        raise FeatureError(errors[0] + (f" (and {len(errors) - 1} more: python -m qwen3_rl features status "
+                                        f"--pin-set {pin_set})" if len(errors) > 1 else ""))
+    if notes is not None:
+        notes += [f"note: {n}; ignored" for n in upstream]
     return render(reg, values)
 
 
@@ -497,12 +562,19 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--context", action="append", default=[], metavar="NAME=VALUE",
                    help="a size the shell knows (VLLM_DP, ROLLOUT_TP, TRAIN_BATCH_SIZE, ...)")
     sub.add_parser("list", help="every feature: env var, type, default, setups")
+    st = sub.add_parser("status", help="every feature on a pin set: runs, upstream, dropped or pending, and why")
+    st.add_argument("--pin-set", default="current", choices=["current"], help="the pin set (default: current)")
     a = ap.parse_args(argv)
     try:
         reg = load_registry()
         if a.cmd == "list":
             for f in reg.features.values():
                 print(f"{f.env}\t{f.type}\t{f.default or f.default_context}\t{','.join(f.setups)}")
+            return 0
+        if a.cmd == "status":
+            for f in reg.features.values():
+                cur = f.current or PinStatus("pending", "no status declared")
+                print(f"{f.env}\t{cur.status}\t{cur.note}")
             return 0
         notes: list[str] = []
         out = setup_overrides(a.setup, os.environ, a.context, reg, notes)

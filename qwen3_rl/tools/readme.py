@@ -190,6 +190,20 @@ def _feature_index() -> str:
     return "\n".join(out)
 
 
+def _current_set() -> str:
+    """One row per feature: what it does on the current pin set (features.toml ``current``), counts first."""
+    from collections import Counter
+
+    reg = _registry()
+    counts = Counter(f.current.status if f.current else "undeclared" for f in reg.features.values())
+    out = [", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + " (`python -m qwen3_rl features status`)", "",
+           "| switch | current set | where / why |", "|---|---|---|"]
+    for f in reg.features.values():
+        st = f.current
+        out.append(f"| `{f.env}` | {st.status if st else 'undeclared'} | {st.note if st else ''} |")
+    return "\n".join(out)
+
+
 def _golden(stem: str) -> dict:
     import json
 
@@ -371,7 +385,7 @@ def _env_contract() -> str:
 DOC_SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"counts": _counts},
     "README.zh-CN.md": {"counts": _counts_zh},
-    DOC_FEATURES: {"feature-index": _feature_index, "switches": _switches},
+    DOC_FEATURES: {"feature-index": _feature_index, "switches": _switches, "current-set": _current_set},
     "docs/environment.md": {"env-contract": _env_contract},
     "docs/patches.md": {"pins": _pins, "pins_current": _pins_current, "patches": _patches, "reference": _reference},
     "docs/setups.md": {"feature-defaults": _feature_defaults},
