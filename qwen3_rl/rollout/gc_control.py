@@ -27,6 +27,13 @@ How it is switched (default: off):
   (``vLLMAsyncRollout``), wrap each ``execute_model`` / ``sample_tokens`` call in :func:`gc_disabled` through the
   verl seam (``RolloutHooks.worker_call``) when their rollout config's ``qwen3_rl.disable_gc.enable`` is on.
 
+* Current pin set (vLLM 0.23, no seam patch): the engine step is bracketed through upstream's own extension
+  points, ``scheduler_cls`` (:class:`GcStepBracket` from ``Scheduler.schedule()`` to the end of
+  ``update_from_output()``, in the process that runs the scheduler: the in-process engine or the engine core
+  process) and ``worker_cls`` (each ``execute_model`` / ``sample_tokens`` / ``execute_dummy_batch`` of a worker
+  process); both read ``additional_config = {"qwen3_rl": {"disable_gc": true}}`` in their process
+  (:mod:`qwen3_rl.rollout.gc_scheduler`, :mod:`qwen3_rl.rollout.gc_worker`).
+
 The guard restores exactly what it found: whether the collector was enabled and the three
 generation thresholds, also when the step raises. It never calls ``gc.collect`` itself.
 """
@@ -44,6 +51,7 @@ from qwen3_rl.compat.step_hook import EngineStepHookDefaults
 __all__ = [
     "CONFIG_KEY",
     "GcState",
+    "GcStepBracket",
     "GcStepHook",
     "ENGINE_CONFIG_KEY",
     "configure_from_rollout_config",
@@ -122,11 +130,15 @@ def configure_from_rollout_config(rollout_config: Mapping[str, object] | None) -
     return value
 
 
-def configure_from_vllm_config(vllm_config: object) -> bool:
+def configure_from_vllm_config(vllm_config: object, *, keep_if_absent: bool = False) -> bool:
     """Apply ``additional_config[ENGINE_CONFIG_KEY]["disable_gc"]`` of a vLLM config in this process (the engine
-    core process of server mode); returns the resulting policy. Absent = off; a non-bool value is an error."""
+    core process of server mode); returns the resulting policy. Absent = off, or with ``keep_if_absent`` the
+    process's policy unchanged (vLLM 0.23's scheduler / worker classes, :mod:`qwen3_rl.rollout.gc_scheduler`: in
+    an in-process engine verl may have set it); a non-bool value is an error."""
     extra = getattr(vllm_config, "additional_config", None)
     section = extra.get(ENGINE_CONFIG_KEY) if isinstance(extra, Mapping) else None
+    if keep_if_absent and not (isinstance(section, Mapping) and "disable_gc" in section):
+        return _disabled
     value = section.get("disable_gc", False) if isinstance(section, Mapping) else False
     if not isinstance(value, bool):
         raise TypeError(f"additional_config.{ENGINE_CONFIG_KEY}.disable_gc must be a bool, got {value!r}")
@@ -134,13 +146,20 @@ def configure_from_vllm_config(vllm_config: object) -> bool:
     return value
 
 
+def _capture_and_disable() -> GcState:
+    """The collector's state, then the collector off; off before the snapshot object is allocated, so that this
+    allocation cannot start a collection at the step's begin."""
+    enabled = gc.isenabled()
+    gc.disable()
+    return GcState(enabled=enabled, thresholds=tuple(gc.get_threshold()))
+
+
 @contextmanager
 def gc_disabled() -> Iterator[bool]:
     """The collector off for the body (yields True); its enabled state and thresholds restored on exit, also when
     the body raises. Unconditional: the caller holds the policy (verl's hybrid worker in server mode, whose
     rollout config says it, :meth:`qwen3_rl.trainer.seam.RolloutHooks.worker_call`)."""
-    saved = GcState.capture()
-    gc.disable()
+    saved = _capture_and_disable()
     try:
         yield True
     finally:
@@ -160,6 +179,36 @@ def engine_step_gc_guard() -> Iterator[bool]:
         return
     with gc_disabled():
         yield True
+
+
+class GcStepBracket:
+    """The collector off from :meth:`open` to :meth:`close`, for a step whose begin and end are two separate calls
+    (vLLM 0.23's ``Scheduler.schedule()`` and ``update_from_output()``, :mod:`qwen3_rl.rollout.gc_scheduler`).
+
+    :meth:`open` does nothing while the policy is off, or while the bracket is already open (a second ``schedule()``
+    before an ``update_from_output()``, vLLM's batch queue); :meth:`close` restores the state :meth:`open` found
+    (enabled flag and thresholds) and does nothing when the bracket is not open. Never calls ``gc.collect``.
+    """
+
+    def __init__(self) -> None:
+        self._saved: GcState | None = None
+
+    @property
+    def is_open(self) -> bool:
+        """Whether the collector is held off by this bracket."""
+        return self._saved is not None
+
+    def open(self) -> bool:
+        """Begin of a step: collector off if the policy is on; returns whether the bracket is open."""
+        if self._saved is None and _disabled:
+            self._saved = _capture_and_disable()
+        return self._saved is not None
+
+    def close(self) -> None:
+        """End of a step: the state found by :meth:`open` back (nothing if not open)."""
+        saved, self._saved = self._saved, None
+        if saved is not None:
+            saved.restore()
 
 
 class GcStepHook(EngineStepHookDefaults):
