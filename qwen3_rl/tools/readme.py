@@ -191,16 +191,19 @@ def _feature_index() -> str:
 
 
 def _current_set() -> str:
-    """One row per feature: what it does on the current pin set (features.toml ``current``), counts first."""
+    """What each feature does on the current pin set (features.toml ``current``): one row per status and note, the
+    switches that share them together, counts first."""
     from collections import Counter
 
     reg = _registry()
     counts = Counter(f.current.status if f.current else "undeclared" for f in reg.features.values())
-    out = [", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + " (`python -m qwen3_rl features status`)", "",
-           "| switch | current set | where / why |", "|---|---|---|"]
+    rows: dict[tuple[str, str], list[str]] = {}
     for f in reg.features.values():
         st = f.current
-        out.append(f"| `{f.env}` | {st.status if st else 'undeclared'} | {st.note if st else ''} |")
+        rows.setdefault((st.status, st.note) if st else ("undeclared", ""), []).append(f"`{f.env}`")
+    out = [", ".join(f"{n} {s}" for s, n in sorted(counts.items())) + " (`python -m qwen3_rl features status`)", "",
+           "| switch(es) | current set | where / why |", "|---|---|---|"]
+    out += [f"| {', '.join(envs)} | {status} | {note} |" for (status, note), envs in rows.items()]
     return "\n".join(out)
 
 
