@@ -14,7 +14,7 @@ runs inside the scheduler's bracket; the guard nests and restores what it found.
 
 Only the CPU worker is built and run here; the mixin on ``vllm.v1.worker.gpu_worker.Worker`` or vLLM-Ascend's
 ``NPUWorker`` is the device one (not run: no device). ``qwen3_rl.spec_decode.custom_class_worker.SamCPUWorker`` (SAM
-group mode) is a separate class: SAM's config check accepts only the worker names it lists.
+group mode) carries this mixin too: one engine takes one ``worker_cls``.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ from typing import Any
 
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from qwen3_rl.rollout.gc_worker import GcStepWorkerMixin
+
 
 class BindsDrafterMixin:
     """After ``init_device``, give the runner's drafter its runner if it asks for one (``bind_runner``)."""
@@ -31,5 +33,7 @@ class BindsDrafterMixin:
             bind(self.model_runner)
 
 
-class SamCPUWorker(BindsDrafterMixin, CPUWorker):
-    """vLLM-CPU's ``CPUWorker`` that binds the SAM ``custom_class`` proposer to its runner."""
+class SamCPUWorker(BindsDrafterMixin, GcStepWorkerMixin, CPUWorker):
+    """vLLM-CPU's ``CPUWorker`` that binds the SAM ``custom_class`` proposer to its runner; it also carries the gc
+    guard of ``qwen3_rl.rollout.gc_worker`` (``additional_config.qwen3_rl.disable_gc``; inert while that is off), since
+    one engine takes one ``worker_cls``."""

@@ -253,3 +253,15 @@ def test_scheduler_class_must_match_async_scheduling() -> None:
     assert Sched(vllm_config=cfg).gc_bracket.is_open is False  # positive control: the matching class builds
     assert scheduler_cls_name(True) == "qwen3_rl.rollout.gc_scheduler.GcStepAsyncScheduler"
     assert scheduler_cls_name(False) == "qwen3_rl.rollout.gc_scheduler.GcStepScheduler"
+
+
+def test_sam_worker_carries_the_gc_guard() -> None:
+    # one engine takes one worker_cls: SAM's binding worker has the same guarded model calls as GcStepCPUWorker (the
+    # mixin the real-engine runs above check through ProbeWorker), and still binds its drafter after init_device
+    from qwen3_rl.rollout.gc_worker import GcStepCPUWorker, GcStepWorkerMixin
+    from qwen3_rl.spec_decode.custom_class_worker import BindsDrafterMixin, SamCPUWorker
+
+    for name in ("execute_model", "sample_tokens", "execute_dummy_batch"):
+        assert getattr(SamCPUWorker, name) is getattr(GcStepWorkerMixin, name) is getattr(GcStepCPUWorker, name)
+    assert SamCPUWorker.__init__ is GcStepWorkerMixin.__init__
+    assert SamCPUWorker.init_device is BindsDrafterMixin.init_device
