@@ -8,11 +8,21 @@ every engine with a drafter stops in its profile run with ``TypeError: _sample_r
 unexpected keyword argument 'USE_FP64_GUMBEL'``. :func:`install` puts a wrapper in ``cpu_triton_utils`` that takes
 the keyword and calls the same C++ kernel when it is False (vLLM's default; the noise tensor is then float32, as
 that kernel reads it); True raises (no CPU kernel for float64 noise). Greedy verification does not reach it.
+
+``ASCEND_SLOT_MAPPING_KERNEL``: vLLM's Triton slot-mapping kernel, launched by vLLM-Ascend 0.23.0.post1's runner. Its
+block table imports ``_compute_slot_mapping_kernel`` from ``vllm.v1.worker.block_table`` and launches it
+(``vllm_ascend/worker/block_table.py:8,165``); on an NPU triton-ascend runs it, the host has no Triton driver.
+:func:`install_ascend` puts :func:`slot_mapping_reference` in its place before vLLM-Ascend imports it: a PyTorch
+reference of the kernel (``vllm/v1/worker/block_table.py:325-380``: one slot per scheduled token,
+``block_table[req, pos // block_size] * block_size + pos % block_size``, the rest of the buffer ``PAD_ID``; context
+parallelism 1 only).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
 
 _INSTALLED = False
 
@@ -29,8 +39,63 @@ def install() -> None:
 
     def sample_recovered_tokens(*args: Any, USE_FP64_GUMBEL: bool = False, **kwargs: Any) -> None:  # noqa: N803
         if USE_FP64_GUMBEL:
-            raise NotImplementedError("vLLM-CPU's sample_recovered_tokens kernel has no float64 (fp64 Gumbel) path")
+            raise NotImplementedError(
+                "vLLM-CPU's sample_recovered_tokens kernel has no float64 (fp64 Gumbel) path"
+            )
         impl(*args, **kwargs)
 
     cpu_tl.sample_recovered_tokens_kernel = cpu_tl._FuncWrapper(sample_recovered_tokens)
     _INSTALLED = True
+
+
+def slot_mapping_reference(
+    num_tokens: int,
+    max_num_tokens: int,
+    query_start_loc: torch.Tensor,
+    positions: torch.Tensor,
+    block_table: torch.Tensor,
+    block_table_stride: int,
+    block_size: int,
+    slot_mapping: torch.Tensor,
+    *,
+    TOTAL_CP_WORLD_SIZE: int,
+    TOTAL_CP_RANK: int,
+    CP_KV_CACHE_INTERLEAVE_SIZE: int,
+    PAD_ID: int,
+    BLOCK_SIZE: int = 1024,
+) -> None:
+    """The slot of each scheduled token, in place: ``slot_mapping[t] = block_table[r, pos // block_size] *
+    block_size + pos % block_size`` for token ``t`` of request ``r`` at position ``pos``; ``slot_mapping[num_tokens:
+    max_num_tokens] = PAD_ID``.
+
+    query_start_loc: ``(R + 1,)`` int32 token offsets; positions: ``(>= num_tokens,)`` int64; block_table: ``(>= R,
+    blocks)`` int32 (row stride ``block_table_stride``); slot_mapping: ``(>= max_num_tokens,)`` int64.
+    """
+    if TOTAL_CP_WORLD_SIZE != 1:
+        raise NotImplementedError("slot-mapping reference: context parallelism 1 only")
+    starts = query_start_loc.long()
+    counts = starts[1:] - starts[:-1]
+    req = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    pos = positions[:num_tokens].long()
+    rows = block_table.reshape(-1)[: block_table.shape[0] * block_table_stride].view(-1, block_table_stride)
+    blocks = rows[req, pos // block_size].long()
+    slot_mapping[:num_tokens] = blocks * block_size + pos % block_size
+    slot_mapping[num_tokens:max_num_tokens] = PAD_ID
+
+
+class _Launchable:
+    """``kernel[grid](*args)`` for a host function: the grid is ignored (the reference covers all of it)."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def __getitem__(self, grid: Any) -> Any:
+        return self.fn
+
+
+def install_ascend() -> None:
+    """``ASCEND_SLOT_MAPPING_KERNEL``: before ``vllm_ascend.worker.block_table`` is imported (idempotent)."""
+    import vllm.v1.worker.block_table as bt
+
+    if not isinstance(bt._compute_slot_mapping_kernel, _Launchable):
+        bt._compute_slot_mapping_kernel = _Launchable(slot_mapping_reference)
