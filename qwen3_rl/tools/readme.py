@@ -384,12 +384,18 @@ def _env_contract() -> str:
     return contract_table()
 
 
+def _env_contract_current() -> str:
+    from qwen3_rl.tools.launch.env_contract import markdown_table as contract_table
+
+    return contract_table("current")
+
+
 #: generated sections per document (path relative to the checkout), same markers everywhere
 DOC_SECTIONS: dict[str, dict[str, Callable[[], str]]] = {
     "README.md": {"counts": _counts},
     "README.zh-CN.md": {"counts": _counts_zh},
     DOC_FEATURES: {"feature-index": _feature_index, "switches": _switches, "current-set": _current_set},
-    "docs/environment.md": {"env-contract": _env_contract},
+    "docs/environment.md": {"env-contract": _env_contract, "env-contract-current": _env_contract_current},
     "docs/patches.md": {"pins": _pins, "pins_current": _pins_current, "patches": _patches, "reference": _reference},
     "docs/setups.md": {"feature-defaults": _feature_defaults},
     "docs/real_engine_tests.md": {"shims": _shims},

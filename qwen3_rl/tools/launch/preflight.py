@@ -22,7 +22,8 @@ verl command with every default resolved), then checks, all at once:
   -- the user's, then the launcher's env file(s) sourced by bash exactly as ``ray_start_npu.sh`` does
   (``--env-script`` with ``set -a``, then ``--npu-env``), then the command's Ray runtime-env variables --
   and the engine keys, against what the pinned verl / vLLM / vLLM-Ascend refuse at start-up, sleep or
-  wake-up. One line per broken rule: ``error: env-contract[<id>]: VAR=value ... (file:line)``.
+  wake-up (the rules of the pin set ``PIN_SET`` selects: seed or current). One line per broken rule:
+  ``error: env-contract[<id>]: VAR=value ... (file:line)``.
   ``--env-only`` runs just this check (the launcher runs it even with ``--no-preflight``).
 
 Each problem is one line; the command exits 1 when any error is found. Warnings (e.g. very low KV
@@ -44,10 +45,12 @@ from typing import Any
 from qwen3_rl.tools.launch.env_contract import (
     CONTRACT_CHECK,
     DEFAULT_NPU_ENV,
+    RULES_BY_SET,
     EngineContext,
     EnvResolveError,
     check_env,
     resolve_launch_env,
+    rules_for,
 )
 from qwen3_rl.tools.launch.npu_smi import NpuSmiError, parse_chip_map, run_npu_smi
 from qwen3_rl.tools.launch.train_script import TrainCommand, TrainScriptError, parse_train_script
@@ -388,10 +391,14 @@ def check_kv_concurrency(vals: Mapping[str, str], cfg: Mapping[str, Any] | None)
     return []
 
 
-def check_contract(cmd: TrainCommand, cfg: Mapping[str, Any] | None) -> list[Finding]:
-    """The environment contract on the command's environment and engine keys (one error per broken rule)."""
-    ctx = EngineContext.from_overrides(cmd.override_map(), cfg)
-    return [_err(f"{CONTRACT_CHECK}[{v.rule.id}]", v.message()) for v in check_env(cmd.env, ctx)]
+def check_contract(cmd: TrainCommand, cfg: Mapping[str, Any] | None, pin_set: str = "seed") -> list[Finding]:
+    """The environment contract of ``pin_set`` on the command's environment and engine keys (one error per broken
+    rule; a set without a contract is one warning)."""
+    if pin_set not in RULES_BY_SET:
+        return [_warn(CONTRACT_CHECK, f"pin set {pin_set}: no environment contract for this set; not checked")]
+    ctx = EngineContext.from_overrides(cmd.override_map(), cfg, pin_set=pin_set)
+    return [_err(f"{CONTRACT_CHECK}[{v.rule.id}]", v.message())
+            for v in check_env(cmd.env, ctx, rules_for(pin_set))]
 
 
 # --- file checks ---------------------------------------------------------------------------------
@@ -550,9 +557,7 @@ def run_preflight(train_script: str, env_script: str | None = None, nnodes: int 
         return [_err("script", str(exc))]
     vals = cmd.override_map()
     cfg = load_config(vals.get("actor_rollout_ref.model.path"))
-    contract = check_contract(cmd, cfg) if pin_set == "seed" else [_warn(
-        CONTRACT_CHECK, f"pin set {pin_set}: the contract's rules cite the seed set's verl / vLLM / vLLM-Ascend lines; "
-                        "not checked")]
+    contract = check_contract(cmd, cfg, pin_set)
     if env_only:
         return contract
     findings: list[Finding] = []
