@@ -28,6 +28,9 @@ drafter ``sam``                        -       :class:`~qwen3_rl.spec_decode.vll
 factory ``spec_decode_gate``           -       vLLM-Ascend: ``BatchSizeGate`` when ``disable_by_batch_size`` is
                                                set (ngram/suffix; SAM gates itself), else None
 factory ``ascend_eplb_policies``       -       vLLM-Ascend: ``{4: PackingAwareAscendPolicy}``
+vLLM-Ascend ``register_eplb_policy``   -       vLLM-Ascend 0.23 (current set, patch ``vllm_ascend 0002
+                                               eplb_policy_registry``): type 4, ``PackingAwareAscendPolicy``;
+                                               registered also on a vLLM without the seam (vLLM 0.23)
 factory ``ascend_moe_forward_impl``    -       vLLM-Ascend: the chunked-MoE-prefill wrapper when
                                                ``additional_config.moe_prefill_chunk_size`` > 0, else None
 =====================================  ======  ===============================================================
@@ -44,11 +47,18 @@ Two engine loops build the hooks (:func:`qwen3_rl.compat.step_hook.is_engine_cor
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ENGINE_STEP_HOOKS", "ENTRY_POINT", "register", "write_entry_point_metadata"]
+__all__ = [
+    "ENGINE_STEP_HOOKS",
+    "ENTRY_POINT",
+    "register",
+    "register_ascend_eplb_policies",
+    "write_entry_point_metadata",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +91,10 @@ def sibling_exchange_step_hook(engine: Any) -> Any:
     if not exchange_enabled(getattr(engine, "vllm_config", None)):
         return None
     if is_engine_core(engine):
-        raise RuntimeError("sam_config.group_exchange needs verl's sync rollout (the in-process LLMEngine); in "
-                           "server mode a prompt's samples share one engine through SERVER_ROUTING instead")
+        raise RuntimeError(
+            "sam_config.group_exchange needs verl's sync rollout (the in-process LLMEngine); in "
+            "server mode a prompt's samples share one engine through SERVER_ROUTING instead"
+        )
     hook = SiblingExchangeHook(engine)
     setattr(engine, EXCHANGE_HOOK_ATTR, hook)
     return hook
@@ -158,20 +170,49 @@ def _spec_decode_gate(vllm_config: Any) -> Any:
     return gate_factory(vllm_config)
 
 
+def register_ascend_eplb_policies() -> bool:
+    """Our EPLB policy types in vLLM-Ascend's own registry (``vllm_ascend.eplb.core.policy.policy_abstract
+    .register_eplb_policy``, added by the current set's patch ``vllm_ascend 0002 eplb_policy_registry``).
+    Returns False, registering nothing, without vLLM-Ascend or on one without that registry (the seed set's 0.13
+    asks the seam's ``ascend_eplb_policies`` factory instead)."""
+    if importlib.util.find_spec("vllm_ascend") is None:
+        return False
+    from vllm_ascend.eplb.core.policy import policy_abstract
+
+    register_policy = getattr(policy_abstract, "register_eplb_policy", None)
+    if register_policy is None:
+        return False
+    from qwen3_rl.moe.eplb_ascend_policy import extra_policies
+
+    for policy_type, policy_class in extra_policies().items():
+        register_policy(policy_type, policy_class)
+    return True
+
+
 def register() -> None:
     """Entry point ``vllm.general_plugins: qwen3_rl``. Idempotent (registries are keyed by name). On a vLLM
-    without the seam patch it logs one line and registers nothing."""
+    without the seam patch it registers the EPLB policies with a vLLM-Ascend that has their registry, logs one
+    line and registers nothing else."""
+    register_ascend_eplb_policies()
     try:
         from vllm.plugins import extensions
     except ImportError:
-        logger.warning("qwen3_rl: this vLLM has no vllm.plugins.extensions (recipe seam patch not applied); "
-                       "the recipe's rollout features are unavailable")
+        logger.warning(
+            "qwen3_rl: this vLLM has no vllm.plugins.extensions (recipe seam patch not applied); "
+            "the recipe's rollout features are unavailable"
+        )
         return
     for name, factory, order in ENGINE_STEP_HOOKS:
         extensions.register_engine_step_hook(name, factory, order)
-    extensions.register_drafter(extensions.DrafterSpec(
-        method="sam", build=build_sam_drafter, options_key="sam_config", check_input=_check_sam_input,
-        validate=_validate_sam))
+    extensions.register_drafter(
+        extensions.DrafterSpec(
+            method="sam",
+            build=build_sam_drafter,
+            options_key="sam_config",
+            check_input=_check_sam_input,
+            validate=_validate_sam,
+        )
+    )
     extensions.register_factory("spec_decode_gate", _spec_decode_gate)
     extensions.register_factory("ascend_eplb_policies", _eplb_policies)
     extensions.register_factory("ascend_moe_forward_impl", _moe_forward_impl)

@@ -1,4 +1,4 @@
-"""Our EPLB placement behind vLLM-Ascend 0.13's EPLB policy interface (no vllm_ascend import here).
+"""Our EPLB placement behind vLLM-Ascend's EPLB policy interface, 0.13 and 0.23 (no vllm_ascend import here).
 
 vLLM-Ascend 0.13 (``vllm_ascend/eplb/core/policy/policy_abstract.py``) defines
 ``EplbPolicy.__init__(self, config: DynamicConfig)`` and
@@ -6,7 +6,10 @@ vLLM-Ascend 0.13 (``vllm_ascend/eplb/core/policy/policy_abstract.py``) defines
 ``PolicyFactory.generate_policy(policy_type: int, config)`` (``policy_factory.py``) maps
 ``additional_config["eplb_policy_type"]`` (or ``additional_config["eplb_config"]["eplb_policy_type"]``,
 ``ascend_config.py``) to a class; ``EplbWorker`` (``eplb_worker.py``) calls the policy in the EPLB
-subprocess with:
+subprocess with the arrays below. vLLM-Ascend 0.23.0.post1 builds the class with no arguments
+(``policy_factory.py:38``) and reads ``additional_config["eplb_config"]["eplb_policy_type"]`` only; the current
+set's patch ``vllm_ascend 0002 eplb_policy_registry`` lets the plugin register type 4 there
+(``qwen3_rl.vllm_plugin``). The arrays:
 
 * ``current_expert_table``: ``[layers, ranks, slots]`` int tensor, logical expert id per physical slot;
 * ``expert_workload``: ``[layers, ranks, slots]`` int64 tensor, tokens each slot served since the last update
@@ -28,7 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from qwen3_rl.moe.eplb import EplbOptions, balancedness, rebalance_experts_migration_aware
+# qwen3_rl.moe.eplb (numba) is imported where it is used: the vLLM plugin imports this module in every vLLM
+# process of a vLLM-Ascend 0.23 with the policy registry (qwen3_rl.vllm_plugin), most of which never rebalance.
 
 #: The ``eplb_policy_type`` integer our vllm-ascend patch registers in ``PolicyFactory`` (0-3 are upstream's).
 ASCEND_POLICY_TYPE = 4
@@ -45,12 +49,16 @@ class PackingAwareAscendPolicy:
     """
 
     def __init__(self, config: Any = None, migration_weight: float = 0.002, min_gain: float = 0.0) -> None:
+        from qwen3_rl.moe.eplb import EplbOptions
+
         self.config = config
         self.migration_weight = float(getattr(config, "migration_weight", migration_weight))
         self.min_gain = float(getattr(config, "min_gain", min_gain))
         self.options = EplbOptions(distinct=True)
 
-    def rebalance_experts(self, current_expert_table: Any, expert_workload: Any) -> tuple[int, np.ndarray, torch.Tensor]:
+    def rebalance_experts(
+        self, current_expert_table: Any, expert_workload: Any
+    ) -> tuple[int, np.ndarray, torch.Tensor]:
         """New placement from the per-slot loads.
 
         Args:
@@ -62,10 +70,14 @@ class PackingAwareAscendPolicy:
             priority: layer indices ordered by decreasing balancedness gain (layers to update first).
             new_table: [layers, ranks, slots] int64 tensor.
         """
+        from qwen3_rl.moe.eplb import balancedness, rebalance_experts_migration_aware
+
         table = torch.as_tensor(np.asarray(current_expert_table), dtype=torch.int64)
         work = torch.as_tensor(np.asarray(expert_workload), dtype=torch.float64)
         if table.dim() != 3 or table.shape != work.shape:
-            raise ValueError(f"table {tuple(table.shape)} and workload {tuple(work.shape)} must be equal [L, R, S]")
+            raise ValueError(
+                f"table {tuple(table.shape)} and workload {tuple(work.shape)} must be equal [L, R, S]"
+            )
         num_layers, num_ranks, slots = table.shape
         prev = table.reshape(num_layers, num_ranks * slots)
         num_log = int(prev.max()) + 1
@@ -83,9 +95,10 @@ class PackingAwareAscendPolicy:
 
 
 def extra_policies() -> dict[int, type]:
-    """Policy types our vllm-ascend patch adds to ``PolicyFactory.generate_policy``'s table.
+    """Policy types our vllm-ascend patches add to ``PolicyFactory.generate_policy``'s table: the seed set's through
+    vLLM's seam factory ``ascend_eplb_policies``, the current set's through ``register_eplb_policy``.
 
-    vLLM-Ascend selects the type by ``additional_config["eplb_config"]["eplb_policy_type"]`` (or the
+    vLLM-Ascend selects the type by ``additional_config["eplb_config"]["eplb_policy_type"]`` (0.13 also the
     deprecated top-level ``additional_config["eplb_policy_type"]``), read in ``ascend_config.py``.
     """
     return {ASCEND_POLICY_TYPE: PackingAwareAscendPolicy}
