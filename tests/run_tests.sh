@@ -46,7 +46,8 @@ UPSTREAM_OWN_RUNS=("verl-own|VENV|tests/upstream_own/verl_cpu.py|verl 0.6.1's ow
                    "vllm-own|ENGINE_VENV|tests/upstream_own/vllm_cpu.py|vLLM 0.13.0's own CPU tests"
                    "vllm-ascend-own|ENGINE_VENV|tests/upstream_own/vllm_ascend_cpu.py|vLLM-Ascend 0.13.0's own unit tests on the NPU stand-in"
                    "verl091-own|VERL091_VENV|tests/upstream_own/verl091_cpu.py|verl 0.9.1's own CPU tests (current set)"
-                   "vllm023-own|CURRENT_ENGINE_VENV|tests/upstream_own/vllm023_cpu.py|vLLM 0.23.0's own CPU tests (current set)")
+                   "vllm023-own|CURRENT_ENGINE_VENV|tests/upstream_own/vllm023_cpu.py|vLLM 0.23.0's own CPU tests (current set)"
+                   "vllm-ascend023-own|CURRENT_ENGINE_VENV|tests/upstream_own/vllm_ascend023_cpu.py|vLLM-Ascend 0.23.0.post1's own unit tests on the NPU stand-in (current set)")
 
 usage() {
   cat <<'USAGE'
