@@ -36,17 +36,37 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "moe": make_tiny_model(root / "moe", TinySpec(moe=True))}
 
 
+def run_driver(script: str, args: list[str], tag: str, env: dict[str, str] | None = None) -> dict[str, dict]:
+    """Run the driver ``script`` (a file beside this one) with ``args`` in a child process, our checkout first on
+    its path (``env`` on top of this process's environment); its last stdout line starting with ``tag`` + space holds
+    a JSON list of results: returns ``{result name: result}``. A failing driver raises with its output's tail."""
+    full = dict(os.environ, **(env or {}))
+    full["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run([sys.executable, str(HERE / script), *args], capture_output=True, text=True,
+                          timeout=ENGINE_TIMEOUT_S, env=full)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(f"{tag} ")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-60:])
+        raise AssertionError(f"{script} failed (rc {proc.returncode}):\n{tail}")
+    return {r["name"]: r for r in json.loads(lines[-1][len(tag) + 1:])}
+
+
 def run_engine(spec: dict, tmp_path: Path) -> dict[str, dict]:
     """Run ``engine_driver.py`` on ``spec`` in a child process (in-process engine, our checkout first on the path);
     returns ``{run name: result}``."""
     f = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*.json')))}.json"
     f.write_text(json.dumps(spec))
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-    proc = subprocess.run([sys.executable, str(HERE / "engine_driver.py"), str(f)], capture_output=True, text=True,
-                          timeout=ENGINE_TIMEOUT_S, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ENGINE_RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-60:])
-        raise AssertionError(f"engine driver failed (rc {proc.returncode}):\n{tail}")
-    return {r["name"]: r for r in json.loads(lines[-1][len("ENGINE_RESULT "):])}
+    return run_driver("engine_driver.py", [str(f)], "ENGINE_RESULT", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+
+
+def hf_greedy(model: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """HF transformers' greedy ``generate``, one prompt at a time, float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    out = []
+    for p in prompts:
+        ids = m.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        out.append(ids[0, len(p):].tolist())
+    return out

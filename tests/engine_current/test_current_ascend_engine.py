@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +23,7 @@ import pytest
 from qwen3_rl.tools.pins import load_pins
 from qwen3_rl.tools.upstream.download import fill_pristine
 
-from conftest import ENGINE_TIMEOUT_S, HERE, REPO, run_engine
+from conftest import REPO, hf_greedy, run_driver, run_engine
 
 TOKENS = 32
 PROMPTS = [[5, 6, 7, 8, 9, 10], [20, 21, 22, 23], [30, 31, 30, 31, 30], [40, 41, 42]]
@@ -81,36 +80,7 @@ def run_ascend(spec: dict, tmp_path: Path) -> dict[str, dict]:
     """``ascend_driver.py`` on ``spec`` in a child process (in-process engine); returns ``{run name: result}``."""
     f = tmp_path / "ascend-spec.json"
     f.write_text(json.dumps(spec))
-    env = dict(
-        os.environ,
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-    )
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "ascend_driver.py"), str(f)],
-        capture_output=True,
-        text=True,
-        timeout=ENGINE_TIMEOUT_S,
-        env=env,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ENGINE_RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-60:])
-        raise AssertionError(f"vLLM-Ascend driver failed (rc {proc.returncode}):\n{tail}")
-    return {r["name"]: r for r in json.loads(lines[-1][len("ENGINE_RESULT ") :])}
-
-
-def hf_greedy(model: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """HF transformers' greedy ``generate``, one prompt at a time, float32."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    out = []
-    for p in prompts:
-        ids = m.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        out.append(ids[0, len(p) :].tolist())
-    return out
+    return run_driver("ascend_driver.py", [str(f)], "ENGINE_RESULT", {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
 
 
 @pytest.fixture(scope="module")

@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import bisect
 import gc
-import json
-import os
-import subprocess
-import sys
 from collections import deque
 from concurrent.futures import Future
 from contextlib import nullcontext
@@ -27,9 +23,8 @@ from typing import Any
 
 import pytest
 
-from conftest import ENGINE_TIMEOUT_S, REPO
+from conftest import run_driver
 
-HERE = Path(__file__).resolve().parent
 ON = {"qwen3_rl": {"disable_gc": True}}
 
 
@@ -37,22 +32,7 @@ ON = {"qwen3_rl": {"disable_gc": True}}
 def gc_runs(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     """``gc_driver.py`` on the dense tiny model: {run name: result}."""
     root = tmp_path_factory.mktemp("gc-traces")
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-    )
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "gc_driver.py"), str(tiny_models["dense"]), str(root)],
-        capture_output=True,
-        text=True,
-        timeout=ENGINE_TIMEOUT_S,
-        env=env,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("GC_RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-60:])
-        raise AssertionError(f"gc driver failed (rc {proc.returncode}):\n{tail}")
-    return {r["name"]: r for r in json.loads(lines[-1][len("GC_RESULT ") :])}
+    return run_driver("gc_driver.py", [str(tiny_models["dense"]), str(root)], "GC_RESULT")
 
 
 def summary(trace: dict) -> dict[str, int]:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_engine
+from conftest import hf_greedy, run_engine
 
 K = 3
 KMAX = 7
@@ -40,19 +40,6 @@ def sam(k: int = K, **sam_config) -> dict:
 SUFFIX = {"speculative_config": {"method": "suffix", "num_speculative_tokens": K}}
 NGRAM = {"speculative_config": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3,
                                 "prompt_lookup_min": 1}}
-
-
-def hf_greedy(model: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
-    """HF transformers' greedy ``generate``, one prompt at a time, float32."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
-    out = []
-    for p in prompts:
-        ids = m.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-        out.append(ids[0, len(p):].tolist())
-    return out
 
 
 @pytest.fixture(scope="module", params=["dense", "moe"])
