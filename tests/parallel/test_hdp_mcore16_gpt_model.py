@@ -1,0 +1,114 @@
+"""Current set: megatron-core 0.16.1's own ``hybrid_context_parallel`` in its own GPTModel equals the plain CP step.
+
+The current-set counterpart of ``test_hdp_gpt_model.py`` (issue 44 item 2). World 4 on gloo, TP = PP = 1. The model
+is megatron-core 0.16.1's ``GPTModel`` (the current set's venv, ``tests/setup_verl091_env.sh``; the current megatron
+series, ``patches/current/megatron``, touches only dist checkpointing) in the Qwen3 shape of the seed test, built
+from megatron's Transformer Engine layer spec with the CPU stand-ins of ``qwen3_rl/cpu_device/megatron16_shims.py``.
+The step runs in ``tests/helpers/hdp_mcore16_driver.py`` (docstring: what is upstream, what is a device shim):
+
+- off: DP 2 x CP 2, megatron's no-pipelining schedule, every sample over its DP group's whole CP group
+  (``get_batch_on_this_cp_rank``);
+- hybrid: the same 4 ranks as one DP x CP domain with ``hybrid_context_parallel=True``: upstream's
+  ``BalancedCPScheduler`` places each sample on 1 or 2 ranks, ``hybrid_context_parallel_forward_backward`` runs one
+  pass per sample, ``PackedSeqParams.cp_group`` / ``local_cp_size`` select RoPE's and attention's group.
+
+Core attention: megatron's own path (``TEDotProductAttention``'s place in the spec) with a CPU stand-in for TE's CP
+flash attention, not MindSpeed's (docs/hdp.md, current set). Per-token loss (``calculate_per_token_loss``): the
+reduced gradient is the token mean over all 4 ranks' samples in both runs. Checked: every sample's loss sum (so each
+DP group's loss) and every parameter's reduced gradient agree within the seed test's tolerances; positive controls:
+the hybrid run took the hybrid path (samples with ``local_cp_size`` 1 and 2 from the schedule, attention calls on
+groups of size 1 and 2 counted), the plain run ran every attention call on the CP group of 2, and the two runs'
+samples were placed differently.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from conftest import REPO
+from helpers.current_verl import run_in_venv
+
+DRIVER = REPO / "tests" / "helpers" / "hdp_mcore16_driver.py"
+# the seed test's tolerances (tests/parallel/test_hdp_gpt_model.py: float32, different reduction orders)
+GRAD_RTOL, GRAD_ATOL, LOSS_RTOL = 1e-4, 1e-6, 1e-5
+
+
+def _run(modes: str) -> dict:
+    proc = run_in_venv(
+        ["-W", "ignore", str(DRIVER), modes], [REPO, REPO / "qwen3_rl" / "cpu_device"], timeout=400, cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("JSON"))
+    out = json.loads(line[4:])
+    for rank, res in enumerate(out["ranks"]):
+        assert isinstance(res, dict), f"rank {rank} failed:\n{res}"
+    return out
+
+
+def _sample_sums(run: dict) -> dict[int, float]:
+    """Each sample's loss sum over all its tokens (the ranks that ran it each hold a part)."""
+    sums: dict[int, float] = {}
+    for res in run["ranks"]:
+        for gid, v in res["loss_sums"].items():
+            sums[int(gid)] = sums.get(int(gid), 0.0) + v
+    return sums
+
+
+def test_hybrid_cp_step_equals_cp_step_in_megatron16_gpt_model() -> None:
+    """Megatron-core 0.16.1's hybrid CP step and its plain DP 2 x CP 2 step, same model and samples: equal per-DP-group
+    losses and reduced gradients (tolerances above); the hybrid path was taken with CP groups of 1 and 2."""
+    got = _run("off,hybrid")
+    off, hyb = ({"lens": got["lens"], "ranks": [r[mode] for r in got["ranks"]]} for mode in ("off", "hybrid"))
+    # positive controls: the plain run put every attention call on the CP group of 2 ...
+    for res in off["ranks"]:
+        assert res["attention_group_sizes"] == {"2": 10} and res["local_cp_sizes"] == {}
+    # ... the hybrid run took upstream's schedule: one pass per sample, CP sizes 1 and 2 (the 32-token sample over
+    # the budget of 24 on 2 ranks), attention on the matching groups
+    lens = off["lens"]  # lengths by global id: DP rank 0's five, then DP rank 1's
+    assert len(lens) == 10
+    schedule = hyb["ranks"][0]["schedule"]
+    assert all(res["schedule"] == schedule for res in hyb["ranks"])
+    held = {g: sum(g in ids for group in schedule for ids in group) for g in range(len(lens))}
+    assert sorted(held) == list(range(len(lens))) and held[5] == 2 and 1 in held.values()
+    sizes: dict[str, int] = {}
+    for rank, res in enumerate(hyb["ranks"]):
+        assert {int(g): k for g, k in res["local_cp_sizes"].items()} == {
+            g: held[g] for group in schedule for g in group[rank]
+        }
+        n_passes = sum(len(group[rank]) for group in schedule)
+        assert sum(res["attention_group_sizes"].values()) == 2 * n_passes  # 2 layers
+        for k, n in res["attention_group_sizes"].items():
+            sizes[k] = sizes.get(k, 0) + n
+    assert set(sizes) == {"1", "2"}, sizes
+
+    # ... and moved samples across the plain run's DP groups (global ids 0-4 are DP group 0's, on ranks 0-1)
+    assert any(g >= 5 for group in schedule for ids in group[:2] for g in ids)
+
+    s_off, s_hyb = _sample_sums(off), _sample_sums(hyb)
+    assert sorted(s_off) == sorted(s_hyb) == list(range(len(lens)))
+    worst = {"loss": 0.0, "grad": 0.0}
+    for dp in (0, 1):  # each DP group's token-mean loss (its samples as the plain run's DP group held them)
+        ids = range(5 * dp, 5 * dp + 5)
+        n_tok = sum(lens[g] for g in ids)
+        lo, lh = sum(s_off[g] for g in ids) / n_tok, sum(s_hyb[g] for g in ids) / n_tok
+        assert lo > 0 and abs(lh - lo) <= LOSS_RTOL * lo, (dp, lh, lo)
+        worst["loss"] = max(worst["loss"], abs(lh - lo) / lo)
+    for g in s_off:
+        assert abs(s_hyb[g] - s_off[g]) <= LOSS_RTOL * s_off[g], (g, s_hyb[g], s_off[g])
+    ref = off["ranks"][0]["grads"]
+    assert len(ref) > 10
+    for r in range(4):
+        assert hyb["ranks"][r]["grads"].keys() == ref.keys()
+        for name, g_off in ref.items():
+            a, e = torch.tensor(hyb["ranks"][r]["grads"][name]), torch.tensor(g_off)
+            assert e.abs().max() > 0, f"{name}: zero gradient"
+            torch.testing.assert_close(a, e, rtol=GRAD_RTOL, atol=GRAD_ATOL, msg=f"rank {r} {name}")
+            assert torch.equal(torch.tensor(off["ranks"][r]["grads"][name]), e)  # every rank holds the same
+            worst["grad"] = max(worst["grad"], float((a - e).abs().max() / e.abs().max()))
+    print(
+        f"\nmegatron-core 0.16.1 hybrid CP vs CP 2: loss rel diff {worst['loss']:.2e}, grad max|diff|/max|grad| "
+        f"{worst['grad']:.2e}; schedule {schedule}; attention calls by group size {sizes}; DP-group losses "
+        f"{[round(sum(s_off[g] for g in range(5 * d, 5 * d + 5)) / sum(lens[5 * d : 5 * d + 5]), 6) for d in (0, 1)]}"
+    )
