@@ -115,6 +115,20 @@ def pytest_report_header(config: pytest.Config) -> str:
 PYPI_KEYS = [k for k, fw in PINS.frameworks.items() if fw.on_pypi]
 
 
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3-MoE HF checkpoint (``qwen3_rl.tools.tiny_model``) with ``tokens.pt``: int64 [2, 13] token ids
+    (seed 3) for the logits checks of the converter and checkpoint tests."""
+    import torch
+
+    from qwen3_rl.tools.tiny_model import TinySpec, make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("tiny") / "moe", TinySpec(moe=True))
+    g = torch.Generator().manual_seed(3)
+    torch.save(torch.randint(1, 500, (2, 13), generator=g), path / "tokens.pt")
+    return path
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now (for a gloo store or a stand-in server)."""
     with socket.socket() as s:

@@ -30,14 +30,6 @@ LOGITS_ATOL = 1e-5  # float32 forward of the same bfloat16 weights in two implem
 DRIVER = REPO / "tests" / "helpers" / "actor_load_driver.py"
 
 
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from qwen3_rl.tools.tiny_model import TinySpec, make_tiny_model
-
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny") / "moe", TinySpec(moe=True))
-    g = torch.Generator().manual_seed(3)
-    torch.save(torch.randint(1, 500, (2, 13), generator=g), path / "tokens.pt")
-    return path
 
 
 #: variant -> (converter ranks, converter flags)

@@ -36,14 +36,6 @@ LEGACY_EXPERTS = [f"decoder.layers.{i}.mlp.experts.weight{w}" for i in range(2) 
 TE_FACTORIES = [f"decoder.layers.{i}.mlp.experts.linear_fc1.weight{e}" for i in range(2) for e in range(4)]
 
 
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from qwen3_rl.tools.tiny_model import TinySpec, make_tiny_model
-
-    path = make_tiny_model(tmp_path_factory.mktemp("tiny") / "moe", TinySpec(moe=True))
-    g = torch.Generator().manual_seed(3)
-    torch.save(torch.randint(1, 500, (2, 13), generator=g), path / "tokens.pt")
-    return path
 
 
 def _run(args: list[str], tree: Path | None, out: Path) -> dict:
