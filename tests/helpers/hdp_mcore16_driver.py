@@ -11,6 +11,8 @@ BUDGET)``: megatron's ``get_forward_backward_func`` takes ``hybrid_context_paral
 (``pipeline_parallel/schedules.py:615-616``), upstream's ``BalancedCPScheduler`` places the samples, each sample
 is cut by ``get_batch_on_this_hybrid_cp_rank`` (``utils.py:2086-2132``) for its sub-group, ``PackedSeqParams``
 carries ``cp_group`` / ``local_cp_size`` to RoPE (``gpt_model.py:368-373``) and core attention).
+The hybrid model has ``context_parallel_size`` 1 (all of its CP is the per-sample sub-groups): RoPE uses the model's
+CP group for a sample without one (``rotary_pos_embedding.py:199-204``), so with 2 a sample on one rank fails.
 
 Upstream code that runs: megatron-core 0.16.1's GPTModel (Qwen3 shape: RMSNorm, q/k norm, GQA, SwiGLU, RoPE,
 untied output), its DDP and ``finalize_model_grads`` (per-token loss: gradients over the DP x CP token count), its

@@ -13,7 +13,19 @@ The step runs in ``tests/helpers/hdp_mcore16_driver.py`` (docstring: what is ups
   pass per sample, ``PackedSeqParams.cp_group`` / ``local_cp_size`` select RoPE's and attention's group.
 
 Core attention: megatron's own path (``TEDotProductAttention``'s place in the spec) with a CPU stand-in for TE's CP
-flash attention, not MindSpeed's (docs/hdp.md, current set). Per-token loss (``calculate_per_token_loss``): the
+flash attention, not MindSpeed's. Why not MindSpeed core_r0.16.0 (a reading of its tree, not run): hybrid CP needs
+``context_parallel_size`` 1 in the model, since RoPE falls back to the model's CP group for a sample without one
+(megatron ``models/common/embeddings/rotary_pos_embedding.py:199-204``; run with 2, a sample on one rank stops in
+``rope_utils.py:125``: 16 vs 8 rows). At CP size 1 MindSpeed registers its own ``TEDotProductAttention``
+(``mindspeed/features_manager/megatron_basic/transformer_engine_basic.py:62``), which picks plain flash attention at
+construction (``mindspeed/te/pytorch/attention/dot_product_attention/dot_product_attention.py:216-231, 604-614``),
+never calls ``set_context_parallel_group`` (megatron's TE wrapper does, ``extensions/transformer_engine.py:
+1346-1363``) and ignores the ``local_cp_size`` / ``cp_group`` it is handed (``:325-326``, passed on at ``:675``): a
+sample on two ranks would attend only its local half. At CP size > 1 its ``MindSpeedCPDotProductAttention``
+(``features_manager/context_parallel/context_parallel_feature.py:114-115``) rings over the fixed CP group
+(``mindspeed/core/context_parallel/dot_product_attention.py:224``). Not measured here: MindSpeed's TE attention
+needs an SBH-layout stand-in of ``npu_fusion_attention`` (``te/.../backend.py:90``; ``tests/helpers/mindspeed_shims.py``
+has TND only). Per-token loss (``calculate_per_token_loss``): the
 reduced gradient is the token mean over all 4 ranks' samples in both runs. Checked: every sample's loss sum (so each
 DP group's loss) and every parameter's reduced gradient agree within the seed test's tolerances; positive controls:
 the hybrid run took the hybrid path (samples with ``local_cp_size`` 1 and 2 from the schedule, attention calls on
