@@ -54,7 +54,11 @@ ADDITIONAL_CONFIG_KEY = "qwen3_rl"
 #: SAM options that need request ids / prompt lengths, which ``custom_class`` does not pass
 NEEDS_REQUEST_IDS = ("group_mode", "group_exchange", "history_responses")
 #: the worker that binds the proposer to its runner (``custom_class_worker``), which gives it request ids
-BINDING_WORKERS = ("qwen3_rl.spec_decode.custom_class_worker.SamCPUWorker",)
+#: (vLLM-Ascend 0.23: ``ascend023_worker``, whose drafter reads its runner)
+BINDING_WORKERS = (
+    "qwen3_rl.spec_decode.custom_class_worker.SamCPUWorker",
+    "qwen3_rl.spec_decode.ascend023_worker.SamNPUWorker",
+)
 #: token positions probed from each end of a held text to recognise its row (``RowIdentity``)
 PROBES = 4
 

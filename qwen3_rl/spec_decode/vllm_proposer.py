@@ -20,6 +20,7 @@ from typing import Any
 from qwen3_rl.spec_decode.bs_threshold import BatchSizeGate, propose_or_skip
 from qwen3_rl.spec_decode.config import config_from_vllm_config
 from qwen3_rl.spec_decode.runner_drafter import SamRunnerDrafter
+from qwen3_rl.spec_decode.sam import SamConfig
 
 
 class SamVllmProposer:
@@ -29,12 +30,15 @@ class SamVllmProposer:
         vllm_config: engine config; ``speculative_config.method`` must be "sam" (validated again).
         runner: the model runner that owns this drafter; its ``input_batch`` and ``requests`` are
             read at each step, never written.
+        config: the drafter's config when it comes from elsewhere (vLLM-Ascend 0.23's worker:
+            ``additional_config``); None = from ``speculative_config`` (method "sam").
     """
 
     name = "sam"
 
-    def __init__(self, vllm_config: Any, runner: Any) -> None:
-        config = config_from_vllm_config(vllm_config)
+    def __init__(self, vllm_config: Any, runner: Any, config: SamConfig | None = None) -> None:
+        if config is None:
+            config = config_from_vllm_config(vllm_config)
         self.vllm_config = vllm_config
         self.runner = runner
         self.k = config.num_speculative_tokens

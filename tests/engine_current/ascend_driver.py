@@ -5,11 +5,16 @@ fused MoE) on vLLM 0.23.0 over the recipe's CPU stand-in for torch_npu, in this 
 
 SPEC: {"tree": the vLLM-Ascend 0.23 source tree (pristine or patched), "model": DIR, "prompts": [[token ids], ...],
        "runs": [{"name": str, "model": optional DIR (default SPEC's), "llm": {LLM kwargs},
-                 "sampling": {SamplingParams kwargs}}, ...]}
+                 "sampling": {SamplingParams kwargs},
+                 "phases": optional [{"name": str, "prompts": [[token ids], ...], "waves": [[prompt indices], ...],
+                                      "rpc": optional [worker method, argument]}, ...]}, ...]}
 Each result: {"name", "outputs": [[token ids] per prompt], "platform": vLLM's current platform class,
 "runner": the worker's model-runner class, "attn_backends": the attention layers' implementation classes,
 "npu_calls": the stand-in kernels called so far ({name: calls}), "metrics": vLLM's spec-decode counters
-(``LLM.get_metrics()``), "drafter": the runner's drafter class}.
+(``LLM.get_metrics()``), "drafter": the runner's drafter class}. A run with phases gives one result per phase, named
+"<run>:<phase>", in the same engine: the worker RPC first (``LLM.collective_rpc``; its return value is "rpc"), then one
+``generate`` per wave; "outputs" in the phase's prompt order, "metrics" counted over the phase alone,
+"sam": our SAM drafter's group mode and k (absent for other drafters).
 
 Every run: float32, eager (NPU graphs need the device runtime), vLLM-Ascend's custom ops (its default), the
 in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), 64 KV blocks.
@@ -47,7 +52,6 @@ def main() -> int:
     vllm023_shims.install_ascend()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-    from vllm.platforms import current_platform
 
     results = []
     for run in spec["runs"]:
@@ -64,35 +68,61 @@ def main() -> int:
         kwargs.update(run.get("llm", {}))
         llm = LLM(**kwargs)
         base = {"temperature": 0.0, "max_tokens": 32, "ignore_eos": True, **run.get("sampling", {})}
-        res = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]],
-            [SamplingParams(**base) for _ in spec["prompts"]],
-            use_tqdm=False,
-        )
-        runner = runner_of(llm)
-        layers = runner.vllm_config.compilation_config.static_forward_context.values()
-        results.append(
-            {
-                "name": run["name"],
-                "outputs": [list(o.outputs[0].token_ids) for o in res],
-                "platform": type(current_platform).__name__,
-                "runner": f"{type(runner).__module__}.{type(runner).__name__}",
-                "attn_backends": sorted(
-                    {
-                        type(getattr(m, "impl", None)).__name__
-                        for m in layers
-                        if getattr(m, "impl", None) is not None
-                    }
-                ),
-                "npu_calls": dict(stand_in.CALLS),
-                "metrics": counters(llm),
-                "drafter": type(getattr(runner, "drafter", None)).__name__,
-            }
-        )
+        phases = run.get("phases") or [{"name": None, "prompts": spec["prompts"]}]
+        for phase in phases:
+            prompts = phase["prompts"]
+            rpc = llm.collective_rpc(phase["rpc"][0], args=(phase["rpc"][1],)) if phase.get("rpc") else None
+            before = counters(llm)
+            outs: dict[int, list[int]] = {}
+            for wave in phase.get("waves") or [list(range(len(prompts)))]:
+                res = llm.generate(
+                    [TokensPrompt(prompt_token_ids=prompts[i]) for i in wave],
+                    [SamplingParams(**base) for _ in wave],
+                    use_tqdm=False,
+                )
+                outs.update({i: list(o.outputs[0].token_ids) for i, o in zip(wave, res, strict=True)})
+            after = counters(llm)
+            name = run["name"] if phase["name"] is None else f"{run['name']}:{phase['name']}"
+            results.append(
+                result(
+                    llm,
+                    name,
+                    [outs[i] for i in sorted(outs)],
+                    stand_in.CALLS,
+                    {k: v - before.get(k, 0.0) for k, v in after.items()},
+                    rpc,
+                )
+            )
         del llm
         gc.collect()
     print("ENGINE_RESULT " + json.dumps(results))
     return 0
+
+
+def result(llm, name: str, outputs: list[list[int]], calls: dict, metrics: dict, rpc: object) -> dict:  # noqa: ANN001
+    """One result entry (see the module docstring)."""
+    from vllm.platforms import current_platform
+
+    runner = runner_of(llm)
+    layers = runner.vllm_config.compilation_config.static_forward_context.values()
+    drafter = getattr(runner, "drafter", None)
+    sam = getattr(drafter, "sam", None)
+    out = {
+        "name": name,
+        "outputs": outputs,
+        "platform": type(current_platform).__name__,
+        "runner": f"{type(runner).__module__}.{type(runner).__name__}",
+        "attn_backends": sorted(
+            {type(getattr(m, "impl", None)).__name__ for m in layers if getattr(m, "impl", None) is not None}
+        ),
+        "npu_calls": dict(calls),
+        "metrics": metrics,
+        "drafter": type(drafter).__name__,
+        "rpc": rpc,
+    }
+    if sam is not None:
+        out["sam"] = {"group_mode": bool(sam.config.group_mode), "k": int(sam.k)}
+    return out
 
 
 if __name__ == "__main__":
