@@ -22,8 +22,12 @@ CUDA calls); ``CpuCPAttention`` below stands in for TE's context-parallel flash 
 the local query chunks against the key/value chunks all-gathered over the attention's CP group, the group chosen
 as megatron's TE wrapper chooses it (``extensions/transformer_engine.py:1346-1363``: ``packed_seq_params.cp_group``
 if given, none when ``local_cp_size == 1``, else the model's CP group); ``NoPinTorch``: pinned host memory needs a
-CUDA allocator (``utils.py:2114-2117`` pins ``cu_seqlens``, ``models/common/embeddings/rope_utils.py:62`` its CP index), so
-``pin_memory`` is dropped in those two modules.
+CUDA allocator (``utils.py:2114-2117`` pins ``cu_seqlens``, ``models/common/embeddings/rope_utils.py:62`` its CP
+index), so ``pin_memory`` is dropped in those two modules.
+Mode ``hybrid-mindspeed``: the hybrid step with MindSpeed core_r0.16.0's ``TEDotProductAttention`` (the tree named by
+``QWEN3_RL_MS16_TREE``) as core attention, with ``tests/helpers/mindspeed_shims.py`` (torch_npu stand-ins) plus,
+here: ``npu_fusion_attention_sbh`` (MindSpeed's flash backend calls the kernel in layout SBH; the stand-in has TND),
+MindSpeed's causal mask made on the CPU, and ``torch.npu.Stream`` / ``torch_npu.npu.Stream`` for two annotations.
 Not used: ``HybridCPDataLoaderWrapper`` (its rerouting all-to-all of sample tensors); every rank builds every sample
 from the same seed and keeps the ones the scheduler gives it, the schedule computed by the real
 ``BalancedCPScheduler.get_groups_and_subsamples`` on the wrapper's global ids (DP rank order).
@@ -194,12 +198,90 @@ def fc1_tp1(cls: type) -> type:
     return Fc1
 
 
+def npu_fusion_attention_sbh(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_num: int,
+    input_layout: str,
+    **kw: object,
+) -> tuple:
+    """``torch_npu.npu_fusion_attention`` for layout ``SBH`` (MindSpeed's flash-attention backend,
+    ``mindspeed/te/pytorch/attention/dot_product_attention/backend.py:90``), one batch row at a time through the
+    TND stand-in of ``tests/helpers/mindspeed_shims.py``: q [S, B, N*D], k/v [S, B, Nkv*D] -> ([S, B, N*D], ...).
+    Causal ``sparse_mode`` 2 (top-left) is the stand-in's 3 (bottom-right) for square q/k."""
+    from helpers import mindspeed_shims
+
+    if input_layout != "SBH":
+        return mindspeed_shims.npu_fusion_attention(query, key, value, head_num, input_layout, **kw)
+    s, b, h = query.shape
+    d = h // head_num
+    assert key.shape[0] == s and kw.get("actual_seq_qlen") is None
+    if kw.get("sparse_mode") == 2:
+        kw["sparse_mode"] = 3
+    kw.update(actual_seq_qlen=[s], actual_seq_kvlen=[s])
+    outs = [
+        mindspeed_shims.npu_fusion_attention(
+            query[:, i].reshape(s, head_num, d),
+            key[:, i].reshape(s, -1, d),
+            value[:, i].reshape(s, -1, d),
+            head_num,
+            "TND",
+            **kw,
+        )[0].reshape(s, h)
+        for i in range(b)
+    ]
+    return (torch.stack(outs, 1),)
+
+
+def mindspeed_attention(counts: dict[int, int]) -> type:
+    """MindSpeed core_r0.16.0's ``TEDotProductAttention`` (what it registers at model CP size 1,
+    ``features_manager/megatron_basic/transformer_engine_basic.py:62``); ``counts[k]`` counts calls handed a sample of
+    ``local_cp_size`` k."""
+    from mindspeed.te.pytorch.attention.dot_product_attention.dot_product_attention import (
+        TEDotProductAttention,
+    )
+
+    class Counted(TEDotProductAttention):
+        def forward(
+            self,
+            query: torch.Tensor,
+            key: torch.Tensor,
+            value: torch.Tensor,
+            attention_mask: torch.Tensor | None,
+            attn_mask_type: object = None,
+            attention_bias: torch.Tensor | None = None,
+            packed_seq_params: object = None,
+        ) -> torch.Tensor:
+            """MindSpeed's forward, counted; q/k/v [s_local, b, heads, head_dim] -> [s_local, b, heads * head_dim]."""
+            k = (
+                1
+                if packed_seq_params is None or packed_seq_params.local_cp_size is None
+                else int(packed_seq_params.local_cp_size)
+            )
+            counts[k] = counts.get(k, 0) + 1
+            return super().forward(
+                query, key, value, attention_mask, attn_mask_type, attention_bias, packed_seq_params
+            )
+
+    return Counted
+
+
 def worker(rank: int, port: int, modes: list[str], q) -> None:
     """One gloo rank: for each of ``modes`` in turn, megatron's parallel state set up afresh, build the model and run
     one step; put ``{mode: results}`` on ``q``."""
     from qwen3_rl.cpu_device import megatron16_shims
 
     megatron16_shims.install()
+    if "hybrid-mindspeed" in modes:
+        sys.path.append(os.environ["QWEN3_RL_MS16_TREE"])
+        from helpers import mindspeed_shims
+
+        mindspeed_shims.install()
+        sys.modules["torch_npu"].npu_fusion_attention = npu_fusion_attention_sbh
+        # annotations only (``dot_product_attention.py:162, 257``, evaluated at definition); CP streams unused
+        torch.npu.Stream = type("Stream", (), {})
+        sys.modules["torch_npu"].npu = types.SimpleNamespace(Stream=torch.npu.Stream)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
@@ -238,7 +320,7 @@ def run_rank(rank: int, mode: str) -> dict:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     mutils.torch = rope_utils.torch = NoPinTorch("torch")
-    hybrid = mode == "hybrid"
+    hybrid = mode in ("hybrid", "hybrid-mindspeed")
     if hybrid:
         mpu.initialize_model_parallel(hybrid_context_parallel=True)
     else:
@@ -273,7 +355,15 @@ def run_rank(rank: int, mode: str) -> dict:
         max_seqlen_per_dp_cp_rank=BUDGET if hybrid else None,
     )
     spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=True)
-    spec.submodules.self_attention.submodules.core_attention = make_attention(counts)
+    if mode == "hybrid-mindspeed":
+        config.use_flash_attn, config.attention_mask_type = True, "causal"  # MindSpeed's config fields
+        from mindspeed.core.transformer.flash_attention.generate_mask import generate_mask
+
+        # MindSpeed's compressed causal mask, made on the CPU (``generate_mask.py:62`` puts it on the NPU)
+        generate_mask.generate_attention_mask(config, True, "cpu")
+        spec.submodules.self_attention.submodules.core_attention = mindspeed_attention(counts)
+    else:
+        spec.submodules.self_attention.submodules.core_attention = make_attention(counts)
     spec.submodules.mlp.submodules.linear_fc1 = fc1_tp1(spec.submodules.mlp.submodules.linear_fc1)
     model = GPTModel(
         config,
@@ -354,7 +444,7 @@ def main() -> None:
     import torch.multiprocessing as mp
 
     modes = sys.argv[1].split(",")
-    assert set(modes) <= {"off", "hybrid"}, modes
+    assert set(modes) <= {"off", "hybrid", "hybrid-mindspeed"}, modes
     import socket
 
     with socket.socket() as s:

@@ -21,12 +21,12 @@ flash attention, not MindSpeed's. Why not MindSpeed core_r0.16.0 (a reading of i
 construction (``mindspeed/te/pytorch/attention/dot_product_attention/dot_product_attention.py:216-231, 604-614``),
 never calls ``set_context_parallel_group`` (megatron's TE wrapper does, ``extensions/transformer_engine.py:
 1346-1363``) and ignores the ``local_cp_size`` / ``cp_group`` it is handed (``:325-326``, passed on at ``:675``): a
-sample on two ranks would attend only its local half. At CP size > 1 its ``MindSpeedCPDotProductAttention``
+sample on two ranks attends only its local half. At CP size > 1 its ``MindSpeedCPDotProductAttention``
 (``features_manager/context_parallel/context_parallel_feature.py:114-115``) rings over the fixed CP group
-(``mindspeed/core/context_parallel/dot_product_attention.py:224``). Not measured here: MindSpeed's TE attention
-needs an SBH-layout stand-in of ``npu_fusion_attention`` (``te/.../backend.py:90``; ``tests/helpers/mindspeed_shims.py``
-has TND only). Per-token loss (``calculate_per_token_loss``): the
-reduced gradient is the token mean over all 4 ranks' samples in both runs. Checked: every sample's loss sum (so each
+(``mindspeed/core/context_parallel/dot_product_attention.py:224``). Measured in
+``test_mindspeed16_attention_breaks_hybrid_cp``: the hybrid step with MindSpeed's attention (its flash backend on
+the repo's torch_npu kernel stand-ins). Per-token loss (``calculate_per_token_loss``): the reduced gradient is the
+token mean over all 4 ranks' samples in both runs. Checked: every sample's loss sum (so each
 DP group's loss) and every parameter's reduced gradient agree within the seed test's tolerances; positive controls:
 the hybrid run took the hybrid path (samples with ``local_cp_size`` 1 and 2 from the schedule, attention calls on
 groups of size 1 and 2 counted), the plain run ran every attention call on the CP group of 2, and the two runs'
@@ -36,27 +36,45 @@ samples were placed differently.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
 import torch
 
 from conftest import REPO
+from helpers.current_set import MINDSPEED, apply, series
 from helpers.current_verl import run_in_venv
+from helpers.mindspeed_tree import pinned_mindspeed_workspace
 
 DRIVER = REPO / "tests" / "helpers" / "hdp_mcore16_driver.py"
 # the seed test's tolerances (tests/parallel/test_hdp_gpt_model.py: float32, different reduction orders)
 GRAD_RTOL, GRAD_ATOL, LOSS_RTOL = 1e-4, 1e-6, 1e-5
 
 
-def _run(modes: str) -> dict:
+MODES = ("off", "hybrid", "hybrid-mindspeed")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """The three runs of the driver in one set of 4 ranks: ``{mode: {"lens": [...], "ranks": [per-rank results]}}``.
+    MindSpeed core_r0.16.0 (verified archive, current series applied) is on the path of the third."""
+    ws = pinned_mindspeed_workspace(tmp_path_factory.mktemp("ms16"), MINDSPEED)
+    tree = ws / MINDSPEED.dir
+    apply(tree, series("mindspeed"))
+    path = [REPO, REPO / "qwen3_rl" / "cpu_device", REPO / "tests"]
     proc = run_in_venv(
-        ["-W", "ignore", str(DRIVER), modes], [REPO, REPO / "qwen3_rl" / "cpu_device"], timeout=400, cwd=REPO
+        ["-W", "ignore", str(DRIVER), ",".join(MODES)],
+        path,
+        timeout=400,
+        cwd=REPO,
+        env={"QWEN3_RL_MS16_TREE": str(Path(tree))},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("JSON"))
-    out = json.loads(line[4:])
-    for rank, res in enumerate(out["ranks"]):
+    got = json.loads(line[4:])
+    for rank, res in enumerate(got["ranks"]):
         assert isinstance(res, dict), f"rank {rank} failed:\n{res}"
-    return out
+    return {mode: {"lens": got["lens"], "ranks": [r[mode] for r in got["ranks"]]} for mode in MODES}
 
 
 def _sample_sums(run: dict) -> dict[int, float]:
@@ -68,11 +86,10 @@ def _sample_sums(run: dict) -> dict[int, float]:
     return sums
 
 
-def test_hybrid_cp_step_equals_cp_step_in_megatron16_gpt_model() -> None:
+def test_hybrid_cp_step_equals_cp_step_in_megatron16_gpt_model(runs: dict[str, dict]) -> None:
     """Megatron-core 0.16.1's hybrid CP step and its plain DP 2 x CP 2 step, same model and samples: equal per-DP-group
     losses and reduced gradients (tolerances above); the hybrid path was taken with CP groups of 1 and 2."""
-    got = _run("off,hybrid")
-    off, hyb = ({"lens": got["lens"], "ranks": [r[mode] for r in got["ranks"]]} for mode in ("off", "hybrid"))
+    off, hyb = runs["off"], runs["hybrid"]
     # positive controls: the plain run put every attention call on the CP group of 2 ...
     for res in off["ranks"]:
         assert res["attention_group_sizes"] == {"2": 10} and res["local_cp_sizes"] == {}
@@ -123,4 +140,43 @@ def test_hybrid_cp_step_equals_cp_step_in_megatron16_gpt_model() -> None:
         f"\nmegatron-core 0.16.1 hybrid CP vs CP 2: loss rel diff {worst['loss']:.2e}, grad max|diff|/max|grad| "
         f"{worst['grad']:.2e}; schedule {schedule}; attention calls by group size {sizes}; DP-group losses "
         f"{[round(sum(s_off[g] for g in range(5 * d, 5 * d + 5)) / sum(lens[5 * d : 5 * d + 5]), 6) for d in (0, 1)]}"
+    )
+
+
+def test_mindspeed16_attention_breaks_hybrid_cp(runs: dict[str, dict]) -> None:
+    """The same hybrid step with MindSpeed core_r0.16.0's ``TEDotProductAttention`` (what it registers at model CP
+    size 1) as core attention: it is handed ``local_cp_size`` 2 for the samples on rank pairs, ignores it, and those
+    samples' losses and the gradients differ from the plain step; the samples on one rank agree (positive control:
+    MindSpeed's attention and its kernel stand-in are right where no CP is needed)."""
+    off, hyb, ms = runs["off"], runs["hybrid"], runs["hybrid-mindspeed"]
+    lens = off["lens"]
+    schedule = ms["ranks"][0]["schedule"]
+    assert schedule == hyb["ranks"][0]["schedule"]
+    held = {g: sum(g in ids for group in schedule for ids in group) for g in range(len(lens))}
+    pairs = sorted(g for g, k in held.items() if k == 2)
+    assert pairs and len(pairs) < len(lens)
+    # MindSpeed's attention was called with the hybrid schedule's local_cp_size on every rank
+    for r in range(4):
+        assert ms["ranks"][r]["attention_group_sizes"] == hyb["ranks"][r]["attention_group_sizes"]
+    s_off, s_ms = _sample_sums(off), _sample_sums(ms)
+    single = [g for g in range(len(lens)) if g not in pairs]
+    for g in single:
+        assert abs(s_ms[g] - s_off[g]) <= LOSS_RTOL * s_off[g], (g, s_ms[g], s_off[g])
+    pair_err = {g: abs(s_ms[g] - s_off[g]) / s_off[g] for g in pairs}
+    assert all(e > 100 * LOSS_RTOL for e in pair_err.values()), pair_err
+    dp_err = []
+    for dp in (0, 1):
+        ids = range(5 * dp, 5 * dp + 5)
+        n_tok = sum(lens[g] for g in ids)
+        lo, lm = sum(s_off[g] for g in ids) / n_tok, sum(s_ms[g] for g in ids) / n_tok
+        dp_err.append(abs(lm - lo) / lo)
+    grad_err = 0.0
+    for name, g_off in off["ranks"][0]["grads"].items():
+        a, e = torch.tensor(ms["ranks"][0]["grads"][name]), torch.tensor(g_off)
+        grad_err = max(grad_err, float((a - e).abs().max() / e.abs().max()))
+    assert grad_err > 100 * GRAD_RTOL, grad_err
+    print(
+        f"\nMindSpeed core_r0.16.0 attention under hybrid CP: samples on rank pairs {pairs} loss rel err "
+        f"{[f'{pair_err[g]:.2e}' for g in pairs]}, DP-group loss rel err {[f'{x:.2e}' for x in dp_err]}, grad "
+        f"max|diff|/max|grad| {grad_err:.2e}; single-rank samples agree to {LOSS_RTOL:g}"
     )
