@@ -38,16 +38,13 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path[:0] = [str(REPO), str(HERE)]
 
-import recorded  # noqa: E402
-from verl_cpu import compare, judge, outcomes, pristine_source, record_if_asked, scratch_from_argv  # noqa: E402
-from vllm_ascend_cpu import run_env  # noqa: E402
+from vllm_ascend_cpu import OwnSuite, run_env, run_suite  # noqa: E402
 from vllm_cpu import apply_series  # noqa: E402
 
 from qwen3_rl.tools.pins import load_pins  # noqa: E402
@@ -157,70 +154,12 @@ def control_edit(tree: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    t0 = time.monotonic()
-    tag = "vllm-ascend023-own"
-    with scratch_from_argv(argv, __doc__, "vllm-ascend023-own-") as (scratch, args):
-        pristine_tree, patched_tree = make_trees(scratch)
-        control_tree = scratch / "control"
-        shutil.copytree(patched_tree, control_tree, ignore=shutil.ignore_patterns(".git"))
-        control_edit(control_tree)
-        print(f"{tag}: tests/ut, left out: {' '.join([*npu_dirs(pristine_tree), *CANNOT_RUN])}")
-        key = recorded.run_key(pristine_tree, [""], REPO, REPO_INPUTS)
-        rec = pristine_source(tag, "vllm_ascend023", key, args)
-        trees = [("patched", patched_tree)] + ([("pristine", pristine_tree)] if rec is None else [])
-        procs = {name: start_run(tree, scratch / f"{name}-run") for name, tree in trees}
-        ok = judge(
-            tag,
-            "vLLM-Ascend 0.23.0.post1",
-            procs,
-            scratch,
-            t0,
-            timeout_s=RUN_TIMEOUT_S,
-            recorded_pristine=rec,
-        )
-        record_if_asked(tag, "vllm_ascend023", key, args, ok, scratch)
-        runs = {
-            n: outcomes(scratch / f"{n}-run" / "junit.xml")
-            for n in procs
-            if (scratch / f"{n}-run" / "junit.xml").exists()
-        }
-        if rec is not None:
-            runs["pristine"] = rec
-        if len(runs) == 2:
-            both = {t for t, o in runs["pristine"].items() if "::" not in t and o == "error"}
-            both &= {t for t, o in runs["patched"].items() if "::" not in t and o == "error"}
-            if both - set(CANNOT_RUN):
-                print(
-                    f"error: these files error at collection on both trees and are not in CANNOT_RUN: "
-                    f"{' '.join(sorted(both - set(CANNOT_RUN)))}",
-                    file=sys.stderr,
-                )
-                ok = False
-            ctrl = start_run(control_tree, scratch / "control-run", [CONTROL_FILE])
-            rc = ctrl.wait(timeout=RUN_TIMEOUT_S)
-            diff = [
-                d.replace(", patched ", ", control ")
-                for d in compare(
-                    {t: o for t, o in runs["pristine"].items() if t.startswith(CONTROL_FILE)},
-                    outcomes(scratch / "control-run" / "junit.xml"),
-                )
-            ]
-            if f"  {CONTROL_TEST}: pristine passed, control failed" in diff:
-                print(
-                    f"{tag}: positive control: the throwaway edit of {CONTROL_PATH} shows:\n"
-                    + "\n".join(diff)
-                )
-            else:
-                log = (scratch / "control-run" / "pytest.log").read_text(errors="replace")
-                print(
-                    f"error: the positive control did not show (pytest exit {rc}; expected {CONTROL_TEST} pristine "
-                    f"passed, control failed); its log:\n{log}",
-                    file=sys.stderr,
-                )
-                ok = False
-        print(f"{tag}: {'ok' if ok else 'FAILED'}; {time.monotonic() - t0:.0f} s")
-    return 0 if ok else 1
-
+    return run_suite(OwnSuite(
+        tag="vllm-ascend023-own", record="vllm_ascend023", title="vLLM-Ascend 0.23.0.post1", doc=__doc__,
+        make_trees=make_trees, start_run=start_run, control_edit=control_edit,
+        left_out=lambda tree: [*npu_dirs(tree), *CANNOT_RUN], cannot_run=CANNOT_RUN, control_file=CONTROL_FILE,
+        control_test=CONTROL_TEST, control_path=CONTROL_PATH, repo_inputs=REPO_INPUTS, run_timeout_s=RUN_TIMEOUT_S),
+        argv)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -37,6 +37,8 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -165,9 +167,10 @@ def collection_errors(result: dict[str, str]) -> set[str]:
     return {t for t, o in result.items() if "::" not in t and o == "error"}
 
 
-def unlisted_collection_errors(pristine: dict[str, str], patched: dict[str, str]) -> list[str]:
-    """Files that error at collection on both trees and are not in :data:`CANNOT_RUN` (sorted)."""
-    return sorted((collection_errors(pristine) & collection_errors(patched)) - set(CANNOT_RUN))
+def unlisted_collection_errors(pristine: dict[str, str], patched: dict[str, str],
+                               cannot_run: Mapping[str, str] = CANNOT_RUN) -> list[str]:
+    """Files that error at collection on both trees and are not in ``cannot_run`` (sorted)."""
+    return sorted((collection_errors(pristine) & collection_errors(patched)) - set(cannot_run))
 
 
 def control_edit(tree: Path) -> None:
@@ -181,53 +184,85 @@ def control_edit(tree: Path) -> None:
     f.write_text(text.replace(old, new))
 
 
-def control_shows(pristine: dict[str, str], control: dict[str, str]) -> list[str]:
-    """The comparison of the control run with the pristine run's outcomes of :data:`CONTROL_FILE`; empty when it
-    does not name :data:`CONTROL_TEST` as passed on the pristine tree and failed on the control tree."""
+def control_shows(pristine: dict[str, str], control: dict[str, str], control_file: str = CONTROL_FILE,
+                  control_test: str = CONTROL_TEST) -> list[str]:
+    """The comparison of the control run with the pristine run's outcomes of ``control_file``; empty when it
+    does not name ``control_test`` as passed on the pristine tree and failed on the control tree."""
     diff = [d.replace(", patched ", ", control ")
-            for d in compare({t: o for t, o in pristine.items() if t.startswith(CONTROL_FILE)}, control)]
-    return diff if f"  {CONTROL_TEST}: pristine passed, control failed" in diff else []
+            for d in compare({t: o for t, o in pristine.items() if t.startswith(control_file)}, control)]
+    return diff if f"  {control_test}: pristine passed, control failed" in diff else []
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass(frozen=True)
+class OwnSuite:
+    """One vLLM-Ascend release's own ``tests/ut`` run: its trees, runs and positive control (the module constants of
+    this file for 0.13.0; ``vllm_ascend023_cpu.py``'s for 0.23.0.post1)."""
+
+    tag: str  # the log prefix, e.g. "vllm-ascend-own"
+    record: str  # the pristine record's name (``recorded/<record>.json``)
+    title: str  # the release, in the judgement's lines
+    doc: str  # the script's docstring (its --help)
+    make_trees: Callable[[Path], tuple[Path, Path]]  # scratch -> (pristine tree, patched tree)
+    start_run: Callable[..., subprocess.Popen[bytes]]  # (tree, out, targets=None) -> the pytest run
+    control_edit: Callable[[Path], None]  # the positive control's throwaway edit of a patched copy
+    left_out: Callable[[Path], list[str]]  # pristine tree -> what the runs leave out (printed)
+    cannot_run: Mapping[str, str]
+    control_file: str
+    control_test: str
+    control_path: str
+    repo_inputs: tuple[str, ...]
+    run_timeout_s: float
+
+
+def run_suite(suite: OwnSuite, argv: list[str] | None = None) -> int:
+    """Both trees' runs (the pristine one from its record while the key matches), their judgement, the record when
+    asked, the collection errors not listed in ``cannot_run`` and the positive control; 0 when all hold."""
     t0 = time.monotonic()
-    with scratch_from_argv(argv, __doc__, "vllm-ascend-own-") as (scratch, args):
-        pristine_tree, patched_tree = make_trees(scratch)
+    tag = suite.tag
+    with scratch_from_argv(argv, suite.doc, f"{tag}-") as (scratch, args):
+        pristine_tree, patched_tree = suite.make_trees(scratch)
         control_tree = scratch / "control"
         shutil.copytree(patched_tree, control_tree, ignore=shutil.ignore_patterns(".git"))
-        control_edit(control_tree)
-        print(f"vllm-ascend-own: tests/ut, left out: {' '.join(CANNOT_RUN) or 'none'}")
-        key = recorded.run_key(pristine_tree, [""], REPO, REPO_INPUTS)
-        rec = pristine_source("vllm-ascend-own", "vllm_ascend", key, args)
+        suite.control_edit(control_tree)
+        print(f"{tag}: tests/ut, left out: {' '.join(suite.left_out(pristine_tree)) or 'none'}")
+        key = recorded.run_key(pristine_tree, [""], REPO, suite.repo_inputs)
+        rec = pristine_source(tag, suite.record, key, args)
         trees = [("patched", patched_tree)] + ([("pristine", pristine_tree)] if rec is None else [])
-        procs = {name: start_run(tree, scratch / f"{name}-run") for name, tree in trees}
-        ok = judge("vllm-ascend-own", "vLLM-Ascend", procs, scratch, t0, timeout_s=RUN_TIMEOUT_S,
-                   recorded_pristine=rec)
-        record_if_asked("vllm-ascend-own", "vllm_ascend", key, args, ok, scratch)
+        procs = {name: suite.start_run(tree, scratch / f"{name}-run") for name, tree in trees}
+        ok = judge(tag, suite.title, procs, scratch, t0, timeout_s=suite.run_timeout_s, recorded_pristine=rec)
+        record_if_asked(tag, suite.record, key, args, ok, scratch)
         runs = {n: outcomes(scratch / f"{n}-run" / "junit.xml") for n in procs
                 if (scratch / f"{n}-run" / "junit.xml").exists()}
         if rec is not None:
             runs["pristine"] = rec
         if len(runs) == 2:
-            new = unlisted_collection_errors(runs["pristine"], runs["patched"])
+            new = unlisted_collection_errors(runs["pristine"], runs["patched"], suite.cannot_run)
             if new:
                 print(f"error: these files error at collection on both trees and are not in CANNOT_RUN (add each "
                       f"with its reason, or give the stand-in what they miss): {' '.join(new)}", file=sys.stderr)
                 ok = False
-            ctrl = start_run(control_tree, scratch / "control-run", [CONTROL_FILE])
-            rc = ctrl.wait(timeout=RUN_TIMEOUT_S)
-            shown = control_shows(runs["pristine"], outcomes(scratch / "control-run" / "junit.xml"))
+            ctrl = suite.start_run(control_tree, scratch / "control-run", [suite.control_file])
+            rc = ctrl.wait(timeout=suite.run_timeout_s)
+            shown = control_shows(runs["pristine"], outcomes(scratch / "control-run" / "junit.xml"),
+                                  suite.control_file, suite.control_test)
             if shown:
-                print(f"vllm-ascend-own: positive control: the throwaway edit of {CONTROL_PATH} shows:\n"
+                print(f"{tag}: positive control: the throwaway edit of {suite.control_path} shows:\n"
                       + "\n".join(shown))
             else:
                 log = (scratch / "control-run" / "pytest.log").read_text(errors="replace")
-                print(f"error: the positive control did not show (pytest exit {rc}; expected {CONTROL_TEST} "
+                print(f"error: the positive control did not show (pytest exit {rc}; expected {suite.control_test} "
                       f"pristine passed, control failed); its log:\n{log}", file=sys.stderr)
                 ok = False
-        print(f"vllm-ascend-own: {'ok' if ok else 'FAILED'}; {time.monotonic() - t0:.0f} s")
+        print(f"{tag}: {'ok' if ok else 'FAILED'}; {time.monotonic() - t0:.0f} s")
     return 0 if ok else 1
 
+
+def main(argv: list[str] | None = None) -> int:
+    return run_suite(OwnSuite(
+        tag="vllm-ascend-own", record="vllm_ascend", title="vLLM-Ascend", doc=__doc__, make_trees=make_trees,
+        start_run=start_run, control_edit=control_edit, left_out=lambda _tree: list(CANNOT_RUN),
+        cannot_run=CANNOT_RUN, control_file=CONTROL_FILE, control_test=CONTROL_TEST, control_path=CONTROL_PATH,
+        repo_inputs=REPO_INPUTS, run_timeout_s=RUN_TIMEOUT_S), argv)
 
 if __name__ == "__main__":
     sys.exit(main())
