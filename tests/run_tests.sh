@@ -8,6 +8,7 @@ VENV="${QWEN3_RL_VENV:-${HOME}/.cache/qwen3_rl/venv}"
 ENGINE_VENV="${QWEN3_RL_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/engine-venv}"
 CURRENT_ENGINE_VENV="${QWEN3_RL_CURRENT_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/current-engine-venv}"
 VERL091_VENV="${QWEN3_RL_VERL091_VENV:-${HOME}/.cache/qwen3_rl/verl091-venv}"
+VERL091_ENGINE_VENV="${QWEN3_RL_VERL091_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/verl091-engine-venv}"
 SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_decode/test_sibling_exchange.py tests/spec_decode/test_sam_warm_up.py
                        tests/spec_decode/test_sam_exchange_hook.py tests/spec_decode/test_sam_group_key.py tests/spec_decode/test_sam_boundscheck.py
                        tests/spec_decode/test_sam_history.py tests/spec_decode/test_sam_adaptive_k.py
@@ -54,11 +55,13 @@ usage() {
 usage: bash tests/run_tests.sh [PYTEST_ARGS...]
 Runs ruff and shellcheck on the repo, then pytest with the same arguments in three venvs: the main suite in
 $QWEN3_RL_VENV, tests/engine (the seed set's vLLM 0.13.0 real CPU engine) in $QWEN3_RL_ENGINE_VENV and
-tests/engine_current (the current set's vLLM 0.23.0 CPU engine) in $QWEN3_RL_CURRENT_ENGINE_VENV.
+tests/engine_current (the current set's vLLM 0.23.0 CPU engine) in $QWEN3_RL_CURRENT_ENGINE_VENV and
+tests/engine_verl091 (verl 0.9.1's vLLM server on that engine) in $QWEN3_RL_VERL091_ENGINE_VENV.
 Examples:  bash tests/run_tests.sh -m engine        # the real-engine tests alone
            bash tests/run_tests.sh tests/tools/upstream/test_pins.py
-Test paths decide the part: paths under tests/engine, tests/engine_current or elsewhere run only their
-part(s). Without test paths the current engine part runs in the background beside the main run.
+Test paths decide the part: paths under tests/engine, tests/engine_current, tests/engine_verl091 or elsewhere
+run only their part(s). Without test paths the two current-set engine parts run one after the other in the
+background beside the main run.
 The engine part without test paths runs in two pytest processes at once: the launcher
 runs (ENGINE_LAUNCHER_TESTS: whole trainings through Ray) and the other engine tests.
 On a full run (no test path, -m or -k) every part must run tests: a part that collects nothing fails
@@ -125,10 +128,11 @@ run_engine_split() {
 main() {
   case "${1:-}" in -h|--help) usage; return 0 ;; esac
   local v
-  for v in "${VENV}" "${ENGINE_VENV}" "${CURRENT_ENGINE_VENV}" "${VERL091_VENV}"; do
+  for v in "${VENV}" "${ENGINE_VENV}" "${CURRENT_ENGINE_VENV}" "${VERL091_VENV}" "${VERL091_ENGINE_VENV}"; do
     if [[ ! -x "${v}/bin/python" ]]; then
       echo "error: no test environment at ${v}; run: bash tests/setup_env.sh && bash tests/setup_engine_env.sh" \
-           "&& bash tests/setup_current_engine_env.sh && bash tests/setup_verl091_env.sh" >&2
+           "&& bash tests/setup_current_engine_env.sh && bash tests/setup_verl091_env.sh" \
+           "&& bash tests/setup_verl091_engine_env.sh" >&2
       return 1
     fi
   done
@@ -141,32 +145,50 @@ main() {
   if [[ ${#scripts[@]} -gt 0 ]]; then
     "${VENV}/bin/shellcheck" -x "${scripts[@]}"
   fi
-  local arg main_paths=0 engine_paths=0 current_paths=0 selective=0
+  local arg main_paths=0 engine_paths=0 current_paths=0 verl091e_paths=0 selective=0
   for arg in "$@"; do
     [[ "${arg}" == -m* || "${arg}" == -k* ]] && selective=1
     [[ "${arg}" == -* || ! -e "${arg%%::*}" ]] && continue
     case "$(realpath "${arg%%::*}")" in
       "${HERE}/tests/engine_current"*) current_paths=1 ;;
+      "${HERE}/tests/engine_verl091"*) verl091e_paths=1 ;;
       "${HERE}/tests/engine"*) engine_paths=1 ;;
       *) main_paths=1 ;;
     esac
   done
-  local rc_main=5 rc_engine=5 rc_current=5 rc_bounds=5 own name venv_var script title own_rcs=()
+  local rc_main=5 rc_engine=5 rc_current=5 rc_verl091e=5 rc_bounds=5 own name venv_var script title own_rcs=()
   local -A own_pid=() own_log=() own_rc=()
   local full=0 t0
-  local current_log="" current_pid=""
-  (( main_paths || engine_paths || current_paths || selective )) || full=1
-  if (( current_paths )); then
-    echo "== pytest (current engine venv: tests/engine_current)"
-    rc_current=0
-    "${CURRENT_ENGINE_VENV}/bin/python" -m pytest "$@" || rc_current=$?
+  local current_log="" current_pid="" verl091e_rc_file=""
+  (( main_paths || engine_paths || current_paths || verl091e_paths || selective )) || full=1
+  if (( current_paths || verl091e_paths )); then
+    if (( current_paths )); then
+      echo "== pytest (current engine venv: tests/engine_current)"
+      rc_current=0
+      "${CURRENT_ENGINE_VENV}/bin/python" -m pytest "$@" || rc_current=$?
+    fi
+    if (( verl091e_paths )); then
+      echo "== pytest (verl 0.9.1 engine venv: tests/engine_verl091)"
+      rc_verl091e=0
+      "${VERL091_ENGINE_VENV}/bin/python" -m pytest "$@" || rc_verl091e=$?
+    fi
   elif (( ! main_paths && ! engine_paths )); then
+    # the current set's two engine venvs one after the other in one background job (the main run keeps a core)
     current_log="$(mktemp)"
-    echo "== pytest (current engine venv: tests/engine_current, vLLM 0.23.0; in the background, log after the main run)"
-    "${CURRENT_ENGINE_VENV}/bin/python" -m pytest tests/engine_current "$@" >"${current_log}" 2>&1 &
+    verl091e_rc_file="$(mktemp)"
+    echo "== pytest (current engine venv: tests/engine_current, vLLM 0.23.0; then the verl 0.9.1 engine venv:" \
+         "tests/engine_verl091; in the background, log after the main run)"
+    (
+      rc=0
+      "${CURRENT_ENGINE_VENV}/bin/python" -m pytest tests/engine_current "$@" || rc=$?
+      rc_v=0
+      "${VERL091_ENGINE_VENV}/bin/python" -m pytest tests/engine_verl091 "$@" || rc_v=$?
+      echo "${rc_v}" >"${verl091e_rc_file}"
+      exit "${rc}"
+    ) >"${current_log}" 2>&1 &
     current_pid=$!
   fi
-  if (( main_paths || (! engine_paths && ! current_paths) )); then
+  if (( main_paths || (! engine_paths && ! current_paths && ! verl091e_paths) )); then
     if (( full )); then
       for own in "${UPSTREAM_OWN_RUNS[@]}"; do
         IFS='|' read -r name venv_var script title <<<"${own}"
@@ -202,9 +224,13 @@ main() {
   fi
   if [[ -n "${current_pid}" ]]; then
     rc_current=0
-    collect_background "current engine tests (vLLM 0.23.0)" "${current_pid}" "${current_log}" || rc_current=$?
+    collect_background "current engine tests (vLLM 0.23.0, then verl 0.9.1's server on it)" "${current_pid}" \
+      "${current_log}" || rc_current=$?
+    rc_verl091e="$(cat "${verl091e_rc_file}" 2>/dev/null || true)"
+    [[ "${rc_verl091e}" =~ ^[0-9]+$ ]] || rc_verl091e=1  # the job ended before its second run said anything
+    rm -f "${verl091e_rc_file}"
   fi
-  if (( engine_paths || (! main_paths && ! current_paths) )); then
+  if (( engine_paths || (! main_paths && ! current_paths && ! verl091e_paths) )); then
     rc_engine=0
     if (( engine_paths )); then
       echo "== pytest (engine venv: tests/engine)"
@@ -220,21 +246,21 @@ main() {
     own_summary+=" ${name} ${own_rc[${name}]:-5},"
   done
   echo "== exit codes: main ${rc_main}, boundscheck ${rc_bounds},${own_summary} engine ${rc_engine}," \
-       "current engine ${rc_current} (5 = nothing collected or not run)"
-  if [[ ${rc_main} -eq 5 && ${rc_engine} -eq 5 && ${rc_current} -eq 5 ]]; then
+       "current engine ${rc_current}, verl 0.9.1 engine ${rc_verl091e} (5 = nothing collected or not run)"
+  if [[ ${rc_main} -eq 5 && ${rc_engine} -eq 5 && ${rc_current} -eq 5 && ${rc_verl091e} -eq 5 ]]; then
     echo "error: pytest collected no tests" >&2
     return 1
   fi
   local rc
   if (( full )); then
-    for rc in "${rc_main}" "${rc_bounds}" "${own_rcs[@]}" "${rc_engine}" "${rc_current}"; do
+    for rc in "${rc_main}" "${rc_bounds}" "${own_rcs[@]}" "${rc_engine}" "${rc_current}" "${rc_verl091e}"; do
       if [[ ${rc} -eq 5 ]]; then
         echo "error: a full run needs every part to run tests (exit 5 = none collected)" >&2
         return 1
       fi
     done
   fi
-  for rc in "${rc_main}" "${rc_bounds}" "${own_rcs[@]}" "${rc_engine}" "${rc_current}"; do
+  for rc in "${rc_main}" "${rc_bounds}" "${own_rcs[@]}" "${rc_engine}" "${rc_current}" "${rc_verl091e}"; do
     if [[ ${rc} -ne 0 && ${rc} -ne 5 ]]; then
       return "${rc}"
     fi
