@@ -25,31 +25,11 @@ def test_slot_mapping_reference_equals_vllm_cpu_kernel_and_pads() -> None:
     kw = {"TOTAL_CP_WORLD_SIZE": 1, "TOTAL_CP_RANK": 0, "CP_KV_CACHE_INTERLEAVE_SIZE": 1, "PAD_ID": -1}
     ours = torch.full((12,), 123, dtype=torch.int64)
     vllm_cpu = ours.clone()
+    # (num_tokens, max_num_tokens, query_start_loc, positions, block_table, block_table stride, block_size, out)
+    lead = (10, 12, inp["query_start_loc"], inp["positions"], inp["block_table"], 3, 16)
     launch = vllm023_shims._Launchable(vllm023_shims.slot_mapping_reference)
-    launch[(4,)](
-        10,
-        12,
-        inp["query_start_loc"],
-        inp["positions"],
-        inp["block_table"],
-        3,
-        16,
-        ours,
-        **kw,
-        BLOCK_SIZE=1024,
-    )
-    cpu_tl.compute_slot_mapping_kernel[(4,)](
-        10,
-        12,
-        inp["query_start_loc"],
-        inp["positions"],
-        inp["block_table"],
-        3,
-        16,
-        vllm_cpu,
-        **kw,
-        BLOCK_SIZE=1024,
-    )
+    launch[(4,)](*lead, ours, **kw, BLOCK_SIZE=1024)
+    cpu_tl.compute_slot_mapping_kernel[(4,)](*lead, vllm_cpu, **kw, BLOCK_SIZE=1024)
     want = [7 * 16 + i for i in range(5)] + [11 * 16 + 5] + [5 * 16 + 14, 5 * 16 + 15, 2 * 16, 2 * 16 + 1]
     assert ours[:10].tolist() == want
     assert torch.equal(ours[:10], vllm_cpu[:10])

@@ -327,13 +327,18 @@ def _expert_map_record(env: Mapping[str, str], ctx: EngineContext) -> str | None
     return None if env.get("EXPERT_MAP_RECORD", "false") == "true" else _shown(env, "EXPERT_MAP_RECORD", "false")
 
 
-def _flashcomm1_graph_sizes(env: Mapping[str, str], ctx: EngineContext) -> str | None:
-    on = _flashcomm1(env)
+def _graph_sizes_need_tp(on: str | None, ctx: EngineContext) -> str | None:
+    """FlashComm v1 (``on``: how it is switched on, None = off) with capture sizes of which none is a multiple of the
+    rollout TP (sizes above ``max_num_batched_tokens`` are dropped first)."""
     tp = ctx.tensor_parallel_size
     sizes = [s for s in ctx.capture_sizes or () if s <= ctx.max_num_batched_tokens]
     if on is None or any(s % tp == 0 for s in sizes):
         return None
     return f"{on} with cudagraph_capture_sizes {sizes} (none a multiple of rollout TP {tp})"
+
+
+def _flashcomm1_graph_sizes(env: Mapping[str, str], ctx: EngineContext) -> str | None:
+    return _graph_sizes_need_tp(_flashcomm1(env), ctx)
 
 
 def _flashcomm2(env: Mapping[str, str], ctx: EngineContext) -> str | None:
@@ -479,12 +484,7 @@ def _flashcomm1_current(env: Mapping[str, str], ctx: EngineContext) -> str | Non
 
 
 def _flashcomm1_graph_sizes_current(env: Mapping[str, str], ctx: EngineContext) -> str | None:
-    on = _flashcomm1_current(env, ctx)
-    tp = ctx.tensor_parallel_size
-    sizes = [s for s in ctx.capture_sizes or () if s <= ctx.max_num_batched_tokens]
-    if on is None or any(s % tp == 0 for s in sizes):
-        return None
-    return f"{on} with cudagraph_capture_sizes {sizes} (none a multiple of rollout TP {tp})"
+    return _graph_sizes_need_tp(_flashcomm1_current(env, ctx), ctx)
 
 
 def _flashcomm2_current(env: Mapping[str, str], ctx: EngineContext) -> str | None:
