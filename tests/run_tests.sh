@@ -20,15 +20,22 @@ SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_deco
 # history and adaptive-k tests of the same files. test_out_of_range_index_raises_under_boundscheck starts its own
 # process with NUMBA_BOUNDSCHECK=1 and a fresh cache whatever the parent's setting: the main run's run of it is the
 # same check.
-# The engine tests that start whole training runs through the launcher (Ray, trainer, rollout; about 30 % of two
-# cores stay idle while they wait on start-ups and on each other): on a run of the whole engine part they run in a
-# second pytest process beside the other engine tests (engine-level, no Ray cluster), so the two fill both cores.
-# Only these start Ray clusters, and they run one after another in their own process.
+# The engine part runs in two pytest processes ("lanes") that together fill both cores.
+# The early lane: the engine tests that start whole training runs through the launcher (ENGINE_LAUNCHER_TESTS: Ray,
+# trainer, rollout; they wait on start-ups and on each other, so about a third of a core stays idle beside them; they
+# are the only engine tests that start Ray clusters and they run one after another in this one process) and the
+# engine-level tests of ENGINE_EARLY_EXTRA. The late lane: every other test of tests/engine.
+# On a full run the early lane starts as soon as the background runs (upstream's own tests, the current set's engine
+# parts) have ended, beside the main run, whose second core is idle from then on; the late lane starts after the main
+# run. With a selection both lanes start together after the main run. ENGINE_EARLY_EXTRA is sized so that the two
+# lanes end at about the same time on a full run (clean-clone CI: launcher runs ~1760 s, the late lane's tests
+# ~1960 s under the same load, the early lane starting ~680 s before the main run ends).
 ENGINE_LAUNCHER_TESTS=(tests/engine/test_e2e_training.py tests/engine/test_slurm.py tests/engine/test_server_rollout.py
                        tests/engine/test_fully_async.py tests/engine/test_ascend_grpo_step.py)
-# engine-level tests (no Ray) that run in the launcher runs' process, so that both processes take about as long
-# (clean-clone CI with test_engine_rebalance here: launcher runs + it 1168 s, the others 1292 s; eval takes ~68 s)
-ENGINE_BESIDE_LAUNCHER=(tests/engine/test_engine_rebalance.py tests/engine/test_engine_eval.py)
+ENGINE_EARLY_EXTRA=(tests/engine/test_engine_rebalance.py tests/engine/test_engine_eval.py
+                    tests/engine/test_fully_async_dp_sync.py tests/engine/test_ascend_dp.py)
+# longest wait (s) of the early lane for the background runs before it starts anyway
+ENGINE_EARLY_WAIT="${QWEN3_RL_ENGINE_EARLY_WAIT:-3600}"
 BOUNDSCHECK_NOT_KERNELS=(test_benchmark_smoke test_construction_compiles_every_kernel_of_the_runner_path
                          test_warm_cache_command_fills_numba_cache test_warm_cache_command_refuses_without_cache
                          test_simulate_rollout_with_drafting test_bench_cli_history_and_adaptive
@@ -62,8 +69,11 @@ Examples:  bash tests/run_tests.sh -m engine        # the real-engine tests alon
 Test paths decide the part: paths under tests/engine, tests/engine_current, tests/engine_verl091 or elsewhere
 run only their part(s). Without test paths the two current-set engine parts run one after the other in the
 background beside the main run.
-The engine part without test paths runs in two pytest processes at once: the launcher
-runs (ENGINE_LAUNCHER_TESTS: whole trainings through Ray) and the other engine tests.
+The engine part without test paths runs in two pytest processes ("lanes"): the early lane
+(ENGINE_LAUNCHER_TESTS: whole trainings through Ray, and ENGINE_EARLY_EXTRA) and the late lane (the other
+engine tests). On a full run the early lane starts beside the main run once the background runs have ended
+(at most QWEN3_RL_ENGINE_EARLY_WAIT s, default 3600, after the start) and the late lane after the main run;
+otherwise both start together.
 On a full run (no test path, -m or -k) every part must run tests: a part that collects nothing fails
 the run. With a selection, one part collecting nothing is fine as long as
 another ran tests. A skipped test fails (tests/conftest.py).
@@ -102,27 +112,56 @@ collect_background() {
   return "${rc}"
 }
 
+engine_late_ignores() {
+  # print "--ignore=F" for every early-lane test file (NUL-separated): the late lane is tests/engine without them
+  local f
+  for f in "${ENGINE_LAUNCHER_TESTS[@]}" "${ENGINE_EARLY_EXTRA[@]}"; do printf -- '--ignore=%s\0' "${f}"; done
+}
+
+run_engine_early() {
+  # the early lane (live output when in the foreground): ENGINE_LAUNCHER_TESTS and ENGINE_EARLY_EXTRA in one process
+  "${ENGINE_VENV}/bin/python" -m pytest "${ENGINE_LAUNCHER_TESTS[@]}" "${ENGINE_EARLY_EXTRA[@]}" "$@"
+}
+
+wait_for_files() {
+  # wait until every file named exists, at most ENGINE_EARLY_WAIT seconds (polling every 2 s); returns 0 either way
+  local f t0=${SECONDS} missing
+  while (( SECONDS - t0 < ENGINE_EARLY_WAIT )); do
+    missing=0
+    for f in "$@"; do [[ -e "${f}" ]] || missing=1; done
+    (( missing )) || return 0
+    sleep 2
+  done
+  echo "== the early engine lane waited ${ENGINE_EARLY_WAIT} s for the background runs and starts anyway"
+}
+
+engine_rc() {
+  # the engine part's exit code from its two lanes' (A B): 5 when neither collected a test, else the first failing
+  # code (5 = none collected in that lane is not a failure)
+  local a=$1 b=$2 f
+  if [[ ${a} -eq 5 && ${b} -eq 5 ]]; then echo 5; return; fi
+  for f in "${a}" "${b}"; do
+    if [[ ${f} -ne 0 && ${f} -ne 5 ]]; then echo "${f}"; return; fi
+  done
+  echo 0
+}
+
 run_engine_split() {
-  # the engine part in two pytest processes at once: ENGINE_LAUNCHER_TESTS (live output) and the other engine tests
-  # (log printed after); returns 5 when neither collected a test, else the first failing exit code (5 = none
-  # collected in that process is not a failure)
-  local ignores=() f log pid rc_a=0 rc_b=0 t0=${SECONDS}
-  local first=("${ENGINE_LAUNCHER_TESTS[@]}" "${ENGINE_BESIDE_LAUNCHER[@]}")
-  for f in "${first[@]}"; do ignores+=("--ignore=${f}"); done
+  # the engine part's two lanes at once: the early lane in the foreground (live output) and the late lane (log
+  # printed after); returns the engine part's exit code (engine_rc)
+  local ignores=() log pid rc_a=0 rc_b=0 t0=${SECONDS}
+  mapfile -d '' -t ignores < <(engine_late_ignores)
   log="$(mktemp)"
-  echo "== pytest (engine venv: tests/engine without the launcher runs, in the background; log after the launcher runs)"
+  echo "== pytest (engine venv: the late lane, tests/engine without the early lane's files, in the background;" \
+       "log after the early lane)"
   "${ENGINE_VENV}/bin/python" -m pytest tests/engine "${ignores[@]}" "$@" >"${log}" 2>&1 &
   pid=$!
-  echo "== pytest (engine venv: the launcher runs and the tests beside them, ${first[*]})"
-  "${ENGINE_VENV}/bin/python" -m pytest "${first[@]}" "$@" || rc_a=$?
-  echo "== engine launcher runs: $((SECONDS - t0)) s (exit ${rc_a})"
-  collect_background "engine tests without the launcher runs" "${pid}" "${log}" || rc_b=$?
-  echo "== engine part: $((SECONDS - t0)) s (exits: launcher runs ${rc_a}, others ${rc_b})"
-  if [[ ${rc_a} -eq 5 && ${rc_b} -eq 5 ]]; then return 5; fi
-  for f in "${rc_a}" "${rc_b}"; do
-    if [[ ${f} -ne 0 && ${f} -ne 5 ]]; then return "${f}"; fi
-  done
-  return 0
+  echo "== pytest (engine venv: the early lane, ${ENGINE_LAUNCHER_TESTS[*]} ${ENGINE_EARLY_EXTRA[*]})"
+  run_engine_early "$@" || rc_a=$?
+  echo "== engine early lane: $((SECONDS - t0)) s (exit ${rc_a})"
+  collect_background "engine late lane" "${pid}" "${log}" || rc_b=$?
+  echo "== engine part: $((SECONDS - t0)) s (exits: early lane ${rc_a}, late lane ${rc_b})"
+  return "$(engine_rc "${rc_a}" "${rc_b}")"
 }
 
 main() {
@@ -159,8 +198,11 @@ main() {
   local rc_main=5 rc_engine=5 rc_current=5 rc_verl091e=5 rc_bounds=5 own name venv_var script title own_rcs=()
   local -A own_pid=() own_log=() own_rc=()
   local full=0 t0
-  local current_log="" current_pid="" verl091e_rc_file=""
+  local current_log="" current_pid="" verl091e_rc_file="" done_dir="" early_log="" early_pid="" done_files=()
+  local run_t0=${SECONDS}
   (( main_paths || engine_paths || current_paths || verl091e_paths || selective )) || full=1
+  # on a full run each background run leaves a file in done_dir when it ends: the early engine lane waits for them
+  if (( full )); then done_dir="$(mktemp -d)"; fi
   if (( current_paths || verl091e_paths )); then
     if (( current_paths )); then
       echo "== pytest (current engine venv: tests/engine_current)"
@@ -184,9 +226,11 @@ main() {
       rc_v=0
       "${VERL091_ENGINE_VENV}/bin/python" -m pytest tests/engine_verl091 "$@" || rc_v=$?
       echo "${rc_v}" >"${verl091e_rc_file}"
+      [[ -z "${done_dir}" ]] || : >"${done_dir}/current"
       exit "${rc}"
     ) >"${current_log}" 2>&1 &
     current_pid=$!
+    [[ -z "${done_dir}" ]] || done_files+=("${done_dir}/current")
   fi
   if (( main_paths || (! engine_paths && ! current_paths && ! verl091e_paths) )); then
     if (( full )); then
@@ -194,9 +238,29 @@ main() {
         IFS='|' read -r name venv_var script title <<<"${own}"
         own_log[${name}]="$(mktemp)"
         echo "== ${title}, pristine vs patched tree (in the background; log at the end of the main run)"
-        "${!venv_var}/bin/python" "${script}" >"${own_log[${name}]}" 2>&1 &
+        (
+          rc=0
+          "${!venv_var}/bin/python" "${script}" || rc=$?
+          : >"${done_dir}/${name}"
+          exit "${rc}"
+        ) >"${own_log[${name}]}" 2>&1 &
         own_pid[${name}]=$!
+        done_files+=("${done_dir}/${name}")
       done
+      # the early engine lane, beside the main run once the background runs have ended
+      early_log="$(mktemp)"
+      echo "== pytest (engine venv: the early lane, ${ENGINE_LAUNCHER_TESTS[*]} ${ENGINE_EARLY_EXTRA[*]};" \
+           "in the background once the runs above have ended; log after the late lane)"
+      (
+        wait_for_files "${done_files[@]}"
+        t0=${SECONDS}
+        echo "== engine early lane: starts $((SECONDS - run_t0)) s into the test run"
+        rc=0
+        run_engine_early "$@" || rc=$?
+        echo "== engine early lane: $((SECONDS - t0)) s (exit ${rc})"
+        exit "${rc}"
+      ) >"${early_log}" 2>&1 &
+      early_pid=$!
     fi
     echo "== pytest (main venv)"
     t0=${SECONDS}
@@ -235,10 +299,23 @@ main() {
     if (( engine_paths )); then
       echo "== pytest (engine venv: tests/engine)"
       "${ENGINE_VENV}/bin/python" -m pytest "$@" || rc_engine=$?
+    elif [[ -n "${early_pid}" ]]; then
+      local ignores=() rc_a=0 rc_b=0
+      mapfile -d '' -t ignores < <(engine_late_ignores)
+      echo "== pytest (engine venv: the late lane, tests/engine without the early lane's files," \
+           "$((SECONDS - run_t0)) s into the test run)"
+      t0=${SECONDS}
+      "${ENGINE_VENV}/bin/python" -m pytest tests/engine "${ignores[@]}" "$@" || rc_b=$?
+      echo "== engine late lane: $((SECONDS - t0)) s (exit ${rc_b})"
+      collect_background "engine early lane" "${early_pid}" "${early_log}" || rc_a=$?
+      rc_engine="$(engine_rc "${rc_a}" "${rc_b}")"
+      echo "== engine part: ended $((SECONDS - run_t0)) s into the test run (exits: early lane ${rc_a}," \
+           "late lane ${rc_b})"
     else
       run_engine_split "$@" || rc_engine=$?
     fi
   fi
+  [[ -z "${done_dir}" ]] || rm -rf "${done_dir}"
   local own_summary=""
   for own in "${UPSTREAM_OWN_RUNS[@]}"; do
     IFS='|' read -r name _ _ _ <<<"${own}"

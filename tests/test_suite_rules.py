@@ -70,12 +70,12 @@ def test_boundscheck_leaves_out_only_named_tests_and_keeps_kernel_tests_in_every
 
 
 def test_engine_launcher_tests_are_every_engine_file_that_starts_a_training_run():
-    """tests/run_tests.sh runs ENGINE_LAUNCHER_TESTS in a pytest process of their own beside the other engine tests:
-    every listed file exists, and every engine test file that starts a whole run (the ``cpu_ws`` workspace, the
+    """tests/run_tests.sh runs ENGINE_LAUNCHER_TESTS in a pytest process (the early lane) apart from the other engine
+    tests: every listed file exists, and every engine test file that starts a whole run (the ``cpu_ws`` workspace, the
     launcher, a Ray cluster) is listed, so two Ray clusters never start at once."""
     text = (REPO / "tests" / "run_tests.sh").read_text()
     files = _bash_array(text, "ENGINE_LAUNCHER_TESTS")
-    beside = _bash_array(text, "ENGINE_BESIDE_LAUNCHER")  # engine-level tests run in the same process (balance)
+    beside = _bash_array(text, "ENGINE_EARLY_EXTRA")  # engine-level tests in the same process (balance)
     assert files and all((REPO / f).is_file() for f in files + beside), files + beside
     assert not set(files) & set(beside), beside
     starts_runs = {
