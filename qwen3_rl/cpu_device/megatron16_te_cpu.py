@@ -44,15 +44,24 @@ def _check_pg_collection(pg_collection, is_expert: bool) -> None:  # noqa: ANN00
 TENorm = base.TENorm
 
 
+def _set_partition_stride(layer: torch.nn.Module, stride: int) -> None:
+    """TE's column-parallel layers take ``stride`` only to tag their parameters (``partition_stride``, read when
+    megatron reshards them: 0.16.1's SwiGLU fc1 passes 2, ``transformer/mlp.py:104-109``); they tag them as TE does
+    (``megatron/core/extensions/transformer_engine.py:848-851``). The forward is the same for any stride; the random
+    initial values (stride-interleaved in TE's CPU initialisation only) are megatron's stride-1 ones."""
+    layer.weight.partition_stride = stride
+    if getattr(layer, "bias", None) is not None:
+        layer.bias.partition_stride = stride
+
+
 class TELayerNormColumnParallelLinear(base.TELayerNormColumnParallelLinear):
     """RMSNorm + column-parallel linear (seed stand-in); ``tp_group`` must be parallel_state's TP group.
     [s, b, h] -> ([s, b, out/tp], bias)."""
 
     def __init__(self, input_size: int, output_size: int, *, tp_group=None, stride: int = 1, **kwargs):  # noqa: ANN001
         _check_tp_group(tp_group, kwargs.get("is_expert", False))
-        if stride != 1:
-            raise NotImplementedError("CPU TE stand-in (0.16.1): stride != 1")
         super().__init__(input_size, output_size, **kwargs)
+        _set_partition_stride(self, stride)
 
 
 class TELayerNormColumnParallelLinearGathered(TELayerNormColumnParallelLinear):
@@ -64,9 +73,8 @@ class TEColumnParallelLinear(base.TEColumnParallelLinear):
 
     def __init__(self, input_size: int, output_size: int, *, tp_group=None, stride: int = 1, **kwargs):  # noqa: ANN001
         _check_tp_group(tp_group, kwargs.get("is_expert", False))
-        if stride != 1:
-            raise NotImplementedError("CPU TE stand-in (0.16.1): stride != 1")
         super().__init__(input_size, output_size, **kwargs)
+        _set_partition_stride(self, stride)
 
 
 class TERowParallelLinear(base.TERowParallelLinear):

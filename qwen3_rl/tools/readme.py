@@ -327,7 +327,8 @@ def _fixes() -> str:
 #: ````NAME``: ...`` paragraph, or a markdown table whose first column is the item)
 SHIM_MODULES = ("qwen3_rl/cpu_device/shims.py", "qwen3_rl/cpu_device/gloo_shims.py",
                 "qwen3_rl/cpu_device/megatron_shims.py", "qwen3_rl/cpu_device/npu/stand_in.py",
-                "qwen3_rl/cpu_device/vllm023_shims.py", "qwen3_rl/cpu_device/megatron16_shims.py")
+                "qwen3_rl/cpu_device/vllm023_shims.py", "qwen3_rl/cpu_device/megatron16_shims.py",
+                "qwen3_rl/cpu_device/verl091_cpu.py")
 _SHIM_ITEM_RE = re.compile(r"^(?:\d+\. )?``([A-Z][A-Z0-9_]+)``: (.*)$")
 
 

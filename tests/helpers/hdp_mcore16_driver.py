@@ -186,8 +186,8 @@ def make_attention(counts: dict[int, int]):
 
 def fc1_tp1(cls: type) -> type:
     """The stand-in fused norm + fc1 with 0.16.1's SwiGLU ``stride=2`` (``transformer/mlp.py:107-109``) accepted at
-    TP 1, where the stride (the interleave of [gate, up] over TP shards) changes nothing; the stand-in of
-    ``megatron16_te_cpu.py`` refuses any stride != 1."""
+    TP 1, where the stride (the interleave of [gate, up] over TP shards) changes nothing (the stand-in of
+    ``megatron16_te_cpu.py`` now takes it too, as a parameter tag)."""
     from megatron.core import parallel_state as mpu
 
     class Fc1(cls):
