@@ -22,10 +22,11 @@ Then, with the batch of :func:`make_batch` (left-padded prompts, right-padded re
    ``trainer_base.py:1846-1856``): one mini-batch, one optimizer step;
 5. 3 again (the loss after the step on the same batch), 1 again (log-probs after), 2 again (export after).
 
-Rank 0 writes OUT_DIR/engine.pt: {"versions", "batch" (the padded batch), "logp_before" / "logp_after" [b, R],
-"loss_before" / "loss_after" (floats), "train_metrics", "params_before" / "params_after" (megatron name -> tensor,
-TP rank 0's shard), "export_before" / "export_after" (HF name -> tensor, the generator's items in order),
-"export_names_after" (names in the generator's order, duplicates kept)}.
+Rank 0 writes OUT_DIR/engine.pt: {"versions", "engine_class", "tp", "batch" (the padded batch), "logp_before" /
+"logp_after" [b, R], "loss_before" / "loss_after" (floats), "train_metrics", "params_before" / "params_after"
+(megatron name -> rank 0's TP shard), "export_before" / "export_after" (HF name -> tensor, the generator's items),
+"export_names_after" (names in the generator's order, duplicates kept)}; every rank r writes
+OUT_DIR/params_rank{r}.pt: {"params_before", "params_after"} (its TP shards, DDP's ``module.`` names).
 
 ``hf``: HF transformers (float32) in a process without the device shims (transformers 5 leaves RoPE's
 ``inv_freq`` uninitialised under the seed CUDA_CALLS shim, see ``verl091_mbridge_driver.py``): the log-probs of the
