@@ -18,6 +18,10 @@ The table (``verify_cost_h100.json``'s schema: rows of ``model``, ``B``, ``k``, 
 ``ratio_to_k0``) goes to ``--out`` (default ``<workspace>/calibration/verify_cost_<setup>.json``, the workspace
 being ``$QWEN3_RL_WORKSPACE`` or ``<checkout>/workspace``); ``SAM_COST_TABLE=<that file>`` hands it to training.
 
+On vLLM 0.23 (the current pin set: no ``method="sam"``) the drafter is seated through upstream's extension points
+(:func:`engine_for_vllm`): vLLM-Ascend's ``ngram`` seat with ``worker_cls`` ``ascend023_worker.SamNPUWorker``, or
+vLLM's ``custom_class`` with ``custom_class_worker.SamCPUWorker``; ``pad_drafts`` in ``additional_config``.
+
 Limits: one engine (one vLLM DP rank; EP all-to-all across DP ranks is not in the measurement); the context grows
 by the tokens decoded while a cell is measured (``ctx_measured`` gives the mean); the token budget
 ``max_num_batched_tokens`` is raised to fit ``max(B) * (k_max + 1)`` query tokens when the setup's is smaller.
@@ -26,6 +30,7 @@ by the tokens decoded while a cell is measured (``ctx_measured`` gives the mean)
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -51,6 +56,11 @@ DEFAULT_K_MAX = 15  # SAM_K_MAX's default
 INVERSION_TOL = 0.25
 #: engine options of the setup not passed to the calibration engine (one engine, no drafting of its own)
 _SKIPPED_KW = ("speculative_config.", "data_parallel_size", "data_parallel_")
+#: first vLLM release without the seed set's ``method="sam"``: the drafter goes in through extension points
+EXTENSION_POINT_VLLM = (0, 23)
+SAM_NPU_WORKER = "qwen3_rl.spec_decode.ascend023_worker.SamNPUWorker"
+SAM_CPU_WORKER = "qwen3_rl.spec_decode.custom_class_worker.SamCPUWorker"
+SAM_CUSTOM_CLASS = "qwen3_rl.spec_decode.custom_class_proposer.SamCustomClassProposer"
 
 
 class CalibrateError(RuntimeError):
@@ -183,6 +193,41 @@ def default_out(setup: str) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------- the engine side
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a version string such as ``0.23.0+cpu`` ((0, 0) when unreadable)."""
+    parts = version.split("+", 1)[0].split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return 0, 0
+
+
+def engine_for_vllm(engine: dict[str, Any], vllm_version: str, device: str) -> dict[str, Any]:
+    """The plan's ``LLM`` arguments for the installed vLLM (a new dict; ``engine`` untouched).
+
+    Before :data:`EXTENSION_POINT_VLLM` (the seed set's patched vLLM) they stay as they are (``method="sam"``).
+    From it on, SAM's options go to ``additional_config["qwen3_rl"]["sam_config"]`` and the drafter is seated through
+    upstream's extension points: on the NPU platform (``device`` "npu", vLLM-Ascend) in the ``ngram`` seat of
+    vLLM-Ascend's runner by ``worker_cls`` :data:`SAM_NPU_WORKER`; elsewhere through vLLM's ``custom_class`` with
+    ``worker_cls`` :data:`SAM_CPU_WORKER` (``vllm.platforms.current_platform.device_name`` gives ``device``).
+    """
+    if _release(vllm_version) < EXTENSION_POINT_VLLM:
+        return dict(engine)
+    spec = engine["speculative_config"]
+    out = {key: val for key, val in engine.items() if key != "speculative_config"}
+    extra = dict(out.get("additional_config") or {})
+    extra["qwen3_rl"] = {**dict(extra.get("qwen3_rl") or {}), "sam_config": dict(spec.get("sam_config") or {})}
+    out["additional_config"] = extra
+    k = int(spec["num_speculative_tokens"])
+    if device == "npu":
+        out["worker_cls"] = SAM_NPU_WORKER
+        out["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k}
+    else:
+        out["worker_cls"] = SAM_CPU_WORKER
+        out["speculative_config"] = {"method": "custom_class", "model": SAM_CUSTOM_CLASS, "num_speculative_tokens": k}
+    return out
+
+
 def _set_draft_len(worker: Any, k: int) -> int:
     """In each engine worker (``LLM.collective_rpc``): the SAM drafter proposes exactly ``k`` tokens per request
     from the next step (``pad_drafts``; k = 0: its drafts are dropped). Returns the drafter's padded length."""
@@ -190,13 +235,14 @@ def _set_draft_len(worker: Any, k: int) -> int:
     d = getattr(runner, "drafter", None)
     if d is None or getattr(d, "name", "") != "sam":
         raise RuntimeError(f"the engine's drafter is {type(d).__name__}, not SAM: calibrate needs the recipe's "
-                           "vLLM plugin (VLLM_PLUGINS=qwen3_rl) and its patched vLLM")
+                           "vLLM plugin (VLLM_PLUGINS=qwen3_rl) and its patched vLLM (vLLM 0.23: its worker_cls)")
     if not hasattr(d, "_calibrate_propose"):
         d._calibrate_propose = d.propose
 
-        def propose(scheduler_output: Any, valid: Any, d: Any = d) -> list[list[int]]:
-            out = d._calibrate_propose(scheduler_output, valid)
-            return [[] for _ in out] if d._calibrate_k == 0 else out
+        # the runner's call as it is: (scheduler_output, valid) on the seed set, (valid, ...) on vLLM(-Ascend) 0.23
+        def propose(*args: Any, _d: Any = d, **kwargs: Any) -> list[list[int]]:
+            out = _d._calibrate_propose(*args, **kwargs)
+            return [[] for _ in out] if _d._calibrate_k == 0 else out
 
         d.propose = propose
     d._calibrate_k = int(k)
@@ -214,11 +260,14 @@ def _draft_tokens(llm: Any) -> float:
 def measure(plan: CalibratePlan, log: Any = print) -> dict[str, Any]:
     """Run the grid on the engine (imports vLLM; one engine per process). Returns the table (a JSON object)."""
     import numpy as np
+    import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.platforms import current_platform
 
+    engine_kwargs = engine_for_vllm(plan.engine, vllm.__version__, str(getattr(current_platform, "device_name", "")))
     t_start = time.perf_counter()
-    llm = LLM(**plan.engine)
+    llm = LLM(**copy.deepcopy(engine_kwargs))  # the engine may add to its config dicts (vLLM-Ascend 0.23 does)
     t_engine = time.perf_counter() - t_start
     engine = llm.llm_engine
     cache = engine.vllm_config.cache_config
@@ -286,7 +335,8 @@ def measure(plan: CalibratePlan, log: Any = print) -> dict[str, Any]:
             "device": _device_name(torch), "torch": torch.__version__, "load_format": "dummy",
             "grid": {"B": list(plan.batch), "k": list(plan.ks), "ctx": list(plan.ctx), "steps": plan.steps,
                      "warmup": plan.warmup},
-            "engine": {k: v for k, v in plan.engine.items() if k != "speculative_config"},
+            "engine": {k: v for k, v in engine_kwargs.items() if k != "speculative_config"},
+            "drafter": engine_kwargs["speculative_config"],
             "kv_tokens": kv_tokens, "engine_start_s": round(t_engine, 2), "elapsed_s": round(elapsed, 2),
             "notes": ["step_ms: median of the timed LLMEngine.step calls (schedule + forward + sampling + "
                       "drafting); k = 0 drops the drafts of the same engine",

@@ -11,7 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from qwen3_rl.tools.calibrate import CalibrateError, default_out, inversions, main, plan_from_command
+from qwen3_rl.tools.calibrate import (
+    CalibrateError,
+    default_out,
+    engine_for_vllm,
+    inversions,
+    main,
+    plan_from_command,
+)
 from qwen3_rl.tools.launch.cli import calibrate_wanted, cmd_calibrate
 from qwen3_rl.tools.launch.train_script import parse_train_script
 
@@ -115,3 +122,21 @@ def test_inversions_flag_a_row_cheaper_than_fewer_query_tokens() -> None:
     assert [(f["row"], f["than"]) for f in found] == [((1, 3, 128), (1, 1, 128)), ((4, 0, 32), (1, 0, 32))]
     assert found[0]["ratio"] == 0.5 and found[1]["ratio"] == 0.6
     assert inversions(_grid_rows(bad), tol=0.45) == [found[0]]  # 0.5 < 0.55, 0.6 is not
+
+
+def test_engine_for_vllm_023_seats_sam_through_extension_points() -> None:
+    """The seed set's vLLM keeps ``method="sam"``; vLLM 0.23 (no such method) gets the ``ngram`` seat and
+    ``SamNPUWorker`` on the NPU platform, ``custom_class`` and ``SamCPUWorker`` elsewhere, with the options in
+    ``additional_config`` (the measurement on vLLM-Ascend 0.23: tests/engine_current/test_current_ascend_sam.py)."""
+    plan = plan_from_command(parse_train_script(TINY, env={**CLEAN, "MODEL_PATH": "/m/qwen3_tiny"}), ks="0,1,3")
+    e = plan.engine
+    assert engine_for_vllm(e, "0.13.0", "npu") == e
+    npu = engine_for_vllm(e, "0.23.0", "npu")
+    assert npu["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+    assert npu["worker_cls"] == "qwen3_rl.spec_decode.ascend023_worker.SamNPUWorker"
+    assert npu["additional_config"] == {"qwen3_rl": {"sam_config": {"pad_drafts": True}}}
+    cpu = engine_for_vllm(e, "0.23.0+cpu", "cpu")
+    assert cpu["speculative_config"]["method"] == "custom_class" and cpu["worker_cls"].endswith("SamCPUWorker")
+    assert {k: v for k, v in npu.items() if k not in ("speculative_config", "worker_cls", "additional_config")} == {
+        k: v for k, v in e.items() if k != "speculative_config"}
+    assert e["speculative_config"]["method"] == "sam"  # the plan is untouched
