@@ -117,6 +117,12 @@ _train_add_weight_overrides() {
             )
             ;;
         random)
+            # verl 0.9.1's Megatron engine always loads a dist checkpoint or the HF files (no load_weight key)
+            if [[ "${PIN_SET:-seed}" == current ]]; then
+                echo "error: weights random on pin set current: dropped: verl 0.9.1's Megatron engine always loads" \
+                    "a dist checkpoint or HF weights (workers/engine/megatron/transformer_impl.py:499-512)" >&2
+                exit 2
+            fi
             # verl 0.6.1's Megatron worker keeps Megatron's init unless <role>.load_weight (docs/weights.md)
             overrides+=(
                 "actor_rollout_ref.${role}.megatron.use_dist_checkpointing=False"

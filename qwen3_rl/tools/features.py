@@ -76,20 +76,31 @@ class ContextVar:
 
 
 #: what a feature does on the current pin set (``current = { status, note }`` in features.toml):
-#: runs = built and run on the current set's upstream code; upstream = the current set's upstream does it itself (the
-#: switch is ignored there, with a note); dropped = its mode is gone upstream; pending = not ported yet.
-#: A feature in use (:func:`in_use`) that is dropped or pending stops ``features overrides`` on that set.
-PIN_STATUSES = ("runs", "upstream", "dropped", "pending")
+#: runs = built and run on the current set's upstream code; config = verl's own key there, composed and accepted by
+#: verl 0.9.1's start-up checks in the dry run (tests/trainer/test_verl091_dry_run.py), not run in a training yet;
+#: upstream = the current set's upstream does it itself (the switch is not rendered there, with a note); dropped = its
+#: mode is gone upstream; pending = not ported yet. A feature in use there (:func:`in_use_on_set`) that is dropped or
+#: pending stops ``features overrides`` on that set; only runs / config features are rendered there.
+PIN_STATUSES = ("runs", "config", "upstream", "dropped", "pending")
+#: the statuses whose keys a non-seed set's command carries
+RENDERED_STATUSES = ("runs", "config")
 #: resolved values that mean "off" (the feature is not in use)
 OFF_VALUES = frozenset({"", "False", "0", "off", "disable", "none"})
 
 
 @dataclass(frozen=True)
 class PinStatus:
-    """A feature on one pin set: ``status`` (one of :data:`PIN_STATUSES`) and a one-line ``note`` (where / why)."""
+    """A feature on one pin set: ``status`` (one of :data:`PIN_STATUSES`), a one-line ``note`` (where / why), and
+    optionally ``sets`` (its keys there; None = the seed set's), ``default`` (its default there, replacing
+    ``default`` / ``default_for``), ``allowed`` (the only values that set takes; () = all) and ``off`` (the value that
+    is that set's upstream's own behaviour: not in use there)."""
 
     status: str
     note: str
+    sets: tuple[Setting, ...] | None = None
+    default: str | None = None
+    allowed: tuple[str, ...] = ()
+    off: str | None = None
 
 
 @dataclass(frozen=True)
@@ -260,16 +271,25 @@ _FEATURE_KEYS = {"name", "type", "default", "default_for", "allowed", "min", "se
                  "patches", "modules", "tests", "doc", "current"}
 
 
+_PIN_KEYS = {"status", "note", "sets", "default", "allowed", "off"}
+
+
 def _pin_status(env: str, raw: object) -> PinStatus:
-    if not isinstance(raw, dict) or set(raw) != {"status", "note"}:
-        raise FeatureError(f"feature.{env}: current must be {{ status = ..., note = ... }}, got {raw!r}")
+    if not isinstance(raw, dict) or not {"status", "note"} <= set(raw) <= _PIN_KEYS:
+        raise FeatureError(f"feature.{env}: current must be {{ status = ..., note = ... }} (optional: sets, default, "
+                           f"allowed, off), got {raw!r}")
     if raw["status"] not in PIN_STATUSES:
         raise FeatureError(f"feature.{env}: current.status must be one of {', '.join(PIN_STATUSES)}, "
                            f"got {raw['status']!r}")
     note = str(raw["note"]).strip()
     if not note or "\n" in note:
         raise FeatureError(f"feature.{env}: current.note must be one non-empty line")
-    return PinStatus(str(raw["status"]), note)
+    sets = None
+    if "sets" in raw:
+        sets = tuple(Setting(str(s["key"]), _canon(s["value"]), _conds(s.get("when", {}), f"feature.{env}.current.sets"))
+                     for s in raw["sets"])
+    return PinStatus(str(raw["status"]), note, sets, _canon(raw["default"]) if "default" in raw else None,
+                     tuple(_canon(a) for a in raw.get("allowed", [])), _canon(raw["off"]) if "off" in raw else None)
 
 
 def _feature(env: str, raw: dict) -> Feature:
@@ -304,6 +324,12 @@ def _feature(env: str, raw: dict) -> Feature:
     for value in (f.default, *f.default_for.values()):  # defaults pass the same validation as the env (""= unset)
         if value != "":
             f.parse(value)
+    cur = f.current
+    if cur is not None:
+        for value in (v for v in (cur.default, cur.off, *cur.allowed) if v is not None):
+            f.parse(value)
+        if cur.allowed and cur.default is not None and cur.default not in cur.allowed:
+            raise FeatureError(f"feature.{env}: current.default {cur.default!r} is not in current.allowed")
     return f
 
 
@@ -332,7 +358,8 @@ def load_registry(path: str | os.PathLike[str] | None = None) -> Registry:
         for g in f.default_for:
             if g not in groups:
                 raise FeatureError(f"feature.{f.env}: default_for names unknown group {g!r}")
-        refs = [n for s in f.sets for n in (*s.when, *_TEMPLATE_RE.findall(s.value))]
+        refs = [n for s in (*f.sets, *((f.current.sets or ()) if f.current else ()))
+                for n in (*s.when, *_TEMPLATE_RE.findall(s.value))]
         refs += [n for r in (*f.requires, *f.excludes) for n in r.conds]
         refs += [spec[1:] for r in (*f.requires, *f.excludes) for specs in r.conds.values() for spec in specs
                  if spec.startswith("=")]
@@ -423,9 +450,10 @@ def _derive_context(reg: Registry, ctx: dict[str, str]) -> dict[str, str]:
 
 
 def resolve(reg: Registry, setup: str, env: Mapping[str, str], ctx: Mapping[str, str],
-            notes: list[str] | None = None) -> dict[str, str | None]:
-    """Every feature's value for ``setup``: the env var (empty or unset = default), validated; None where the
-    feature does not apply to the setup. Raises :class:`FeatureError` at the first bad value."""
+            notes: list[str] | None = None, pin_set: str = "seed") -> dict[str, str | None]:
+    """Every feature's value for ``setup``: the env var (empty or unset = default; on a non-seed set its
+    ``current.default`` when declared), validated; None where the feature does not apply to the setup. Raises
+    :class:`FeatureError` at the first bad value, or at a value the set does not take (``current.allowed``)."""
     values: dict[str, str | None] = dict(ctx)
     for f in reg.features.values():
         raw = env.get(f.env, "")
@@ -435,22 +463,41 @@ def resolve(reg: Registry, setup: str, env: Mapping[str, str], ctx: Mapping[str,
                 notes.append(f"note: {f.env}={raw} does not apply to {setup} (setups: {', '.join(f.setups)}); "
                              "ignored")
             continue
-        values[f.env] = f.parse(raw) if raw != "" else reg.default(f, setup, ctx)
+        cur = f.current if pin_set != "seed" else None
+        if raw != "":
+            values[f.env] = f.parse(raw)
+            if cur is not None and cur.allowed and values[f.env] not in cur.allowed:
+                raise FeatureError(f"{f.env}={values[f.env]} on pin set {pin_set}: it takes only "
+                                   f"{', '.join(cur.allowed)}: {cur.note}")
+        elif cur is not None and cur.default is not None:
+            values[f.env] = cur.default
+        else:
+            values[f.env] = reg.default(f, setup, ctx)
     return values
 
 
-def render(reg: Registry, values: Mapping[str, str | None]) -> list[str]:
-    """The Hydra overrides of the resolved features, in registry order."""
+def _render_sets(f: Feature, sets: tuple[Setting, ...], values: Mapping[str, str | None]) -> list[str]:
+    out = []
+    for s in sets:
+        if not _all_hold(s.when, values.get):
+            continue
+        val = _TEMPLATE_RE.sub(lambda m, f=f: str(values.get(f.env) if m.group(1) == "value"
+                                                  else values.get(m.group(1), "")), s.value)
+        out.append(f"{s.key}={val}")
+    return out
+
+
+def render(reg: Registry, values: Mapping[str, str | None], pin_set: str = "seed") -> list[str]:
+    """The Hydra overrides of the resolved features, in registry order. On a non-seed set only the features whose
+    status there is in :data:`RENDERED_STATUSES`, with their keys there (``current.sets``, else the seed's)."""
     out = []
     for f in reg.features.values():
         if values.get(f.env) is None:
             continue
-        for s in f.sets:
-            if not _all_hold(s.when, values.get):
-                continue
-            val = _TEMPLATE_RE.sub(lambda m, f=f: str(values.get(f.env) if m.group(1) == "value"
-                                                      else values.get(m.group(1), "")), s.value)
-            out.append(f"{s.key}={val}")
+        if pin_set == "seed":
+            out += _render_sets(f, f.sets, values)
+        elif f.current is not None and f.current.status in RENDERED_STATUSES:
+            out += _render_sets(f, f.current.sets if f.current.sets is not None else f.sets, values)
     return out
 
 
@@ -459,16 +506,43 @@ def in_use(value: str | None) -> bool:
     return value is not None and value not in OFF_VALUES
 
 
+def _seam_enables(reg: Registry, values: Mapping[str, str | None]) -> dict[str, str]:
+    """``qwen3_rl.<group>.enable`` -> its value in the seed set's rendering of ``values``."""
+    out = {}
+    for o in render(reg, values):
+        key, _, val = o.lstrip("+").partition("=")
+        if key.startswith("qwen3_rl.") and key.endswith(".enable"):
+            out[key] = val
+    return out
+
+
+def in_use_on_set(f: Feature, values: Mapping[str, str | None], enables: Mapping[str, str]) -> bool:
+    """Whether ``f`` is in use on a non-seed set: its value is on (:func:`in_use`, and not the set's ``current.off``)
+    and it emits at least one of its seed keys (their ``when`` hold), not counting a key ``qwen3_rl.<group>.<x>``
+    whose group's ``enable`` (``enables``: :func:`_seam_enables`) is not True: a parameter of a feature that is off."""
+    value = values.get(f.env)
+    if not in_use(value) or (f.current is not None and f.current.off == value):
+        return False
+    for s in f.sets:
+        parts = s.key.lstrip("+").split(".")
+        param_of_off = (len(parts) == 3 and parts[0] == "qwen3_rl" and parts[2] != "enable"
+                        and enables.get(f"qwen3_rl.{parts[1]}.enable", "True") != "True")
+        if _all_hold(s.when, values.get) and not param_of_off:
+            return True
+    return False
+
+
 def pin_set_problems(reg: Registry, values: Mapping[str, str | None], pin_set: str) -> tuple[list[str], list[str]]:
-    """The features in use that ``pin_set`` cannot run (errors: dropped or pending there) and those its upstream
-    does itself (notes: the switch is ignored there). The seed set: none."""
+    """The features in use (:func:`in_use_on_set`) that ``pin_set`` cannot run (errors: dropped or pending there, or
+    no status) and those its upstream does itself (notes: not rendered there). The seed set: none."""
     errors: list[str] = []
     notes: list[str] = []
     if pin_set == "seed":
         return errors, notes
+    enables = _seam_enables(reg, values)
     for f in reg.features.values():
-        st = f.current
-        if st is None or not in_use(values.get(f.env)) or st.status == "runs":
+        st = f.current or PinStatus("pending", "no status declared")
+        if st.status in RENDERED_STATUSES or not in_use_on_set(f, values, enables):
             continue
         line = f"{f.env}={values[f.env]} on pin set {pin_set}: {st.status}: {st.note}"
         (notes if st.status == "upstream" else errors).append(line)
@@ -485,22 +559,22 @@ def setup_overrides(setup: str, env: Mapping[str, str], context: list[str],
     if setup not in reg.setups():
         raise FeatureError(f"--setup {setup!r}: not a setup of features.toml (one of {', '.join(reg.setups())}); "
                            "a copied train script passes the setup it is based on: train_add_feature_overrides SETUP")
-    ctx = parse_context(reg, context)
-    values = resolve(reg, setup, env, ctx, notes)
-    broken = rule_violations(reg, values)
-    if broken:
-        raise FeatureError(broken[0])
     try:
         pin_set = resolve_pin_set(env=env)
     except PinError as exc:
         raise FeatureError(str(exc)) from exc
+    ctx = parse_context(reg, context)
+    values = resolve(reg, setup, env, ctx, notes, pin_set)
+    broken = rule_violations(reg, values)
+    if broken:
+        raise FeatureError(broken[0])
     errors, upstream = pin_set_problems(reg, values, pin_set)
     if errors:
         raise FeatureError(errors[0] + (f" (and {len(errors) - 1} more: python -m qwen3_rl features status "
                                         f"--pin-set {pin_set})" if len(errors) > 1 else ""))
     if notes is not None:
-        notes += [f"note: {n}; ignored" for n in upstream]
-    return render(reg, values)
+        notes += [f"note: {n}; not rendered" for n in upstream]
+    return render(reg, values, pin_set)
 
 
 # ---- preflight: the rules on a final command ----------------------------------------------------------

@@ -375,14 +375,35 @@ def test_current_set_stops_a_feature_it_cannot_run_with_one_line() -> None:
     # positive control: the seed set (no PIN_SET, or PIN_SET=seed) composes the same setups
     dense = setup_overrides(DENSE, {}, DENSE_CTX, REG)
     assert setup_overrides(DENSE, {"PIN_SET": "seed"}, DENSE_CTX, REG) == dense
-    # the current set: the default rollout mode (sync) is gone in verl 0.9.1, and nothing of the trainer is ported
+    assert "actor_rollout_ref.actor.megatron.grad_offload=True" in dense and "actor_rollout_ref.rollout.mode=sync" in dense
+    # the current set: its defaults give verl 0.9.1's keys (OFFLOAD without grad_offload, async only), and no key of a
+    # pending / upstream switch (the dry run in verl 0.9.1's venv: tests/trainer/test_verl091_dry_run.py)
+    notes: list[str] = []
+    cur = setup_overrides(DENSE, {"PIN_SET": "current"}, DENSE_CTX, REG, notes)
+    assert "actor_rollout_ref.rollout.mode=async" in cur and "actor_rollout_ref.actor.megatron.param_offload=True" in cur
+    assert not [o for o in cur if "grad_offload" in o or "npu_expandable_segments" in o or "rebalance" in o], cur
+    assert any(n.startswith("note: NPU_EXPANDABLE_SEGMENTS=True on pin set current: upstream: ") for n in notes)
+    # a parameter of a switch that is off does not stop it; the switch itself does, with one line
+    assert setup_overrides(DENSE, {"PIN_SET": "current", "ROLLOUT_REBALANCE_INTERVAL_STEPS": "5"}, DENSE_CTX, REG) == cur
     with pytest.raises(FeatureError) as err:
-        setup_overrides(DENSE, {"PIN_SET": "current"}, DENSE_CTX, REG)
+        setup_overrides(DENSE, {"PIN_SET": "current", "HDP_ENABLE": "True"}, DENSE_CTX, REG)
     msg = str(err.value)
-    assert "\n" not in msg and msg.startswith("OFFLOAD=True on pin set current: pending: the current set's train")
-    assert re.search(r"\(and \d+ more: python -m qwen3_rl features status --pin-set current\)$", msg)
+    assert "\n" not in msg and msg.startswith("HDP_ENABLE=True on pin set current: pending: ")
+    with pytest.raises(FeatureError, match="^ROLLOUT_MODE=sync on pin set current: it takes only async: "):
+        setup_overrides(DENSE, {"PIN_SET": "current", "ROLLOUT_MODE": "sync"}, DENSE_CTX, REG)
     with pytest.raises(FeatureError, match="^PIN_SET='newest' is not a pin set"):
         setup_overrides(DENSE, {"PIN_SET": "newest"}, DENSE_CTX, REG)
+
+
+def test_current_off_value_is_not_in_use() -> None:
+    from dataclasses import replace
+
+    from qwen3_rl.tools.features import PinStatus, in_use_on_set
+
+    f = replace(REG.features["SERVER_HTTP_HOST"], current=PinStatus("pending", "x", off="node"))
+    assert not in_use_on_set(f, {"SERVER_HTTP_HOST": "node", "ROLLOUT_MODE": "async"}, {})
+    assert in_use_on_set(f, {"SERVER_HTTP_HOST": "loopback", "ROLLOUT_MODE": "async"}, {})
+    assert not in_use_on_set(f, {"SERVER_HTTP_HOST": "loopback", "ROLLOUT_MODE": "sync"}, {})  # no key emitted
 
 
 def test_pin_set_problems_sort_errors_from_upstream_notes() -> None:
@@ -406,7 +427,7 @@ def test_features_status_cli_lists_every_feature() -> None:
 
 
 @pytest.mark.parametrize(("current", "message"), [
-    ('{ status = "maybe", note = "x" }', "current.status must be one of runs, upstream, dropped, pending"),
+    ('{ status = "maybe", note = "x" }', "current.status must be one of runs, config, upstream, dropped, pending"),
     ('{ status = "runs" }', "current must be { status = ..., note = ... }"),
     ('{ status = "runs", note = "" }', "current.note must be one non-empty line"),
 ])
