@@ -497,8 +497,16 @@ def render(reg: Registry, values: Mapping[str, str | None], pin_set: str = "seed
         if pin_set == "seed":
             out += _render_sets(f, f.sets, values)
         elif f.current is not None and f.current.status in RENDERED_STATUSES:
-            out += _render_sets(f, f.current.sets if f.current.sets is not None else f.sets, values)
+            if f.current.sets is not None:
+                out += _render_sets(f, f.current.sets, values)
+            else:  # the seed keys, but not the seed set's verl seam (patch verl/0013: seed set only)
+                out += [o for o in _render_sets(f, f.sets, values) if not _is_seam_key(o)]
     return out
+
+
+def _is_seam_key(override: str) -> bool:
+    """Whether an override sets a key of the seed set's verl seam config group (``qwen3_rl.*``)."""
+    return override.lstrip("+").startswith("qwen3_rl.")
 
 
 def in_use(value: str | None) -> bool:
@@ -534,7 +542,8 @@ def in_use_on_set(f: Feature, values: Mapping[str, str | None], enables: Mapping
 
 def pin_set_problems(reg: Registry, values: Mapping[str, str | None], pin_set: str) -> tuple[list[str], list[str]]:
     """The features in use (:func:`in_use_on_set`) that ``pin_set`` cannot run (errors: dropped or pending there, or
-    no status) and those its upstream does itself (notes: not rendered there). The seed set: none."""
+    no status; or runs / config there without ``current.sets`` while their seed keys are the verl seam's, which is
+    not on that set) and those its upstream does itself (notes: not rendered there). The seed set: none."""
     errors: list[str] = []
     notes: list[str] = []
     if pin_set == "seed":
@@ -542,7 +551,12 @@ def pin_set_problems(reg: Registry, values: Mapping[str, str | None], pin_set: s
     enables = _seam_enables(reg, values)
     for f in reg.features.values():
         st = f.current or PinStatus("pending", "no status declared")
-        if st.status in RENDERED_STATUSES or not in_use_on_set(f, values, enables):
+        if not in_use_on_set(f, values, enables):
+            continue
+        if st.status in RENDERED_STATUSES:
+            if st.sets is None and any(_is_seam_key(o) for o in _render_sets(f, f.sets, values)):
+                errors.append(f"{f.env}={values[f.env]} on pin set {pin_set}: {st.status}, but not in the train "
+                              f"scripts there (no current.sets; its keys are the seed set's verl seam): {st.note}")
             continue
         line = f"{f.env}={values[f.env]} on pin set {pin_set}: {st.status}: {st.note}"
         (notes if st.status == "upstream" else errors).append(line)
@@ -636,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     o.add_argument("--context", action="append", default=[], metavar="NAME=VALUE",
                    help="a size the shell knows (VLLM_DP, ROLLOUT_TP, TRAIN_BATCH_SIZE, ...)")
     sub.add_parser("list", help="every feature: env var, type, default, setups")
-    st = sub.add_parser("status", help="every feature on a pin set: runs, upstream, dropped or pending, and why")
+    st = sub.add_parser("status", help="every feature on a pin set: runs, config, upstream, dropped or pending, and why")
     st.add_argument("--pin-set", default="current", choices=["current"], help="the pin set (default: current)")
     a = ap.parse_args(argv)
     try:

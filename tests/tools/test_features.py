@@ -376,21 +376,25 @@ def test_current_set_stops_a_feature_it_cannot_run_with_one_line() -> None:
     dense = setup_overrides(DENSE, {}, DENSE_CTX, REG)
     assert setup_overrides(DENSE, {"PIN_SET": "seed"}, DENSE_CTX, REG) == dense
     assert "actor_rollout_ref.actor.megatron.grad_offload=True" in dense and "actor_rollout_ref.rollout.mode=sync" in dense
-    # the current set: its defaults give verl 0.9.1's keys (OFFLOAD without grad_offload, async only), and no key of a
-    # pending / upstream switch (the dry run in verl 0.9.1's venv: tests/trainer/test_verl091_dry_run.py)
+    # the current set: a switch that runs there but whose keys are still the seed set's verl seam stops it
+    with pytest.raises(FeatureError, match="^SERVER_API_KEY=True on pin set current: runs, but not in the train "):
+        setup_overrides(DENSE, {"PIN_SET": "current"}, DENSE_CTX, REG)
+    # with those off: verl 0.9.1's keys (OFFLOAD without grad_offload, async only), and no key of a pending /
+    # upstream switch or of the seam (the dry run in verl 0.9.1's venv: tests/trainer/test_verl091_dry_run.py)
+    env = {"PIN_SET": "current", "SERVER_API_KEY": "False", "SERVER_HTTP_HOST": "node"}
     notes: list[str] = []
-    cur = setup_overrides(DENSE, {"PIN_SET": "current"}, DENSE_CTX, REG, notes)
+    cur = setup_overrides(DENSE, env, DENSE_CTX, REG, notes)
     assert "actor_rollout_ref.rollout.mode=async" in cur and "actor_rollout_ref.actor.megatron.param_offload=True" in cur
-    assert not [o for o in cur if "grad_offload" in o or "npu_expandable_segments" in o or "rebalance" in o], cur
+    assert not [o for o in cur if "grad_offload" in o or "npu_expandable_segments" in o or "qwen3_rl." in o], cur
     assert any(n.startswith("note: NPU_EXPANDABLE_SEGMENTS=True on pin set current: upstream: ") for n in notes)
     # a parameter of a switch that is off does not stop it; the switch itself does, with one line
-    assert setup_overrides(DENSE, {"PIN_SET": "current", "ROLLOUT_REBALANCE_INTERVAL_STEPS": "5"}, DENSE_CTX, REG) == cur
+    assert setup_overrides(DENSE, env | {"ROLLOUT_REBALANCE_INTERVAL_STEPS": "5"}, DENSE_CTX, REG) == cur
     with pytest.raises(FeatureError) as err:
-        setup_overrides(DENSE, {"PIN_SET": "current", "HDP_ENABLE": "True"}, DENSE_CTX, REG)
+        setup_overrides(DENSE, env | {"HDP_ENABLE": "True"}, DENSE_CTX, REG)
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("HDP_ENABLE=True on pin set current: pending: ")
     with pytest.raises(FeatureError, match="^ROLLOUT_MODE=sync on pin set current: it takes only async: "):
-        setup_overrides(DENSE, {"PIN_SET": "current", "ROLLOUT_MODE": "sync"}, DENSE_CTX, REG)
+        setup_overrides(DENSE, env | {"ROLLOUT_MODE": "sync"}, DENSE_CTX, REG)
     with pytest.raises(FeatureError, match="^PIN_SET='newest' is not a pin set"):
         setup_overrides(DENSE, {"PIN_SET": "newest"}, DENSE_CTX, REG)
 
