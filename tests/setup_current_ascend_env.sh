@@ -17,7 +17,7 @@ usage() {
 usage: bash tests/setup_current_ascend_env.sh
 Creates $QWEN3_RL_CURRENT_ASCEND_VENV (default ~/.cache/qwen3_rl/current-ascend-venv): Python 3.11,
 torch==<pins.toml current runtime.torch> (PyPI's build, runs on CPU), vllm==<current vllm.version> built from its
-sdist with VLLM_TARGET_DEVICE=empty (Python only, as vLLM-Ascend's Dockerfile installs it), then
+sdist (the one tests/upstream_own/vllm023_cpu.py pins and caches) with VLLM_TARGET_DEVICE=empty (Python only, as vLLM-Ascend's Dockerfile installs it), then
 .ci/requirements-current-ascend.txt under .ci/constraints-current-ascend.txt, arctic-inference==0.1.1 built from its
 sdist, and qwen3_rl editable. vLLM-Ascend itself is not installed: its checks run the pinned sdist's tree. A rerun
 with unchanged pins and requirement files does nothing.
@@ -54,7 +54,14 @@ main() {
   # the torch vLLM's pyproject names (2.11.0) into an isolated build environment; an empty target compiles nothing
   "${pip[@]}" -c "${cons}" "setuptools>=77.0.3,<81.0.0" "setuptools-scm>=8.0" "setuptools-rust>=1.9.0" \
     "packaging>=24.2" cmake ninja wheel jinja2
-  VLLM_TARGET_DEVICE=empty "${pip[@]}" -c "${cons}" --no-build-isolation --no-binary vllm "${vllm_spec}"
+  # the sdist vLLM 0.23.0's own-test run checks (pinned URL and sha256, cached in <cache>/sdists): an index may
+  # serve the wheels alone, so pip is handed the file; the check at the end compares its version with the pin
+  local sdist
+  sdist="$(cd "${HERE}" && "${PYTHON}" -c 'import sys; sys.path[:0] = ["tests/upstream_own", "."]
+from vllm023_cpu import CURRENT
+from vllm_cpu import sdist
+print(sdist(CURRENT))')"
+  VLLM_TARGET_DEVICE=empty "${pip[@]}" -c "${cons}" --no-build-isolation "${sdist}"
   "${pip[@]}" -c "${cons}" -r "${HERE}/.ci/requirements-current-ascend.txt"
   # PyPI has only an sdist; its build uses the tools installed above (cmake, ninja, nanobind), and its CMake finds
   # nanobind through the first python on PATH: the venv's
