@@ -18,6 +18,8 @@ megatron's layers refuse to initialise (``tensor_parallel/random.py:248``);
 (``transformer_impl.py:657`` -> ``utils/profiler/performance.py:54``), ``torch.cuda`` answers only for a CUDA device;
 ``get_device_name()`` = ``"CPU"``: the worker's MFU figure looks up the peak FLOPS by name
 (``utils/flops_counter.py:76-80``; ``"CPU"`` is the name verl itself gives the host there, ``:77-78``).
+The platform's ``is_ipc_supported()`` is False (CUDA's answers True, ``platform_cuda.py:140-141``): the colocated
+weight sync to the vLLM server sends host tensors through verl's shared-memory fallback instead of CUDA IPC handles.
 
 :func:`install` registers it (idempotent); call it after ``megatron16_shims.install()`` and before verl's platform
 is first asked (the first ``get_device_name()``).
@@ -34,7 +36,9 @@ _INSTALLED = False
 
 class _HostCudaModule(types.ModuleType):
     """``torch.cuda`` as verl's device module on the host: every attribute is ``torch.cuda``'s (under the
-    ``CUDA_CALLS`` shim) but ``device_count``, ``get_device_name`` and ``mem_get_info`` (the host)."""
+    ``CUDA_CALLS`` shim) but ``device_count``, ``get_device_name``, ``mem_get_info``, ``synchronize`` and
+    ``empty_cache`` (the host; the last two also in processes without ``CUDA_CALLS``, e.g. vLLM's CPU worker, where
+    verl's weight receiver synchronizes the device, ``vllm_rollout/bucketed_weight_transfer.py:336``)."""
 
     def __getattr__(self, name: str):
         import torch
@@ -49,6 +53,14 @@ class _HostCudaModule(types.ModuleType):
     def get_device_name(device: object = None) -> str:
         """``"CPU"``, the name verl gives the host."""
         return "CPU"
+
+    @staticmethod
+    def synchronize(device: object = None) -> None:
+        """Nothing to wait for: host ops are complete when they return."""
+
+    @staticmethod
+    def empty_cache() -> None:
+        """Nothing to release: the host has no caching device allocator."""
 
     @staticmethod
     def mem_get_info(device: object = None) -> tuple[int, int]:
@@ -85,6 +97,11 @@ def _platform_class() -> type:
 
         def device_count(self) -> int:
             return 1
+
+        def is_ipc_supported(self) -> bool:
+            """False: host tensors have no device IPC handle; verl's colocated weight sync then takes its own
+            shared-memory path (``workers/rollout/vllm_rollout/vllm_rollout.py:143``)."""
+            return False
 
     return PlatformCPUHost
 

@@ -1,0 +1,56 @@
+"""Start-up hook for every Python process of verl 0.9.1's V1 trainer on CPU (``tests/helpers/verl091_grpo_driver.py``).
+
+The driver puts this folder, the checkout and ``qwen3_rl/cpu_device`` on the Ray job's ``PYTHONPATH``; with
+``QWEN3_RL_VERL091_CPU=1`` each process gets the device layer, lazily, so processes that never import verl or megatron
+(Ray's own, vLLM's engine core) are untouched:
+
+* on the first import of ``megatron`` (only the trainer's worker processes build the Megatron engine):
+  ``megatron16_shims.install()`` just before it (the stand-in TE module must be in place before megatron binds TE
+  names; each shim and its reason in that module);
+* right after ``verl.plugin.platform.platform_manager`` is imported (every verl process, before its platform is first
+  asked): ``verl091_cpu.install()`` (``PLATFORM_CPU_HOST``: the host as verl's one device, see that module);
+* right after ``vllm.model_executor.layers.utils`` is imported (vLLM's CPU worker): ``vllm023_reload.install()``
+  (``CPU_LINEAR_KEEPS_WEIGHT``: vLLM-CPU's linear layers keep their weight, so the trainer's sync can reload it).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from typing import Any
+
+
+class _BeforeMegatron(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: on the first ``import megatron`` installs the megatron-core 0.16.1 device shims, then
+    lets the real finders load it."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name != "megatron":
+            return None
+        sys.meta_path.remove(self)
+        from qwen3_rl.cpu_device import megatron16_shims
+
+        megatron16_shims.install()
+        return None
+
+
+if os.environ.get("QWEN3_RL_VERL091_CPU") == "1":
+    import post_import  # qwen3_rl/cpu_device, on PYTHONPATH
+
+    sys.meta_path.insert(0, _BeforeMegatron())
+
+    def _platform(_module: Any) -> None:
+        from qwen3_rl.cpu_device import verl091_cpu
+
+        verl091_cpu.install()
+
+    post_import.after_import("verl.plugin.platform.platform_manager", _platform)
+
+    def _vllm_reload(_module: Any) -> None:
+        from qwen3_rl.cpu_device import vllm023_reload
+
+        vllm023_reload.install()
+
+    post_import.after_import("vllm.model_executor.layers.utils", _vllm_reload)
