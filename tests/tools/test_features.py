@@ -376,16 +376,30 @@ def test_current_set_stops_a_feature_it_cannot_run_with_one_line() -> None:
     dense = setup_overrides(DENSE, {}, DENSE_CTX, REG)
     assert setup_overrides(DENSE, {"PIN_SET": "seed"}, DENSE_CTX, REG) == dense
     assert "actor_rollout_ref.actor.megatron.grad_offload=True" in dense and "actor_rollout_ref.rollout.mode=sync" in dense
-    # the current set: a switch that runs there but whose keys are still the seed set's verl seam stops it
+    # the current set by default: the server switches through verl 0.9.1's rollout.custom and the replica class
+    # registered by Ray's worker_process_setup_hook; no key of the seed set's verl seam
+    default = setup_overrides(DENSE, {"PIN_SET": "current"}, DENSE_CTX, REG)
+    assert {"+actor_rollout_ref.rollout.custom.qwen3_rl.server_auth.enable=True",
+            "+actor_rollout_ref.rollout.custom.qwen3_rl.server_http.host=loopback",
+            "+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=qwen3_rl.rollout.verl_server_auth.register",
+            } <= set(default), default
+    assert not [o for o in default if o.lstrip("+").startswith("qwen3_rl.")], default
+    # a switch that runs there but whose keys are still the seed set's verl seam stops it
+    from dataclasses import replace
+
+    api_key = REG.features["SERVER_API_KEY"]
+    seam_only = replace(REG, features={**REG.features,
+                                       "SERVER_API_KEY": replace(api_key, current=replace(api_key.current, sets=None))})
     with pytest.raises(FeatureError, match="^SERVER_API_KEY=True on pin set current: runs, but not in the train "):
-        setup_overrides(DENSE, {"PIN_SET": "current"}, DENSE_CTX, REG)
+        setup_overrides(DENSE, {"PIN_SET": "current"}, DENSE_CTX, seam_only)
     # with those off: verl 0.9.1's keys (OFFLOAD without grad_offload, async only), and no key of a pending /
     # upstream switch or of the seam (the dry run in verl 0.9.1's venv: tests/trainer/test_verl091_dry_run.py)
     env = {"PIN_SET": "current", "SERVER_API_KEY": "False", "SERVER_HTTP_HOST": "node"}
     notes: list[str] = []
     cur = setup_overrides(DENSE, env, DENSE_CTX, REG, notes)
     assert "actor_rollout_ref.rollout.mode=async" in cur and "actor_rollout_ref.actor.megatron.param_offload=True" in cur
-    assert not [o for o in cur if "grad_offload" in o or "npu_expandable_segments" in o or "qwen3_rl." in o], cur
+    assert not [o for o in cur if "grad_offload" in o or "npu_expandable_segments" in o
+                or o.lstrip("+").startswith("qwen3_rl.")], cur
     assert any(n.startswith("note: NPU_EXPANDABLE_SEGMENTS=True on pin set current: upstream: ") for n in notes)
     # a parameter of a switch that is off does not stop it; the switch itself does, with one line
     assert setup_overrides(DENSE, env | {"ROLLOUT_REBALANCE_INTERVAL_STEPS": "5"}, DENSE_CTX, REG) == cur

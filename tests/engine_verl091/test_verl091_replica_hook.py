@@ -1,0 +1,65 @@
+"""The current set's wiring of ``SERVER_API_KEY`` / ``SERVER_HTTP_HOST``: the train scripts put
+``+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=qwen3_rl.rollout.verl_server_auth.register`` in the
+command (features.toml), verl 0.9.1's ``main_ppo`` passes ``ray_kwargs.ray_init`` to ``ray.init``
+(``verl/trainer/main_ppo.py:62-73``), and the trainer actor that builds the rollout replicas then finds the recipe's
+replica class under ``"vllm"`` in verl's ``RolloutReplicaRegistry``.
+
+Checked in the process that makes the choice: a Ray worker of a local Ray cluster started with that runtime env (and
+the command's ``env_vars.PYTHONPATH``), asking verl's registry as verl's trainer does
+(``RolloutReplicaRegistry.get``, ``verl/workers/rollout/replica.py:312-330``). Positive control: the same cluster
+without the hook gives verl's own ``vLLMReplica``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+HOOK = "qwen3_rl.rollout.verl_server_auth.register"
+
+#: a child process (its own Ray cluster, shut down at exit): the replica class a Ray worker gets from verl's registry
+PROBE = """
+import json, sys, ray
+hook, repo, tmp = sys.argv[1], sys.argv[2], sys.argv[3]
+env = {"env_vars": {"PYTHONPATH": repo}}
+if hook:
+    env["worker_process_setup_hook"] = hook
+ray.init(address="local", num_cpus=1, include_dashboard=False, _temp_dir=tmp, runtime_env=env,
+         log_to_driver=False)
+try:
+    @ray.remote
+    def replica():
+        from verl.workers.rollout.replica import RolloutReplicaRegistry
+        cls = RolloutReplicaRegistry.get("vllm")
+        return [c.__name__ for c in cls.__mro__]
+    print("PROBE " + json.dumps(ray.get(replica.remote(), timeout=300)))
+finally:
+    ray.shutdown()
+"""
+
+
+def _replica_mro(hook: str) -> list[str]:
+    # Ray's socket paths must stay under 107 bytes: a short temp dir, not pytest's
+    with tempfile.TemporaryDirectory(prefix="q3r-ray-") as tmp:
+        proc = subprocess.run(
+            [sys.executable, "-c", PROBE, hook, str(REPO), tmp],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=REPO,
+        )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("PROBE ") :])
+
+
+def test_setup_hook_puts_the_recipes_replica_class_in_verls_registry_in_ray_workers() -> None:
+    with_hook = _replica_mro(HOOK)
+    assert with_hook[0] == "KeyedvLLMReplica" and "vLLMReplica" in with_hook, with_hook
+    # positive control: without the hook a Ray worker gets verl's own class
+    plain = _replica_mro("")
+    assert plain[0] == "vLLMReplica", plain
