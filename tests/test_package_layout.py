@@ -76,14 +76,25 @@ def _imported_modules(path: Path) -> set[str]:
     return out
 
 
+#: modules that are the current set's seam (verl 0.9.1 has no seam patch: they read the recipe's ``qwen3_rl`` group
+#: from verl's own extension points, as the seed seam reads it from the verl config) and may parse it with the seam's
+#: declarations; the seam never imports them
+CURRENT_SET_SEAMS = {"rollout/verl_server_auth.py"}
+
+
 def test_features_do_not_import_the_seam() -> None:
     """The verl seam (qwen3_rl.trainer.seam) imports the features it configures; a feature module never imports the
-    seam (no import circle). Tooling may read the seam's declared defaults."""
+    seam (no import circle). Tooling may read the seam's declared defaults, and the current set's seams
+    (CURRENT_SET_SEAMS) its declarations."""
     pkg = Path(__file__).resolve().parents[1] / "qwen3_rl"
     seam = pkg / "trainer" / "seam.py"
     offenders = [str(p.relative_to(pkg)) for p in sorted(pkg.rglob("*.py"))
                  if p != seam and "tools" not in p.relative_to(pkg).parts
+                 and str(p.relative_to(pkg)) not in CURRENT_SET_SEAMS
                  and "qwen3_rl.trainer.seam" in _imported_modules(p)]
     assert not offenders, f"feature modules importing the seam: {offenders}"
+    adapters = {"qwen3_rl." + m.removesuffix(".py").replace("/", ".") for m in CURRENT_SET_SEAMS}
+    assert all((pkg / m).is_file() for m in CURRENT_SET_SEAMS), CURRENT_SET_SEAMS
+    assert not adapters & set(_imported_modules(seam)), "the seam imports a current-set seam (import circle)"
     # positive control: the seam does import features
     assert any(m.startswith("qwen3_rl.rollout.") for m in _imported_modules(seam))
