@@ -1,6 +1,7 @@
 """verl 0.9.1's V1 trainer running GRPO steps on CPU end to end: the Megatron actor through verl's engine (mbridge
 0.15.1, megatron-core 0.16.1) and the rollout on vLLM 0.23's CPU engine behind verl's own vLLM server, in one local
-Ray cluster (``tests/helpers/verl091_grpo_driver.py``).
+Ray cluster (``tests/helpers/verl091_grpo_driver.py``): the seed tiny run's layout, two trainer processes with actor
+TP 2 over gloo, each with its colocated vLLM server (one CPU engine each).
 
 Real: verl 0.9.1's config (Hydra, its ``ppo_megatron_trainer.yaml``), ``TaskRunnerV1``'s sequence, the sync trainer
 from verl's trainer registry, its resource pools, worker groups, ``ActorRolloutRefWorker`` with the Megatron engine,
@@ -18,12 +19,12 @@ Ray's ``GPU`` resource declared on the host (``RAY_GPU_SLOTS``: verl places work
 accelerator ids).
 
 Checked: the steps complete and verl's logger writes finite actor loss, reward and response length for each; after
-the last step (the sync trainer's ``on_step_end`` weight sync) every parameter the vLLM server holds equals the
+the last step (the sync trainer's ``on_step_end`` weight sync) every parameter each vLLM server holds equals the
 actor's rollout export (``get_per_tensor_param``) tensor by tensor, vLLM's fused tensors (``qkv_proj``,
 ``gate_up_proj``) against the concatenation of the exported HF tensors; positive control: the server's weights differ
 from the initial checkpoint's (the sync moved them).
 
-One driver run: 142-185 s measured on 2 shared cores (init ~80-100 s, 2 steps ~35-45 s; printed, not asserted).
+One driver run: 132 s measured on 2 shared cores (init 81 s, 2 steps 34 s; pytest 143 s; printed, not asserted).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tests" / "helpers" / "verl091_grpo_driver.py"
 TIMEOUT_S = 1800
 STEPS = 2
+TP = 2  # trainer processes = vLLM servers (the driver's layout)
 #: vLLM's fused Qwen3 parameters -> the HF names they concatenate (dim 0)
 FUSED = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -104,20 +106,25 @@ def test_grpo_steps_complete_with_finite_metrics_from_verls_logger(run: tuple[di
 
 def test_server_weights_equal_actor_export_tensor_by_tensor(run: tuple[dict, Path]) -> None:
     out, work = run
-    # the server's weight version: set by the sync after the last step (``set_global_steps``, vllm_rollout.py)
-    assert out["server_global_steps"] == STEPS
-    export = torch.load(work / "export.pt", weights_only=False)["tensors"]
-    server = torch.load(work / "server.pt", weights_only=False)
-    assert len(server) > 0
-    used: set[str] = set()
-    for name, held in server.items():
-        want = server_expected(export, name)
-        assert held.shape == want.shape, name
-        assert torch.equal(held, want.to(held.dtype)), (name, (held - want.to(held.dtype)).abs().max())
-        used.update(hf_names(name))
-    # every exported tensor reached the server (tied lm_head: vLLM holds it once, as the embedding)
-    assert set(export) - used <= {"lm_head.weight"}, sorted(set(export) - used)
-    print(f"{len(server)} server tensors equal the actor's {len(export)} exported tensors")
+    assert out["servers"] == TP
+    # each server's weight version: set by the sync after the last step (``set_global_steps``, vllm_rollout.py)
+    assert out["server_global_steps"] == [STEPS] * TP
+    exports = [torch.load(work / f"export_rank{r}.pt", weights_only=False)["tensors"] for r in range(TP)]
+    export = exports[0]
+    for other in exports[1:]:  # every TP rank streams the same full (gathered) tensors
+        assert other.keys() == export.keys() and all(torch.equal(other[k], export[k]) for k in export)
+    for i in range(TP):
+        server = torch.load(work / f"server_{i}.pt", weights_only=False)
+        assert len(server) > 0
+        used: set[str] = set()
+        for name, held in server.items():
+            want = server_expected(export, name)
+            assert held.shape == want.shape, (i, name)
+            assert torch.equal(held, want.to(held.dtype)), (i, name, (held - want.to(held.dtype)).abs().max())
+            used.update(hf_names(name))
+        # every exported tensor reached the server (tied lm_head: vLLM holds it once, as the embedding)
+        assert set(export) - used <= {"lm_head.weight"}, (i, sorted(set(export) - used))
+        print(f"server {i}: {len(server)} tensors equal the actor's {len(export)} exported tensors")
 
 
 def test_sync_moved_the_servers_weights_positive_control(run: tuple[dict, Path]) -> None:
@@ -127,8 +134,8 @@ def test_sync_moved_the_servers_weights_positive_control(run: tuple[dict, Path])
     from safetensors.torch import load_file
 
     _, work = run
-    export = torch.load(work / "export.pt", weights_only=False)["tensors"]
-    server = torch.load(work / "server.pt", weights_only=False)
+    export = torch.load(work / "export_rank0.pt", weights_only=False)["tensors"]
+    server = torch.load(work / "server_0.pt", weights_only=False)
     dtype = next(iter(export.values())).dtype
     init: dict[str, torch.Tensor] = {}
     for f in sorted((work / "dense").glob("*.safetensors")):

@@ -6,14 +6,15 @@ behind verl's own vLLM server, in one local Ray cluster; prints one line ``VERL_
 
 Runs in the venv of ``tests/setup_verl091_engine_env.sh``. The config is composed by Hydra from verl's own
 ``ppo_megatron_trainer.yaml`` (overrides in :func:`overrides`: the repo's tiny dense Qwen3 and tiny ``sum`` data,
-:data:`STEPS` GRPO steps, one trainer process (actor TP 1) with one colocated vLLM server). The task runner is
+:data:`STEPS` GRPO steps, the seed tiny run's layout: two trainer processes, actor TP 2, each with its colocated vLLM server (TP 1)). The task runner is
 :class:`CheckedTaskRunner`: verl's ``TaskRunnerV1.run`` sequence (``main_ppo.py:137-162``: TransferQueue, the trainer
 class from verl's registry, ``init``, the agent loop manager, ``fit``), then, with the trainer still up:
 
-* the actor's rollout export: ``engine.get_per_tensor_param()`` in the trainer worker (what ``update_weights``
-  streams to the server, ``engine_workers.py:786``), HF names -> tensors, saved to WORK_DIR/export.pt;
-* the server's weights: every parameter of the model vLLM's worker holds (vLLM names), saved from inside the engine
-  by verl's ``collective_rpc`` to WORK_DIR/server.pt.
+* the actor's rollout export: ``engine.get_per_tensor_param()`` in each trainer worker (what ``update_weights``
+  streams to its server, ``engine_workers.py:786``), HF names -> tensors, saved to WORK_DIR/export_rank{r}.pt;
+* each server's weights: every parameter of the model vLLM's worker holds (vLLM names), saved from inside the
+  engine by verl's ``collective_rpc`` to WORK_DIR/server_{i}.pt; and each server's weight version
+  (``global_steps``, set by the sync).
 
 The reward is ``verl091_grpo_reward.py`` through verl's ``reward.custom_reward_function`` (the untrained tiny model
 scores 0 on gsm8k's rule in every sample: no advantage, no update).
@@ -41,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 SITE = HERE / "verl091_grpo_site"
 STEPS = 2
+TP = 2  # the seed tiny run's layout: actor TP 2 over 2 trainer processes, one vLLM CPU engine (TP 1) per process
 N_PROMPTS = 4  # prompts per step (data.train_batch_size)
 N_SAMPLES = 4  # GRPO group size (rollout.n)
 RESPONSE_LEN = 24
@@ -66,7 +68,8 @@ def overrides(model: Path, data: dict[str, Path], work: Path) -> list[str]:
         "data.dataloader_num_workers=0",
         "data.shuffle=False",
         f"actor_rollout_ref.model.path={model}",
-        f"{a}.megatron.tensor_model_parallel_size=1",
+        f"{a}.megatron.tensor_model_parallel_size={TP}",
+        f"{a}.megatron.sequence_parallel={TP > 1}",
         f"{a}.megatron.vanilla_mbridge=True",  # mbridge (pins.toml [sets.current.runtime])
         f"{a}.megatron.use_distributed_optimizer=True",
         f"{a}.optim.lr=1e-3",
@@ -98,7 +101,7 @@ def overrides(model: Path, data: dict[str, Path], work: Path) -> list[str]:
         "trainer.logger=[console,file]",
         "trainer.project_name=verl091_grpo",
         "trainer.experiment_name=tiny",
-        "trainer.n_gpus_per_node=1",
+        f"trainer.n_gpus_per_node={TP}",
         "trainer.nnodes=1",
         "trainer.val_before_train=False",
         "trainer.test_freq=-1",
@@ -162,19 +165,27 @@ class CheckedTaskRunner:
             out["fit_s"] = round(time.perf_counter() - t0, 1)
             out["global_steps"] = runner.trainer.global_steps
             wg = runner.trainer.actor_rollout_wg
+            # every rank runs the export (its TP all-gathers are collective)
             out["export_names"] = ray.get(
-                [w.__ray_call__.remote(_actor_export, f"{work}/export.pt") for w in wg.workers[:1]],
+                [
+                    w.__ray_call__.remote(_actor_export, f"{work}/export_rank{i}.pt")
+                    for i, w in enumerate(wg.workers)
+                ],
                 timeout=RAY_TIMEOUT_S,
             )[0]
             replicas = runner.trainer.llm_server_manager.get_replicas()
-            out["servers"] = [len(rep.servers) for rep in replicas]
-            server = replicas[0].servers[0]
+            servers = [srv for rep in replicas for srv in rep.servers]
+            out["servers"] = len(servers)
             ray.get(
-                server.collective_rpc.remote(method=_server_weights, args=(f"{work}/server.pt",)),
+                [
+                    srv.collective_rpc.remote(method=_server_weights, args=(f"{work}/server_{i}.pt",))
+                    for i, srv in enumerate(servers)
+                ],
                 timeout=RAY_TIMEOUT_S,
             )
             out["server_global_steps"] = ray.get(
-                server.__ray_call__.remote(lambda s: getattr(s, "global_steps", None)), timeout=60
+                [srv.__ray_call__.remote(lambda s: getattr(s, "global_steps", None)) for srv in servers],
+                timeout=60,
             )
         finally:
             tracking = getattr(runner.trainer, "logger", None) if getattr(runner, "trainer", None) else None
@@ -222,7 +233,7 @@ def main() -> int:
     ray.init(
         address="local",
         num_cpus=16,  # logical slots: TransferQueue, the task runner, reward loop and workers each hold one
-        num_gpus=1,  # RAY_GPU_SLOTS (module docstring)
+        num_gpus=TP,  # RAY_GPU_SLOTS (module docstring)
         include_dashboard=False,
         _temp_dir=str(work / "ray"),
         runtime_env={"env_vars": env},
