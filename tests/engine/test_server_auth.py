@@ -23,6 +23,7 @@ import pytest
 
 import workspace
 from conftest import run_engine
+from helpers.route_probe import assert_every_route_keyed
 
 pytestmark = pytest.mark.server
 
@@ -59,21 +60,7 @@ def test_every_route_keyed_and_bound_where_asked(engine_ws: Path, tiny_models: d
     paths = {r["path"] for r in routes}
     assert FOUND_OPEN | OPEN <= paths, sorted(paths)  # the table read from the app holds the routes the issue names
     assert len(routes) >= 30, len(routes)
-    probes = 0
-    for r in routes:
-        for m in r["methods"]:
-            probes += 1
-            if r["path"] in OPEN:
-                assert r["no_key"][m] == 200 and r["wrong_key"][m] == 200, r
-                continue
-            want = 403 if r["kind"] == "websocket" else 401  # a websocket refused before accept: HTTP 403
-            assert r["no_key"][m] == want, f"{m} {r['path']} without a key: {r['no_key'][m]}"
-            assert r["wrong_key"][m] == want, f"{m} {r['path']} with a wrong key: {r['wrong_key'][m]}"
-            assert r["right_key"][m] not in (401, 403), f"{m} {r['path']} with the key: {r['right_key'][m]}"
-            assert isinstance(r["right_key"][m], int), f"{m} {r['path']} with the key: {r['right_key'][m]}"
-    by_path = {r["path"]: r for r in routes}
-    for path in ("/v1/models", "/version", "/metrics", "/health"):
-        assert by_path[path]["right_key"]["GET"] == 200, (path, by_path[path]["right_key"])
+    probes = assert_every_route_keyed(routes, OPEN)
     print(f"{probes} probes (route x method)")
 
     # positive control: vLLM's own key check alone (the seam before the middleware), bound on the node's address

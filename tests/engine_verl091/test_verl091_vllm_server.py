@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.route_probe import assert_every_route_keyed
+
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tests" / "helpers" / "verl091_vllm_server_driver.py"
 TIMEOUT_S = 900
@@ -188,21 +190,7 @@ def test_every_route_keyed_and_bound_where_asked(result: dict) -> None:
     pport = plain["reported"][1]
     assert plain["reported"][0] == NODE and plain["endpoint"]["other_health"] == "ConnectionRefusedError"
     assert [s["laddr"] for s in plain["sockets"] if s["laddr"].endswith(f":{pport}")] == [f"{NODE}:{pport}"]
-    probes = 0
-    for r in routes:
-        for m in r["methods"]:
-            probes += 1
-            if r["path"] in OPEN:
-                assert r["no_key"][m] == 200 and r["wrong_key"][m] == 200, r
-                continue
-            want = 403 if r["kind"] == "websocket" else 401  # a websocket refused before accept: HTTP 403
-            assert r["no_key"][m] == want, f"{m} {r['path']} without a key: {r['no_key'][m]}"
-            assert r["wrong_key"][m] == want, f"{m} {r['path']} with a wrong key: {r['wrong_key'][m]}"
-            assert isinstance(r["right_key"][m], int), f"{m} {r['path']} with the key: {r['right_key'][m]}"
-            assert r["right_key"][m] not in (401, 403), f"{m} {r['path']} with the key: {r['right_key'][m]}"
-    by_path = {r["path"]: r for r in routes}
-    for path in ("/v1/models", "/version", "/metrics", "/health"):
-        assert by_path[path]["right_key"]["GET"] == 200, (path, by_path[path]["right_key"])
+    probes = assert_every_route_keyed(routes, OPEN)
     print(f"{probes} probes (route x method) on the recipe's server")
     # positive control: verl 0.9.1's own server answers every route without a key, /v1 included
     open_ = {
