@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from helpers.driver_run import run_driver
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tests" / "helpers" / "verl091_grpo_driver.py"
@@ -54,19 +53,8 @@ FUSED = {
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     """One driver run; returns its result line and its work folder."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-    )
     work = tmp_path_factory.mktemp("vg")
-    proc = subprocess.run(
-        [sys.executable, str(DRIVER), str(work)], capture_output=True, text=True, timeout=TIMEOUT_S, env=env
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VERL_GRPO_RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-80:])
-        raise AssertionError(f"driver failed (rc {proc.returncode}):\n{tail}")
-    out = json.loads(lines[-1][len("VERL_GRPO_RESULT ") :])
+    out, _ = run_driver(DRIVER, [str(work)], "VERL_GRPO_RESULT", TIMEOUT_S, tail_lines=80)
     print(f"init {out['init_s']} s, fit {out['fit_s']} s, total {out['total_s']} s")
     return out, work
 

@@ -26,15 +26,12 @@ Not covered: the DP rank per request; verl 0.9.1's
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from helpers.driver_run import run_driver
 from helpers.route_probe import assert_every_route_keyed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,23 +43,10 @@ SAM_CLASS = "qwen3_rl.spec_decode.custom_class_proposer.SamCustomClassProposer"
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One driver run: vLLM directly, verl's server plain, verl's server with the recipe's settings."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-    )
     work = tmp_path_factory.mktemp("verl091-vllm")
-    proc = subprocess.run(
-        [sys.executable, str(DRIVER), str(work)], capture_output=True, text=True, timeout=TIMEOUT_S, env=env
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("VERL_VLLM_RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stdout + "\n" + proc.stderr).splitlines()[-60:])
-        raise AssertionError(f"driver failed (rc {proc.returncode}):\n{tail}")
-    out = json.loads(lines[-1][len("VERL_VLLM_RESULT ") :])
-    # the run's log without the result line (which carries the recipe server's key for the walk's check)
-    out["log"] = "\n".join(
-        ln for ln in (proc.stdout + proc.stderr).splitlines() if not ln.startswith("VERL_VLLM_RESULT ")
-    )
+    # the run's log comes without the result line (which carries the recipe server's key for the walk's check)
+    out, out_log = run_driver(DRIVER, [str(work)], "VERL_VLLM_RESULT", TIMEOUT_S)
+    out["log"] = out_log
     print(f"seconds: {out['seconds']}; recipe counters {out['recipe']['metrics']}")
     print(f"endpoint walk + socket list: verl {out['verl']['walk_s']} s, recipe {out['recipe']['walk_s']} s")
     return out
