@@ -116,10 +116,11 @@ collect_background() {
   return "${rc}"
 }
 
-engine_late_ignores() {
-  # print "--ignore=F" for every early-lane test file (NUL-separated): the late lane is tests/engine without them
-  local f
-  for f in "${ENGINE_LAUNCHER_TESTS[@]}" "${ENGINE_EARLY_EXTRA[@]}"; do printf -- '--ignore=%s\0' "${f}"; done
+run_engine_late() {
+  # the late lane: tests/engine without the early lane's files
+  local ignores=() f
+  for f in "${ENGINE_LAUNCHER_TESTS[@]}" "${ENGINE_EARLY_EXTRA[@]}"; do ignores+=("--ignore=${f}"); done
+  "${ENGINE_VENV}/bin/python" -m pytest tests/engine "${ignores[@]}" "$@"
 }
 
 run_engine_early() {
@@ -153,12 +154,11 @@ engine_rc() {
 run_engine_split() {
   # the engine part's two lanes at once: the early lane in the foreground (live output) and the late lane (log
   # printed after); returns the engine part's exit code (engine_rc)
-  local ignores=() log pid rc_a=0 rc_b=0 t0=${SECONDS}
-  mapfile -d '' -t ignores < <(engine_late_ignores)
+  local log pid rc_a=0 rc_b=0 t0=${SECONDS}
   log="$(mktemp)"
   echo "== pytest (engine venv: the late lane, tests/engine without the early lane's files, in the background;" \
        "log after the early lane)"
-  "${ENGINE_VENV}/bin/python" -m pytest tests/engine "${ignores[@]}" "$@" >"${log}" 2>&1 &
+  run_engine_late "$@" >"${log}" 2>&1 &
   pid=$!
   echo "== pytest (engine venv: the early lane, ${ENGINE_LAUNCHER_TESTS[*]} ${ENGINE_EARLY_EXTRA[*]})"
   run_engine_early "$@" || rc_a=$?
@@ -305,12 +305,11 @@ main() {
       echo "== pytest (engine venv: tests/engine)"
       "${ENGINE_VENV}/bin/python" -m pytest "$@" || rc_engine=$?
     elif [[ -n "${early_pid}" ]]; then
-      local ignores=() rc_a=0 rc_b=0
-      mapfile -d '' -t ignores < <(engine_late_ignores)
+      local rc_a=0 rc_b=0
       echo "== pytest (engine venv: the late lane, tests/engine without the early lane's files," \
            "$((SECONDS - run_t0)) s into the test run)"
       t0=${SECONDS}
-      "${ENGINE_VENV}/bin/python" -m pytest tests/engine "${ignores[@]}" "$@" || rc_b=$?
+      run_engine_late "$@" || rc_b=$?
       echo "== engine late lane: $((SECONDS - t0)) s (exit ${rc_b})"
       collect_background "engine early lane" "${early_pid}" "${early_log}" || rc_a=$?
       rc_engine="$(engine_rc "${rc_a}" "${rc_b}")"
