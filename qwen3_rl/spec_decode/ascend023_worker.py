@@ -42,18 +42,15 @@ from vllm_ascend.spec_decode.ngram_proposer import AscendNgramProposer
 from vllm_ascend.worker.worker import NPUWorker
 
 from qwen3_rl.rollout.gc_worker import GcStepWorkerMixin
-from qwen3_rl.spec_decode.custom_class_proposer import ADDITIONAL_CONFIG_KEY, config_from_vllm_config
+from qwen3_rl.spec_decode.custom_class_proposer import (
+    ADDITIONAL_CONFIG_KEY,
+    config_from_vllm_config,
+    sam_requested,
+)
 from qwen3_rl.spec_decode.vllm_proposer import SamVllmProposer
 
 #: the speculative method whose drafter seat SAM takes (model-free, drafted on the host after bookkeeping)
 SEAT_METHOD = "ngram"
-
-
-def sam_requested(vllm_config: Any) -> bool:
-    """True when ``additional_config["qwen3_rl"]`` has a ``sam_config`` key (an empty mapping = SAM per request)."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    ours = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, Mapping) else None
-    return isinstance(ours, Mapping) and "sam_config" in ours
 
 
 class SamAscendNgramSeat(SamVllmProposer, AscendNgramProposer):

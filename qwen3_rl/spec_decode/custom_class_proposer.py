@@ -58,9 +58,18 @@ NEEDS_REQUEST_IDS = ("group_mode", "group_exchange", "history_responses")
 BINDING_WORKERS = (
     "qwen3_rl.spec_decode.custom_class_worker.SamCPUWorker",
     "qwen3_rl.spec_decode.ascend023_worker.SamNPUWorker",
+    # one of the two above, chosen in the worker's process by vLLM's platform (the train scripts' name)
+    "qwen3_rl.spec_decode.rollout_worker.SamWorker",
 )
 #: token positions probed from each end of a held text to recognise its row (``RowIdentity``)
 PROBES = 4
+
+
+def sam_requested(vllm_config: Any) -> bool:
+    """True when ``additional_config["qwen3_rl"]`` has a ``sam_config`` key (an empty mapping = SAM per request)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    ours = extra.get(ADDITIONAL_CONFIG_KEY) if isinstance(extra, Mapping) else None
+    return isinstance(ours, Mapping) and "sam_config" in ours
 
 
 def config_from_vllm_config(vllm_config: Any) -> SamConfig:
