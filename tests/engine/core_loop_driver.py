@@ -6,7 +6,9 @@ servers do, and report what the engine core processes saw; print one JSON line.
 SPEC: {"workspace": DIR, "model": DIR, "prompts": [[token ids], ...], "probe_dir": DIR, "runs": [RUN, ...]}
 RUN:  {"name": str, "engine": {AsyncEngineArgs kwargs}, "max_tokens": int or [int per prompt],
        "dp_ranks": optional [DP rank per prompt] (``AsyncLLM.generate(data_parallel_rank=...)``),
-       "corrupt_kv": optional bool (rollout rebalance's negative control: moved KV blocks arrive as zeros)}
+       "corrupt_kv": optional bool (rollout rebalance's negative control: moved KV blocks arrive as zeros),
+       "same_engine": optional bool (run on the previous run's engine, which then stays up for it; its "engine"
+       settings are that run's; the probe then records to this run's files)}
 
 The engine core's worker gets a probe (``CoreProbe``, vLLM's ``worker_extension_cls``; installed on every engine
 through ``collective_rpc``): it wraps the worker's ``execute_model`` and appends, for each model step, the engine
@@ -39,7 +41,14 @@ class CoreProbe:
     """Worker extension: records each ``execute_model`` call of this worker (see the module docstring)."""
 
     def probe_install(self, path: str, corrupt_kv: bool = False) -> int:
-        _record_rebalance_rounds(path, corrupt_kv)
+        """Record this worker's steps (and its engine's rebalance rounds) to ``path`` from now on; installed once
+        per worker, a later call (a run on the same engine) only moves the records to its ``path``."""
+        global _probe_path
+        first = _probe_path is None
+        _probe_path = path
+        if not first:
+            return os.getpid()
+        _record_rebalance_rounds(corrupt_kv)
         inner = self.execute_model
 
         def execute_model(scheduler_output, *args, **kwargs):
@@ -48,7 +57,7 @@ class CoreProbe:
             rec = {"pid": os.getpid(), "dp_rank": int(self.vllm_config.parallel_config.data_parallel_rank),
                    "gc_enabled": gc.isenabled(), "req_ids": ids,
                    "tokens": int(scheduler_output.total_num_scheduled_tokens)}
-            with open(path.replace("{pid}", str(os.getpid())), "a") as f:
+            with open(_probe_path.replace("{pid}", str(os.getpid())), "a") as f:
                 f.write(json.dumps(rec) + "\n")
             return inner(scheduler_output, *args, **kwargs)
 
@@ -60,7 +69,11 @@ class CoreProbe:
         return [os.getpid(), gc.isenabled()]
 
 
-def _record_rebalance_rounds(path: str, corrupt_kv: bool) -> None:
+#: the probe's file pattern in this process (``{pid}`` in it is replaced), set by ``CoreProbe.probe_install``
+_probe_path: str | None = None
+
+
+def _record_rebalance_rounds(corrupt_kv: bool) -> None:
     """In the engine core process: append each rollout-rebalance round's report of this engine to the probe file
     (``{"round", "dp_rank", "moves": [[req_id, src, dst, phase, kv_blocks, recompute]], "kv_bytes_sent",
     "kv_bytes_received", "delivered", "kv_path", "link_gb_s"}``); ``corrupt_kv`` (negative control): moved KV blocks
@@ -76,7 +89,7 @@ def _record_rebalance_rounds(path: str, corrupt_kv: bool) -> None:
                "moves": [[m.req_id, m.src, m.dst, m.phase, m.kv_blocks, m.recompute] for m in rep.plan.moves],
                "kv_bytes_sent": rep.kv_bytes_sent, "kv_bytes_received": rep.kv_bytes_received,
                "delivered": list(rep.delivered)}
-        with open(path.replace("{pid}", f"rounds-{os.getpid()}"), "a") as f:
+        with open(_probe_path.replace("{pid}", f"rounds-{os.getpid()}"), "a") as f:
             f.write(json.dumps(rec) + "\n")
         return rep
 
@@ -87,10 +100,11 @@ def _record_rebalance_rounds(path: str, corrupt_kv: bool) -> None:
         zero_moved_kv()
 
 
-async def drive(engine, spec: dict, run: dict) -> tuple[list[list[int]], list]:  # noqa: ANN001
+async def drive(engine, spec: dict, run: dict, keep: bool = False) -> tuple[list[list[int]], list]:  # noqa: ANN001
     """Install the probe in the engine's workers, send ``spec["prompts"]`` (greedy, ``run["max_tokens"]`` each, with
     ``run["dp_ranks"]`` as ``data_parallel_rank`` when given) concurrently; returns the token ids per prompt and the
-    workers' gc state between steps. Shuts the engine down."""
+    workers' gc state between steps. Shuts the engine down unless ``keep`` (the next run uses it) and the run
+    succeeded."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -111,7 +125,10 @@ async def drive(engine, spec: dict, run: dict) -> tuple[list[list[int]], list]: 
 
         outputs = await asyncio.gather(*(one(i, p) for i, p in enumerate(spec["prompts"])))
         between = await engine.collective_rpc("probe_gc")
-    finally:
+    except BaseException:
+        engine.shutdown()
+        raise
+    if not keep:
         engine.shutdown()
     return outputs, between
 
@@ -126,22 +143,36 @@ def collect(spec: dict, run: dict, outputs: list, between: list) -> dict:
             "rounds": rounds, "gc_between_steps": between}
 
 
-async def run_one(spec: dict, run: dict) -> dict:
+async def run_group(spec: dict, runs: list[dict]) -> list[dict]:
+    """``runs`` on one engine (made with the first run's settings), one after another; shut down after the last."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
     kwargs = dict(model=spec["model"], dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
                   compilation_config={"custom_ops": ["none"]}, gpu_memory_utilization=0.5,
                   worker_extension_cls="core_loop_driver.CoreProbe")
-    kwargs.update(run.get("engine", {}))
-    outputs, between = await drive(AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)), spec, run)
-    return collect(spec, run, outputs, between)
+    kwargs.update(runs[0].get("engine", {}))
+    engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    results = []
+    for i, run in enumerate(runs):
+        outputs, between = await drive(engine, spec, run, keep=i < len(runs) - 1)
+        results.append(collect(spec, run, outputs, between))
+    return results
 
 
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     workspace.activate(Path(spec["workspace"]))
-    results = [asyncio.run(run_one(spec, run)) for run in spec["runs"]]
+    groups: list[list[dict]] = []
+    for run in spec["runs"]:
+        if run.get("same_engine"):
+            if not groups or run.get("engine", {}) != groups[-1][0].get("engine", {}) or run.get("corrupt_kv"):
+                raise SystemExit(f"error: run {run['name']}: same_engine needs the previous run's engine settings "
+                                 "(and no corrupt_kv: the probe is installed by the engine's first run)")
+            groups[-1].append(run)
+        else:
+            groups.append([run])
+    results = [r for group in groups for r in asyncio.run(run_group(spec, group))]
     print("ENGINE_RESULT " + json.dumps(results), flush=True)
     return 0
 

@@ -51,8 +51,9 @@ def dp_runs(engine_ws: Path, tiny_models: dict[str, Path], tmp_path_factory: pyt
                 {"name": "dp1", "max_tokens": 8,  # and the gc policy on (test_gc_guard_runs_in_the_engine_core_process)
                  "engine": {"additional_config": {"qwen3_rl": {"disable_gc": True}}}},
                 {"name": "routed", "max_tokens": 8, "dp_ranks": ranks, "engine": {"data_parallel_size": 2}},
+                # on the routed run's engine (one DP 2 engine start less): the same two engine cores, ranks flipped
                 {"name": "flipped", "max_tokens": 8, "dp_ranks": [1 - r for r in ranks],
-                 "engine": {"data_parallel_size": 2}},
+                 "engine": {"data_parallel_size": 2}, "same_engine": True},
             ]}
     result = run_engine(spec, tmp, env=core_env(engine_ws), driver="core_loop_driver.py")
     result["ranks"] = ranks
