@@ -2,7 +2,8 @@
 # DAPO, Qwen3-235B-A22B, real weights, 8 nodes x 16 dies (Atlas A3, 128 dies), dapo-math-17k
 # (validation: AIME 2024). [ref 000]: GBS 128, n=16, prompt 2048, response 34816, max 2 generation batches.
 # DAPO = decoupled clip (clip_ratio_low/high), token-mean loss, dynamic sampling (filter_groups),
-# overlong reward shaping; run by our entry qwen3_rl.trainer.dapo on verl's core RayPPOTrainer.
+# overlong reward shaping; run by our entry qwen3_rl.trainer.dapo on verl's core RayPPOTrainer (seed set), by verl
+# 0.9.1's own main_ppo (V1 trainer) under its keys on the current set (PIN_SET=current: lib/train_dapo.sh).
 #
 # Reference facts ([ref 000 launch table], [ref 002 §1.3 / §2.1]): 128 dies, rollout TP4 / DP32 /
 # EP128 (experts spread over all DP ranks).
@@ -46,4 +47,4 @@ train_add_base_overrides moe dist_ckpt
 train_add_dapo_overrides
 train_add_trainer_overrides
 train_add_feature_overrides
-train_run qwen3_rl.trainer.dapo dapo_megatron_trainer "$@"
+train_run_dapo "$@"

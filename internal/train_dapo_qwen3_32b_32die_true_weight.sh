@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # DAPO, Qwen3-32B (dense), real weights, 2 nodes x 16 dies (32 dies), dapo-math-17k (validation: AIME 2024).
 # DAPO = decoupled clip (clip_ratio_low/high), token-mean loss, dynamic sampling (filter_groups),
-# overlong reward shaping; run by our entry qwen3_rl.trainer.dapo on verl's core RayPPOTrainer.
+# overlong reward shaping; run by our entry qwen3_rl.trainer.dapo on verl's core RayPPOTrainer (seed set), by verl
+# 0.9.1's own main_ppo (V1 trainer) under its keys on the current set (PIN_SET=current: lib/train_dapo.sh).
 #
 # Reference facts ([ref 000]): 2 nodes, GBS 128, n=16, prompt 2048, response 34816, rollout TP8.
 # NOT in the references, taken from the published recipe's scripts: actor TP8 PP2 CP2 and the
@@ -43,4 +44,4 @@ train_add_base_overrides dense hf_or_dist_ckpt
 train_add_dapo_overrides
 train_add_trainer_overrides
 train_add_feature_overrides
-train_run qwen3_rl.trainer.dapo dapo_megatron_trainer "$@"
+train_run_dapo "$@"

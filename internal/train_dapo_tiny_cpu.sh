@@ -56,4 +56,4 @@ train_add_dapo_overrides
 train_add_trainer_overrides
 train_add_feature_overrides
 train_add_tiny_cpu_overrides
-train_run qwen3_rl.trainer.dapo dapo_megatron_trainer "$@"
+train_run_dapo "$@"

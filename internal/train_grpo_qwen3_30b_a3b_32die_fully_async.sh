@@ -54,4 +54,4 @@ overrides+=(reward_model.reward_manager=naive)
 train_add_trainer_overrides
 train_add_feature_overrides
 train_add_fully_async_overrides
-train_run qwen3_rl.trainer.fully_async fully_async_megatron_trainer "$@"
+train_run_fully_async "$@"

@@ -64,4 +64,4 @@ train_add_trainer_overrides
 train_add_feature_overrides
 train_add_tiny_cpu_overrides
 train_add_fully_async_overrides
-train_run qwen3_rl.trainer.fully_async fully_async_megatron_trainer "$@"
+train_run_fully_async "$@"

@@ -23,10 +23,25 @@ _fa_set() {
 
 # train_add_fully_async_overrides: the two pools (trainer.* = the trainer's, rollout.* = the rollout's), the
 # async_training group's sizes, the updates of the run (SYNCS weight syncs x TRIGGER_SYNC_STEPS updates each).
+# On the current pin set verl 0.9.1's own fully-async trainer (verl/experimental/fully_async_policy, config
+# fully_async_ppo_megatron_trainer.yaml: the same pools and async_training keys, :12-23, :55-58) with what its
+# rollouter asserts (fully_async_rollouter.py:350-356): no hybrid engine, data.train_batch_size 0 and prompts one at a
+# time (data.gen_batch_size 1, yaml :68; an update takes require_batches x ppo_mini_batch_size prompts, :424); the
+# length of the run in prompts, rollout.total_rollout_steps (null: the epochs decide; the yaml's 100 would cap it,
+# fully_async_rollouter.py:404-407; trainer updates = prompts / (prompts per update x TRIGGER_SYNC_STEPS), :498-501).
 train_add_fully_async_overrides() {
     _fa_set trainer.nnodes "${NNODES}"
     _fa_set trainer.n_gpus_per_node "${TRAIN_PROCS}"
-    if [[ -n "${SYNCS}" && "${SYNCS}" != null ]]; then  # else the epochs decide (TOTAL_EPOCHS)
+    if [[ "${PIN_SET:-seed}" == current ]]; then
+        _fa_set data.train_batch_size 0
+        _fa_set data.gen_batch_size 1
+        _fa_set actor_rollout_ref.hybrid_engine False
+        if [[ -n "${SYNCS}" && "${SYNCS}" != null ]]; then
+            _fa_set rollout.total_rollout_steps "$((SYNCS * TRIGGER_SYNC_STEPS * REQUIRE_BATCHES * PPO_MINI_BATCH_SIZE))"
+        else
+            _fa_set rollout.total_rollout_steps null
+        fi
+    elif [[ -n "${SYNCS}" && "${SYNCS}" != null ]]; then  # else the epochs decide (TOTAL_EPOCHS)
         _fa_set trainer.total_training_steps "$((SYNCS * TRIGGER_SYNC_STEPS))"
     fi
     overrides+=(
@@ -36,4 +51,17 @@ train_add_fully_async_overrides() {
         "async_training.trigger_parameter_sync_step=${TRIGGER_SYNC_STEPS}"
         "async_training.require_batches=${REQUIRE_BATCHES}"
     )
+}
+
+# train_run_fully_async [EXTRA_OVERRIDE...]: the fully-async entry of the pin set: our qwen3_rl.trainer.fully_async
+# (seed); verl 0.9.1's own fully_async_main (current), whose config finds ppo_megatron_trainer.yaml through a search
+# path relative to the working directory (file://verl/trainer/config, fully_async_ppo_megatron_trainer.yaml:1-3):
+# given here as the installed package's instead
+train_run_fully_async() {
+    if [[ "${PIN_SET:-seed}" == current ]]; then
+        train_run verl.experimental.fully_async_policy.fully_async_main fully_async_ppo_megatron_trainer \
+            "hydra.searchpath=[pkg://verl.trainer.config]" "$@"
+    else
+        train_run qwen3_rl.trainer.fully_async fully_async_megatron_trainer "$@"
+    fi
 }

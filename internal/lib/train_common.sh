@@ -203,9 +203,14 @@ _train_add_rollout_overrides() {
 # train_add_trainer_overrides: reward function, Ray runtime env (PYTHONPATH for every worker), trainer
 # (logging, layout, epochs, checkpoint save/resume, validation).
 train_add_trainer_overrides() {
+    # the reward function: on the current pin set under verl 0.9.1's reward group (trainer/config/reward/reward.yaml:
+    # 8-13, read by trainer/ppo/reward.py:70): its V1 main_ppo leaves the legacy custom_reward_function.* unread
+    # (only the fully-async main migrates them, experimental/reward_loop/reward_loop.py:57-60)
+    local reward_group=""
+    [[ "${PIN_SET:-seed}" != current ]] || reward_group=reward.
     overrides+=(
-        "custom_reward_function.path=${REWARD_FN_PATH}"
-        custom_reward_function.name=compute_score
+        "${reward_group}custom_reward_function.path=${REWARD_FN_PATH}"
+        "${reward_group}custom_reward_function.name=compute_score"
         "+ray_kwargs.ray_init.runtime_env.env_vars.PYTHONPATH='${PYTHONPATH}'"
         trainer.device=npu
         "trainer.logger=${LOGGER}"

@@ -367,7 +367,10 @@ def test_every_feature_says_what_it_does_on_the_current_set() -> None:
     # the modes gone in verl 0.9.1 say so; what its upstream does itself names where
     assert REG.features["DATA_REBALANCE"].current.status == "dropped"
     assert "rollout.py:280-285" in REG.features["SAM_GROUP_EXCHANGE"].current.note
-    assert REG.features["FILTER_GROUPS"].current.status == "upstream"
+    assert REG.features["NPU_EXPANDABLE_SEGMENTS"].current.status == "upstream"
+    assert "platform_npu.py" in REG.features["NPU_EXPANDABLE_SEGMENTS"].current.note
+    # DAPO's group filter is verl 0.9.1's own key, switched by us there
+    assert REG.features["FILTER_GROUPS"].current.status == "config"
     assert "replay_buffer.py" in REG.features["FILTER_GROUPS"].current.note
 
 
@@ -431,7 +434,8 @@ def test_pin_set_problems_sort_errors_from_upstream_notes() -> None:
               "NPU_EXPANDABLE_SEGMENTS": "True", "MOE_ZERO_MEMORY": "disable"}
     errors, notes = pin_set_problems(REG, values, "current")
     assert [e.split(" on ")[0] for e in errors] == ["DATA_REBALANCE=True"]
-    assert [n.split(" on ")[0] for n in notes] == ["FILTER_GROUPS=True", "NPU_EXPANDABLE_SEGMENTS=True"]
+    # FILTER_GROUPS (config there) is neither: rendered under its key
+    assert [n.split(" on ")[0] for n in notes] == ["NPU_EXPANDABLE_SEGMENTS=True"]
     assert pin_set_problems(REG, values, "seed") == ([], [])
     assert [in_use(v) for v in ("True", "False", "0", "", "disable", "level0", "3", None)] == [
         True, False, False, False, False, True, True, False]

@@ -10,7 +10,11 @@ Each script runs in print mode (``QWEN3_RL_PRINT_COMMAND=1``) with ``PIN_SET=cur
 * every other setup prints a command that passes the dry run of ``tests/helpers/verl091_dry_run_driver.py`` in the
   verl 0.9.1 venv: Hydra compose of verl 0.9.1's own ``ppo_megatron_trainer.yaml``, ``auto_set_device``,
   ``validate_config`` and the dataclass conversions of the V1 trainer (the model's too for the tiny setups, on a
-  tiny checkpoint made here).
+  tiny checkpoint made here), its group-filter check and the reward loop's reward manager; the fully-async setups
+  through verl's own fully-async main (``fully_async_ppo_megatron_trainer.yaml``, its rollouter's checks).
+
+The DAPO and fully-async setups' commands there carry the seed set's settings under verl 0.9.1's keys: each value
+read back from the composed config (and from the reward manager verl builds) equals the seed command's.
 
 A setup whose weights are ``random`` (``train_add_base_overrides``) stops in the shell first: verl 0.9.1's Megatron
 engine always loads a checkpoint.
@@ -20,7 +24,11 @@ in the env (False, or the set's ``current.off``) and ``USE_KL_LOSS=True`` (the r
 too), every one of them passes the dry run. Negative controls: a key verl
 0.9.1 lacks (``megatron.grad_offload``, which the seed set's OFFLOAD sets) fails the compose; ``rollout.mode=sync``
 passes the compose and fails RolloutConfig's conversion; ``ROLLOUT_MODE=sync`` asked for stops the script with one
-line naming the set.
+line naming the set; the fully-async command with the seed's batch size (``data.train_batch_size`` > 0) fails the
+rollouter's check, and without its config search path the compose; a DAPO overlong buffer longer than the response
+fails the DAPO reward manager's check; the legacy ``custom_reward_function`` keys leave verl 0.9.1's V1 trainer on
+its default reward function; ``MAX_NUM_GEN_BATCHES`` and ``ROLLOUT_MODE=sync`` asked for on a DAPO / fully-async
+setup stop the script with one line naming the set.
 """
 
 from __future__ import annotations
@@ -50,6 +58,53 @@ GRPO = [
     "train_grpo_tiny_cpu.sh",
 ]
 STOP_STATUSES = ("pending", "dropped")
+DAPO = ["train_dapo_qwen3_235b_128die_true_weight.sh", "train_dapo_qwen3_32b_32die_true_weight.sh"]
+FULLY_ASYNC = [
+    "train_grpo_qwen3_235b_128die_fully_async.sh",
+    "train_grpo_qwen3_30b_a3b_32die_fully_async.sh",
+    "train_grpo_tiny_cpu_fully_async.sh",
+]
+FULLY_ASYNC_MAIN = "verl.experimental.fully_async_policy.fully_async_main"
+#: seed key -> verl 0.9.1 key of the same setting, DAPO
+DAPO_KEYS = {
+    "actor_rollout_ref.actor.clip_ratio_low": "actor_rollout_ref.actor.clip_ratio_low",
+    "actor_rollout_ref.actor.clip_ratio_high": "actor_rollout_ref.actor.clip_ratio_high",
+    "actor_rollout_ref.actor.clip_ratio_c": "actor_rollout_ref.actor.clip_ratio_c",
+    "data.gen_batch_size": "data.gen_batch_size",
+    "algorithm.filter_groups.enable": "algorithm.filter_groups.enable",
+    "algorithm.filter_groups.metric": "algorithm.filter_groups.metric",
+    "reward_model.reward_manager": "reward.reward_manager.name",
+    "reward_model.reward_kwargs.max_resp_len": "reward.reward_kwargs.max_resp_len",
+    "reward_model.reward_kwargs.overlong_buffer_cfg.enable": "reward.reward_kwargs.overlong_buffer_cfg.enable",
+    "reward_model.reward_kwargs.overlong_buffer_cfg.len": "reward.reward_kwargs.overlong_buffer_cfg.len",
+    "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": (
+        "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor"
+    ),
+    "custom_reward_function.path": "reward.custom_reward_function.path",
+}
+#: seed key -> verl 0.9.1 key of the same setting, fully async
+FULLY_ASYNC_KEYS = {
+    "trainer.nnodes": "trainer.nnodes",
+    "trainer.n_gpus_per_node": "trainer.n_gpus_per_node",
+    "rollout.nnodes": "rollout.nnodes",
+    "rollout.n_gpus_per_node": "rollout.n_gpus_per_node",
+    "async_training.staleness_threshold": "async_training.staleness_threshold",
+    "async_training.trigger_parameter_sync_step": "async_training.trigger_parameter_sync_step",
+    "async_training.require_batches": "async_training.require_batches",
+    "async_training.partial_rollout": "async_training.partial_rollout",
+    "async_training.use_rollout_log_probs": "algorithm.rollout_correction.bypass_mode",
+    "algorithm.rollout_correction.rollout_is": "algorithm.rollout_correction.rollout_is",
+    "actor_rollout_ref.rollout.mode": "actor_rollout_ref.rollout.mode",
+    "custom_reward_function.path": "reward.custom_reward_function.path",
+}
+#: what verl 0.9.1's fully-async rollouter asserts (fully_async_rollouter.py:350-356, :733)
+FULLY_ASYNC_FIXED = {
+    "actor_rollout_ref.hybrid_engine": False,
+    "data.train_batch_size": 0,
+    "data.gen_batch_size": 1,
+    "actor_rollout_ref.rollout.calculate_log_probs": True,
+}
+
 
 
 def _env(extra: dict[str, str] | None = None, model: Path | None = None) -> dict[str, str]:
@@ -105,6 +160,58 @@ def _off_value(f: F.Feature) -> str:
     offs = [a for a in f.allowed if a in F.OFF_VALUES]
     assert offs, f"{f.env}: no off value on the current set"
     return offs[0]
+
+
+def _report_keys(setup: str) -> list[str]:
+    """The verl 0.9.1 keys whose final values the dry run reports for ``setup``."""
+    if setup in DAPO:
+        return [*DAPO_KEYS.values(), "reward.custom_reward_function.reward_kwargs.incorrect_score"]
+    if setup in FULLY_ASYNC:
+        return [*FULLY_ASYNC_KEYS.values(), *FULLY_ASYNC_FIXED, "rollout.total_rollout_steps"]
+    return []
+
+
+def _same(seed: str, value: object) -> bool:
+    """Whether a seed override's text ``seed`` and a composed config value are the same setting."""
+    seed = seed.strip("'\"")
+    if isinstance(value, bool):
+        return seed == str(value)
+    if value is None:
+        return seed == "null"
+    if isinstance(value, (int, float)):
+        return float(seed) == float(value)
+    return seed == str(value)
+
+
+def _seed_command(setup: str, env: dict[str, str]) -> dict[str, str]:
+    """The seed set's command of ``setup`` as {key: value}."""
+    return parse_train_script(REPO / "internal" / setup, env=dict(env, PIN_SET="seed")).override_map()
+
+
+def _fully_async_negatives(config_name: str, overrides: list[str]) -> list[dict]:
+    """The tiny fully-async command with the seed set's batch size (prompts per step, not 0), and without the config
+    search path the script gives verl's fully-async main."""
+    batch = [o for o in overrides if not o.startswith("data.train_batch_size=")] + [
+        "data.train_batch_size=16"
+    ]
+    no_path = [o for o in overrides if not o.startswith("hydra.searchpath=")]
+    assert no_path != overrides, "the fully-async command gives no hydra.searchpath"
+    return [
+        {
+            "name": "negative:fully_async_batch",
+            "config_name": config_name,
+            "overrides": batch,
+            "model": False,
+            "entry": FULLY_ASYNC_MAIN,
+        },
+        {
+            "name": "negative:fully_async_no_searchpath",
+            "config_name": config_name,
+            "overrides": no_path,
+            "model": False,
+            "entry": FULLY_ASYNC_MAIN,
+        },
+    ]
 
 
 def _run_script(setup: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -164,14 +271,28 @@ def outcomes(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFact
             result["stops"][setup] = (proc.returncode, proc.stderr)
         else:
             cmd = parse_train_script(script, env=env)
+            result.setdefault("entry", {})[setup] = cmd.entry_module
             cases.append(
                 {
                     "name": setup,
                     "config_name": cmd.config_name,
                     "overrides": cmd.overrides,
                     "model": model is not None,
+                    "entry": cmd.entry_module,
+                    "report": _report_keys(setup),
                 }
             )
+            if setup == "train_grpo_tiny_cpu_fully_async.sh":
+                cases += _fully_async_negatives(cmd.config_name, cmd.overrides)
+            if setup == "train_grpo_tiny_cpu.sh":  # the seed set's reward function keys, on verl 0.9.1
+                legacy = [
+                    o.removeprefix("reward.") if o.startswith("reward.custom_reward_function.") else o
+                    for o in cmd.overrides
+                ]
+                assert legacy != cmd.overrides, "no reward.custom_reward_function key in the tiny command"
+                cases.append(
+                    {"name": "negative:legacy_reward_fn", "config_name": cmd.config_name, "overrides": legacy}
+                )
     for setup in GRPO:
         off = {n: _off_value(reg.features[n]) for n in result["expected"][setup]} | {"USE_KL_LOSS": "True"}
         result["control_env"][setup] = off
@@ -202,6 +323,14 @@ def outcomes(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFact
                     "model": False,
                 }
             )
+    long_buffer = parse_train_script(REPO / "internal" / DAPO[1], env=_env({"OVERLONG_BUFFER_LEN": "40000"}))
+    cases.append(
+        {
+            "name": "negative:overlong_longer_than_response",
+            "config_name": long_buffer.config_name,
+            "overrides": long_buffer.overrides,
+        }
+    )
     result["dry"] = _dry_run(cases, tmp_path_factory.mktemp("dry_run"))
     return result
 
@@ -242,6 +371,96 @@ def test_positive_control_grpo_setups_pass_with_pending_switches_off(outcomes: d
     r = outcomes["dry"][f"control:{setup}"]
     assert r["ok"], f"{setup} with {outcomes['control_env'][setup]}: {r['stage']}: {r['error']}"
     print(f"{setup} with {outcomes['control_env'][setup]}: clean")
+
+
+@pytest.mark.parametrize("setup", DAPO)
+def test_dapo_setups_carry_the_seed_settings_on_verl091_keys(outcomes: dict, setup: str) -> None:
+    """verl 0.9.1's main_ppo (V1 trainer); every DAPO setting of the seed command under its 0.9.1 key; the group filter
+    on with the seed's metric (the V1 trainer's check); verl's DAPO reward manager built with the overlong buffer."""
+    assert outcomes["entry"][setup] == "verl.trainer.main_ppo", outcomes["entry"][setup]
+    r = outcomes["dry"][setup]
+    assert r["ok"], r
+    seed = _seed_command(setup, _env())
+    got = r["facts"]["keys"]
+    for seed_key, key in DAPO_KEYS.items():
+        assert seed_key in seed and _same(seed[seed_key], got[key]), (
+            seed_key,
+            seed.get(seed_key),
+            key,
+            got[key],
+        )
+    assert got["reward.custom_reward_function.reward_kwargs.incorrect_score"] == -1.0, got
+    facts = r["facts"]
+    assert facts["filter_metric"] == seed["algorithm.filter_groups.metric"], facts
+    assert facts["reward_manager"] == "DAPORewardManager" and facts["custom_reward_fn"] is True, facts
+    buf = facts["overlong_buffer"]
+    assert buf["enable"] is True and _same(
+        seed["reward_model.reward_kwargs.overlong_buffer_cfg.len"], buf["len"]
+    )
+    assert _same(seed["reward_model.reward_kwargs.max_resp_len"], facts["max_resp_len"]), facts
+    print(f"{setup}: {facts}")
+
+
+@pytest.mark.parametrize("setup", FULLY_ASYNC)
+def test_fully_async_setups_run_verl091_fully_async_main_with_the_seed_settings(
+    outcomes: dict, setup: str
+) -> None:
+    """verl 0.9.1's own fully-async main; the seed command's pools, async_training sizes, partial rollout, old-log-prob
+    source and rollout correction under verl 0.9.1's keys; what its rollouter asserts; the run's length in prompts."""
+    assert outcomes["entry"][setup] == FULLY_ASYNC_MAIN, outcomes["entry"][setup]
+    r = outcomes["dry"][setup]
+    assert r["ok"], r
+    seed = _seed_command(setup, _env())
+    got = r["facts"]["keys"]
+    for seed_key, key in FULLY_ASYNC_KEYS.items():
+        assert seed_key in seed and _same(seed[seed_key], got[key]), (
+            seed_key,
+            seed.get(seed_key),
+            key,
+            got[key],
+        )
+    for key, value in FULLY_ASYNC_FIXED.items():
+        assert got[key] == value, (key, got[key])
+    steps = seed.get("trainer.total_training_steps")
+    prompts_per_update = int(seed["async_training.require_batches"]) * int(
+        seed["actor_rollout_ref.actor.ppo_mini_batch_size"]
+    )
+    if steps is None or steps == "null":  # the epochs decide on both sets
+        assert got["rollout.total_rollout_steps"] is None, got
+    else:  # verl counts prompts: updates = prompts / (prompts per update x updates per sync)
+        assert got["rollout.total_rollout_steps"] == int(steps) * prompts_per_update, (steps, got)
+    assert r["facts"]["custom_reward_fn"] is True, r["facts"]
+    print(f"{setup}: {got}")
+
+
+def test_negative_controls_dapo_and_fully_async(outcomes: dict, tiny_models: dict[str, Path]) -> None:
+    dry = outcomes["dry"]
+    batch = dry["negative:fully_async_batch"]
+    assert not batch["ok"] and batch["stage"] == "FullyAsyncRollouter", batch
+    assert "train_batch_size must be zero" in batch["error"], batch
+    no_path = dry["negative:fully_async_no_searchpath"]
+    assert (
+        not no_path["ok"] and no_path["stage"] == "compose" and "ppo_megatron_trainer" in no_path["error"]
+    ), no_path
+    long_buffer = dry["negative:overlong_longer_than_response"]
+    assert not long_buffer["ok"] and long_buffer["stage"] == "load_reward_manager", long_buffer
+    assert "max_resp_len must be larger than overlong_buffer.len" in long_buffer["error"], long_buffer
+    legacy = dry["negative:legacy_reward_fn"]
+    assert legacy["ok"] and legacy["facts"]["custom_reward_fn"] is False, legacy  # accepted, and unread
+    assert dry["train_grpo_tiny_cpu.sh"]["facts"]["custom_reward_fn"] is True, dry["train_grpo_tiny_cpu.sh"]
+    for setup, extra, start in (
+        (DAPO[1], {"MAX_NUM_GEN_BATCHES": "3"}, "error: MAX_NUM_GEN_BATCHES=3 on pin set current: dropped: "),
+        (
+            "train_grpo_tiny_cpu_fully_async.sh",
+            {"ROLLOUT_MODE": "sync"},
+            "error: ROLLOUT_MODE=sync on pin set current: it takes only async",
+        ),
+    ):
+        proc = _run_script(setup, _env(extra, _model_of(setup, tiny_models)))
+        errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+        assert errors[0].startswith(start), errors[0]
+        print(f"{setup} with {extra}: {errors[0][:140]}")
 
 
 def test_negative_controls_fail_the_dry_run(outcomes: dict, tiny_models: dict[str, Path]) -> None:
