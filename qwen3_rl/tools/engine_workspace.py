@@ -171,3 +171,70 @@ def activate(ws: Path) -> None:
     os.environ.setdefault("VLLM_PLUGINS", "qwen3_rl")  # the recipe's plugin only (not vLLM-Ascend's platform)
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache (default 4: tiny models need kB)
+
+
+# ---- the current pin set's CPU profile (PIN_SET=current) ----------------------------------------------------------
+#: The current set's trainer trees, patched (pure Python; first on ``PYTHONPATH``): verl 0.9.1 and megatron-core
+#: 0.16.1 with ``patches/current/{verl,megatron}``. vLLM 0.23 runs as the venv installed it (vllm-cpu 0.23.0): the
+#: current set's one vLLM patch (``patches/current/vllm/0001``) changes the rotary-embedding choice on non-CPU
+#: platforms only, which a CPU engine never takes.
+CURRENT_TREES = ("verl", "Megatron-LM")
+CURRENT_SERIES = ("verl", "megatron")
+#: The current set's device layer: a folder whose ``sitecustomize.py`` installs it in every process of the run.
+CURRENT_SITE = CPU_DEVICE / "verl091_site"
+
+
+def current_sources_digest() -> str:
+    """The checkout's inputs of the current set's patched trees (its patch files, pins.toml, the apply script)."""
+    h = hashlib.sha256()
+    for f in [REPO / "pins.toml", REPO / "apply_all_patches.sh",
+              *(p for s in CURRENT_SERIES for p in sorted((REPO / "patches" / "current" / s).glob("*.patch")))]:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
+def current_stale(ws: Path) -> bool:
+    """True when the current set's trees in ``ws`` were built from other patches than this checkout's."""
+    f = ws / SOURCES
+    return not f.is_file() or f.read_text().strip() != current_sources_digest()
+
+
+def ensure_current(ws: Path, pristine: Path, log=print) -> bool:
+    """Build the current set's patched trees (:data:`CURRENT_TREES`) in ``ws`` from the pristine ones in
+    ``pristine`` unless its stamp is current; returns True when it built."""
+    h = hashlib.sha256(current_sources_digest().encode())
+    for d in CURRENT_TREES:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=pristine / d, capture_output=True, text=True)
+        h.update(head.stdout.encode())
+    want = h.hexdigest()
+    stamp = ws / STAMP
+    if stamp.is_file() and stamp.read_text().strip() == want:
+        log(f"cpu-setup: patched trees in {ws} up to date")
+        return False
+    log(f"cpu-setup: building the current set's patched trees in {ws}")
+    tmp = ws.with_name(ws.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for d in CURRENT_TREES:
+        _git("clone", "-q", "--shared", str(pristine / d), str(tmp / d), cwd=tmp)
+    env = dict(os.environ)
+    env.pop("QWEN3_RL_WORKSPACE", None)
+    proc = subprocess.run(["bash", str(REPO / "apply_all_patches.sh"), "--workspace", str(tmp), "--pin-set",
+                           "current", "--only", ",".join(CURRENT_SERIES)], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"apply_all_patches.sh failed on the current set's trees:\n{proc.stdout}\n{proc.stderr}")
+    (tmp / STAMP).write_text(want + "\n")
+    (tmp / SOURCES).write_text(current_sources_digest() + "\n")
+    shutil.rmtree(ws, ignore_errors=True)
+    tmp.rename(ws)
+    return True
+
+
+def current_run_env(ws: Path) -> dict[str, str]:
+    """The environment of the current set's CPU-profile processes: the device layer's ``sitecustomize``
+    (:data:`CURRENT_SITE`, active with ``QWEN3_RL_VERL091_CPU=1``), the patched trees, this checkout."""
+    path = [str(CURRENT_SITE), *(str(ws / d) for d in CURRENT_TREES), str(REPO), str(CPU_DEVICE)]
+    return {
+        "PYTHONPATH": ":".join(path), "QWEN3_RL_VERL091_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+        "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+    }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +101,67 @@ def test_cpu_env_refuses_trees_built_from_other_patches(tmp_path: Path) -> None:
     (ws / "cpu-engine" / engine_workspace.SOURCES).write_text(engine_workspace.sources_digest() + "\n")
     proc = _cpu_env(tmp_path, "--launcher-args", "internal/train_grpo_tiny_cpu.sh", "--device", "cpu")
     assert proc.returncode == 0 and "QWEN3_RL_SHIMS" not in proc.stderr and "PYTHONPATH=" in proc.stdout
+
+
+def test_cpu_env_of_the_current_set(tmp_path: Path) -> None:
+    """``PIN_SET=current``: nothing set up names ``PIN_SET=current bash setup_cpu.sh`` (one line); with its parts in
+    place (stamps written as cpu-setup writes them) the environment is the current set's: its venv's python, the
+    verl 0.9.1 device layer's ``sitecustomize`` folder first on ``PYTHONPATH``, then the patched verl / megatron-core
+    trees; the seed set's device layer (``QWEN3_RL_CPU_SHIMS``) off. Control: the same workspace under the seed set
+    still misses the seed set's parts."""
+    from qwen3_rl.tools import engine_workspace
+
+    venv, ws = tmp_path / "venv091", tmp_path / "ws"
+    env = {**os.environ, "QWEN3_RL_WORKSPACE": str(ws), "QWEN3_RL_VERL091_ENGINE_VENV": str(venv),
+           "QWEN3_RL_ENGINE_VENV": str(tmp_path / "venv"), "PYTHONPATH": str(REPO), "PIN_SET": "current"}
+    env.pop("LAUNCH_DEVICE", None)
+
+    def cpu_env(pin_set: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "qwen3_rl", "cpu-env", "--launcher-args", "x.sh", "--device",
+                               "cpu"], capture_output=True, text=True, env={**env, "PIN_SET": pin_set}, cwd=REPO,
+                              timeout=60)
+
+    proc = cpu_env("current")
+    assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert proc.stderr.strip().endswith("run PIN_SET=current bash setup_cpu.sh"), proc.stderr
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    engine = ws / "cpu-engine-current"
+    engine.mkdir(parents=True)
+    (engine / engine_workspace.STAMP).write_text("x\n")
+    (engine / engine_workspace.SOURCES).write_text(engine_workspace.current_sources_digest() + "\n")
+    for d in ("qwen3_tiny", "data_sum"):
+        (ws / "tiny" / d).mkdir(parents=True)
+        (ws / "tiny" / d / ".qwen3_rl-stamp").write_text("x\n")
+    proc = cpu_env("current")
+    assert proc.returncode == 0, proc.stderr
+    got = dict(kv.split("=", 1) for kv in proc.stdout.split("\0") if kv)
+    assert got["QWEN3_RL_PYTHON"] == str(venv / "bin" / "python") and got["QWEN3_RL_VERL091_CPU"] == "1"
+    path = got["PYTHONPATH"].split(":")
+    assert path[:3] == [str(engine_workspace.CURRENT_SITE), str(engine / "verl"), str(engine / "Megatron-LM")]
+    assert (engine_workspace.CURRENT_SITE / "sitecustomize.py").is_file() and "QWEN3_RL_CPU_SHIMS" not in got
+    # stale trees (other patches) are refused with the current set's command
+    (engine / engine_workspace.SOURCES).write_text("other\n")
+    proc = cpu_env("current")
+    assert proc.returncode == 1 and proc.stderr.strip().endswith("run PIN_SET=current bash setup_cpu.sh")
+    # control: the seed set's profile over the same workspace misses its own parts
+    proc = cpu_env("seed")
+    assert proc.returncode == 1 and proc.stderr.strip().endswith("run bash setup_cpu.sh"), proc.stderr
+
+
+def test_launcher_gives_verl091_its_gpu_slots_on_the_current_set_only(tmp_path: Path) -> None:
+    """The CPU profile's ``ray start``: with ``PIN_SET=current`` the worker slots are also Ray's ``GPU`` resource (verl
+    0.9.1 places its workers on it); on the seed set not (control)."""
+    plans = {}
+    for pin_set in ("current", "seed"):
+        env = {**os.environ, "PIN_SET": pin_set, "QWEN3_RL_WORKSPACE": str(tmp_path / "ws")}
+        env.pop("LAUNCH_DEVICE", None)
+        proc = subprocess.run(["bash", str(REPO / "ray_start_npu.sh"), "internal/train_grpo_tiny_cpu.sh", "--device",
+                               "cpu", "--dry-run"], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        plans[pin_set] = [line for line in proc.stdout.splitlines() if "ray start --head" in line]
+        assert len(plans[pin_set]) == 1, proc.stdout
+    npus = re.search(r'"NPU": (\d+)', plans["current"][0]).group(1)  # the slots (no set-up here: the default 16)
+    assert f"--num-gpus={npus}" in plans["current"][0].split()
+    assert not any(a.startswith("--num-gpus") for a in plans["seed"][0].split())

@@ -371,6 +371,11 @@ def parse_options(argv: list[str], env: dict[str, str] | None = None) -> LaunchP
         # (Ray's logical CPUs only gate scheduling; the processes share the cores)
         extra.insert(0, f"--num-cpus={max(os.cpu_count() or 1, 2 * npus + 4)}")
         notes.append(f"CPU profile: {npus} worker slot(s) advertised as Ray resource NPU (no NPU on this node)")
+    if device == "cpu" and pin_set == "current" and not any(a.startswith("--num-gpus") for a in extra):
+        # verl 0.9.1 places its workers on its platform's Ray resource, "GPU" for the CPU host platform of the
+        # device layer (qwen3_rl/cpu_device/verl091_cpu.py): the same worker slots, under that name
+        extra.insert(0, f"--num-gpus={npus}")
+        notes.append(f"CPU profile, pin set current: the {npus} worker slot(s) also advertised as Ray resource GPU")
     if role == "head":
         ray_start = [ray_bin, "start", "--head", f"--port={port}", f"--node-ip-address={node_ip}",
                      f"--resources={resources}", "--disable-usage-stats"]

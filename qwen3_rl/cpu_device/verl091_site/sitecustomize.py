@@ -1,6 +1,8 @@
-"""Start-up hook for every Python process of verl 0.9.1's V1 trainer on CPU (``tests/helpers/verl091_grpo_driver.py``).
+"""Start-up hook for every Python process of verl 0.9.1's V1 trainer on CPU: the current set's CPU profile
+(``PIN_SET=current bash ray_start_npu.sh internal/train_grpo_tiny_cpu.sh --device cpu``).
 
-The driver puts this folder, the checkout and ``qwen3_rl/cpu_device`` on the Ray job's ``PYTHONPATH``; with
+Its environment (``python -m qwen3_rl cpu-env``) puts this folder, the checkout and ``qwen3_rl/cpu_device`` on every
+process's ``PYTHONPATH``; with
 ``QWEN3_RL_VERL091_CPU=1`` each process gets the device layer, lazily, so processes that never import verl or megatron
 (Ray's own, vLLM's engine core) are untouched:
 
@@ -10,7 +12,8 @@ The driver puts this folder, the checkout and ``qwen3_rl/cpu_device`` on the Ray
 * right after ``verl.plugin.platform.platform_manager`` is imported (every verl process, before its platform is first
   asked): ``verl091_cpu.install()`` (``PLATFORM_CPU_HOST``: the host as verl's one device, see that module);
 * right after ``vllm.model_executor.layers.utils`` is imported (vLLM's CPU worker): ``vllm023_reload.install()``
-  (``CPU_LINEAR_KEEPS_WEIGHT``: vLLM-CPU's linear layers keep their weight, so the trainer's sync can reload it).
+  (``CPU_LINEAR_KEEPS_WEIGHT``: vLLM-CPU's linear layers keep their weight, so the trainer's sync can reload it);
+* with ``QWEN3_RL_E2E_PROBE_DIR`` set (a test): the weight-sync probes of ``probe_verl091.py``.
 """
 
 from __future__ import annotations
@@ -54,3 +57,8 @@ if os.environ.get("QWEN3_RL_VERL091_CPU") == "1":
         vllm023_reload.install()
 
     post_import.after_import("vllm.model_executor.layers.utils", _vllm_reload)
+
+    if os.environ.get("QWEN3_RL_E2E_PROBE_DIR"):  # the tiny run's test: both ends of the weight sync observed
+        import probe_verl091
+
+        probe_verl091.install(os.environ["QWEN3_RL_E2E_PROBE_DIR"])

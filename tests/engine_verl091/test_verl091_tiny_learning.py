@@ -1,0 +1,114 @@
+"""The main job on the current pin set, driven by the product commands a user types: ``python -m qwen3_rl cpu-setup
+--pin-set current`` (what ``PIN_SET=current bash setup_cpu.sh`` runs once its environment exists: the current set's
+patched trees, the tiny model, the data, the supervised warm-up), then ``PIN_SET=current bash ray_start_npu.sh
+internal/train_grpo_tiny_cpu.sh --device cpu``: verl 0.9.1's V1 trainer (``verl.trainer.main_ppo``), the Megatron actor
+through verl's engine and mbridge (megatron-core 0.16.1 on gloo, TP 2), vLLM 0.23's CPU engine behind verl's own vLLM
+servers (the recipe's keyed server class), the recipe's math-verify reward, the update, the weight sync, a checkpoint
+per step, validation before the first step and after the last.
+
+What is checked:
+
+* learning: validation accuracy (verl's ``val-core`` on the test split, greedy) after 6 steps is at least 0.10 above
+  the accuracy before the first step;
+* weight sync, every sync: each server's parameters (vLLM's fused layout) equal the actor's export exactly
+  (``qwen3_rl/cpu_device/probe_verl091.py`` saves both ends); the export carries the HF checkpoint's names and
+  shapes; the last sync differs from the first (the update reached the rollout);
+* the run's log, step by step (``python -m qwen3_rl report --json``), the last two checkpoints, the launcher's plots.
+
+Runs in the venv of ``tests/setup_verl091_engine_env.sh``; device layer only (``qwen3_rl/cpu_device/verl091_site``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.tiny_launch import LEARNING_MARGIN, Run, _tail, check_step_log_and_ckpt, launch, val_accuracy
+
+REPO = Path(__file__).resolve().parents[2]
+GRPO_STEPS = 6  # internal/train_grpo_tiny_cpu.sh's default
+SETUP_TIMEOUT_S = 900
+CURRENT = {"PIN_SET": "current", "QWEN3_RL_VERL091_ENGINE_VENV": sys.prefix}
+
+
+@pytest.fixture(scope="module")
+def current_ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A workspace made by ``python -m qwen3_rl cpu-setup --pin-set current`` in this venv."""
+    ws = tmp_path_factory.mktemp("ws-current")
+    proc = subprocess.run([sys.executable, "-m", "qwen3_rl", "cpu-setup", "--pin-set", "current", "--workspace",
+                           str(ws)], cwd=REPO, capture_output=True, text=True, timeout=SETUP_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    print(proc.stdout.strip().splitlines()[-1])
+    return ws
+
+
+def expected_vllm(hf: dict) -> dict:
+    """vLLM 0.23's Qwen3 parameter name -> tensor from HF-named full tensors: ``q/k/v_proj`` -> ``qkv_proj``,
+    ``gate/up_proj`` -> ``gate_up_proj`` (concatenated along dim 0, in that order; vLLM's ``Qwen3ForCausalLM``
+    ``stacked_params_mapping``); every other name kept."""
+    import torch
+
+    out, fused = {}, {}
+    for name, t in hf.items():
+        for parts, target in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+            hit = next((p for p in parts if f".{p}." in name), None)
+            if hit:
+                fused.setdefault(name.replace(f".{hit}.", f".{target}."), {})[parts.index(hit)] = t
+                break
+        else:
+            out[name] = t
+    for name, pieces in fused.items():
+        out[name] = torch.cat([pieces[i] for i in sorted(pieces)], dim=0)
+    return out
+
+
+def check_weight_sync(run: Run, model_dir: Path) -> int:
+    """Every sync of every server: engine == expected(actor export) exactly; returns the number of syncs."""
+    import torch
+    from safetensors.torch import load_file
+
+    actor = run.of("actor_sync")
+    engine = run.of("engine_sync")
+    assert {e["rank"] for e in actor} == {0, 1}, f"actor syncs seen on ranks {sorted({e['rank'] for e in actor})}"
+    n = max(e["n"] for e in actor)
+    replicas = sorted({e["replica"] for e in engine})
+    assert replicas == [0, 1], f"engine syncs seen on replicas {replicas} (2 servers expected)"
+    assert all(max(e["n"] for e in engine if e["replica"] == r) == n for r in replicas), \
+        f"actor synced {n} times; servers {[max(e['n'] for e in engine if e['replica'] == r) for r in replicas]}"
+    hf = load_file(str(model_dir / "model.safetensors"))
+    for k in range(1, n + 1):
+        export = load_file(str(run.probe / f"sync-{k}.safetensors"))
+        if k == 1:
+            assert set(export) == set(hf), f"export names differ from the HF checkpoint's: {sorted(set(export) ^ set(hf))}"
+            assert all(export[x].shape == hf[x].shape for x in hf)
+        want = expected_vllm(export)
+        for r in replicas:
+            got = load_file(str(run.probe / f"engine-r{r}-{k}.safetensors"))
+            assert set(got) == set(want), f"sync {k} server {r}: names differ {sorted(set(got) ^ set(want))[:6]}"
+            bad = [x for x in got if not torch.equal(got[x], want[x].to(got[x].dtype))]
+            assert not bad, f"sync {k} server {r}: {len(bad)} of {len(got)} tensors differ from the export: {bad[:6]}"
+    first = load_file(str(run.probe / "sync-1.safetensors"))
+    last = load_file(str(run.probe / f"sync-{n}.safetensors"))
+    assert any(not torch.equal(first[x], last[x]) for x in first), "the last sync sent the first sync's weights"
+    print(f"weight sync: {n} syncs x 2 servers, each server's {len(got)} vLLM tensors == the actor's "
+          f"{len(export)} exported HF tensors")
+    return n
+
+
+@pytest.mark.timeout(2400)
+def test_grpo_tiny_learns_on_the_current_set(current_ws: Path, tmp_path: Path) -> None:
+    """``PIN_SET=current bash ray_start_npu.sh internal/train_grpo_tiny_cpu.sh --device cpu`` from the warmed-up model:
+    validation accuracy rises by LEARNING_MARGIN, every weight sync exact, 6 steps logged, checkpoints kept."""
+    run = launch(current_ws, "internal/train_grpo_tiny_cpu.sh", tmp_path, env=CURRENT)
+    assert run.rc == 0, _tail(run)
+    assert "pin set current" in run.log and "KeyedvLLMHttpServer" in run.log, _tail(run)
+    check_weight_sync(run, current_ws / "tiny" / "qwen3_tiny")
+    doc = check_step_log_and_ckpt(run, list(range(1, GRPO_STEPS + 1)))
+    before, after = val_accuracy(doc, 0), val_accuracy(doc, GRPO_STEPS)
+    print(f"current set GRPO val-core accuracy: before {before:.3f}, after {GRPO_STEPS} steps {after:.3f} "
+          f"(launcher {run.seconds:.0f} s)")
+    assert after >= before + LEARNING_MARGIN, f"no learning: val accuracy {before:.3f} -> {after:.3f}"
+    assert "[ray_start_npu] plots:" in run.log, _tail(run)
