@@ -42,21 +42,40 @@ NGRAM = {"speculative_config": {"method": "ngram", "num_speculative_tokens": K, 
                                 "prompt_lookup_min": 1}}
 
 
-@pytest.fixture(scope="module", params=["dense", "moe"])
-def runs(request, tiny_models: dict[str, Path], tmp_path_factory) -> dict:
-    """One engine process per model: no drafts, SAM (custom_class) per request and in group mode (our worker class
-    binds it to the runner), suffix, n-gram, all on the same two waves of the 4 prompts x 2 samples; SAM with adaptive
-    k and padded drafts on the dense model."""
+@pytest.fixture(scope="module")
+def all_runs(tiny_models: dict[str, Path], tmp_path_factory) -> dict[str, dict]:
+    """One engine process for both models (MoE first: a process makes vLLM's parallel groups with its first engine,
+    and only a MoE model's has the expert-parallel group; one process imports vLLM once instead of once per model):
+    per model no drafts, SAM (custom_class) per request and in group mode (our worker class binds it to the runner),
+    suffix, n-gram, all on the same two waves of the 4 prompts x 2 samples; SAM with adaptive k and padded drafts on
+    the dense model. Returns {model: {run name: result}}; each engine is an ``LLM`` of its own."""
     wave = {"prompts": GROUP, "phases": WAVES, "sampling": {"max_tokens": TOKENS}}
-    spec_runs = [{"name": "base", **wave}, {"name": "sam", "llm": sam(), **wave},
-                 {"name": "sam_group", "llm": {**sam(group_mode=True), "worker_cls": SAM_WORKER}, **wave},
-                 {"name": "suffix", "llm": SUFFIX, **wave}, {"name": "ngram", "llm": NGRAM, **wave}]
-    if request.param == "dense":
-        spec_runs.append({"name": "sam_adaptive_pad", "llm": sam(KMAX, adaptive_k=True, pad_drafts=True), **wave})
-    model = tiny_models[request.param]
-    out = run_engine({"model": str(model), "prompts": PROMPTS, "runs": spec_runs},
-                     tmp_path_factory.mktemp(f"current-{request.param}"))
-    return {"model": request.param, "runs": out, "hf": hf_greedy(model, PROMPTS, TOKENS)}
+    spec_runs = []
+    for m in ("moe", "dense"):
+        model = {"model": str(tiny_models[m])}
+        spec_runs += [{"name": f"{m}:base", "llm": model, **wave},
+                      {"name": f"{m}:sam", "llm": {**sam(), **model}, **wave},
+                      {"name": f"{m}:sam_group", "llm": {**sam(group_mode=True), "worker_cls": SAM_WORKER, **model},
+                       **wave},
+                      {"name": f"{m}:suffix", "llm": {**SUFFIX, **model}, **wave},
+                      {"name": f"{m}:ngram", "llm": {**NGRAM, **model}, **wave}]
+        if m == "dense":
+            spec_runs.append({"name": f"{m}:sam_adaptive_pad",
+                              "llm": {**sam(KMAX, adaptive_k=True, pad_drafts=True), **model}, **wave})
+    out = run_engine({"model": str(tiny_models["moe"]), "prompts": PROMPTS, "runs": spec_runs},
+                     tmp_path_factory.mktemp("current-spec"))
+    by_model: dict[str, dict] = {"moe": {}, "dense": {}}
+    for name, r in out.items():
+        m, run = name.split(":", 1)
+        by_model[m][run] = r
+    return by_model
+
+
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def runs(request, all_runs: dict[str, dict], tiny_models: dict[str, Path]) -> dict:
+    """One model's runs of ``all_runs``, with HF transformers' greedy output."""
+    return {"model": request.param, "runs": all_runs[request.param],
+            "hf": hf_greedy(tiny_models[request.param], PROMPTS, TOKENS)}
 
 
 def drafted(r: dict) -> tuple[int, int, int]:
