@@ -36,6 +36,29 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
             "moe": make_tiny_model(root / "moe", TinySpec(moe=True))}
 
 
+@pytest.fixture(scope="session")
+def shipped_engine(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """vLLM 0.23's CPU engine as shipped (no ``vllm023_shims``), one process (which imports vLLM once) for
+    ``test_current_ascend_engine``'s reference outputs and ``test_current_spec_decode``'s positive control: the MoE
+    model, then the dense one (a process makes vLLM's parallel groups with its first engine, and only a MoE model's
+    has the expert-parallel group), greedy, ``TOKENS`` tokens on that module's prompts; last, the start of an engine
+    with vLLM's n-gram drafter (``expect_error``). Returns {run name: result}: "moe", "dense", "ngram_unshimmed"."""
+    from test_current_ascend_engine import PROMPTS, TOKENS
+    from test_current_spec_decode import NGRAM
+
+    spec = {
+        "model": str(tiny_models["moe"]),
+        "prompts": PROMPTS,
+        "shims": False,
+        "runs": [
+            {"name": m, "llm": {"model": str(tiny_models[m])}, "sampling": {"max_tokens": TOKENS}}
+            for m in ("moe", "dense")
+        ]
+        + [{"name": "ngram_unshimmed", "llm": {**NGRAM, "model": str(tiny_models["dense"])}, "expect_error": True}],
+    }
+    return run_engine(spec, tmp_path_factory.mktemp("shipped-engine"))
+
+
 def run_driver(script: str, args: list[str], tag: str, env: dict[str, str] | None = None) -> dict[str, dict]:
     """Run the driver ``script`` (a file beside this one) with ``args`` in a child process, our checkout first on
     its path (``env`` on top of this process's environment); its last stdout line starting with ``tag`` + space holds

@@ -6,10 +6,13 @@ process, one after another; print one JSON line with the results.
 SPEC: {"model": DIR, "prompts": [[token ids], ...], "runs": [RUN, ...], "shims": optional bool (default true:
        ``qwen3_rl.cpu_device.vllm023_shims``; false = the installed vLLM as shipped)}
 RUN:  {"name": str, "llm": {LLM kwargs}, "sampling": {SamplingParams kwargs}, "prompts": optional override,
-       "phases": optional [[prompt indices], ...] (one generate call per phase)}
+       "phases": optional [[prompt indices], ...] (one generate call per phase),
+       "expect_error": optional bool (a positive control: only the engine's start, whose error is the result; the
+       last run: a failed start leaves the process's vLLM state undefined)}
 Each result: {"name", "outputs": [[token ids] per prompt (per phase, flattened in order)], "metrics": vLLM's own
 spec-decode counters from LLM.get_metrics(), "drafter": the runner's drafter class (and for our custom_class
-proposer its row-identity counters), "seconds": wall time of the run, engine start included}.
+proposer its row-identity counters), "seconds": wall time of the run, engine start included}; an
+``expect_error`` run gives {"name", "error": the traceback of the engine's start (None if it started)}.
 
 Every run: float32, eager, vLLM's native PyTorch ops (``custom_ops: ["none"]``), the in-process engine
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the caller), 256 KV blocks.
@@ -21,6 +24,7 @@ import gc
 import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
@@ -71,6 +75,14 @@ def main() -> int:
                       compilation_config={"custom_ops": ["none"]}, max_model_len=512,
                       gpu_memory_utilization=0.5, disable_log_stats=False, num_gpu_blocks_override=256)
         kwargs.update(run.get("llm", {}))
+        if run.get("expect_error"):
+            try:
+                LLM(**kwargs)
+            except Exception:
+                results.append({"name": run["name"], "error": traceback.format_exc()})
+            else:
+                results.append({"name": run["name"], "error": None})
+            break
         llm = LLM(**kwargs)
         base = {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True, **run.get("sampling", {})}
         phases = run.get("phases") or [list(range(len(prompts)))]

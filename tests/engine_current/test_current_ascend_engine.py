@@ -23,7 +23,7 @@ import pytest
 from qwen3_rl.tools.pins import load_pins
 from qwen3_rl.tools.upstream.download import fill_pristine
 
-from conftest import REPO, hf_greedy, run_driver, run_engine
+from conftest import REPO, hf_greedy, run_driver
 
 TOKENS = 32
 PROMPTS = [[5, 6, 7, 8, 9, 10], [20, 21, 22, 23], [30, 31, 30, 31, 30], [40, 41, 42]]
@@ -84,10 +84,12 @@ def run_ascend(spec: dict, tmp_path: Path) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def ascend(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
+def ascend(
+    tiny_models: dict[str, Path], shipped_engine: dict[str, dict], tmp_path_factory: pytest.TempPathFactory
+) -> dict:
     """One vLLM-Ascend engine process (MoE, then dense: a process makes vLLM's parallel groups once, with its first
-    engine, and only a MoE model's has the expert-parallel group), one vLLM-CPU engine process (the same order), HF
-    transformers."""
+    engine, and only a MoE model's has the expert-parallel group), vLLM 0.23's CPU engine as shipped (``conftest``'s
+    ``shipped_engine``: one process, the same order), HF transformers."""
     tmp = tmp_path_factory.mktemp("ascend023")
     tree = patched_ascend_tree(tmp / "ws")
     runs = run_ascend(
@@ -110,20 +112,7 @@ def ascend(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
         },
         tmp,
     )
-    # vLLM 0.23's CPU engine as shipped, both models in one process (MoE first, as above)
-    cpu_runs = run_engine(
-        {
-            "model": str(tiny_models["moe"]),
-            "prompts": PROMPTS,
-            "shims": False,
-            "runs": [
-                {"name": m, "llm": {"model": str(tiny_models[m])}, "sampling": {"max_tokens": TOKENS}}
-                for m in ("moe", "dense")
-            ],
-        },
-        tmp,
-    )
-    cpu = {m: cpu_runs[m]["outputs"] for m in ("dense", "moe")}
+    cpu = {m: shipped_engine[m]["outputs"] for m in ("dense", "moe")}
     hf = {m: hf_greedy(tiny_models[m], PROMPTS, TOKENS) for m in ("dense", "moe")}
     return {"runs": runs, "vllm_cpu": cpu, "hf": hf}
 
