@@ -601,10 +601,13 @@ def _normal(f: Feature, raw: str) -> str:
     return raw
 
 
-def values_from_overrides(reg: Registry, vals: Mapping[str, str], setup: str | None) -> dict[str, str | None]:
+def values_from_overrides(reg: Registry, vals: Mapping[str, str], setup: str | None,
+                          pin_set: str = "seed") -> dict[str, str | None]:
     """The features' values a final command implies (override map without ``+``; hand-written Hydra arguments
     included): a key set to ``{value}`` gives the value; a key a feature sets to a fixed value only for one value
-    of its own gives that value; otherwise the setup's default. Context values from their keys."""
+    of its own gives that value; otherwise the setup's default. Context values from their keys. On a non-seed
+    ``pin_set`` a feature's keys are its ``current.sets`` when declared (the keys :func:`render` writes there; the
+    seed's may mean something else there) and its default the set's ``current.default`` when declared."""
     ctx: dict[str, str] = {}
     for name, cv in reg.context.items():
         for key in (cv.key, *cv.also) if cv.key else ():
@@ -618,8 +621,9 @@ def values_from_overrides(reg: Registry, vals: Mapping[str, str], setup: str | N
         if not reg.applies(f, setup):
             values[f.env] = None
             continue
+        cur = f.current if pin_set != "seed" else None
         found: str | None = None
-        for s in f.sets:
+        for s in cur.sets if cur is not None and cur.sets is not None else f.sets:
             key = s.key.lstrip("+")
             if key not in vals:
                 continue
@@ -631,14 +635,18 @@ def values_from_overrides(reg: Registry, vals: Mapping[str, str], setup: str | N
                     and _normal(f, vals[key]) == _normal(f, s.value):
                 found = own[0]
                 break
-        values[f.env] = found if found is not None else reg.default(f, setup, ctx)
+        if found is None:
+            found = cur.default if cur is not None and cur.default is not None else reg.default(f, setup, ctx)
+        values[f.env] = found
     return values
 
 
-def check_command(vals: Mapping[str, str], setup: str | None = None, reg: Registry | None = None) -> list[str]:
-    """The requires / excludes rules on a final command's override map (one message per broken rule)."""
+def check_command(vals: Mapping[str, str], setup: str | None = None, reg: Registry | None = None,
+                  pin_set: str = "seed") -> list[str]:
+    """The requires / excludes rules on a final command's override map (one message per broken rule), its
+    switches read back from the keys of ``pin_set``."""
     reg = reg or load_registry()
-    return rule_violations(reg, values_from_overrides(reg, vals, setup))
+    return rule_violations(reg, values_from_overrides(reg, vals, setup, pin_set))
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------

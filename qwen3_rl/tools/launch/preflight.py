@@ -202,8 +202,14 @@ def check_layout(vals: Mapping[str, str], cfg: Mapping[str, Any] | None) -> list
     return out
 
 
-def check_batches(vals: Mapping[str, str]) -> list[Finding]:
-    """Batch sizes that verl's trainer and Megatron workers divide."""
+def check_batches(vals: Mapping[str, str], pin_set: str = "seed") -> list[Finding]:
+    """Batch sizes that verl's trainer and Megatron workers divide.
+
+    The fully-async command on a non-seed pin set runs verl 0.9.1's own fully-async trainer, whose rollouter asserts
+    ``data.train_batch_size`` 0 and ``data.gen_batch_size`` 1 (prompts one at a time,
+    ``experimental/fully_async_policy/fully_async_rollouter.py:350-352``) and hands the trainer
+    ``async_training.require_batches`` x ``ppo_mini_batch_size`` prompts per update (``:424``): that product is the
+    batch the divisibility rules below check there."""
     out: list[Finding] = []
     world = world_size(vals)
     gbs = _get_int(vals, "data.train_batch_size")
@@ -211,7 +217,19 @@ def check_batches(vals: Mapping[str, str]) -> list[Finding]:
     mini = _get_int(vals, A + "ppo_mini_batch_size")
     if gbs is None:
         return [_err("batch", "data.train_batch_size is not set")]
-    if is_fully_async(vals):  # qwen3_rl.trainer.fully_async: one dataloader batch per actor update
+    if is_fully_async(vals) and pin_set != "seed":
+        gen = _get_int(vals, "data.gen_batch_size")
+        if gbs != 0:
+            out.append(_err("batch", f"fully async on pin set {pin_set}: data.train_batch_size {gbs} must be 0 (verl's "
+                                     "rollouter asserts it, fully_async_rollouter.py:351; an update takes "
+                                     "async_training.require_batches x ppo_mini_batch_size prompts)"))
+        if gen != 1:
+            out.append(_err("batch", f"fully async on pin set {pin_set}: data.gen_batch_size {gen} must be 1 (verl's "
+                                     "rollouter asserts it, fully_async_rollouter.py:352)"))
+        if mini is None:
+            return out + [_err("batch", "actor_rollout_ref.actor.ppo_mini_batch_size is not set")]
+        gbs = (_get_int(vals, "async_training.require_batches", 1) or 1) * mini  # the prompts of one update
+    elif is_fully_async(vals):  # qwen3_rl.trainer.fully_async: one dataloader batch per actor update
         req = _get_int(vals, "async_training.require_batches", 1) or 1
         if mini is not None and gbs != req * mini:
             out.append(_err("batch", f"fully async: data.train_batch_size {gbs} must be async_training."
@@ -262,15 +280,16 @@ def check_lengths(vals: Mapping[str, str], cfg: Mapping[str, Any] | None) -> lis
     return out
 
 
-def check_feature_rules(vals: Mapping[str, str], setup: str | None = None) -> list[Finding]:
+def check_feature_rules(vals: Mapping[str, str], setup: str | None = None, pin_set: str = "seed") -> list[Finding]:
     """The requires / excludes rules of the feature registry (``features.toml``) on the final command, hand-written
     Hydra arguments included (the train script checks the same rules on its env vars before it prints anything):
-    each switch's value is read back from the keys it sets (:func:`qwen3_rl.tools.features.values_from_overrides`).
+    each switch's value is read back from the keys it sets on ``pin_set`` (its ``current.sets`` there when declared;
+    :func:`qwen3_rl.tools.features.values_from_overrides`).
     ``setup``: the train script's file name (its switches and defaults; None = every switch)."""
     from qwen3_rl.tools.features import FeatureError, check_command
 
     try:
-        return [_err("feature", msg) for msg in check_command(vals, setup)]
+        return [_err("feature", msg) for msg in check_command(vals, setup, pin_set=pin_set)]
     except FeatureError as exc:
         return [_err("feature", f"features.toml: {exc}")]
 
@@ -293,17 +312,20 @@ def check_spec_decode_requests(vals: Mapping[str, str]) -> list[Finding]:
     return out
 
 
-def check_rollout_log_probs(vals: Mapping[str, str]) -> list[Finding]:
+def check_rollout_log_probs(vals: Mapping[str, str], pin_set: str = "seed") -> list[Finding]:
     """The rollout's log-probs stand for the behaviour policy (as the old log-probs, or as pi_rollout in the rollout
     correction): vLLM returns them raw, before temperature / top-p / top-k, so any of those changes the sampling
-    policy away from them (one error naming the settings)."""
+    policy away from them (one error naming the settings). The old-log-prob key is the pin set's: seed
+    ``async_training.use_rollout_log_probs``; current ``algorithm.rollout_correction.bypass_mode`` (verl 0.9.1,
+    USE_ROLLOUT_LOG_PROBS's ``current.sets`` in features.toml)."""
     from qwen3_rl.trainer.fully_async.settings import behaviour_log_prob_problems
 
-    as_old = _get_bool(vals, "async_training.use_rollout_log_probs", False)
+    old_key = "async_training.use_rollout_log_probs" if pin_set == "seed" else "algorithm.rollout_correction.bypass_mode"
+    as_old = _get_bool(vals, old_key, False)
     corr = (vals.get("algorithm.rollout_correction.rollout_is") or "null").strip("'\"")
     if not as_old and corr in ("null", "None", "~", ""):
         return []
-    use = "async_training.use_rollout_log_probs=True" if as_old else f"algorithm.rollout_correction.rollout_is={corr}"
+    use = f"{old_key}=True" if as_old else f"algorithm.rollout_correction.rollout_is={corr}"
     bad = behaviour_log_prob_problems(float(vals.get(R + "temperature", "1.0")), float(vals.get(R + "top_p", "1.0")),
                                       _get_int(vals, R + "top_k", -1))
     if not bad:
@@ -572,11 +594,11 @@ def run_preflight(train_script: str, env_script: str | None = None, nnodes: int 
     try:
         findings += check_world(vals, nnodes, npus_per_node)
         findings += check_layout(vals, cfg)
-        findings += check_batches(vals)
+        findings += check_batches(vals, pin_set)
         findings += check_lengths(vals, cfg)
-        findings += check_feature_rules(vals, Path(train_script).name)
+        findings += check_feature_rules(vals, Path(train_script).name, pin_set)
         findings += check_spec_decode_requests(vals)
-        findings += check_rollout_log_probs(vals)
+        findings += check_rollout_log_probs(vals, pin_set)
         findings += check_sam_cost_table(vals)
         findings += check_server_mode(vals)
     except ValueError as exc:

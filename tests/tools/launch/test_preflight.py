@@ -408,3 +408,61 @@ def test_rollout_log_probs_need_the_behaviour_policys_sampling():
 
 
 R_ = "actor_rollout_ref.rollout."
+
+
+FA_TINY = REPO / "internal" / "train_grpo_tiny_cpu_fully_async.sh"
+_SIZE_CHECKS = ("script", "batch", "feature", "rollout-log-probs")
+
+
+def _fa_tiny_errors(pin_set: str, extra: list[str] | None = None, **env: str) -> list[str]:
+    """Error lines of the batch / feature / rollout-log-prob checks on the tiny fully-async script's final command on
+    ``pin_set`` (the node, file and environment checks are other tests')."""
+    from qwen3_rl.tools.launch.preflight import run_preflight
+
+    base = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), "PIN_SET": pin_set, **env}
+    found = run_preflight(str(FA_TINY), node_checks=False, env=base, extra_args=extra, npu_env=None)
+    return [f.line() for f in found if f.check in _SIZE_CHECKS and f.level == "error"]
+
+
+def test_current_fully_async_reads_verl091_keys():
+    """On the current set the fully-async command is verl 0.9.1's own (data.train_batch_size 0, gen_batch_size 1,
+    the batch of an update = require_batches x mini-batch; USE_ROLLOUT_LOG_PROBS = rollout_correction.bypass_mode):
+    clean as shipped; a train_batch_size other than 0, a mini-batch that does not divide, and the old log-probs
+    together with the rollout correction are each still one error; the seed set's rules unchanged."""
+    from qwen3_rl.tools.launch.preflight import check_feature_rules
+
+    assert _fa_tiny_errors("current") == []
+    assert _fa_tiny_errors("current", ["data.train_batch_size=16"]) == [
+        "error: [batch] fully async on pin set current: data.train_batch_size 16 must be 0 (verl's rollouter asserts "
+        "it, fully_async_rollouter.py:351; an update takes async_training.require_batches x ppo_mini_batch_size "
+        "prompts)"]
+    assert _fa_tiny_errors("current", ["data.gen_batch_size=4"]) == [
+        "error: [batch] fully async on pin set current: data.gen_batch_size 4 must be 1 (verl's rollouter asserts it, "
+        "fully_async_rollouter.py:352)"]
+    # 3 prompts x 8 samples over the trainer's 2 ranks is fine; 3 prompts x n 1 = 3 rows over 2 ranks is not
+    assert _fa_tiny_errors("current", ["actor_rollout_ref.actor.ppo_mini_batch_size=3", "trainer.n_gpus_per_node=2",
+                                       "actor_rollout_ref.rollout.n=1"], NPUS_PER_NODE="3") == [
+        "error: [batch] ppo_mini_batch_size 3 x n 1 = 3 does not divide over the actor's 2 data-parallel ranks",
+        "error: [batch] train_batch_size 3 x n 1 = 3 does not split over the 2 ranks the rollout batch is dispatched "
+        "to"]
+    (line,) = _fa_tiny_errors("current", ["algorithm.rollout_correction.bypass_mode=True"])
+    assert line.startswith("error: [feature] USE_ROLLOUT_LOG_PROBS=True excludes ROLLOUT_CORRECTION not off"), line
+    assert _fa_tiny_errors("current", ["algorithm.rollout_correction.bypass_mode=True",
+                                       "algorithm.rollout_correction.rollout_is=null"]) == []
+    (line,) = _fa_tiny_errors("current", ["algorithm.rollout_correction.bypass_mode=True",
+                                          "algorithm.rollout_correction.rollout_is=null", R_ + "temperature=0.7"])
+    assert line.startswith("error: [rollout-log-probs] rollout.temperature=0.7 with "
+                           "algorithm.rollout_correction.bypass_mode=True: "), line
+    # the current command read with the seed set's keys: calculate_log_probs=True (set for the correction) reads as
+    # USE_ROLLOUT_LOG_PROBS=True there, and train_batch_size 0 fails the seed fully-async batch rule
+    current_cmd = {"algorithm.rollout_correction.rollout_is": "token", R_ + "calculate_log_probs": "True",
+                   "algorithm.rollout_correction.bypass_mode": "False"}
+    assert [f.message[:45] for f in check_feature_rules(current_cmd, FA_TINY.name)] == [
+        "USE_ROLLOUT_LOG_PROBS=True excludes ROLLOUT_C"]
+    assert check_feature_rules(current_cmd, FA_TINY.name, "current") == []
+    # the seed set: its own fully-async batch rule and the shipped command, as before
+    assert _fa_tiny_errors("seed") == []
+    assert _fa_tiny_errors("seed", ["data.train_batch_size=0"]) == [
+        "error: [batch] fully async: data.train_batch_size 0 must be async_training.require_batches 1 x "
+        "ppo_mini_batch_size 16 = 16",
+        "error: [batch] data.train_batch_size 0 is not a multiple of ppo_mini_batch_size 16"]
