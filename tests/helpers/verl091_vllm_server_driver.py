@@ -12,14 +12,16 @@ prompt:
    verl's replica registry (``get_rollout_replica_class("vllm")`` -> ``vLLMReplica.server_class``), then verl's own
    ``launch_server`` (vLLM's CLI parser, ``AsyncLLM`` with an engine core process and the ``mp`` executor, uvicorn)
    and ``generate`` for each prompt.
-3. ``recipe``: the same with the recipe's vLLM settings in ``rollout.engine_kwargs.vllm``: ``worker_cls``
-   (``SamCPUWorker``), ``scheduler_cls`` (``GcStepScheduler``), ``speculative_config`` (SAM through
-   ``custom_class``) and ``additional_config`` ``{"qwen3_rl": {"sam_config": {"group_mode": true},
-   "disable_gc": true}}``. A probe sent with verl's ``collective_rpc`` writes, from inside the engine's worker
-   process, the worker class, the runner's drafter and its counters, and the scheduler object found there;
-   vLLM's spec-decode counters are read from the server's own ``/metrics``. Its replica class comes from verl's
-   registry after ``qwen3_rl.rollout.verl_server_auth.register()``, with ``rollout.custom`` =
-   :data:`RECIPE_CUSTOM` (``SERVER_API_KEY=True``, ``SERVER_HTTP_HOST=loopback``).
+3. ``recipe``: the same with the recipe's settings taken from the command the tiny train script
+   (``internal/train_grpo_tiny_cpu.sh``) prints with ``PIN_SET=current`` and :data:`RECIPE_SWITCHES`
+   (``SAM_ENABLE``, ``SAM_GROUP``, ``DISABLE_GC_IN_ENGINE_STEP``; ``SERVER_API_KEY`` and ``SERVER_HTTP_HOST`` at
+   their defaults, on and loopback): its ``actor_rollout_ref.rollout.engine_kwargs.vllm.*`` overrides (the keys
+   ``python -m qwen3_rl features overrides`` emits: ``worker_cls`` ``rollout_worker.SamWorker``, ``scheduler_cls``,
+   ``speculative_config``, ``additional_config``), its ``rollout.custom.*`` and ``rollout.disable_log_stats``
+   (``tests/helpers/current_rollout_settings.py``); nothing hand-written. A probe sent with verl's ``collective_rpc``
+   writes, from inside the engine's worker process, the worker class, the runner's drafter, and the scheduler
+   object found there; vLLM's spec-decode counters are read from the server's own ``/metrics``. Its replica
+   class comes from verl's registry after ``qwen3_rl.rollout.verl_server_auth.register()``.
 
 After generating, each server: the sockets of its process tree (psutil), its app's route table (read in the
 actor from the uvicorn server verl runs) walked over HTTP without a key, with a wrong one and (recipe) with the
@@ -56,27 +58,35 @@ TOKENS = 32
 PROMPTS = [[5, 6, 7, 8, 9, 10], [20, 21, 22, 23], [30, 31, 30, 31, 30], [40, 41, 42]]
 #: GRPO's n = 2: each prompt twice, the second copy after the first finished (SAM group mode drafts from it)
 ORDER = [0, 1, 2, 3, 0, 1, 2, 3]
-SAM_CLASS = "qwen3_rl.spec_decode.custom_class_proposer.SamCustomClassProposer"
-SAM_WORKER = "qwen3_rl.spec_decode.custom_class_worker.SamCPUWorker"
-GC_SCHEDULER = "qwen3_rl.rollout.gc_scheduler.GcStepScheduler"
-K = 3
+#: the switches of the recipe's run (the rest: the tiny setup's defaults on the current set)
+RECIPE_SWITCHES = {"SAM_ENABLE": "True", "SAM_GROUP": "True", "DISABLE_GC_IN_ENGINE_STEP": "True"}
 #: vLLM engine settings both paths share: float32, eager, native PyTorch ops, 256 KV blocks
 ENGINE = {
     "num_gpu_blocks_override": 256,
     "compilation_config": {"custom_ops": ["none"], "cudagraph_mode": "NONE"},
 }
-RECIPE = {
-    "worker_cls": SAM_WORKER,
-    "scheduler_cls": GC_SCHEDULER,
-    "speculative_config": {"method": "custom_class", "model": SAM_CLASS, "num_speculative_tokens": K},
-    "additional_config": {"qwen3_rl": {"sam_config": {"group_mode": True}, "disable_gc": True}},
-}
-#: the recipe's server switches in ``rollout.custom`` (SERVER_API_KEY=True, SERVER_HTTP_HOST=loopback)
-RECIPE_CUSTOM = {"qwen3_rl": {"server_auth": {"enable": True}, "server_http": {"host": "loopback"}}}
 #: Ray's node address: a second loopback address stands in for the node's, so loopback and node binds differ
 NODE = "127.0.0.2"
 SPEC_COUNTERS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 RAY_TIMEOUT_S = 600
+
+
+def recipe_from_train_script(model: Path) -> dict[str, Any]:
+    """The recipe run's settings from the tiny train script's command with :data:`RECIPE_SWITCHES`
+    (``tests/helpers/current_rollout_settings.py``): ``overrides``, ``engine_kwargs``, ``custom``,
+    ``disable_log_stats``."""
+    sys.path.insert(0, str(HERE))
+    from current_rollout_settings import rollout_settings
+
+    return rollout_settings(RECIPE_SWITCHES, model)
+
+
+def merged(base: dict, top: dict) -> dict:
+    """``base`` updated by ``top``, nested dicts merged (``top`` wins)."""
+    out = dict(base)
+    for key, val in top.items():
+        out[key] = merged(out[key], val) if isinstance(val, dict) and isinstance(out.get(key), dict) else val
+    return out
 
 
 def direct(model: Path) -> list[list[int]]:
@@ -124,12 +134,11 @@ def engine_probe(wrapper: Any, path: str) -> None:
     }
     if drafter is not None:
         st["drafter"] = f"{type(drafter).__module__}.{type(drafter).__name__}"
-        rows = getattr(drafter, "rows", None)
+        st["drafter_mro"] = [c.__name__ for c in type(drafter).__mro__]
         st["drafter_bound"] = getattr(drafter, "runner", None) is runner
-        if rows is not None:
-            st.update(
-                drafter_steps=drafter.steps, rows_new=rows.new, rows_released=rows.released, k=drafter.k
-            )
+        sam = getattr(drafter, "sam", None)  # the SAM drafter of the runner (SamRunnerDrafter)
+        if sam is not None:
+            st.update(k=sam.k, group_mode=sam.config.group_mode)
     st["schedulers_in_process"] = sorted(
         {
             f"{type(o).__module__}.{type(o).__name__}"
@@ -214,7 +223,12 @@ def walk(bound: str, port: int, routes: list[dict], key: str | None) -> dict:
 
 
 async def verl_server(
-    model: Path, engine_kwargs: dict, probe_path: Path | None, replica_cls: type, custom: dict | None
+    model: Path,
+    engine_kwargs: dict,
+    probe_path: Path | None,
+    replica_cls: type,
+    custom: dict | None,
+    disable_log_stats: bool = False,
 ) -> dict:
     """Build verl's vLLM server for ``model`` with verl's config objects (``custom``: ``rollout.custom``) and the
     replica class ``replica_cls`` (from verl's registry), launch it, send the prompts in :data:`ORDER` (two waves
@@ -240,7 +254,7 @@ async def verl_server(
         response_length=TOKENS,
         enable_sleep_mode=False,
         free_cache_engine=False,
-        disable_log_stats=False,
+        disable_log_stats=disable_log_stats,
         enable_prefix_caching=True,
         seed=0,
         skip_tokenizer_init=False,
@@ -284,6 +298,8 @@ async def verl_server(
         )
         outs += [list(r.token_ids) for r in res]
     key = await server.api_key.remote() if hasattr(server, "api_key") else None
+    # the recipe server's own reading of its counters (KeyedvLLMHttpServer.spec_decode_counts), beside /metrics
+    counts = await server.spec_decode_counts.remote() if hasattr(server, "spec_decode_counts") else None
     # where it listens: the recipe's run asks for loopback; verl's own binds the address it reports
     bound = "127.0.0.1" if custom else host
     result: dict[str, Any] = {
@@ -297,6 +313,7 @@ async def verl_server(
         "api_key_set": bool(key),
         "api_key": key,  # for the test's check that no log line holds it
         "metrics": metrics(f"{bound}:{port}", key),
+        "counts": counts,
     }
     if probe_path is not None:
         await asyncio.wait_for(
@@ -327,16 +344,22 @@ async def all_runs(model: Path, work: Path, runs: list[str]) -> dict[str, Any]:
     plain_cls = get_rollout_replica_class("vllm")  # verl's own vLLMReplica
     verl_server_auth.register()
     keyed_cls = get_rollout_replica_class("vllm")  # the recipe's, from verl's registry
+    recipe = recipe_from_train_script(model)
     jobs = [timed("direct", asyncio.to_thread(direct, model))]
     for name in runs:
         if name == "verl":
             job = verl_server(model, dict(ENGINE), work / f"probe-{name}.json", plain_cls, None)
         else:
             job = verl_server(
-                model, {**ENGINE, **RECIPE}, work / f"probe-{name}.json", keyed_cls, RECIPE_CUSTOM
+                model,
+                merged(ENGINE, recipe["engine_kwargs"]),
+                work / f"probe-{name}.json",
+                keyed_cls,
+                recipe["custom"],
+                recipe["disable_log_stats"],
             )
         jobs.append(timed(name, job))
-    out: dict[str, Any] = {"seconds": {}}
+    out: dict[str, Any] = {"seconds": {}, "recipe_command": recipe}
     for name, res, seconds in await asyncio.gather(*jobs):
         out[name] = res
         out["seconds"][name] = seconds
