@@ -617,15 +617,27 @@ def values_from_overrides(reg: Registry, vals: Mapping[str, str], setup: str | N
                 break
     ctx = _derive_context(reg, ctx)
     values: dict[str, str | None] = dict(ctx)
+
+    def keys_of(f: Feature) -> tuple[Setting, ...]:
+        cur = f.current if pin_set != "seed" else None
+        return cur.sets if cur is not None and cur.sets is not None else f.sets
+
+    # a fixed-value key that several switches set (the current set's worker_cls: SAM and gc control) implies none
+    setters: dict[str, set[str]] = {}
+    for f in reg.features.values():
+        for s in keys_of(f):
+            if s.value != "{value}":
+                setters.setdefault(s.key.lstrip("+"), set()).add(f.env)
+    shared = {k for k, envs in setters.items() if len(envs) > 1} if pin_set != "seed" else set()
     for f in reg.features.values():
         if not reg.applies(f, setup):
             values[f.env] = None
             continue
         cur = f.current if pin_set != "seed" else None
         found: str | None = None
-        for s in cur.sets if cur is not None and cur.sets is not None else f.sets:
+        for s in keys_of(f):
             key = s.key.lstrip("+")
-            if key not in vals:
+            if key not in vals or (key in shared and s.value != "{value}"):
                 continue
             if s.value == "{value}":
                 found = _normal(f, vals[key])
