@@ -73,6 +73,29 @@ def test_uniform_mode_one_length_per_step() -> None:
     assert pol.step_hist[pol.last_k] >= 1 and (pol.step_hist > 0).sum() == 2  # bulk and tail chose differently
 
 
+def test_request_that_breaks_off_early_drafts_shorter() -> None:
+    """Per-request acceptance learnt online: in a batch whose drafts accept in long runs (p = 0.8 per position),
+    a request whose drafts stop after their first token gets a continuation factor well below 1 and shorter drafts
+    than a request accepting like the batch; one that accepts every draft whole keeps the batch's estimate (the
+    factor is capped at 1); ``reset`` (a new request in the slot) forgets it."""
+    pol = _trained(0.8, n=64)
+    slots = np.array([100, 101, 102])  # 100 breaks off, 101 like the batch, 102 accepts everything
+    rng = np.random.default_rng(3)
+    for _ in range(12):
+        pol.choose(slots, np.full(3, KMAX), 3 * 8000.0)
+        like = min(int(rng.geometric(0.2)) - 1, KMAX)
+        pol.observe(slots, np.full(3, KMAX), np.array([1, like, KMAX]))
+    r = pol.factor(slots)
+    k = pol.choose(slots, np.full(3, KMAX), 3 * 8000.0)
+    print(f"factor {r.round(3).tolist()}, k {k.tolist()}")
+    assert r[0] < 0.5 and r[1] > 0.8 and r[2] == 1.0
+    assert k[0] < k[1] <= k[2]
+    g = pol.gains(slots)
+    assert g[0, 0] == pytest.approx(g[2, 0]) and (g[0, 1:] < g[2, 1:]).all()  # the first position is a_i's
+    pol.reset(slots[:1])
+    assert pol.factor(slots[:1])[0] == 1.0
+
+
 def _texts(n: int, rng: np.random.Generator, length: int = 400) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Per request a prompt and a continuation: a request-specific period of 40 tokens, 15 % of them replaced
     by random tokens (drafts from the request's own text are accepted in runs of a few tokens)."""

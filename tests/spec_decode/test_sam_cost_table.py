@@ -245,7 +245,8 @@ def test_linear_table_chooses_as_the_linear_model(tmp_path: Path) -> None:
     table = load_cost_table(str(_write(tmp_path / "lin.json", rows)))
     for n, ctx in ((2, 8000.0), (64, 4000.0), (256, 8000.0), (256, 30000.0)):
         lin, tab = _trained(0.7), AdaptiveK(KMAX, table=table)
-        tab.reach, tab.acc, tab.first = lin.reach.copy(), lin.acc.copy(), lin.first.copy()
+        for name in ("reach", "acc", "first", "cobs", "cexp"):  # the same acceptance state, per request too
+            setattr(tab, name, getattr(lin, name).copy())
         slots = np.arange(n) % 64
         k_lin = lin.choose(slots, np.full(n, KMAX), n * ctx)
         k_tab = tab.choose(slots, np.full(n, KMAX), n * ctx)
@@ -257,12 +258,13 @@ def test_linear_table_chooses_as_the_linear_model(tmp_path: Path) -> None:
 def test_linear_model_without_a_table_unchanged() -> None:
     """Positive control: without a table the policy is the linear model, untouched by the table path. The corpus
     replay (history 4, k_max 15, per-request k) gives the figures of the current gain model (match-length buckets,
-    positions shrunk to the one before; before it, commit 37f99ef's model gave bulk 2.083, tail 2.713)."""
+    positions shrunk to the one before, each request's continuation factor; without that factor the model gave bulk
+    2.069, tail 2.744; commit 37f99ef's model bulk 2.083, tail 2.713)."""
     groups = load_corpus(CORPUS)
     cfg = SamConfig(num_speculative_tokens=KMAX, group_mode=True, history_responses=4, adaptive_k=True)
     r = replay_visits(groups, cfg, 3, 4, use_history=True, adaptive=True)
-    assert (r["bulk_mean_accepted"], r["tail_mean_accepted"]) == (2.069401816473536, 2.7435897435897436)
-    assert r["k_hist"] == [1472, 684, 1603, 2589, 2792, 1988, 2196, 1493, 232, 245, 384, 86, 119, 92, 127, 487]
+    assert (r["bulk_mean_accepted"], r["tail_mean_accepted"]) == (2.057137527978115, 2.762458471760797)
+    assert r["k_hist"] == [1480, 267, 2517, 3082, 2920, 1933, 1930, 797, 374, 223, 271, 199, 61, 46, 49, 537]
     assert AdaptiveK(KMAX).table is None
 
 
@@ -294,7 +296,7 @@ import json, sys
 from qwen3_rl.spec_decode import adaptive_k as A, cost_table as T
 from qwen3_rl.spec_decode.config import parse_sam_options
 from qwen3_rl.spec_decode.runner_drafter import SamRunnerDrafter
-names = [(A, "_choose_table"), (T, "curve_into")]
+names = [(A, "_choose_table"), (A, "_gains"), (T, "curve_into")]
 before = [len(getattr(m, n).signatures) for m, n in names]
 SamRunnerDrafter(parse_sam_options(json.loads(sys.argv[1]), 15), 512)
 print("PROBE " + json.dumps({"before": before, "after": [len(getattr(m, n).signatures) for m, n in names]}))
@@ -302,14 +304,14 @@ print("PROBE " + json.dumps({"before": before, "after": [len(getattr(m, n).signa
 
 
 def test_warm_up_compiles_the_table_kernels() -> None:
-    """In a fresh process, building the runner's drafter with a cost table compiles the table kernels the first
-    decode step calls (the warm-up's drafters carry the same config)."""
+    """In a fresh process, building the runner's drafter with a cost table compiles the table kernels and the gains
+    kernel the first decode step calls (the warm-up's drafters carry the same config)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps({"adaptive_k": True, "cost_table": DENSE})],
                           capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE ")][-1][len("PROBE "):])
-    assert r["before"] == [0, 0] and min(r["after"]) >= 1, r
+    assert r["before"] == [0, 0, 0] and min(r["after"]) >= 1, r
 
 
 def test_corpus_goals_on_the_h100_table() -> None:
