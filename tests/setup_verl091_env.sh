@@ -16,7 +16,8 @@ NO_DEPS=(verl==0.9.1 megatron-core==0.16.1)
 DEPS=(mbridge==0.15.1 accelerate codetiming datasets dill hydra-core "numpy>=2.0.0" pandas peft "pyarrow>=19.0.0"
       pybind11 pylatexenc torchdata "tensordict>=0.8.0,<=0.10.0,!=0.9.0" "transformers>=5.5.3,<5.11,!=5.6.0"
       "packaging>=20.0" tensorboard "TransferQueue>=0.1.10" pyzmq msgspec fastapi uvicorn cachetools
-      einops safetensors pytest pytest-asyncio pytest-timeout)
+      einops safetensors pytest pytest-asyncio pytest-timeout
+      scipy)  # MindSpeed core_r0.16.0's requirements.txt (its DSA feature imports it at patch time)
 
 usage() {
   cat <<'USAGE'
