@@ -189,6 +189,10 @@ def register_ascend_eplb_policies() -> bool:
     return True
 
 
+#: The vLLM release the seam patch (patches/vllm/0003) is made for: without the seam there, the patch is missing.
+SEAM_VLLM = "0.13."
+
+
 def register() -> None:
     """Entry point ``vllm.general_plugins: qwen3_rl``. Idempotent (registries are keyed by name). On a vLLM
     without the seam patch it registers the EPLB policies with a vLLM-Ascend that has their registry, logs one
@@ -197,10 +201,16 @@ def register() -> None:
     try:
         from vllm.plugins import extensions
     except ImportError:
-        logger.warning(
-            "qwen3_rl: this vLLM has no vllm.plugins.extensions (recipe seam patch not applied); "
-            "the recipe's rollout features are unavailable"
-        )
+        import vllm
+
+        version = getattr(vllm, "__version__", "")
+        if version.startswith(SEAM_VLLM):
+            logger.warning(
+                "qwen3_rl: this vLLM has no vllm.plugins.extensions (recipe seam patch not applied); "
+                "the recipe's rollout features are unavailable"
+            )
+        else:  # the current set: SAM and gc control come as worker_cls / scheduler_cls, no seam (docs/sam_decoding.md)
+            logger.debug("qwen3_rl: vLLM %s has no seam; features through worker_cls / scheduler_cls", version)
         return
     for name, factory, order in ENGINE_STEP_HOOKS:
         extensions.register_engine_step_hook(name, factory, order)

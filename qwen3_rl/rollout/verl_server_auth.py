@@ -122,7 +122,7 @@ def _server_class() -> type:
             over its engines (``{"num_drafts", "num_draft_tokens", "num_accepted_tokens"}``; 0 without a drafter
             or with ``rollout.disable_log_stats``): read from the Prometheus registry of this process, where
             ``AsyncLLM``'s stat logger counts them (the numbers ``/metrics`` serves). The trainer's side, one
-            step's difference over the servers into ``rollout/spec_decode/*``, is not built on this set."""
+            step's difference over the servers into ``rollout/spec_decode/*``: ``qwen3_rl.trainer.verl091_spec_metrics``."""
             from vllm.v1.metrics.reader import get_metrics_snapshot
 
             from qwen3_rl.spec_decode.metrics import read_counters
@@ -156,7 +156,12 @@ def replica_class() -> type:
 
 def register() -> None:
     """Put :func:`replica_class` under ``"vllm"`` in verl 0.9.1's ``RolloutReplicaRegistry``, in the process that
-    builds the replicas (the trainer's ``LLMServerManager``)."""
+    builds the replicas (the trainer's ``LLMServerManager``); and the recipe's trainer mode (``qwen3_rl_sync``:
+    the servers' spec-decode counters in the step metrics, ``qwen3_rl.trainer.verl091_spec_metrics``) in verl's
+    trainer registry, which the trainer's process reads (``main_ppo.py:139-141``)."""
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
+    from qwen3_rl.trainer import verl091_spec_metrics
+
     RolloutReplicaRegistry.register("vllm", replica_class)
+    verl091_spec_metrics.register()

@@ -2,7 +2,8 @@
 ``+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=qwen3_rl.rollout.verl_server_auth.register`` in the
 command (features.toml), verl 0.9.1's ``main_ppo`` passes ``ray_kwargs.ray_init`` to ``ray.init``
 (``verl/trainer/main_ppo.py:62-73``), and the trainer actor that builds the rollout replicas then finds the recipe's
-replica class under ``"vllm"`` in verl's ``RolloutReplicaRegistry``.
+replica class under ``"vllm"`` in verl's ``RolloutReplicaRegistry``, and the trainer mode ``qwen3_rl_sync``
+(``qwen3_rl.trainer.verl091_spec_metrics``) in verl's trainer registry.
 
 Checked in the process that makes the choice: a Ray worker of a local Ray cluster started with that runtime env (and
 the command's ``env_vars.PYTHONPATH``), asking verl's registry as verl's trainer does
@@ -34,15 +35,20 @@ try:
     @ray.remote
     def replica():
         from verl.workers.rollout.replica import RolloutReplicaRegistry
+        from verl.trainer.ppo.v1 import get_trainer_cls
         cls = RolloutReplicaRegistry.get("vllm")
-        return [c.__name__ for c in cls.__mro__]
+        try:  # the trainer mode the SAM switch selects (trainer.v1.trainer_mode), as main_ppo asks for it
+            trainer = [c.__name__ for c in get_trainer_cls("qwen3_rl_sync").__mro__]
+        except ValueError as e:
+            trainer = ["error: " + str(e)]
+        return [c.__name__ for c in cls.__mro__], trainer
     print("PROBE " + json.dumps(ray.get(replica.remote(), timeout=300)))
 finally:
     ray.shutdown()
 """
 
 
-def _replica_mro(hook: str) -> list[str]:
+def _replica_mro(hook: str) -> tuple[list[str], list[str]]:
     # Ray's socket paths must stay under 107 bytes: a short temp dir, not pytest's
     with tempfile.TemporaryDirectory(prefix="q3r-ray-") as tmp:
         proc = subprocess.run(
@@ -58,8 +64,11 @@ def _replica_mro(hook: str) -> list[str]:
 
 
 def test_setup_hook_puts_the_recipes_replica_class_in_verls_registry_in_ray_workers() -> None:
-    with_hook = _replica_mro(HOOK)
+    with_hook, trainer = _replica_mro(HOOK)
     assert with_hook[0] == "KeyedvLLMReplica" and "vLLMReplica" in with_hook, with_hook
-    # positive control: without the hook a Ray worker gets verl's own class
-    plain = _replica_mro("")
+    # the same hook puts the recipe's trainer mode (spec-decode counters per step) in verl's trainer registry
+    assert trainer[0] == "SpecDecodeMetricsTrainer" and "PPOTrainerSync" in trainer, trainer
+    # positive control: without the hook a Ray worker gets verl's own class, and no such trainer mode
+    plain, trainer = _replica_mro("")
     assert plain[0] == "vLLMReplica", plain
+    assert trainer[0].startswith("error: Unknown trainer 'qwen3_rl_sync'"), trainer

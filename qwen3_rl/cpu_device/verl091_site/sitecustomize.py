@@ -13,6 +13,9 @@ process's ``PYTHONPATH``; with
   asked): ``verl091_cpu.install()`` (``PLATFORM_CPU_HOST``: the host as verl's one device, see that module);
 * right after ``vllm.model_executor.layers.utils`` is imported (vLLM's CPU worker): ``vllm023_reload.install()``
   (``CPU_LINEAR_KEEPS_WEIGHT``: vLLM-CPU's linear layers keep their weight, so the trainer's sync can reload it);
+* right after ``vllm.utils.cpu_triton_utils`` is imported (vLLM's CPU worker, before its runner copies the kernel):
+  ``vllm023_shims.install()`` (vLLM-CPU 0.23's rejection kernel lacks the ``USE_FP64_GUMBEL`` keyword its rejection
+  sampler passes: drafting with sampling stops without it);
 * with ``QWEN3_RL_E2E_PROBE_DIR`` set (a test): the weight-sync probes of ``probe_verl091.py``.
 """
 
@@ -57,6 +60,13 @@ if os.environ.get("QWEN3_RL_VERL091_CPU") == "1":
         vllm023_reload.install()
 
     post_import.after_import("vllm.model_executor.layers.utils", _vllm_reload)
+
+    def _rejection_kernel(_module: Any) -> None:
+        from qwen3_rl.cpu_device import vllm023_shims
+
+        vllm023_shims.install()
+
+    post_import.after_import("vllm.utils.cpu_triton_utils", _rejection_kernel)
 
     if os.environ.get("QWEN3_RL_E2E_PROBE_DIR"):  # the tiny run's test: both ends of the weight sync observed
         import probe_verl091
