@@ -38,6 +38,10 @@ train_add_fully_async_overrides() {
         _fa_set actor_rollout_ref.hybrid_engine False
         if [[ -n "${SYNCS}" && "${SYNCS}" != null ]]; then
             _fa_set rollout.total_rollout_steps "$((SYNCS * TRIGGER_SYNC_STEPS * REQUIRE_BATCHES * PPO_MINI_BATCH_SIZE))"
+            # the trainer builds the Megatron optimizer before the rollouter tells it the updates of the run
+            # (fully_async_main.py:78-92): its LR scheduler needs them > 0 then (optimizer_param_scheduler.py:156,
+            # the yaml's -1 fails; verl/utils/megatron/optimizer.py:241-242)
+            _fa_set actor_rollout_ref.actor.optim.total_training_steps "$((SYNCS * TRIGGER_SYNC_STEPS))"
         else
             _fa_set rollout.total_rollout_steps null
         fi

@@ -48,5 +48,14 @@ train_add_tiny_cpu_overrides() {
             reward.num_workers=1
             transfer_queue.backend.SimpleStorage.num_data_storage_units=1
         )
+        # fully async (lib/fully_async.sh sourced): the weight sync between the trainer's and the rollout's processes
+        # over a host gloo group (CPU_CKPT_ENGINE_GLOO, qwen3_rl/cpu_device/verl091_gloo_ckpt.py): the yaml's
+        # "nccl" engine needs cupy's NCCL (HCCL's on an NPU)
+        if declare -F train_run_fully_async >/dev/null; then
+            overrides+=(
+                actor_rollout_ref.rollout.checkpoint_engine.backend=cpu_gloo
+                actor_rollout_ref.rollout.checkpoint_engine.custom_backend_module=qwen3_rl.cpu_device.verl091_gloo_ckpt
+            )
+        fi
     fi
 }

@@ -24,6 +24,10 @@ megatron-core's GPTModel, MoE layer, token dispatcher and dist checkpointing) is
 4. ``ROUTER_GEMM``: without TE, 0.16.1's MoE router reads the name ``te_general_gemm`` that only its TE import binds
    (``megatron/core/transformer/moe/moe_utils.py:22-39``, read at ``:1192`` and ``:1225``: a NameError); it is set
    to None, the value that selects the router's plain ``torch`` matmul there.
+5. ``HOST_PIN_MEMORY``: page-locked host memory is the CUDA driver's (``torch.Tensor.pin_memory`` raises "Found no
+   NVIDIA driver" without one); verl 0.9.1's fully-async trainer keeps the actor's old weights in pinned host copies
+   (``verl/utils/megatron_utils.py`` ``copy_megatron_model_to_cpu``, called from
+   ``experimental/separation/engine_workers.py:137``). On the host the tensor is already host memory: returned as is.
 """
 
 from __future__ import annotations
@@ -116,6 +120,13 @@ def _router_gemm() -> None:
     after_import("megatron.core.transformer.moe.moe_utils", absent)
 
 
+def _host_pin_memory() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+
+
 def install() -> None:
     """Apply the shims above in this process (idempotent). ``qwen3_rl/cpu_device`` must be on ``sys.path``
     (``post_import``), as the seed set's shims need."""
@@ -129,4 +140,5 @@ def install() -> None:
     megatron_shims._rng_tracker()
     megatron_shims._moe_host_copy()
     _router_gemm()
+    _host_pin_memory()
     _INSTALLED = True

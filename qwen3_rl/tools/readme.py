@@ -328,7 +328,8 @@ def _fixes() -> str:
 SHIM_MODULES = ("qwen3_rl/cpu_device/shims.py", "qwen3_rl/cpu_device/gloo_shims.py",
                 "qwen3_rl/cpu_device/megatron_shims.py", "qwen3_rl/cpu_device/npu/stand_in.py",
                 "qwen3_rl/cpu_device/vllm023_shims.py", "qwen3_rl/cpu_device/megatron16_shims.py",
-                "qwen3_rl/cpu_device/verl091_cpu.py", "qwen3_rl/cpu_device/vllm023_reload.py")
+                "qwen3_rl/cpu_device/verl091_cpu.py", "qwen3_rl/cpu_device/vllm023_reload.py",
+                "qwen3_rl/cpu_device/verl091_gloo_ckpt.py")
 _SHIM_ITEM_RE = re.compile(r"^(?:\d+\. )?``([A-Z][A-Z0-9_]+)``: (.*)$")
 
 

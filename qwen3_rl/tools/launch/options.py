@@ -369,7 +369,9 @@ def parse_options(argv: list[str], env: dict[str, str] | None = None) -> LaunchP
     if device == "cpu" and not any(a.startswith("--num-cpus") for a in extra):
         # verl asks for one CPU per worker bundle besides its driver actor: enough logical CPUs for both
         # (Ray's logical CPUs only gate scheduling; the processes share the cores)
-        extra.insert(0, f"--num-cpus={max(os.cpu_count() or 1, 2 * npus + 4)}")
+        # pin set current: verl 0.9.1's fully-async actors ask for 10 + 10 + 2 + 1 more (fully_async_rollouter.py:329,
+        # fully_async_trainer.py:53, message_queue.py:26, fully_async_main.py:35; OMP_NUM_THREADS=1 in the profile)
+        extra.insert(0, f"--num-cpus={max(os.cpu_count() or 1, 2 * npus + 4 + (23 if pin_set == 'current' else 0))}")
         notes.append(f"CPU profile: {npus} worker slot(s) advertised as Ray resource NPU (no NPU on this node)")
     if device == "cpu" and pin_set == "current" and not any(a.startswith("--num-gpus") for a in extra):
         # verl 0.9.1 places its workers on its platform's Ray resource, "GPU" for the CPU host platform of the
