@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[2]
 SETUP_TIMEOUT_S = 900
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # one set-up (and warm-up) for the GRPO and the fully-async run
 def current_ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A workspace made by ``python -m qwen3_rl cpu-setup --pin-set current`` in this venv (the current set's patched
     trees, the tiny model after its supervised warm-up, the generated data)."""

@@ -13,6 +13,9 @@ What is checked:
 * weight sync, every sync: each server's parameters (vLLM's fused layout) equal the actor's export exactly
   (``qwen3_rl/cpu_device/probe_verl091.py`` saves both ends); the export carries the HF checkpoint's names and
   shapes; the last sync differs from the first (the update reached the rollout);
+* SAM group drafting in verl's servers (``SAM_ENABLE=True SAM_GROUP=True``): every step's metrics carry the servers'
+  drafted and accepted token counts (``rollout/spec_decode/*``, trainer mode ``qwen3_rl_sync``); verl's plain server
+  counting nothing is the control in ``test_verl091_vllm_server.py``;
 * the run's log, step by step (``python -m qwen3_rl report --json``), the last two checkpoints, the launcher's plots.
 
 Runs in the venv of ``tests/setup_verl091_engine_env.sh``; device layer only (``qwen3_rl/cpu_device/verl091_site``).
@@ -20,7 +23,6 @@ Runs in the venv of ``tests/setup_verl091_engine_env.sh``; device layer only (``
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,19 +32,9 @@ from helpers.tiny_launch import LEARNING_MARGIN, Run, _tail, check_step_log_and_
 
 REPO = Path(__file__).resolve().parents[2]
 GRPO_STEPS = 6  # internal/train_grpo_tiny_cpu.sh's default
-SETUP_TIMEOUT_S = 900
 CURRENT = {"PIN_SET": "current", "QWEN3_RL_VERL091_ENGINE_VENV": sys.prefix}
-
-
-@pytest.fixture(scope="module")
-def current_ws(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A workspace made by ``python -m qwen3_rl cpu-setup --pin-set current`` in this venv."""
-    ws = tmp_path_factory.mktemp("ws-current")
-    proc = subprocess.run([sys.executable, "-m", "qwen3_rl", "cpu-setup", "--pin-set", "current", "--workspace",
-                           str(ws)], cwd=REPO, capture_output=True, text=True, timeout=SETUP_TIMEOUT_S)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    print(proc.stdout.strip().splitlines()[-1])
-    return ws
+#: SAM group drafting in verl's servers, its counters into the trainer's step metrics (trainer mode qwen3_rl_sync)
+SWITCHES_ON = {"SAM_ENABLE": "True", "SAM_GROUP": "True"}
 
 
 def expected_vllm(hf: dict) -> dict:
@@ -100,9 +92,10 @@ def check_weight_sync(run: Run, model_dir: Path) -> int:
 
 @pytest.mark.timeout(2400)
 def test_grpo_tiny_learns_on_the_current_set(current_ws: Path, tmp_path: Path) -> None:
-    """``PIN_SET=current bash ray_start_npu.sh internal/train_grpo_tiny_cpu.sh --device cpu`` from the warmed-up model:
-    validation accuracy rises by LEARNING_MARGIN, every weight sync exact, 6 steps logged, checkpoints kept."""
-    run = launch(current_ws, "internal/train_grpo_tiny_cpu.sh", tmp_path, env=CURRENT)
+    """``PIN_SET=current SAM_ENABLE=True SAM_GROUP=True bash ray_start_npu.sh internal/train_grpo_tiny_cpu.sh --device
+    cpu`` from the warmed-up model: validation accuracy rises by LEARNING_MARGIN, every weight sync exact, SAM drafts
+    and is accepted in every step, 6 steps logged, checkpoints kept."""
+    run = launch(current_ws, "internal/train_grpo_tiny_cpu.sh", tmp_path, env={**CURRENT, **SWITCHES_ON})
     assert run.rc == 0, _tail(run)
     assert "pin set current" in run.log and "KeyedvLLMHttpServer" in run.log, _tail(run)
     check_weight_sync(run, current_ws / "tiny" / "qwen3_tiny")
@@ -112,3 +105,10 @@ def test_grpo_tiny_learns_on_the_current_set(current_ws: Path, tmp_path: Path) -
           f"(launcher {run.seconds:.0f} s)")
     assert after >= before + LEARNING_MARGIN, f"no learning: val accuracy {before:.3f} -> {after:.3f}"
     assert "[ray_start_npu] plots:" in run.log, _tail(run)
+    # SAM drafted in the servers in every step and the trainer logged it (the servers' counters, step by step);
+    # under sampling, with vllm023_shims' CPU_EXPAND_KERNEL_DTYPE (tests/engine_current/test_current_spec_sampling.py)
+    drafted = {s: doc["steps"][str(s)].get("rollout/spec_decode/draft_tokens", 0) for s in range(1, GRPO_STEPS + 1)}
+    accepted = {s: doc["steps"][str(s)].get("rollout/spec_decode/accepted_tokens", 0) for s in drafted}
+    assert all(v > 0 for v in drafted.values()), f"steps without drafts: {drafted}"
+    assert all(v > 0 for v in accepted.values()), f"steps without accepted draft tokens: {accepted}"
+    print(f"SAM in the servers: drafted per step {list(drafted.values())}, accepted {list(accepted.values())}")
