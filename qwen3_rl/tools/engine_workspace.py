@@ -121,10 +121,9 @@ def build(ws: Path, pristine: Path) -> Path:
     return ws
 
 
-def ensure(ws: Path, pristine: Path, log=print) -> bool:
-    """Build ``ws`` unless its stamp says it is current (idempotent; a stale or half-built tree is rebuilt
-    beside it and swapped in). Returns True when it built."""
-    want = stamp_of(pristine)
+def _swap_in(ws: Path, want: str, sources: str, make, log=print) -> bool:  # noqa: ANN001 (make: Path -> None)
+    """``make(tmp)`` beside ``ws`` and swap it in, stamped ``want`` (and ``sources``), unless ``ws``'s stamp is
+    ``want`` already (idempotent; a stale or half-built tree is rebuilt). Returns True when it built."""
     stamp = ws / STAMP
     if stamp.is_file() and stamp.read_text().strip() == want:
         log(f"cpu-setup: patched trees in {ws} up to date")
@@ -132,12 +131,18 @@ def ensure(ws: Path, pristine: Path, log=print) -> bool:
     log(f"cpu-setup: building the patched trees in {ws}")
     tmp = ws.with_name(ws.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    build(tmp, pristine)
+    make(tmp)
     (tmp / STAMP).write_text(want + "\n")
-    (tmp / SOURCES).write_text(sources_digest() + "\n")
+    (tmp / SOURCES).write_text(sources + "\n")
     shutil.rmtree(ws, ignore_errors=True)
     tmp.rename(ws)
     return True
+
+
+def ensure(ws: Path, pristine: Path, log=print) -> bool:
+    """Build ``ws`` unless its stamp says it is current (idempotent; a stale or half-built tree is rebuilt
+    beside it and swapped in). Returns True when it built."""
+    return _swap_in(ws, stamp_of(pristine), sources_digest(), lambda tmp: build(tmp, pristine), log)
 
 
 def pythonpath(ws: Path) -> list[str]:
@@ -199,21 +204,9 @@ def current_stale(ws: Path) -> bool:
     return not f.is_file() or f.read_text().strip() != current_sources_digest()
 
 
-def ensure_current(ws: Path, pristine: Path, log=print) -> bool:
-    """Build the current set's patched trees (:data:`CURRENT_TREES`) in ``ws`` from the pristine ones in
-    ``pristine`` unless its stamp is current; returns True when it built."""
-    h = hashlib.sha256(current_sources_digest().encode())
-    for d in CURRENT_TREES:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=pristine / d, capture_output=True, text=True)
-        h.update(head.stdout.encode())
-    want = h.hexdigest()
-    stamp = ws / STAMP
-    if stamp.is_file() and stamp.read_text().strip() == want:
-        log(f"cpu-setup: patched trees in {ws} up to date")
-        return False
-    log(f"cpu-setup: building the current set's patched trees in {ws}")
-    tmp = ws.with_name(ws.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+def _build_current(tmp: Path, pristine: Path) -> None:
+    """The current set's trees in ``tmp`` (created): pristine clones, then ``apply_all_patches.sh --pin-set
+    current`` on :data:`CURRENT_SERIES`."""
     tmp.mkdir(parents=True)
     for d in CURRENT_TREES:
         _git("clone", "-q", "--shared", str(pristine / d), str(tmp / d), cwd=tmp)
@@ -223,11 +216,16 @@ def ensure_current(ws: Path, pristine: Path, log=print) -> bool:
                            "current", "--only", ",".join(CURRENT_SERIES)], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"apply_all_patches.sh failed on the current set's trees:\n{proc.stdout}\n{proc.stderr}")
-    (tmp / STAMP).write_text(want + "\n")
-    (tmp / SOURCES).write_text(current_sources_digest() + "\n")
-    shutil.rmtree(ws, ignore_errors=True)
-    tmp.rename(ws)
-    return True
+
+
+def ensure_current(ws: Path, pristine: Path, log=print) -> bool:
+    """Build the current set's patched trees (:data:`CURRENT_TREES`) in ``ws`` from the pristine ones in
+    ``pristine`` unless its stamp is current; returns True when it built."""
+    h = hashlib.sha256(current_sources_digest().encode())
+    for d in CURRENT_TREES:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=pristine / d, capture_output=True, text=True)
+        h.update(head.stdout.encode())
+    return _swap_in(ws, h.hexdigest(), current_sources_digest(), lambda tmp: _build_current(tmp, pristine), log)
 
 
 def current_run_env(ws: Path) -> dict[str, str]:
