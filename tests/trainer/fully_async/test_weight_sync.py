@@ -120,10 +120,12 @@ def _export() -> list[tuple[str, torch.Tensor]]:
             ("lm_head.weight", torch.randn(16, 8, generator=g))]
 
 
-def _receiver(port: int, specs, buckets, q) -> None:
+def _receiver(port: int, specs, buckets, q, taken) -> None:
     group = make_group("127.0.0.1", port, 1, 2, "gloo", timeout_s=60)
     q.put([(n, t.clone()) for n, t in receive(group, specs, buckets)])
     assert group.device == "cpu"
+    # the queue hands the tensors over as shared-memory file descriptors this process serves: stay until they are taken
+    taken.wait(60)
 
 
 def _free_port() -> int:
@@ -139,14 +141,15 @@ def test_broadcast_delivers_the_export_tensor_by_tensor() -> None:
     assert len(buckets) > 1  # the split is exercised
     port = _free_port()
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=_receiver, args=(port, specs, buckets, q))
+    q, taken = ctx.Queue(), ctx.Event()
+    p = ctx.Process(target=_receiver, args=(port, specs, buckets, q, taken))
     p.start()
     try:
         group = make_group("127.0.0.1", port, 0, 2, "gloo", timeout_s=60)
         sums = send(group, iter(named), specs, buckets)
         got = q.get(timeout=60)
     finally:
+        taken.set()
         p.join(timeout=60)
     assert [n for n, _ in got] == [n for n, _ in named]
     for (name, want), (_, t) in zip(named, got, strict=True):
