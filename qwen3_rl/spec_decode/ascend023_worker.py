@@ -27,7 +27,8 @@ Why this works on the pristine tree (vLLM-Ascend 0.23.0.post1, file:line):
 batch-size gate): request ids, prompt lengths and live requests come from the runner, so group mode, its
 finished-response cache and history work as on the seed set. SAM options come from
 ``additional_config["qwen3_rl"]["sam_config"]`` as with vLLM 0.23's ``custom_class``
-(:func:`~qwen3_rl.spec_decode.custom_class_proposer.config_from_vllm_config`); without a ``sam_config`` key the
+(:func:`~qwen3_rl.spec_decode.custom_class_proposer.config_from_vllm_config`), the batch-size threshold too
+(``sam_config.disable_by_batch_size``); without a ``sam_config`` key the
 worker leaves vLLM-Ascend's n-gram drafter alone.
 
 Importing this module needs vLLM-Ascend 0.23 (it subclasses its worker and n-gram proposer).
@@ -35,55 +36,24 @@ Importing this module needs vLLM-Ascend 0.23 (it subclasses its worker and n-gra
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from vllm_ascend.spec_decode.ngram_proposer import AscendNgramProposer
 from vllm_ascend.worker.worker import NPUWorker
 
 from qwen3_rl.rollout.gc_worker import GcStepWorkerMixin
-from qwen3_rl.spec_decode.custom_class_proposer import (
-    ADDITIONAL_CONFIG_KEY,
-    config_from_vllm_config,
-    sam_requested,
-)
-from qwen3_rl.spec_decode.vllm_proposer import SamVllmProposer
+from qwen3_rl.spec_decode.custom_class_proposer import ADDITIONAL_CONFIG_KEY, sam_requested
+from qwen3_rl.spec_decode.ngram_seat import NgramSeatMixin
 
 #: the speculative method whose drafter seat SAM takes (model-free, drafted on the host after bookkeeping)
 SEAT_METHOD = "ngram"
 
 
-class SamAscendNgramSeat(SamVllmProposer, AscendNgramProposer):
-    """SAM drafter of one vLLM-Ascend 0.23 ``NPUModelRunner``, in the n-gram drafter's seat.
-
-    ``AscendNgramProposer.__init__`` is not run (it would build and compile vLLM's n-gram kernels, which are never
-    called); the runner reads nothing of the drafter but the methods below.
-
-    Args:
-        vllm_config: engine config; k = ``speculative_config.num_speculative_tokens``, options in
-            ``additional_config["qwen3_rl"]["sam_config"]``.
-        runner: the ``NPUModelRunner``; its ``input_batch`` and ``requests`` are read, never written.
-    """
-
-    def __init__(self, vllm_config: Any, runner: Any) -> None:
-        SamVllmProposer.__init__(self, vllm_config, runner, config=config_from_vllm_config(vllm_config))
-
-    def propose(
-        self,
-        sampled_token_ids: Sequence[Sequence[int]],
-        num_tokens_no_spec: Any = None,
-        token_ids_cpu: Any = None,
-        slot_mappings: Any = None,
-    ) -> list[list[int]]:
-        """vLLM-Ascend 0.23's n-gram call (``model_runner_v1.py:1683``): drafts per batch row.
-
-        Args:
-            sampled_token_ids: per batch row, the tokens accepted this step (empty: no draft for the row).
-            num_tokens_no_spec, token_ids_cpu, slot_mappings: unused (read from the runner's ``input_batch``).
-        Returns:
-            one list of <= k token ids per batch row.
-        """
-        return SamVllmProposer.propose(self, None, sampled_token_ids)
+class SamAscendNgramSeat(NgramSeatMixin, AscendNgramProposer):
+    """SAM drafter of one vLLM-Ascend 0.23 ``NPUModelRunner``, in the n-gram drafter's seat
+    (``ngram_seat.NgramSeatMixin``: ``propose`` answers ``model_runner_v1.py:1683``; ``AscendNgramProposer.__init__``
+    is not run). The runner reads nothing of the drafter but the mixin's methods."""
 
 
 class SamNPUWorker(GcStepWorkerMixin, NPUWorker):

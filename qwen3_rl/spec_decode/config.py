@@ -43,6 +43,9 @@ SAM_OPTIONS = tuple(f.name for f in fields(SamConfig) if f.name != "num_speculat
 _BOOL_OPTIONS = frozenset({"group_mode", "pad_drafts", "group_exchange", "adaptive_k"})
 _FLOAT_OPTIONS = frozenset({"verify_base_ms", "verify_seq_ms", "verify_token_ms", "verify_kctx_ms"})
 _STR_OPTIONS = frozenset({"rule", "cost_table"})
+#: ``sam_config`` key of the batch-size threshold on the current set, whose ``SpeculativeConfig`` (vLLM 0.23) has no
+#: ``disable_by_batch_size``; read by the runner's gate (``bs_threshold.BatchSizeGate``), not by the drafter
+GATE_OPTION = "disable_by_batch_size"
 
 
 def _unknown(keys: Iterable[str], known: Iterable[str]) -> list[str]:
@@ -86,6 +89,16 @@ def check_sam_keys(cls: type, data: Any) -> Any:
         raise ValueError(f"speculative_config option(s) {foreign} are not used by method='sam'; accepted: {accepted}"
                          f" and inside 'sam_config': {list(SAM_OPTIONS)}")
     return data
+
+
+def split_gate_option(raw: Any) -> tuple[Any, Any]:
+    """``raw`` (a ``sam_config``) without :data:`GATE_OPTION`, and that option's value (None when absent).
+
+    Anything but a mapping comes back as it is (``parse_sam_options`` refuses it).
+    """
+    if not isinstance(raw, Mapping) or GATE_OPTION not in raw:
+        return raw, None
+    return {k: v for k, v in raw.items() if k != GATE_OPTION}, raw[GATE_OPTION]
 
 
 def check_num_speculative_tokens(k: Any) -> int:

@@ -45,7 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from qwen3_rl.spec_decode.config import parse_sam_options
+from qwen3_rl.spec_decode.bs_threshold import BatchSizeGate, propose_or_skip
+from qwen3_rl.spec_decode.config import GATE_OPTION, parse_sam_options, split_gate_option
 from qwen3_rl.spec_decode.runner_drafter import SamRunnerDrafter
 from qwen3_rl.spec_decode.sam import SamConfig
 
@@ -72,17 +73,23 @@ def sam_requested(vllm_config: Any) -> bool:
     return isinstance(ours, Mapping) and "sam_config" in ours
 
 
+def _sam_config(vllm_config: Any) -> Any:
+    """``additional_config["qwen3_rl"]["sam_config"]`` as given (None when absent)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    ours = extra.get(ADDITIONAL_CONFIG_KEY, {}) if isinstance(extra, Mapping) else {}
+    return (ours or {}).get("sam_config") if isinstance(ours, Mapping) else None
+
+
 def config_from_vllm_config(vllm_config: Any) -> SamConfig:
     """The drafter's config: k = ``speculative_config.num_speculative_tokens``, options from
-    ``additional_config["qwen3_rl"]["sam_config"]`` (keys of ``config.SAM_OPTIONS``).
+    ``additional_config["qwen3_rl"]["sam_config"]`` (keys of ``config.SAM_OPTIONS``; its ``config.GATE_OPTION`` is
+    the gate's, :func:`gate_from_vllm_config`).
 
     Raises:
         ValueError: one line naming the bad key, or an option that needs request ids.
     """
     spec = vllm_config.speculative_config
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    ours = extra.get(ADDITIONAL_CONFIG_KEY, {}) if isinstance(extra, Mapping) else {}
-    raw = (ours or {}).get("sam_config") if isinstance(ours, Mapping) else None
+    raw, _ = split_gate_option(_sam_config(vllm_config))
     cfg = parse_sam_options(raw, int(spec.num_speculative_tokens))
     on = [name for name in NEEDS_REQUEST_IDS if getattr(cfg, name)]
     worker = getattr(getattr(vllm_config, "parallel_config", None), "worker_cls", None)
@@ -93,6 +100,20 @@ def config_from_vllm_config(vllm_config: Any) -> SamConfig:
     if cfg.group_exchange:
         raise ValueError("sam_config.group_exchange needs the recipe's engine-step hook, which vLLM 0.23 has not")
     return cfg
+
+
+def gate_from_vllm_config(vllm_config: Any) -> BatchSizeGate:
+    """The batch-size gate of the SAM drafter: no drafts in a step whose batch holds more running requests than
+    ``additional_config["qwen3_rl"]["sam_config"]["disable_by_batch_size"]`` (an int >= 1; absent = never off).
+
+    Raises:
+        ValueError: one line, for a threshold that is not an int >= 1.
+    """
+    _, threshold = split_gate_option(_sam_config(vllm_config))
+    try:
+        return BatchSizeGate(threshold=threshold)
+    except ValueError as exc:
+        raise ValueError(f"additional_config.qwen3_rl.sam_config.{GATE_OPTION}: {exc}") from None
 
 
 class RowIdentity:
@@ -197,13 +218,15 @@ class SamCustomClassProposer:
     Args:
         vllm_config: the engine's ``VllmConfig`` (``speculative_config.num_speculative_tokens`` = k, or k_max
             with adaptive k; ``model_config.max_model_len``; ``scheduler_config.max_num_seqs`` bounds the
-            paused requests; options in ``additional_config["qwen3_rl"]["sam_config"]``).
+            paused requests; options in ``additional_config["qwen3_rl"]["sam_config"]``, its batch-size threshold
+            too: :func:`gate_from_vllm_config`).
     """
 
     name = "sam"
 
     def __init__(self, vllm_config: Any) -> None:
         self.config = config_from_vllm_config(vllm_config)
+        self.gate = gate_from_vllm_config(vllm_config)
         self.k = self.config.num_speculative_tokens
         max_num_seqs = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", 256) or 256)
         self.rows = RowIdentity(max_absent_steps=64, max_paused=max_num_seqs)
@@ -232,17 +255,31 @@ class SamCustomClassProposer:
             token_ids_cpu: int32[max_num_reqs, max_model_len], the runner's token buffer.
             slot_mappings: unused (KV slots of a model-based drafter).
         Returns:
-            one list of <= k token ids per row.
+            one list of <= k token ids per row; all empty while the batch-size gate has drafting off (more than
+            its threshold rows; the drafter is still fed).
         """
         self.steps += 1
-        if self.runner is not None:  # bound (custom_class_worker): the runner's own ids, prompts and live requests
-            return self.sam.step(self.runner.input_batch, sampled_token_ids, self.runner.requests, None)
         n = len(sampled_token_ids)
-        num = np.asarray(num_tokens_no_spec[:n], dtype=np.int64)
-        keys, alive = self.rows.assign(num, token_ids_cpu)
-        batch = SimpleNamespace(num_reqs=n, req_ids=keys, req_id_to_index={k: i for i, k in enumerate(keys)},
-                                token_ids_cpu=token_ids_cpu, num_tokens_no_spec=num,
-                                num_prompt_tokens=num, spec_decode_unsupported_reqs=frozenset())
-        out = self.sam.step(batch, sampled_token_ids, dict.fromkeys(alive), None)
-        self.rows.fed_to(keys, num, token_ids_cpu)
+        # bound (custom_class_worker): the runner's own ids, prompts and live requests
+        if self.runner is not None:
+            batch, live = self.runner.input_batch, self.runner.requests
+        else:
+            num = np.asarray(num_tokens_no_spec[:n], dtype=np.int64)
+            keys, alive = self.rows.assign(num, token_ids_cpu)
+            batch = SimpleNamespace(
+                num_reqs=n,
+                req_ids=keys,
+                req_id_to_index={k: i for i, k in enumerate(keys)},
+                token_ids_cpu=token_ids_cpu,
+                num_tokens_no_spec=num,
+                num_prompt_tokens=num,
+                spec_decode_unsupported_reqs=frozenset(),
+            )
+            live = dict.fromkeys(alive)
+        # while the gate has drafting off, the drafter is only fed (bs_threshold.propose_or_skip)
+        feed = SimpleNamespace(observe=lambda *_: self.sam.observe(batch, live, None))
+        step = lambda: self.sam.step(batch, sampled_token_ids, live, None)  # noqa: E731
+        out = propose_or_skip(self.gate, feed, n, list(sampled_token_ids), None, step)
+        if self.runner is None:
+            self.rows.fed_to(keys, num, token_ids_cpu)
         return out

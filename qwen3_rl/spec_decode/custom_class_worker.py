@@ -22,15 +22,14 @@ Only the CPU worker is provided and run here; the same mixins on ``vllm.v1.worke
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from vllm.v1.spec_decode.ngram_proposer import NgramProposer
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from qwen3_rl.rollout.gc_worker import GcStepWorkerMixin
-from qwen3_rl.spec_decode.custom_class_proposer import config_from_vllm_config, sam_requested
-from qwen3_rl.spec_decode.vllm_proposer import SamVllmProposer
+from qwen3_rl.spec_decode.custom_class_proposer import sam_requested
+from qwen3_rl.spec_decode.ngram_seat import NgramSeatMixin
 
 #: the speculative method whose drafter seat SAM takes (model-free, drafted on the host after bookkeeping)
 SEAT_METHOD = "ngram"
@@ -38,36 +37,9 @@ SEAT_METHOD = "ngram"
 CUSTOM_CLASS_METHOD = "custom_class"
 
 
-class SamNgramSeat(SamVllmProposer, NgramProposer):
-    """SAM drafter of one vLLM 0.23 ``GPUModelRunner`` (vLLM-CPU's ``CPUModelRunner``), in the n-gram drafter's seat.
-
-    ``NgramProposer.__init__`` is not run (it would compile vLLM's n-gram kernels, which are never called).
-
-    Args:
-        vllm_config: engine config; k = ``speculative_config.num_speculative_tokens``, options in
-            ``additional_config["qwen3_rl"]["sam_config"]``.
-        runner: the model runner; its ``input_batch`` and ``requests`` are read, never written.
-    """
-
-    def __init__(self, vllm_config: Any, runner: Any) -> None:
-        SamVllmProposer.__init__(self, vllm_config, runner, config=config_from_vllm_config(vllm_config))
-
-    def propose(
-        self,
-        sampled_token_ids: Sequence[Sequence[int]],
-        num_tokens_no_spec: Any = None,
-        token_ids_cpu: Any = None,
-        slot_mappings: Any = None,
-    ) -> list[list[int]]:
-        """vLLM 0.23's n-gram call: drafts per batch row.
-
-        Args:
-            sampled_token_ids: per batch row, the tokens accepted this step (empty: no draft for the row).
-            num_tokens_no_spec, token_ids_cpu, slot_mappings: unused (read from the runner's ``input_batch``).
-        Returns:
-            one list of <= k token ids per batch row.
-        """
-        return SamVllmProposer.propose(self, None, sampled_token_ids)
+class SamNgramSeat(NgramSeatMixin, NgramProposer):
+    """SAM drafter of one vLLM 0.23 ``GPUModelRunner`` (vLLM-CPU's ``CPUModelRunner``), in the n-gram drafter's seat
+    (``ngram_seat.NgramSeatMixin``; ``NgramProposer.__init__`` is not run)."""
 
 
 class BindsDrafterMixin:

@@ -32,17 +32,25 @@ class SamVllmProposer:
             read at each step, never written.
         config: the drafter's config when it comes from elsewhere (vLLM-Ascend 0.23's worker:
             ``additional_config``); None = from ``speculative_config`` (method "sam").
+        gate: the batch-size gate when it comes from elsewhere (vLLM 0.23's seats: ``sam_config``); None = from
+            ``speculative_config.disable_by_batch_size``.
     """
 
     name = "sam"
 
-    def __init__(self, vllm_config: Any, runner: Any, config: SamConfig | None = None) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        runner: Any,
+        config: SamConfig | None = None,
+        gate: BatchSizeGate | None = None,
+    ) -> None:
         if config is None:
             config = config_from_vllm_config(vllm_config)
         self.vllm_config = vllm_config
         self.runner = runner
         self.k = config.num_speculative_tokens
-        self.gate = BatchSizeGate.from_vllm_config(vllm_config)
+        self.gate = gate if gate is not None else BatchSizeGate.from_vllm_config(vllm_config)
         # builds the drafter and compiles its kernels, as vLLM's NgramProposer does in its constructor
         self.sam = SamRunnerDrafter(config, vllm_config.model_config.max_model_len)
 

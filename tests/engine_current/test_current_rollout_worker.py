@@ -28,12 +28,14 @@ SWITCHES = {"SAM_ENABLE": "True", "SAM_GROUP": "True", "DISABLE_GC_IN_ENGINE_STE
 TAKEN = ("worker_cls", "scheduler_cls", "speculative_config", "additional_config")
 GROUP = [p for p in PROMPTS for _ in range(2)]
 WAVES = [[0, 2, 4, 6], [1, 3, 5, 7]]
+#: SAM_BS_THRESHOLD's sam_config option: below the 4 running requests (gated) and at them (open)
+GATE = {"gated": 3, "gate_open": 4}
 
 
 @pytest.fixture(scope="module")
 def runs(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The command's settings, one vLLM-Ascend engine with them (two phases: the engine as built, then after the
-    ``sam_reconfigure`` RPC), HF's greedy output."""
+    """The command's settings, one vLLM-Ascend engine with them (phases: the engine as built, then after the
+    ``sam_reconfigure`` RPC, then with a batch-size threshold below / at the batch, ``GATE``), HF's greedy output."""
     sys.path.insert(0, str(REPO / "tests" / "helpers"))
     from current_rollout_settings import rollout_settings
 
@@ -48,6 +50,14 @@ def runs(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
             "waves": [[0, 1, 2, 3]],
             "rpc": ["sam_reconfigure", {"group_mode": True}],
         },
+    ] + [
+        {
+            "name": name,
+            "prompts": PROMPTS,
+            "waves": [[0, 1, 2, 3]],
+            "rpc": ["sam_reconfigure", {"group_mode": True, "disable_by_batch_size": at}],
+        }
+        for name, at in GATE.items()
     ]
     out = run_ascend(
         {
@@ -95,3 +105,20 @@ def test_sam_npu_worker_seats_sam_and_drafts_losslessly(runs: dict) -> None:
     rpc = runs["runs"]["cmd:rpc"]
     assert rpc["rpc"] == ["SamAscendNgramSeat"], rpc["rpc"]
     assert rpc["outputs"] == runs["hf"], "drafting changed the greedy output"
+
+
+def test_batch_size_threshold_in_the_ascend_seat(runs: dict) -> None:
+    """``sam_config.disable_by_batch_size`` (SAM_BS_THRESHOLD) in vLLM-Ascend 0.23's n-gram seat, each phase a fresh
+    drafter on the same 4 requests: at 3 (< 4 running) vLLM's counters show no drafts; at 4 the gate is open and the
+    drafts are exactly those of the ungated ``rpc`` phase (positive control); greedy output unchanged."""
+    got = {}
+    for name in ("rpc", *GATE):
+        r = runs["runs"][f"cmd:{name}"]
+        m = r["metrics"]
+        got[name] = tuple(
+            int(m.get(f"spec_decode_num_{c}", 0)) for c in ("drafts", "draft_tokens", "accepted_tokens")
+        )
+        assert r["rpc"] == ["SamAscendNgramSeat"] and r["outputs"] == runs["hf"], name
+    print(f"vLLM-Ascend 0.23 seat, 4 running, (drafts, draft tokens, accepted): {got}")
+    assert got["gated"] == (0, 0, 0), got
+    assert got["gate_open"] == got["rpc"] and got["rpc"][1] > 0 and got["rpc"][2] > 0, got

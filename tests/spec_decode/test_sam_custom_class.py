@@ -20,8 +20,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from qwen3_rl.spec_decode.config import parse_sam_options
+from qwen3_rl.spec_decode.config import parse_sam_options, split_gate_option
 from qwen3_rl.spec_decode.custom_class_proposer import BINDING_WORKERS, RowIdentity, SamCustomClassProposer
+from qwen3_rl.spec_decode.ngram_seat import NgramSeatMixin
 from qwen3_rl.spec_decode.runner_drafter import SamRunnerDrafter
 
 K = 3
@@ -80,7 +81,7 @@ def run(k: int = K, sam_config: dict | None = None, make_keys_forget: bool = Fal
     """Drive both drafters over the same batch history: 6 requests, one finishing (condense) at step 10, one more
     joining at step 12, one paused for 3 steps (out of the batch, back later). Returns both draft lists."""
     ours = SamCustomClassProposer(vllm_config(k, sam_config))
-    ref = SamRunnerDrafter(parse_sam_options(sam_config, k), MAX_LEN)
+    ref = SamRunnerDrafter(parse_sam_options(split_gate_option(sam_config)[0], k), MAX_LEN)  # never gated
     full = {f"r{j}": text(j, 400) for j in range(8)}
     b = Batch()
     for j in range(6):
@@ -203,3 +204,46 @@ def test_bad_option_is_refused_in_one_line() -> None:
     with pytest.raises(ValueError, match="unknown option") as e:
         SamCustomClassProposer(vllm_config(sam_config={"adaptive": True}))
     assert "\n" not in str(e.value)
+
+
+def rows_per_step() -> list[int]:
+    """Batch rows at each of ``run``'s 30 steps (6; 5 while r1 is gone and before r6 joins; 5 while r3 is away)."""
+    return [5 if step in (10, 11, 15, 16, 17) else 6 for step in range(30)]
+
+
+@pytest.mark.parametrize("threshold", [5, 6])
+def test_batch_size_gate_from_sam_config(threshold: int) -> None:
+    """``sam_config.disable_by_batch_size`` (the current set's form of vLLM 0.13's ``disable_by_batch_size``): no
+    drafts in a step with more rows than the threshold; at or below it the same drafts as the never-gated drafter
+    (fed while off, so nothing was lost). Threshold 6 = every step's batch: the positive control, nothing gated."""
+    got, want, ours = run(K, {"disable_by_batch_size": threshold})
+    assert ours.config == parse_sam_options(None, K)  # the option is the gate's, not the drafter's
+    rows = rows_per_step()
+    for step, (g, w, n) in enumerate(zip(got, want, rows, strict=True)):
+        assert g == (w if n <= threshold else [[]] * n), step
+    on = [n <= threshold for n in rows]
+    drafted_on = sum(len(d) for step, o in zip(got, on, strict=True) if o for d in step)
+    assert drafted_on > 0 and ours.gate.steps_on == sum(on) and ours.gate.steps_off == on.count(False)
+    print(f"threshold {threshold}: {sum(on)} of 30 steps drafted, {drafted_on} draft tokens")
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, "4", 2.5])
+def test_bad_batch_size_threshold_is_refused_in_one_line(bad: object) -> None:
+    with pytest.raises(ValueError, match="sam_config.disable_by_batch_size") as e:
+        SamCustomClassProposer(vllm_config(sam_config={"disable_by_batch_size": bad}))
+    assert "\n" not in str(e.value)
+
+
+def test_ngram_seat_takes_the_gate_from_sam_config() -> None:
+    """The vLLM 0.23 n-gram seats' shared part (``ngram_seat.NgramSeatMixin``): drafts of the runner's batch, none
+    while the batch holds more rows than ``sam_config.disable_by_batch_size``."""
+    b = Batch()
+    for j in range(3):
+        b.add(f"r{j}", np.tile(text(j, 20), 3))  # repeated text: a suffix match at once
+    runner = SimpleNamespace(input_batch=b.view(), requests={r: None for r in b.ids})
+    gated = NgramSeatMixin(vllm_config(sam_config={"disable_by_batch_size": 2}), runner)
+    open_ = NgramSeatMixin(vllm_config(sam_config={"disable_by_batch_size": 3}), runner)
+    assert gated.gate.threshold == 2 and open_.gate.threshold == 3
+    assert gated.propose([[1]] * 3) == [[], [], []]
+    drafts = open_.propose([[1]] * 3)
+    assert all(len(d) == K for d in drafts), drafts
