@@ -39,8 +39,8 @@ _VAL_RE = re.compile(r"step:(\d+) - rollouter/validate_time.*?val-core/[^ ]*/acc
 def val_by_step(log: str) -> dict[int, float]:
     """verl's ``val-core`` accuracy by logged step from the run's console lines. verl logs a validation at the step of
     its weight version (fully_async_trainer.py:829-830: every test_freq versions, and once more after the last update
-    when the run did not end on one, :529-533) on a line of its own, next to that step's training line (the report
-    keeps one record per step, so it is read here)."""
+    when the run did not end on one, :529-533) on a line of its own, next to that step's training line (``python -m
+    qwen3_rl report`` merges the two into one record; read here from the validation lines themselves)."""
     return {int(m.group(1)): float(m.group(2)) for m in _VAL_RE.finditer(log)}
 
 

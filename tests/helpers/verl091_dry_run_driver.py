@@ -26,7 +26,11 @@ For ``verl.experimental.fully_async_policy.fully_async_main``: the compose of
 (``fully_async_main.py:222-238``: ``auto_set_device``, the rollout pool's sizes into ``actor_rollout_ref.rollout``,
 ``migrate_legacy_reward_impl``; it runs no ``validate_config``), then ``FullyAsyncRollouter.__init__`` up to its
 dataset (its asserts, ``fully_async_rollouter.py:350-365``; the dataset reader is replaced by one that stops the
-constructor there) and its ``_validate_config`` (``:729-733``), then steps 4 and 6.
+constructor there) and its ``_validate_config`` (``:729-733``), then steps 4 and 6, then the actor's Megatron LR
+scheduler as its engine builds it (``get_megatron_optimizer_param_scheduler(optimizer, config=actor.optim)``,
+``workers/engine/megatron/transformer_impl.py:552-557``) on a one-parameter torch optimizer: the trainer builds its
+workers before the rollouter counts the run's updates (``fully_async_main.py:78-92``), so the command's
+``actor.optim.total_training_steps`` must be > 0 there (megatron ``optimizer_param_scheduler.py:156``).
 
 OUT.json: a list of ``{"name", "ok", "stage", "error", "facts"}`` (``stage``: the first step that failed, "" when
 ok; ``error``: its exception, one line, at most 600 characters; ``facts``: what the steps resolved: the group-filter
@@ -90,6 +94,17 @@ def _fully_async_rollouter_checks(cfg: DictConfig) -> None:
     cls._validate_config(obj)
 
 
+def _actor_lr_scheduler(cfg: DictConfig) -> None:
+    """verl 0.9.1's Megatron LR scheduler from the actor's optim config, as the engine builds it, on a torch SGD over
+    one parameter (the scheduler only sets the param groups' lr / weight decay)."""
+    import torch
+    from verl.utils.megatron.optimizer import get_megatron_optimizer_param_scheduler
+
+    optim = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.optim)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=float(optim.lr))
+    get_megatron_optimizer_param_scheduler(opt, config=optim)
+
+
 def _reward_facts(cfg: DictConfig) -> dict[str, Any]:
     """The reward loop worker's reward manager built from ``cfg``, and what it resolved."""
     from verl.trainer.ppo.reward import get_default_compute_score, load_reward_manager
@@ -142,7 +157,10 @@ def dry_run(
         for path in (*SECTIONS, *(("actor_rollout_ref.model",) if model else ())):
             stage = f"omega_conf_to_dataclass({path})"
             omega_conf_to_dataclass(OmegaConf.select(cfg, path))
-        if not fully_async:
+        if fully_async:
+            stage = "get_megatron_optimizer_param_scheduler(actor.optim)"
+            _actor_lr_scheduler(cfg)
+        else:
             stage = "_resolve_filter_groups_metric"
             facts["filter_metric"] = PPOTrainer._resolve_filter_groups_metric(SimpleNamespace(config=cfg))
         facts["keys"] = {k: _plain(OmegaConf.select(cfg, k)) for k in report}
@@ -150,6 +168,9 @@ def dry_run(
         facts.update(_reward_facts(cfg))
     except Exception as exc:  # noqa: BLE001 - every failure is a result, reported per case
         last = traceback.format_exception_only(type(exc), exc)[-1].strip().replace("\n", " ")
+        if not str(exc):  # a bare assert: where it failed
+            frame = traceback.extract_tb(exc.__traceback__)[-1]
+            last += f" at {Path(frame.filename).name}:{frame.lineno}"
         return stage, last[:600], facts
     return "", "", facts
 

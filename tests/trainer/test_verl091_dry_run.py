@@ -13,6 +13,13 @@ Each script runs in print mode (``QWEN3_RL_PRINT_COMMAND=1``) with ``PIN_SET=cur
   tiny checkpoint made here), its group-filter check and the reward loop's reward manager; the fully-async setups
   through verl's own fully-async main (``fully_async_ppo_megatron_trainer.yaml``, its rollouter's checks).
 
+The fully-async setups' run length on verl 0.9.1: its trainer builds the actor's Megatron LR scheduler before the
+rollouter counts the run's updates (``fully_async_main.py:78-92``), so the command carries them in
+``actor.optim.total_training_steps`` (the driver builds that scheduler): SYNCS x TRIGGER_SYNC_STEPS, or with SYNCS null
+(235B, 30B-A3B) TRAIN_FILE's rows x TOTAL_EPOCHS / prompts per update (a parquet of ``TRAIN_ROWS`` rows made here);
+the command without it (the yaml's -1) fails that scheduler's check; an unreadable TRAIN_FILE or one with fewer
+prompts than an update stops the script with one line naming SYNCS, and SYNCS given prints it without reading data.
+
 The DAPO and fully-async setups' commands there carry the seed set's settings under verl 0.9.1's keys: each value
 read back from the composed config (and from the reward manager verl builds) equals the seed command's.
 
@@ -65,6 +72,23 @@ FULLY_ASYNC = [
     "train_grpo_tiny_cpu_fully_async.sh",
 ]
 FULLY_ASYNC_MAIN = "verl.experimental.fully_async_policy.fully_async_main"
+#: the weight source's keys (USE_DIST_CKPT, USE_MBRIDGE) and the Bridge's, read back from the composed config
+WEIGHT_KEYS = [
+    f"actor_rollout_ref.{role}.megatron.{key}"
+    for role in ("actor", "ref")
+    for key in ("use_dist_checkpointing", "dist_checkpointing_path", "use_mbridge", "vanilla_mbridge")
+]
+#: (case, setup, extra env, use_dist_checkpointing expected): the weight-source switches on the current set
+WEIGHT_CASES = [
+    ("USE_DIST_CKPT=True", "train_grpo_qwen3_32b_32die_true_weight.sh", {"USE_DIST_CKPT": "True"}, True),
+    ("USE_DIST_CKPT=False", "train_grpo_qwen3_32b_32die_true_weight.sh", {"USE_DIST_CKPT": "False"}, False),
+    ("USE_MBRIDGE=False", "train_grpo_qwen3_30b_a3b_32die_fully_async.sh", {"USE_MBRIDGE": "False"}, True),
+    ("USE_MBRIDGE=True", "train_grpo_qwen3_30b_a3b_32die_fully_async.sh", {"USE_MBRIDGE": "True"}, False),
+]
+#: rows of the TRAIN_FILE the scripts read here (the fully-async setups with SYNCS null count their updates from it)
+TRAIN_ROWS = 1000
+LR_STEPS = "actor_rollout_ref.actor.optim.total_training_steps"
+LR_STAGE = "get_megatron_optimizer_param_scheduler(actor.optim)"
 #: seed key -> verl 0.9.1 key of the same setting, DAPO
 DAPO_KEYS = {
     "actor_rollout_ref.actor.clip_ratio_low": "actor_rollout_ref.actor.clip_ratio_low",
@@ -105,6 +129,23 @@ FULLY_ASYNC_FIXED = {
     "actor_rollout_ref.rollout.calculate_log_probs": True,
 }
 
+
+def _write_train_file(path: Path, rows: int) -> Path:
+    """A parquet of ``rows`` prompts (only its row count is read: by the fully-async scripts with SYNCS null)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": [f"prompt {i}" for i in range(rows)]}), path)
+    return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def train_file(tmp_path_factory: pytest.TempPathFactory):
+    """TRAIN_FILE for every script run here: a parquet of TRAIN_ROWS rows."""
+    path = _write_train_file(tmp_path_factory.mktemp("dry_run_data") / "train.parquet", TRAIN_ROWS)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRAIN_FILE", str(path))
+        yield path
 
 
 def _env(extra: dict[str, str] | None = None, model: Path | None = None) -> dict[str, str]:
@@ -167,7 +208,7 @@ def _report_keys(setup: str) -> list[str]:
     if setup in DAPO:
         return [*DAPO_KEYS.values(), "reward.custom_reward_function.reward_kwargs.incorrect_score"]
     if setup in FULLY_ASYNC:
-        return [*FULLY_ASYNC_KEYS.values(), *FULLY_ASYNC_FIXED, "rollout.total_rollout_steps"]
+        return [*FULLY_ASYNC_KEYS.values(), *FULLY_ASYNC_FIXED, "rollout.total_rollout_steps", LR_STEPS]
     return []
 
 
@@ -284,6 +325,17 @@ def outcomes(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFact
             )
             if setup == "train_grpo_tiny_cpu_fully_async.sh":
                 cases += _fully_async_negatives(cmd.config_name, cmd.overrides)
+            if setup == FULLY_ASYNC[0]:  # SYNCS null: the command without its counted updates, as before
+                unset = [o for o in cmd.overrides if not o.startswith(f"{LR_STEPS}=")]
+                assert unset != cmd.overrides, f"{setup}: no {LR_STEPS}"
+                cases.append(
+                    {
+                        "name": "negative:fully_async_lr_steps_unset",
+                        "config_name": cmd.config_name,
+                        "overrides": unset,
+                        "entry": FULLY_ASYNC_MAIN,
+                    }
+                )
             if setup == "train_grpo_tiny_cpu.sh":  # the seed set's reward function keys, on verl 0.9.1
                 legacy = [
                     o.removeprefix("reward.") if o.startswith("reward.custom_reward_function.") else o
@@ -323,6 +375,18 @@ def outcomes(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFact
                     "model": False,
                 }
             )
+    for name, setup, extra, _ in WEIGHT_CASES:
+        env = {**result["control_env"].get(setup, {}), **extra}
+        cmd = parse_train_script(REPO / "internal" / setup, env=_env(env))
+        cases.append(
+            {
+                "name": f"weights:{name}",
+                "config_name": cmd.config_name,
+                "overrides": cmd.overrides,
+                "entry": cmd.entry_module,
+                "report": WEIGHT_KEYS,
+            }
+        )
     long_buffer = parse_train_script(REPO / "internal" / DAPO[1], env=_env({"OVERLONG_BUFFER_LEN": "40000"}))
     cases.append(
         {
@@ -425,12 +489,65 @@ def test_fully_async_setups_run_verl091_fully_async_main_with_the_seed_settings(
     prompts_per_update = int(seed["async_training.require_batches"]) * int(
         seed["actor_rollout_ref.actor.ppo_mini_batch_size"]
     )
-    if steps is None or steps == "null":  # the epochs decide on both sets
+    trigger = int(seed["async_training.trigger_parameter_sync_step"])
+    if steps is None or steps == "null":  # the epochs decide on both sets; the updates counted from the data
         assert got["rollout.total_rollout_steps"] is None, got
+        prompts = TRAIN_ROWS * int(seed["trainer.total_epochs"])  # fully_async_rollouter.py:405
+        assert got[LR_STEPS] == prompts // prompts_per_update, (prompts, prompts_per_update, got)
+        # verl's own count of the run (weight syncs, fully_async_rollouter.py:498-501) from the same prompts
+        assert got[LR_STEPS] // trigger == int(prompts / (prompts_per_update * trigger)), got
     else:  # verl counts prompts: updates = prompts / (prompts per update x updates per sync)
         assert got["rollout.total_rollout_steps"] == int(steps) * prompts_per_update, (steps, got)
+        assert got[LR_STEPS] == int(steps), (steps, got)
     assert r["facts"]["custom_reward_fn"] is True, r["facts"]
     print(f"{setup}: {got}")
+
+
+def test_fully_async_run_length_without_syncs(outcomes: dict, tmp_path: Path) -> None:
+    """SYNCS null on the current set: the command without the counted updates (the yaml's -1) fails the actor's LR
+    scheduler; an unreadable TRAIN_FILE, or one with fewer prompts than an update, stops the script with one line
+    naming SYNCS; SYNCS given prints the command without reading data (SYNCS x TRIGGER_SYNC_STEPS updates)."""
+    unset = outcomes["dry"]["negative:fully_async_lr_steps_unset"]
+    assert not unset["ok"] and unset["stage"] == LR_STAGE, unset
+    assert unset["error"] == "AssertionError at optimizer_param_scheduler.py:156", unset
+    setup = FULLY_ASYNC[0]
+    for train_file, start in (
+        (tmp_path / "missing.parquet", "no readable parquet file: set SYNCS"),
+        (
+            _write_train_file(tmp_path / "small.parquet", 3),
+            "has 3 prompts x TOTAL_EPOCHS 10, fewer than one update",
+        ),
+    ):
+        proc = _run_script(setup, _env({"TRAIN_FILE": str(train_file)}))
+        errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stderr
+        error = errors[0]
+        assert error.startswith("error: SYNCS=null on pin set current: ") and start in error, error
+        print(f"{setup} with TRAIN_FILE {train_file.name}: {errors[0][:200]}")
+    given = _env({"TRAIN_FILE": str(tmp_path / "missing.parquet"), "SYNCS": "5"})
+    cmd = parse_train_script(REPO / "internal" / setup, env=given).override_map()
+    assert cmd[LR_STEPS] == str(5 * int(cmd["async_training.trigger_parameter_sync_step"])), cmd[LR_STEPS]
+
+
+@pytest.mark.parametrize("case", WEIGHT_CASES, ids=[c[0] for c in WEIGHT_CASES])
+def test_weight_source_switches_on_the_current_set(outcomes: dict, case: tuple) -> None:
+    """USE_DIST_CKPT (32B) and USE_MBRIDGE (30B-A3B fully async) on verl 0.9.1's Megatron engine: the command passes
+    the dry run; actor and ref read the dist checkpoint at the seed command's DIST_CKPT_PATH exactly when the seed
+    command does (USE_DIST_CKPT=True, USE_MBRIDGE=False), else the HF files; the Bridge stays on (use_mbridge True,
+    the pinned mbridge: vanilla_mbridge True) whatever the switch."""
+    name, setup, extra, dist = case
+    r = outcomes["dry"][f"weights:{name}"]
+    assert r["ok"], r
+    got = r["facts"]["keys"]
+    seed = _seed_command(setup, _env(extra))
+    for role in ("actor", "ref"):
+        m = f"actor_rollout_ref.{role}.megatron."
+        assert got[m + "use_dist_checkpointing"] is dist, (role, got)
+        assert seed[m + "use_dist_checkpointing"] == str(dist), (role, seed[m + "use_dist_checkpointing"])
+        if dist:
+            assert got[m + "dist_checkpointing_path"] == seed[m + "dist_checkpointing_path"], (role, got)
+        assert got[m + "use_mbridge"] is True and got[m + "vanilla_mbridge"] is True, (role, got)
+    print(f"{setup} with {extra}: {got}")
 
 
 def test_negative_controls_dapo_and_fully_async(outcomes: dict, tiny_models: dict[str, Path]) -> None:

@@ -33,12 +33,15 @@ TABLE_KEYS = (
     "rollout/spec_decode/acceptance_rate",
 )
 _ABBREV = (
+    ("val-core/", "val/"),
     ("critic/", ""),
     ("timing_s/", "t/"),
     ("response_length/", "resp_len/"),
     ("perf/", ""),
     ("rollout/spec_decode/", "sd/"),
 )
+#: verl's validation accuracy keys (``val-core/<data source>/<reward key>/mean@N``): table columns when logged
+VAL_PREFIX = "val-core/"
 SPEC_DRAFT_TOKENS = "rollout/spec_decode/draft_tokens"
 SPEC_ACCEPTED_TOKENS = "rollout/spec_decode/accepted_tokens"
 
@@ -71,6 +74,11 @@ def format_table(log: StepLog, keys: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def val_keys(log: StepLog) -> list[str]:
+    """The log's validation means (``val-core/.../mean@N``), in first-seen order."""
+    return [k for k in log.keys() if k.startswith(VAL_PREFIX) and "/mean@" in k]
+
+
 def spec_decode_summary(log: StepLog) -> str | None:
     """One line on speculative decoding when the log carries ``rollout/spec_decode/*`` (else None):
     in how many steps the rollout drafted, and accepted / drafted tokens over the whole log."""
@@ -93,6 +101,7 @@ def routing_summary(log: StepLog) -> str | None:
     """One line on server-mode routing when the log carries ``rollout/routing/*`` (SERVER_ROUTING, else None): the
     mean over steps of the share of sibling pairs on one engine and of the token spread, ours against verl's routing
     replayed on the same requests."""
+
     def mean(key: str) -> float | None:
         vals = finite(log.series(ROUTING + key)[1])
         return statistics.fmean(vals) if vals else None
@@ -170,10 +179,19 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--setup", help=f"compare with published figures: {', '.join(sorted(PUBLISHED))}")
     p.add_argument("--keys", help="comma-separated metric keys for the table (default: a fixed selection)")
     p.add_argument("--json", action="store_true", help="print a JSON document instead of text")
-    p.add_argument("--follow", metavar="PID", type=int,
-                   help="print one progress line per new step while process PID runs, then exit")
-    p.add_argument("--from-byte", metavar="N", type=int, default=0,
-                   help="with --follow: read LOG from byte N on (the size it had when this run started)")
+    p.add_argument(
+        "--follow",
+        metavar="PID",
+        type=int,
+        help="print one progress line per new step while process PID runs, then exit",
+    )
+    p.add_argument(
+        "--from-byte",
+        metavar="N",
+        type=int,
+        default=0,
+        help="with --follow: read LOG from byte N on (the size it had when this run started)",
+    )
     return p
 
 
@@ -195,7 +213,11 @@ def main(argv: list[str] | None = None) -> int:
             except KeyError as e:
                 raise ReportError(e.args[0]) from None
         log = parse_log(args.log)
-        keys = [k.strip() for k in args.keys.split(",") if k.strip()] if args.keys else list(TABLE_KEYS)
+        keys = (
+            [k.strip() for k in args.keys.split(",") if k.strip()]
+            if args.keys
+            else [*TABLE_KEYS, *val_keys(log)]
+        )
         figures = PUBLISHED[setup][1] if setup else ()
         rows = compare(log, figures) if setup else []
         plots: dict[str, str] = {}
@@ -219,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             "comparison": rows,
             "plots": plots,
             "repeated_steps": log.repeated_steps,
+            "merged_lines": log.merged_lines,
             "skipped_values": log.skipped_values,
         }
         print(json.dumps(doc, indent=2, allow_nan=True))
@@ -229,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         if summary:
             print(summary)
     if log.repeated_steps:
-        print(f"note: steps logged more than once (last kept): {sorted(set(log.repeated_steps))}")
+        print(
+            f"note: steps logged again (a resumed or rerun job; the last kept): {sorted(set(log.repeated_steps))}"
+        )
     if setup:
         print(format_comparison(setup, rows))
     for name, path in plots.items():

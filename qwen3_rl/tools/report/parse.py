@@ -11,6 +11,13 @@ i.e. ``step:N`` then ``key:pprint.pformat(value)`` items joined by ``" - "``; on
 prefixes worker output with ``(TaskRunner pid=...)``; that prefix and timestamps are skipped.
 A step record wrapped over several lines (the step line ends with ``-``; then ``key:value -``
 lines and ``……`` elision lines, as [ref 004 §2.4] shows it) is also read.
+
+Several lines of one step are one record: verl 0.9.1's fully-async trainer logs each weight version (its step) on up
+to three lines of the same format, the rollouter's timing (``verl/experimental/fully_async_policy/
+fully_async_trainer.py:783-786``), the validation (``:829-830``, ``:855-856``) and the trainer's aggregated metrics
+(``:806-809``); their keys are merged. A line that repeats more than half of its keys already in its step's record
+is the step logged again (a resumed or rerun job appending to the same log): it replaces the record
+(:attr:`StepLog.repeated_steps`).
 """
 
 from __future__ import annotations
@@ -36,7 +43,8 @@ class StepLog:
 
     steps: dict[int, dict[str, float]] = field(default_factory=dict)
     skipped_values: int = 0  # items whose value was not a number
-    repeated_steps: list[int] = field(default_factory=list)  # steps logged more than once (resume)
+    repeated_steps: list[int] = field(default_factory=list)  # steps logged again (resume / rerun): replaced
+    merged_lines: int = 0  # lines whose keys joined their step's record (verl's fully-async trainer)
 
     def keys(self) -> list[str]:
         """All metric keys, in first-seen order."""
@@ -87,8 +95,23 @@ def _add_items(items: list[str], metrics: dict[str, float], log: StepLog) -> Non
         metrics[key.strip()] = v
 
 
+def _add_record(log: StepLog, step: int, metrics: dict[str, float]) -> None:
+    """Merge one line's ``metrics`` into step ``step``'s record, or replace the record when the line repeats more than
+    half of its keys (the step logged again)."""
+    old = log.steps.get(step)
+    if old is None:
+        log.steps[step] = metrics
+    elif 2 * len(metrics.keys() & old.keys()) > len(metrics):
+        log.repeated_steps.append(step)
+        log.steps[step] = metrics
+    else:
+        old.update(metrics)
+        log.merged_lines += 1
+
+
 def parse_lines(lines: list[str]) -> StepLog:
-    """Parse log lines (see module doc). Later records of the same step replace earlier ones."""
+    """Parse log lines (see module doc): one record per step, the lines of a step merged; a step logged again
+    replaces its record."""
     log = StepLog()
     i = 0
     while i < len(lines):
@@ -117,9 +140,7 @@ def parse_lines(lines: list[str]) -> StepLog:
                     break
                 _add_items(items, metrics, log)
                 i += 1
-        if step in log.steps:
-            log.repeated_steps.append(step)
-        log.steps[step] = metrics
+        _add_record(log, step, metrics)
     return log
 
 

@@ -234,13 +234,15 @@ def test_dispatcher_report(tmp_path):
 def test_spec_decode_columns_when_the_log_carries_them(tmp_path, capsys):
     """verl 0013's rollout/spec_decode/* items (SAM on): the table shows drafted tokens and the acceptance
     rate, plus one summary line; logs without them show neither."""
-    spec = {1: "rollout/spec_decode/num_drafts:1200 - rollout/spec_decode/draft_tokens:3400 - "
-               "rollout/spec_decode/accepted_tokens:1700 - rollout/spec_decode/acceptance_rate:0.5 - "
-               "rollout/spec_decode/mean_acceptance_length:2.4166666666666665",
-            2: "rollout/spec_decode/num_drafts:0 - rollout/spec_decode/draft_tokens:0 - "
-               "rollout/spec_decode/accepted_tokens:0",
-            3: "rollout/spec_decode/num_drafts:900 - rollout/spec_decode/draft_tokens:2600 - "
-               "rollout/spec_decode/accepted_tokens:780 - rollout/spec_decode/acceptance_rate:np.float64(0.3)"}
+    spec = {
+        1: "rollout/spec_decode/num_drafts:1200 - rollout/spec_decode/draft_tokens:3400 - "
+        "rollout/spec_decode/accepted_tokens:1700 - rollout/spec_decode/acceptance_rate:0.5 - "
+        "rollout/spec_decode/mean_acceptance_length:2.4166666666666665",
+        2: "rollout/spec_decode/num_drafts:0 - rollout/spec_decode/draft_tokens:0 - "
+        "rollout/spec_decode/accepted_tokens:0",
+        3: "rollout/spec_decode/num_drafts:900 - rollout/spec_decode/draft_tokens:2600 - "
+        "rollout/spec_decode/accepted_tokens:780 - rollout/spec_decode/acceptance_rate:np.float64(0.3)",
+    }
     p = tmp_path / "train.log"
     p.write_text("\n".join(f"(TaskRunner pid=1) {_step_line(s)} - {spec[s]}" for s in (1, 2, 3)) + "\n")
     assert report_main([str(p)]) == 0
@@ -249,8 +251,10 @@ def test_spec_decode_columns_when_the_log_carries_them(tmp_path, capsys):
     assert head[-2:] == ["sd/draft_tokens", "sd/acceptance_rate"]
     rows = [r.split() for r in out[2:5]]
     assert [r[-2:] for r in rows] == [["3400.0", "0.5"], ["0", "-"], ["2600.0", "0.3"]]
-    assert out[5] == ("speculative decoding: drafted in 2 of 3 steps that logged spec-decode counters, "
-                      "acceptance rate 0.413 over the log")  # (1700 + 780) / (3400 + 2600) = 0.4133
+    assert out[5] == (
+        "speculative decoding: drafted in 2 of 3 steps that logged spec-decode counters, "
+        "acceptance rate 0.413 over the log"
+    )  # (1700 + 780) / (3400 + 2600) = 0.4133
     assert report_main([str(write_sample_log(tmp_path / "plain.log", steps=2))]) == 0
     plain = capsys.readouterr().out
     assert "sd/" not in plain and "speculative decoding" not in plain
@@ -270,9 +274,11 @@ def test_plots_val_accuracy_sam_and_integer_step_ticks(tmp_path):
     lines = ["step:0 - val-core/openai/gsm8k/acc/mean@1:0.125"]
     for s in (1, 2, 3):
         val = " - val-core/openai/gsm8k/acc/mean@1:0.5" if s == 3 else ""
-        lines.append(f"step:{s} - critic/score/mean:{0.1 * s} - response_length/mean:12.0 - timing_s/gen:2.0"
-                     f" - timing_s/update_actor:5.0 - timing_s/step:8.0 - timing_s/save_checkpoint:3.0"
-                     f" - rollout/spec_decode/acceptance_rate:{0.2 * s}{val}")
+        lines.append(
+            f"step:{s} - critic/score/mean:{0.1 * s} - response_length/mean:12.0 - timing_s/gen:2.0"
+            f" - timing_s/update_actor:5.0 - timing_s/step:8.0 - timing_s/save_checkpoint:3.0"
+            f" - rollout/spec_decode/acceptance_rate:{0.2 * s}{val}"
+        )
     log = parse_lines(lines)
     ticks: dict[str, list[float]] = {}
     real_savefig = plt.Figure.savefig
@@ -302,23 +308,40 @@ def test_progress_lines(tmp_path):
     validation accuracy where a step has it; returns once PID is gone."""
     from qwen3_rl.tools.report.progress import follow, step_line
 
-    assert step_line(2, 6, {"timing_s/step": 21.04, "timing_s/gen": 2.0, "timing_s/update_actor": 13.2}) == \
-        "[ray_start_npu] progress: step 2 of 6: 21.0 s (gen 2.0 s, update_actor 13.2 s)"
-    assert step_line(3, 6, {"timing_s/step": 5.0, "rollout/spec_decode/draft_tokens": 961.0,
-                            "rollout/spec_decode/accepted_tokens": 678.0}) == \
-        "[ray_start_npu] progress: step 3 of 6: 5.0 s (); drafted 961, accepted 678 tokens"
-    assert step_line(0, 6, {"val-core/x/acc/mean@1": 0.25}) == \
-        "[ray_start_npu] progress: validation before step 1 of 6; val-core/x/acc/mean@1 0.250"
+    assert (
+        step_line(2, 6, {"timing_s/step": 21.04, "timing_s/gen": 2.0, "timing_s/update_actor": 13.2})
+        == "[ray_start_npu] progress: step 2 of 6: 21.0 s (gen 2.0 s, update_actor 13.2 s)"
+    )
+    assert (
+        step_line(
+            3,
+            6,
+            {
+                "timing_s/step": 5.0,
+                "rollout/spec_decode/draft_tokens": 961.0,
+                "rollout/spec_decode/accepted_tokens": 678.0,
+            },
+        )
+        == "[ray_start_npu] progress: step 3 of 6: 5.0 s (); drafted 961, accepted 678 tokens"
+    )
+    assert (
+        step_line(0, 6, {"val-core/x/acc/mean@1": 0.25})
+        == "[ray_start_npu] progress: validation before step 1 of 6; val-core/x/acc/mean@1 0.250"
+    )
     log = tmp_path / "train.log"
-    log.write_text("(TaskRunner pid=1) Total training steps: 2\nstep:1 - timing_s/step:3.0\nstep:2 - timing_s/step:4.0\n")
+    log.write_text(
+        "(TaskRunner pid=1) Total training steps: 2\nstep:1 - timing_s/step:3.0\nstep:2 - timing_s/step:4.0\n"
+    )
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     import io
 
     out = io.StringIO()
     assert follow(log, dead.pid, poll_s=0.01, out=out) == 2
-    assert out.getvalue().splitlines() == ["[ray_start_npu] progress: step 1 of 2: 3.0 s ()",
-                                           "[ray_start_npu] progress: step 2 of 2: 4.0 s ()"]
+    assert out.getvalue().splitlines() == [
+        "[ray_start_npu] progress: step 1 of 2: 3.0 s ()",
+        "[ray_start_npu] progress: step 2 of 2: 4.0 s ()",
+    ]
     # the launcher appends every run to the same log: from the byte where this run began, only its own steps
     # and its own total count (the earlier run's "Total training steps: 2" and step 1-2 lines are not read)
     start = log.stat().st_size
@@ -338,10 +361,126 @@ def test_routing_summary(tmp_path):
     from qwen3_rl.tools.report.cli import routing_summary
     from qwen3_rl.tools.report.parse import parse_lines
 
-    lines = ["step:1 - rollout/routing/sibling_same_engine:1.0 - rollout/routing/verl_sibling_same_engine:0.4 - "
-             "rollout/routing/load_spread_tokens:1.2 - rollout/routing/verl_load_spread_tokens:1.0",
-             "step:2 - rollout/routing/sibling_same_engine:1.0 - rollout/routing/verl_sibling_same_engine:0.5 - "
-             "rollout/routing/load_spread_tokens:1.1 - rollout/routing/verl_load_spread_tokens:1.1"]
-    assert routing_summary(parse_lines(lines)) == ("server routing over 2 steps: siblings on one engine 1.000 "
-                                                   "(verl's routing 0.45), token spread 1.150 (verl's 1.05)")
+    lines = [
+        "step:1 - rollout/routing/sibling_same_engine:1.0 - rollout/routing/verl_sibling_same_engine:0.4 - "
+        "rollout/routing/load_spread_tokens:1.2 - rollout/routing/verl_load_spread_tokens:1.0",
+        "step:2 - rollout/routing/sibling_same_engine:1.0 - rollout/routing/verl_sibling_same_engine:0.5 - "
+        "rollout/routing/load_spread_tokens:1.1 - rollout/routing/verl_load_spread_tokens:1.1",
+    ]
+    assert routing_summary(parse_lines(lines)) == (
+        "server routing over 2 steps: siblings on one engine 1.000 "
+        "(verl's routing 0.45), token spread 1.150 (verl's 1.05)"
+    )
     assert routing_summary(parse_lines(["step:1 - timing_s/step:3.0"])) is None
+
+
+#: verl 0.9.1's fully-async trainer: each weight version (the logged step) on up to three console lines of
+#: ``concat_dict_to_str`` (verl/utils/logger/aggregate_logger.py:26-32): the rollouter's timing
+#: (experimental/fully_async_policy/fully_async_trainer.py:783-786), the validation (:829-830) and the trainer's
+#: aggregated metrics (:806-809), with Ray's coloured actor prefix; the keys and their order as a tiny current-set run
+#: printed them (shortened). The first run stopped after its step 0 and was started again into the same log.
+_FA = "\x1b[36m(FullyAsyncTrainer pid={pid})\x1b[0m "
+
+
+def _fa_timing(pid: int, step: int, util: float) -> str:
+    return (
+        f"{_FA.format(pid=pid)}step:{step} - fully_async/rollouter/active_time:22.169585704803467 - "
+        f"fully_async/rollouter/version_time:34.99261116981506 - fully_async/rollouter/idle_ratio:0 - "
+        f"fully_async/rollouter/step_generated_samples:32 - dynamic_resource/rollout_resource_utilization:{util}"
+    )
+
+
+def _fa_val(pid: int, step: int, acc: float) -> str:
+    return (
+        f"{_FA.format(pid=pid)}step:{step} - rollouter/validate_time:3.1041835679934593 - "
+        f"val-aux/openai/gsm8k/reward/mean@1:np.float64({acc}) - val-aux/openai/gsm8k/score/mean@1:np.float64({acc})"
+        f" - val-core/openai/gsm8k/acc/mean@1:np.float64({acc}) - val-aux/num_turns/min:np.int32(2) - "
+        "val-aux/num_turns/max:np.int32(2) - val-aux/num_turns/mean:np.float64(2.0)"
+    )
+
+
+def _fa_train(pid: int, step: int, score: float, util: float) -> str:
+    return (
+        f"{_FA.format(pid=pid)}step:{step} - training/global_step:{step - 1}.0 - training/epoch:0.0 - "
+        f"fully_async/count/current_param_version:{max(step - 2, 0)}.0 - actor/pg_loss:-0.14122671267250553 - "
+        f"actor/grad_norm:0.43146333462542447 - actor/lr:0.0005 - critic/score/mean:{score} - "
+        f"critic/rewards/mean:{score} - response_length/mean:11.65625 - response_length/clip_ratio:0.0 - "
+        "timing_s/gen:1.4961988840004778 - timing_s/update_actor:1.6812940960007836 - "
+        "timing_s/timing_s/param_sync:6.218145291997644 - timing_s/step:10.662188249996689 - "
+        "perf/time_per_step:10.662188249996689 - perf/throughput:596.6880203978743 - "
+        f"dynamic_resource/rollout_resource_utilization:{util} - dynamic_resource/resource_utilization:0.44"
+    )
+
+
+FULLY_ASYNC_LOG = [
+    _fa_timing(8569, 0, 0.0),
+    "\x1b[36m(FullyAsyncRollouter pid=8870)\x1b[0m test_gen_batch meta info: {'validate': True, 'global_steps': 0}",
+    _fa_val(8569, 0, 0.03125),
+    _fa_timing(15122, 0, 0.0),  # the job started again into the same log
+    _fa_val(15122, 0, 0.046875),
+    "\x1b[36m(FullyAsyncTrainer pid=15122)\x1b[0m [FullyAsyncTrainer] global_steps: 1 local_trigger_step: 1",
+    _fa_timing(15122, 1, 0.5),
+    _fa_timing(15122, 2, 0.632),
+    _fa_train(15122, 2, 0.1171875, 0.6),
+    _fa_timing(15122, 3, 0.0176),
+    _fa_val(15122, 3, 0.625),
+    _fa_train(15122, 3, 0.4140625, 0.609),
+]
+
+
+def test_fully_async_lines_of_a_step_merge_and_validation_shows(tmp_path, capsys):
+    """verl 0.9.1's fully-async log: a step's timing, validation and training lines are one record (the training
+    line's value wins for the key two of them carry); the rerun's step 0 replaces the stopped run's (positive control:
+    a line that repeats its step's keys is not merged); the table shows the validation accuracy at steps 0 and 3,
+    the val_accuracy plot draws both points, the JSON counts the merged lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from qwen3_rl.tools.report import plots
+
+    log = parse_lines(FULLY_ASYNC_LOG)
+    acc = "val-core/openai/gsm8k/acc/mean@1"
+    assert sorted(log.steps) == [0, 1, 2, 3]
+    assert log.repeated_steps == [0] and log.merged_lines == 5
+    assert log.series(acc) == ([0, 3], [0.046875, 0.625])
+    assert log.series("critic/score/mean") == ([2, 3], [0.1171875, 0.4140625])
+    s3 = log.steps[3]
+    assert s3["fully_async/rollouter/step_generated_samples"] == 32 and s3["rollouter/validate_time"] > 0
+    assert s3["dynamic_resource/rollout_resource_utilization"] == 0.609  # the later (training) line's
+    assert "critic/score/mean" not in log.steps[1] and acc not in log.steps[1]
+
+    path = tmp_path / "fully_async.log"
+    path.write_text("\n".join(FULLY_ASYNC_LOG) + "\n")
+    assert report_main([str(path), "--plot", str(tmp_path / "plots")]) == 0
+    out = capsys.readouterr().out
+    rows = out.splitlines()
+    head = rows[1].split()
+    assert head[0] == "step" and head[-1] == "val/openai/gsm8k/acc/mean@1", head
+    table = {r.split()[0]: r.split() for r in rows[2:6]}
+    assert table["0"][-1] == "0.04688" and table["3"][-1] == "0.625" and table["2"][-1] == "-", table
+    assert table["3"][head.index("score/mean")] == "0.4141", table
+    assert "note: steps logged again (a resumed or rerun job; the last kept): [0]" in out
+
+    drawn: dict[str, list] = {}
+    real_savefig = plt.Figure.savefig
+
+    def savefig(fig, out_path, *a, **k):
+        drawn[Path(out_path).stem] = [
+            (list(ln.get_xdata()), list(ln.get_ydata())) for ln in fig.axes[0].get_lines()
+        ]
+        return real_savefig(fig, out_path, *a, **k)
+
+    plt.Figure.savefig = savefig
+    try:
+        made = plots.write_plots(log, tmp_path / "plots2")
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert (tmp_path / "plots" / "val_accuracy.png").is_file() and "val_accuracy" in made
+    assert drawn["val_accuracy"] == [([0, 3], [0.046875, 0.625])], drawn["val_accuracy"]
+
+    assert report_main([str(path), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["merged_lines"] == 5 and doc["repeated_steps"] == [0]
+    assert doc["steps"]["3"][acc] == 0.625 and doc["steps"]["3"]["critic/score/mean"] == 0.4140625
