@@ -252,7 +252,7 @@ train_add_feature_overrides() {
         python3 -m qwen3_rl features overrides --setup "${setup}" \
             --context "VLLM_DP=${vllm_dp}" --context "ROLLOUT_TP=${ROLLOUT_TP}" \
             --context "TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE}" --context "PPO_MINI_BATCH_SIZE=${PPO_MINI_BATCH_SIZE}" \
-            --context "DIST_CKPT_PATH=${DIST_CKPT_PATH:-}" \
+            --context "DIST_CKPT_PATH=${DIST_CKPT_PATH:-}" --context "RECIPE_DIR=${QWEN3_RL_HOME}" \
             --context "ROLLOUT_PROCS_PER_NODE=${_rollout_procs_per_node:-${NPUS_PER_NODE}}" && printf 'ok\0'
     )
     if ((${#got[@]} == 0)) || [[ "${got[${#got[@]} - 1]}" != ok ]]; then

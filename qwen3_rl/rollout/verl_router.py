@@ -5,8 +5,9 @@ verl 0.9.1 routes every request of every agent-loop worker through one load-bala
 ``router_class`` replaces the default sticky + least-in-flight balancer, built as ``router_class(servers, yaml)``
 (``_create_plugin_extension``). The clients pass it only the ``generate()`` fields it declares
 (``require_acquire_fields``, ``llm_server.py:70-81``). This plugin declares ``prompt_ids`` and places requests with
-:class:`~qwen3_rl.rollout.server_routing.GroupRouter` (one target per server here: the vLLM DP rank inside a
-server needs the server's ``generate`` to take it, which this plugin does not change). Being the one balancer of
+:class:`~qwen3_rl.rollout.server_routing.GroupRouter`, one target per server and vLLM DP rank: with more than one
+rank the handle it returns is a :class:`~qwen3_rl.rollout.verl_dp_rank.RankedServerHandle`, which the recipe's
+server passes on to vLLM (``qwen3_rl.rollout.verl_dp_rank``). Being the one balancer of
 the run, it sees every sibling: a prompt's ``n`` samples land on one server whichever agent-loop worker sends
 them, where the seed set's per-worker routers agree only through rendezvous hashing.
 
@@ -15,6 +16,7 @@ The router YAML (keys besides ``router_class`` optional)::
     router_class: qwen3_rl.rollout.verl_router.GroupRoutingBalancer
     slack: 0             # requests in flight a prompt's server may exceed the least busy one by and still get it
     max_prompts: 100000  # prompts remembered (LRU)
+    data_parallel_size: 2  # vLLM DP ranks per server; absent: the servers' rollout.data_parallel_size
 
 Generation batches: siblings are "the same prompt in one batch". verl's colocated trainer tells the balancer
 nothing between batches, so a batch ends when no request is in flight any more, or at ``clear_sticky_cache``
@@ -31,27 +33,43 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from qwen3_rl.rollout.server_routing import VERL_MAX_CACHE_SIZE, GroupRouter
+from qwen3_rl.rollout.verl_dp_rank import RankedServerHandle
 
 __all__ = ["GroupRoutingBalancer", "parse_router_config"]
 
-_KEYS = {"router_class": str, "slack": int, "max_prompts": int, "max_cache_size": int}
+_KEYS = {
+    "router_class": str,
+    "slack": int,
+    "max_prompts": int,
+    "max_cache_size": int,
+    "data_parallel_size": int,
+}
+_INT_KEYS = ("slack", "max_prompts", "max_cache_size", "data_parallel_size")
 
 
 def parse_router_config(config: Mapping[str, Any]) -> dict[str, int]:
     """The plugin's settings from verl's router YAML (as loaded, a dict): ``slack``, ``max_prompts``,
-    ``max_cache_size``. An unknown key or a bad value raises ``ValueError`` with one line naming it."""
+    ``max_cache_size``, ``data_parallel_size`` (0: not given). An unknown key or a bad value raises ``ValueError``
+    with one line naming it."""
     unknown = sorted(set(config) - set(_KEYS))
     if unknown:
         raise ValueError(f"router config: unknown key(s) {unknown}; known: {sorted(_KEYS)}")
-    out = {"slack": 0, "max_prompts": 100_000, "max_cache_size": VERL_MAX_CACHE_SIZE}
-    for key in ("slack", "max_prompts", "max_cache_size"):
+    out = {"slack": 0, "max_prompts": 100_000, "max_cache_size": VERL_MAX_CACHE_SIZE, "data_parallel_size": 0}
+    for key in _INT_KEYS:
         if key in config:
             value = config[key]
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"router config: {key} must be an integer, got {value!r}")
             out[key] = value
-    if out["slack"] < 0 or out["max_prompts"] < 1 or out["max_cache_size"] < 1:
-        raise ValueError(f"router config: slack >= 0, max_prompts >= 1, max_cache_size >= 1; got {out}")
+    if (
+        out["slack"] < 0
+        or out["max_prompts"] < 1
+        or out["max_cache_size"] < 1
+        or out["data_parallel_size"] < 0
+    ):
+        raise ValueError(
+            f"router config: slack >= 0, max_prompts >= 1, max_cache_size >= 1, data_parallel_size >= 1; got {out}"
+        )
     return out
 
 
@@ -70,8 +88,9 @@ class GroupRoutingBalancer:
             cfg["max_prompts"],
             cfg["max_cache_size"],
         )
+        self._dp = cfg["data_parallel_size"]  # 0: asked of the servers (_dp_size)
         self._servers: dict[str, Any] = dict(servers)
-        self._sticky: OrderedDict[str, str] = OrderedDict()  # request id -> server id (multi-turn)
+        self._sticky: OrderedDict[str, tuple[str, int]] = OrderedDict()  # request id -> (server id, DP rank)
         self._in_flight: dict[str, str] = {}  # request id -> server id, while acquired
         self._counts: Counter[str] = Counter()
         self._rebuild()
@@ -84,10 +103,23 @@ class GroupRoutingBalancer:
             self._take_counts()
         self._order = sorted(self._servers)
         self.router = (
-            GroupRouter(len(self._order), slack=self.slack, max_keys=self.max_prompts)
+            GroupRouter(len(self._order), dp=self._dp_size(), slack=self.slack, max_keys=self.max_prompts)
             if self._order
             else None
         )
+
+    def _dp_size(self) -> int:
+        """vLLM DP ranks per server: the YAML's ``data_parallel_size``, else asked once of a server
+        (``get_rollout_config``, ``vllm_async_server.py:234-241``: ``rollout.data_parallel_size``), else 1 for a
+        server without that method."""
+        if not self._dp:
+            method = getattr(self._servers[self._order[0]], "get_rollout_config", None)
+            if method is None:
+                return 1
+            import ray
+
+            self._dp = int(ray.get(method.remote(), timeout=120).data_parallel_size)
+        return self._dp
 
     def _take_counts(self) -> None:
         if self.router is not None:
@@ -98,19 +130,22 @@ class GroupRoutingBalancer:
         ``RuntimeError`` with no server, ``ValueError`` without ``prompt_ids`` on a new request."""
         if self.router is None:
             raise RuntimeError("No available servers in load balancer")
-        server_id = self._sticky.get(request_id)
-        if server_id in self._servers:
+        dp = self.router.dp
+        server_id, rank = self._sticky.get(request_id, ("", 0))
+        if server_id in self._servers and rank < dp:
             self._sticky.move_to_end(request_id)
-            self.router.place(request_id, self._order.index(server_id))
+            self.router.place(request_id, self._order.index(server_id) * dp + rank)
         else:
             if prompt_ids is None:
                 raise ValueError(f"group routing needs prompt_ids for request {request_id!r}")
-            server_id = self._order[self.router.choose(request_id, prompt_ids)]
-            self._sticky[request_id] = server_id
+            server, rank = divmod(self.router.choose(request_id, prompt_ids), dp)
+            server_id = self._order[server]
+            self._sticky[request_id] = (server_id, rank)
             while len(self._sticky) > self.max_cache_size:
                 self._sticky.popitem(last=False)
         self._in_flight[request_id] = server_id
-        return server_id, self._servers[server_id]
+        handle = self._servers[server_id]
+        return server_id, (RankedServerHandle(handle, rank) if dp > 1 else handle)
 
     def release_server(self, server_id: str, request_id: str | None = None) -> None:
         """A request is done; when none is in flight any more, the generation batch ends."""

@@ -83,9 +83,12 @@ def _server_class() -> type:
     """:class:`KeyedvLLMHttpServer`, made on first use (verl 0.9.1 and vLLM are imported only then)."""
     from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
 
-    class KeyedvLLMHttpServer(vLLMHttpServer):
+    from qwen3_rl.rollout.verl_dp_rank import DpRankServerMixin
+
+    class KeyedvLLMHttpServer(DpRankServerMixin, vLLMHttpServer):
         """verl's vLLM server with the recipe's key on every route but ``/health`` and its endpoint bound on
-        ``server_http.host``'s address (module docstring)."""
+        ``server_http.host``'s address (module docstring); ``generate`` takes the group router's vLLM DP rank
+        (:class:`~qwen3_rl.rollout.verl_dp_rank.DpRankServerMixin`)."""
 
         def __init__(self, config: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(config, *args, **kwargs)

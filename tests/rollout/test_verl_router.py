@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from qwen3_rl.rollout.server_routing import routing_metrics
+from qwen3_rl.rollout.verl_dp_rank import RankedServerHandle
 from qwen3_rl.rollout.verl_router import GroupRoutingBalancer, parse_router_config
 
 from conftest import REPO
@@ -82,6 +83,46 @@ def test_pool_changes_and_errors() -> None:
     assert lb.require_acquire_fields() == ["prompt_ids"] and lb.require_release_fields() == ["request_id"]
 
 
+class _Method:
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def remote(self, **kwargs: object) -> str:
+        self.calls.append(kwargs)
+        return "ref"
+
+
+class _Handle:
+    """A server's actor handle as the balancer holds it: only ``generate.remote`` is called on what it returns."""
+
+    def __init__(self) -> None:
+        self.generate = _Method()
+
+
+def test_dp_ranks_siblings_share_server_and_rank_and_the_handle_carries_it() -> None:
+    handles = {"10.0.0.1:8000": _Handle(), "10.0.0.2:8000": _Handle()}
+    lb = GroupRoutingBalancer(handles, {"data_parallel_size": 2})
+    where: dict[int, set[tuple[str, int]]] = {}
+    for s in range(3):
+        for p in range(4):
+            sid, h = lb.acquire_server(f"r{p}-{s}", prompt_ids=[p, p + 1])
+            assert isinstance(h, RankedServerHandle) and h.handle is handles[sid]
+            where.setdefault(p, set()).add((sid, h.rank))
+            assert h.generate.remote(request_id="x") == "ref"
+            assert handles[sid].generate.calls[-1] == {"data_parallel_rank": h.rank, "request_id": "x"}
+    assert all(len(v) == 1 for v in where.values())
+    assert sorted(next(iter(v)) for v in where.values()) == [
+        (sid, r) for sid in sorted(handles) for r in (0, 1)
+    ]
+    # a later turn keeps its server and rank
+    sid, h = lb.acquire_server("r2-0", prompt_ids=[9, 9, 9])
+    assert (sid, h.rank) == next(iter(where[2]))
+    # control: one rank per server (YAML 1, or a server without get_rollout_config): the plain handle, no rank
+    for cfg in ({"data_parallel_size": 1}, {}):
+        sid, h = GroupRoutingBalancer(handles, cfg).acquire_server("q", prompt_ids=[1])
+        assert h is handles[sid]
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [
@@ -89,6 +130,7 @@ def test_pool_changes_and_errors() -> None:
         ({"slack": -1}, "slack >= 0"),
         ({"max_prompts": True}, "max_prompts must be an integer"),
         ({"slak": 1}, r"unknown key\(s\) \['slak'\]"),
+        ({"data_parallel_size": -1}, "data_parallel_size >= 1"),
     ],
 )
 def test_bad_router_config_stops_with_one_line(config: dict, message: str) -> None:

@@ -1,0 +1,71 @@
+"""SERVER_ROUTING's vLLM DP rank on the current set: the rank the group router (verl 0.9.1's router plugin
+``qwen3_rl.rollout.verl_router``) chooses reaches vLLM's engine-client call, through verl 0.9.1's own client
+(``LLMServerClient.generate``) and server (``vLLMHttpServer.generate``) with the recipe's server class from verl's
+replica registry (``DpRankServerMixin``), no verl patch.
+
+Real: verl 0.9.1's ``get_router_handle`` with the shipped YAML (the DP size asked of the servers,
+``get_rollout_config``), its Ray balancer actor, ``LLMServerClient``, the server actors' ``__init__`` from
+``RolloutConfig`` / ``HFModelConfig`` and their ``generate`` down to ``self.engine.generate``, in a local Ray.
+Stand-in (``tests/helpers/verl091_dp_rank_driver.py``): the engine client. Two DP=2 engines (verl starts vLLM DP
+only with expert parallel, a MoE model, two engine processes per server) do not fit this host's two cores, so each
+server's ``engine`` is a recorder bound to vLLM 0.23's own ``AsyncLLM.generate`` signature; the keyword is captured
+there, at vLLM's boundary. vLLM's own range check of the rank (``input_processor.py:259-267``) is not run here.
+
+Positive control: verl's default balancer (no router YAML) with the same servers: no ``data_parallel_rank`` at the
+engine (vLLM's own choice), and verl splits a prompt's samples over both servers.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from helpers.driver_run import run_driver
+
+REPO = Path(__file__).resolve().parents[2]
+DRIVER = REPO / "tests" / "helpers" / "verl091_dp_rank_driver.py"
+TIMEOUT_S = 900
+N_PROMPTS, N_SAMPLES = 4, 4
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out, _log = run_driver(
+        DRIVER, [str(tmp_path_factory.mktemp("dp-rank"))], "VERL_DP_RANK_RESULT", TIMEOUT_S
+    )
+    print(f"stand-ins: {out['shims']}")
+    return out
+
+
+def _targets(calls: list) -> dict[tuple, set]:
+    """prompt -> {(server index, data_parallel_rank)} over its samples' engine calls."""
+    where: dict[tuple, set] = defaultdict(set)
+    for server, prompt, rank in calls:
+        where[tuple(prompt)].add((server, rank))
+    return where
+
+
+def test_router_rank_reaches_the_engine_call(result: dict) -> None:
+    assert "qwen3_rl.rollout.verl_dp_rank.DpRankServerMixin" in result["server_mro"]
+    group = result["group"]
+    assert result["dp_asked"] == 2 and group["fields"] == ["prompt_ids"]
+    assert len(group["calls"]) == N_PROMPTS * N_SAMPLES
+    where = _targets(group["calls"])
+    assert len(where) == N_PROMPTS and all(
+        len(t) == 1 for t in where.values()
+    )  # a prompt: one server, one rank
+    # four prompts over 2 servers x 2 ranks: each (server, rank) has one
+    assert sorted(next(iter(t)) for t in where.values()) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    first, second = group["turns"]  # a request's second turn: its first turn's server and rank
+    assert first[0::2] == second[0::2] and isinstance(first[2], int)
+    print(f"group: {dict((str(list(p)), sorted(t)) for p, t in where.items())}")
+
+
+def test_positive_control_default_balancer_no_rank(result: dict) -> None:
+    default = result["default"]
+    assert default["fields"] == [] and len(default["calls"]) == N_PROMPTS * N_SAMPLES
+    assert {rank for _s, _p, rank in default["calls"]} == {"absent"}
+    servers = {p: {s for s, _r in t} for p, t in _targets(default["calls"]).items()}
+    assert all(s == {0, 1} for s in servers.values()), servers
