@@ -107,7 +107,8 @@ def make_batch(pad_id: int) -> dict[str, torch.Tensor]:
     }
 
 
-def engine_main(hf_dir: str, out_dir: Path) -> int:
+def engine_main(hf_dir: str, out_dir: Path, extra: tuple[str, ...] = ()) -> int:
+    """The engine check; ``extra``: Hydra overrides after :func:`overrides`' (e.g. the switches' keys)."""
     import importlib.metadata as md
     from functools import partial
 
@@ -125,7 +126,7 @@ def engine_main(hf_dir: str, out_dir: Path) -> int:
     n = batch["input_ids"].shape[0]
     conf_dir = Path(verl.__file__).parent / "trainer" / "config"
     with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
-        cfg = compose("ppo_megatron_trainer", overrides=overrides(hf_dir, world, n))
+        cfg = compose("ppo_megatron_trainer", overrides=[*overrides(hf_dir, world, n), *extra])
 
     # ActorRolloutRefWorker.init_model's actor branch (engine_workers.py:590-645)
     model_config: HFModelConfig = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)

@@ -3,6 +3,8 @@ the way verl imports it on an NPU, on CPU over gloo; the rest is ``verl091_engin
 
     python tests/helpers/verl091_mindspeed_driver.py engine HF_DIR OUT_DIR   # every rank (RANK / WORLD_SIZE / ...)
     python tests/helpers/verl091_mindspeed_driver.py adaptor OUT_JSON        # one process
+    python tests/helpers/verl091_mindspeed_driver.py repatch CASES OUT_JSON  # one process (repatch_main)
+    python tests/helpers/verl091_mindspeed_driver.py check present|as-is     # one process (check_main)
 
 The MindSpeed tree (pinned archive, ``patches/current/mindspeed`` applied) is on ``PYTHONPATH``. How verl 0.9.1 applies
 MindSpeed on an NPU (``verl/workers/engine/``):
@@ -259,6 +261,23 @@ def install_triton_stand_in() -> None:
 
 #: calls of each torch_npu kernel stand-in in this process
 KERNEL_CALLS: dict[str, int] = {}
+#: the CANN of the current set's image (pins.toml [sets.current] cann), for ``CANN_VERSION``
+CANN_VERSION = "9.1.0"
+
+
+def npu_rotary_position_embedding(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mode: int = 0
+) -> torch.Tensor:
+    """PyTorch reference of MindSpeed's RoPE kernel: ``x * cos + rotate(x) * sin``, x [..., D], cos / sin
+    broadcastable to x; mode 0 rotates halves (x1, x2) -> (-x2, x1), mode 1 interleaved pairs."""
+    if mode == 0:
+        x1, x2 = x.chunk(2, dim=-1)
+        rot = torch.cat((-x2, x1), dim=-1)
+    elif mode == 1:
+        rot = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    else:
+        raise NotImplementedError(f"npu_rotary_position_embedding stand-in: mode {mode}")
+    return x * cos + rot * sin
 
 
 def _counted(name: str, fn: Any) -> Any:
@@ -405,6 +424,20 @@ def install_npu_stand_ins(repo_tests: Path) -> None:
     _module("torch_npu.contrib")
     _module("torch_npu.contrib.transfer_to_npu")  # TRANSFER_TO_NPU
     install_triton_stand_in()
+    # ACL / CANN_VERSION: MindSpeed's MoE overlap modules ask pyACL for the SoC and torch_npu for the CANN version at
+    # import (moe_feature/overlap/moe_layer_overlap_allgather.py:4, :63; token_dispatcher.py:5, :53): an A3 SoC and
+    # pins.toml's CANN of the current set
+    _module("acl", get_soc_name=lambda: "Ascend910_93")
+    _module("torch_npu.utils")
+    _module("torch_npu.utils.collect_env", get_cann_version=lambda: CANN_VERSION)
+    # ROPE_KERNEL: MindSpeed's fused RoPE (core/fusions/fused_rope.py:68-70) loads its CANN kernel through
+    # RotaryPositionEmbeddingOpBuilder (ops/npu_rotary_position_embedding.py:7-12): the PyTorch reference, counted
+    rope = _counted("npu_rotary_position_embedding", npu_rotary_position_embedding)
+    ob.RotaryPositionEmbeddingOpBuilder = type(
+        "RotaryPositionEmbeddingOpBuilder",
+        (mindspeed_shims._NpuOpBuilder,),
+        {"load": lambda self: types.SimpleNamespace(npu_rotary_position_embedding=rope)},
+    )
 
 
 def hide_transformers_aliases() -> list[str]:
@@ -538,7 +571,186 @@ def adaptor_main(out: Path) -> int:
     return 0
 
 
-def main(hf_dir: str, out_dir: Path) -> int:
+#: MindSpeed's options of the switches FUSED_ROPE, MOE_ALLTOALL_OVERLAP, MOE_ZERO_MEMORY(_NUM_LAYERS) (features.toml)
+SWITCH_ARGS = (
+    "use_fused_rotary_pos_emb",
+    "position_embedding_type",
+    "moe_alltoall_overlap_comm",
+    "moe_token_dispatcher_type",
+    "moe_zero_memory",
+    "moe_zero_memory_num_layers",
+)
+
+
+def switch_args() -> dict[str, Any]:
+    """MindSpeed's runtime args (``args_utils.get_full_args``, what its patched functions read) of :data:`SWITCH_ARGS`
+    ("<absent>" where MindSpeed has no such arg)."""
+    from mindspeed.args_utils import get_full_args
+
+    args = get_full_args()
+    return {k: getattr(args, k, "<absent>") for k in SWITCH_ARGS}
+
+
+def _qualname(obj: Any) -> str:
+    return f"{obj.__module__}.{obj.__qualname__}"
+
+
+def moe_classes() -> dict[str, str]:
+    """What megatron's MoE names hold now: the MoE layer class and the shared experts' / MLP's forward (MindSpeed's
+    overlap replaces the layer, ``features_manager/moe/moe_alltoall_overlap.py:49-68``; zero memory the shared
+    experts' forward, ``moe_zero_memory.py:36-41``)."""
+    from megatron.core.transformer import mlp
+    from megatron.core.transformer.moe import moe_layer, shared_experts
+
+    return {
+        "MoELayer": _qualname(moe_layer.MoELayer),
+        "SharedExpertMLP.forward": _qualname(shared_experts.SharedExpertMLP.forward),
+        "MLP.__init__": _qualname(mlp.MLP.__init__),
+    }
+
+
+def tf_config(override: dict[str, Any]) -> Any:
+    """The TransformerConfig verl's engine gets for a 4-layer Qwen3-MoE (4 experts, top 2; hidden 16) with
+    ``override`` (its mapped ``override_transformer_config``): mbridge's ``AutoBridge.from_config`` and
+    ``set_extra_args(**override)``, ``.config``, as ``transformer_impl.py:329-332`` (the overrides become
+    TransformerConfig kwargs, ``mbridge/core/llm_bridge.py:97-107``; MindSpeed's init wrapper keeps the ones megatron
+    lacks and merges its args in, ``core/megatron_basic/arguments_basic.py:102-127``, then validates its features'
+    args, ``:72-97``)."""
+    from transformers import Qwen3MoeConfig
+    from verl.models.mcore.mbridge import AutoBridge
+
+    hf = Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        moe_intermediate_size=8,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    bridge = AutoBridge.from_config(hf, dtype=torch.float32)
+    bridge.set_extra_args(**override)
+    return bridge.config
+
+
+def rope_probe(cfg: Any) -> dict[str, Any]:
+    """megatron's ``apply_rotary_pos_emb`` (MindSpeed's, ``core/fusions/fused_rope.py:93-120``) with ``cfg`` on a
+    [S=5, B=1, H=2, D=8] tensor: the result and how often the RoPE kernel ran."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(5, 1, 2, 8, generator=gen)
+    freqs = torch.randn(5, 1, 1, 8, generator=gen)
+    before = KERNEL_CALLS.get("npu_rotary_position_embedding", 0)
+    out = rope_utils.apply_rotary_pos_emb(t, freqs, cfg)
+    return {"out": out, "kernel_calls": KERNEL_CALLS.get("npu_rotary_position_embedding", 0) - before}
+
+
+def zero_memory_layers(cfg: Any) -> dict[str, Any]:
+    """``cfg``'s switch fields and per layer MindSpeed's zero-memory choice ``only_recompute_activation``
+    (``moe_feature/overlap/moe_common.py:306-331``, from ``cfg.moe_zero_memory_num_layers``: True = level1 keeps
+    only the activation's recompute on that layer)."""
+    from mindspeed.core.transformer.moe.moe_feature.overlap.moe_common import only_recompute_activation
+
+    return {
+        "config": {k: getattr(cfg, k, "<absent>") for k in SWITCH_ARGS},
+        "only_recompute_activation": [bool(only_recompute_activation(cfg, n)) for n in range(1, 5)],
+    }
+
+
+def _default_switch_args() -> None:
+    """:data:`SWITCH_ARGS` back to MindSpeed's defaults (absent where it has none): ``repatch`` sets the given keys on
+    the one args object and resets none (``megatron_adaptor.py:57-63``); a worker repatches once, each case here
+    starts as a fresh worker would."""
+    from mindspeed.args_utils import get_full_args, get_mindspeed_args
+
+    args, defaults = get_full_args(), get_mindspeed_args(get_defaults=True)
+    for k in SWITCH_ARGS:
+        if hasattr(defaults, k):
+            setattr(args, k, getattr(defaults, k))
+        elif hasattr(args, k):
+            delattr(args, k)
+
+
+def _one_rank_model_parallel() -> None:
+    """World of one (gloo on 127.0.0.1, a free port) and megatron's model-parallel groups, all of size 1 (mbridge
+    reads the sizes from them, ``mbridge/core/llm_bridge.py:70-75``)."""
+    import socket
+
+    from megatron.core import parallel_state
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+
+
+def repatch_main(cases_json: Path, out: Path) -> int:
+    """``repatch`` mode: verl's import of its engines as in ``engine`` mode, then per case {"name", "overrides":
+    Hydra overrides of ``ppo_megatron_trainer.yaml``} in order: the actor's engine config as verl's worker converts it
+    (``omega_conf_to_dataclass(actor_rollout_ref.actor.megatron)``: ``McoreEngineConfig``), verl's own ``_mindspeed_repatch`` on it (what
+    the NPU engine runs before ``initialize_model_parallel``, ``transformer_impl.py:40-53, 67-74``), then
+    :func:`switch_args`, :func:`moe_classes`, :func:`rope_probe`, :func:`zero_memory_layers`. OUT: JSON per case
+    (the RoPE outputs compared here: ``rope_equal_to_first``)."""
+    import verl
+    from hydra import compose, initialize_config_dir
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.megatron_utils import mapping_string_to_attn_backend
+
+    here = Path(__file__).resolve().parent
+    install_npu_stand_ins(here.parent)
+    os.environ["VERL_PLATFORM"] = verl091_cpu.PLATFORM_NAME
+    os.environ["VERL_ENGINE_DEVICE"] = "npu"
+    sys.meta_path.insert(0, _HideAliasesBeforeAdaptor())
+    import verl.workers.engine  # noqa: F401
+    from verl.workers.engine.mindspeed import transformer_impl
+
+    hide_transformers_aliases()
+    conf_dir = Path(verl.__file__).parent / "trainer" / "config"
+    res, first = [], None
+    for case in json.loads(cases_json.read_text()):
+        with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
+            cfg = compose("ppo_megatron_trainer", overrides=case["overrides"])
+        engine_cfg = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.megatron)
+        _default_switch_args()
+        transformer_impl._mindspeed_repatch(engine_cfg)
+        # one rank, after the first repatch as the engine orders it
+        if not torch.distributed.is_initialized():
+            _one_rank_model_parallel()
+        override = mapping_string_to_attn_backend({**engine_cfg.override_transformer_config})
+        try:
+            cfg_tf = tf_config(override)
+        except Exception as exc:  # noqa: BLE001 - a refused config is this case's result
+            res.append(
+                {
+                    "name": case["name"],
+                    "args": switch_args(),
+                    "tf_config_error": f"{type(exc).__name__}: {exc}",
+                }
+            )
+            continue
+        rope = rope_probe(cfg_tf)
+        first = rope["out"] if first is None else first
+        res.append(
+            {
+                "name": case["name"],
+                "override": {k: v for k, v in override.items() if k in SWITCH_ARGS},
+                "args": switch_args(),
+                "classes": moe_classes(),
+                "rope_kernel_calls": rope["kernel_calls"],
+                "rope_equal_to_first": bool(torch.allclose(rope["out"], first, rtol=0, atol=1e-6)),
+                **zero_memory_layers(cfg_tf),
+            }
+        )
+    out.write_text(json.dumps(res, indent=1, default=str))
+    return 0
+
+
+def main(hf_dir: str, out_dir: Path, extra: tuple[str, ...] = ()) -> int:
     here = Path(__file__).resolve().parent
     install_npu_stand_ins(here.parent)
     # verl's own switches: its platform stays the host (platform_manager.py:92-95; with torch_npu importable it would
@@ -560,13 +772,40 @@ def main(hf_dir: str, out_dir: Path) -> int:
     from verl091_engine_driver import engine_main
 
     sys.argv = argv
-    rc = engine_main(hf_dir, out_dir)
+    rc = engine_main(hf_dir, out_dir, extra)
     if int(os.environ["RANK"]) == 0:
         (out_dir / "kernels.json").write_text(json.dumps(KERNEL_CALLS))
+        (out_dir / "switch_args.json").write_text(json.dumps(switch_args(), default=str))
     return rc
 
 
+def check_main(mode: str) -> int:
+    """``check`` mode: the preflight's MindSpeed import check (``qwen3_rl.tools.launch.mindspeed_check``, its JSON
+    line on stdout) with the stand-ins; ``present``: transformers' alias modules hidden as in ``engine`` mode (the
+    torchvision they need is not in the way), ``as-is``: not hidden (torchvision missing, as the ``adaptor`` mode
+    records)."""
+    from qwen3_rl.tools.launch import mindspeed_check
+
+    install_npu_stand_ins(Path(__file__).resolve().parent.parent)
+    os.environ["VERL_PLATFORM"] = verl091_cpu.PLATFORM_NAME
+    os.environ["VERL_ENGINE_DEVICE"] = "npu"
+    if mode == "present":  # the check's own finder comes first on sys.meta_path: the hiding runs inside it
+        find_spec = mindspeed_check._WatchAdaptor.find_spec
+
+        def hide_then_find(self: Any, name: str, path: Any = None, target: Any = None) -> Any:
+            if name == mindspeed_check.ADAPTOR:
+                hide_transformers_aliases()
+            return find_spec(self, name, path, target)
+
+        mindspeed_check._WatchAdaptor.find_spec = hide_then_find  # type: ignore[method-assign]
+    return mindspeed_check.main()
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "check":
+        raise SystemExit(check_main(sys.argv[2]))
     if sys.argv[1] == "adaptor":
         raise SystemExit(adaptor_main(Path(sys.argv[2])))
-    raise SystemExit(main(sys.argv[2], Path(sys.argv[3])))
+    if sys.argv[1] == "repatch":
+        raise SystemExit(repatch_main(Path(sys.argv[2]), Path(sys.argv[3])))
+    raise SystemExit(main(sys.argv[2], Path(sys.argv[3]), tuple(sys.argv[4:])))

@@ -17,6 +17,16 @@ applied) on ``PYTHONPATH``:
   check of ``test_verl091_megatron_engine.py`` (its driver's ``engine_main``: ``TrainingWorker``, ``infer_batch``,
   ``train_mini_batch`` with ``ppo_loss``, ``get_per_tensor_param``).
 
+The MindSpeed switches (features.toml ``FUSED_ROPE``, ``MOE_ALLTOALL_OVERLAP``, ``MOE_ZERO_MEMORY``,
+``MOE_ZERO_MEMORY_NUM_LAYERS``): their current-set keys (``override_transformer_config``, rendered from features.toml)
+reach MindSpeed through verl's own ``repatch`` (``transformer_impl.py:40-53``). The engine runs with ``FUSED_ROPE``'s
+keys: MindSpeed's RoPE kernel (stand-in counted) runs and the log-probs still equal HF's. ``repatch`` mode (one
+process, no engine) runs verl's ``_mindspeed_repatch`` on the actor's engine config per case and reads what MindSpeed's
+runtime then sees: its args, megatron's MoE layer / shared-expert forward, the RoPE kernel in megatron's
+``apply_rotary_pos_emb``, the TransformerConfig mbridge builds (fields, per-layer zero-memory choice). Positive
+control: switches off, none of it; negative controls: the overlap without ``moe_token_dispatcher_type`` leaves
+megatron's MoE layer, the fused RoPE without ``position_embedding_type`` is refused by MindSpeed.
+
 Checked: the engine is verl's NPU class, MindSpeed's patches are applied (count printed, megatron's among them) and
 in force (positive control: megatron's Transformer Engine classes are MindSpeed's, and MindSpeed's replacements ran:
 the torch_npu kernels only they call, ``npu_rms_norm`` and ``npu_fusion_attention``, were called; without MindSpeed
@@ -33,6 +43,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from qwen3_rl.tools import features as F
+
 from conftest import REPO, free_port
 from helpers.current_set import MINDSPEED, apply, series
 from helpers.current_verl import pristine_verl, run_in_venv
@@ -43,6 +55,26 @@ TP = 2
 DRIVER = REPO / "tests" / "helpers" / "verl091_mindspeed_driver.py"
 HF_DRIVER = REPO / "tests" / "helpers" / "verl091_engine_driver.py"
 PATH = [REPO / "tests" / "helpers" / "grouped_gemm_cpu", REPO / "qwen3_rl" / "cpu_device", REPO]
+OTC = "+actor_rollout_ref.actor.megatron.override_transformer_config."
+MOE_SETUP = "train_dapo_tiny_cpu.sh"  # a MoE setup: every one of the four switches applies
+FUSED_ROPE = {"FUSED_ROPE": "True"}
+MOE = {"MOE_ALLTOALL_OVERLAP": "True", "MOE_ZERO_MEMORY": "level1", "MOE_ZERO_MEMORY_NUM_LAYERS": "1"}
+#: MindSpeed's args with every switch on (MOE_ZERO_MEMORY_NUM_LAYERS=1)
+ON_ARGS = {
+    "use_fused_rotary_pos_emb": True,
+    "position_embedding_type": "rope",
+    "moe_alltoall_overlap_comm": True,
+    "moe_token_dispatcher_type": "alltoall",
+    "moe_zero_memory": "level1",
+    "moe_zero_memory_num_layers": 1,
+}
+
+
+def switch_keys(switches: dict[str, str]) -> list[str]:
+    """The ``override_transformer_config`` overrides features.toml renders for ``switches`` on the current set."""
+    reg = F.load_registry()
+    values = F.resolve(reg, MOE_SETUP, {"PIN_SET": "current", **switches}, {}, None, "current")
+    return [o for o in F.render(reg, values, "current") if o.startswith(OTC)]
 
 
 def _plain_check():
@@ -94,9 +126,12 @@ def run(ms_tree: Path, tiny_dense: Path, tmp_path_factory: pytest.TempPathFactor
         "LOCAL_RANK": "0",
     }
 
+    keys = switch_keys(FUSED_ROPE)
+    assert len(keys) == 2, keys
+
     def rank(r: int):
         return run_in_venv(
-            [str(DRIVER), "engine", str(tiny_dense), str(out)],
+            [str(DRIVER), "engine", str(tiny_dense), str(out), *keys],
             path=[tree, ms_tree, *PATH],
             timeout=900,
             env={**env, "RANK": str(r)},
@@ -111,10 +146,79 @@ def run(ms_tree: Path, tiny_dense: Path, tmp_path_factory: pytest.TempPathFactor
     return {
         "mindspeed": json.loads((out / "mindspeed.json").read_text()),
         "kernels": json.loads((out / "kernels.json").read_text()),
+        "switch_args": json.loads((out / "switch_args.json").read_text()),
         "engine": torch.load(out / "engine.pt", weights_only=False),
         "shards": [torch.load(out / f"params_rank{r}.pt") for r in range(TP)],
         "hf": torch.load(out / "hf.pt", weights_only=False),
     }
+
+
+@pytest.fixture(scope="module")
+def repatch(ms_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """verl's ``_mindspeed_repatch`` per case in one process (driver ``repatch`` mode): {case: what MindSpeed sees}."""
+    tmp = tmp_path_factory.mktemp("repatch")
+    on = switch_keys({**FUSED_ROPE, **MOE})
+    cases = [
+        {"name": "off", "overrides": switch_keys({})},
+        {"name": "no_dispatcher", "overrides": [k for k in on if "moe_token_dispatcher_type" not in k]},
+        {
+            "name": "no_position_type",
+            "overrides": [k for k in switch_keys(FUSED_ROPE) if "position_embedding" not in k],
+        },
+        {"name": "on", "overrides": on},
+    ]
+    assert cases[0]["overrides"] == [] and len(on) == 6 and all(len(c["overrides"]) for c in cases[1:]), cases
+    (tmp / "cases.json").write_text(json.dumps(cases))
+    proc = run_in_venv(
+        [str(DRIVER), "repatch", str(tmp / "cases.json"), str(tmp / "out.json")],
+        path=[pristine_verl(), ms_tree, *PATH],
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    return {c["name"]: c for c in json.loads((tmp / "out.json").read_text())}
+
+
+def test_switches_reach_mindspeed_through_verls_repatch(repatch: dict[str, dict]) -> None:
+    on, off = repatch["on"], repatch["off"]
+    print(f"\non: {on['args']}\n  {on['classes']}\n  level1 layers: {on['only_recompute_activation']}")
+    assert on["override"] == ON_ARGS and on["args"] == ON_ARGS and on["config"] == ON_ARGS, on
+    assert on["classes"] == {
+        "MoELayer": "mindspeed.core.transformer.moe.moe_feature.adaptor.MindSpeedAlltoAllOverlapMoeLayerAdaptor",
+        "SharedExpertMLP.forward": (
+            "mindspeed.core.transformer.moe.moe_feature.overlap.experts.zero_memory_shared_expert_mlp_forward"
+        ),
+        "MLP.__init__": "mindspeed.core.transformer.moe.moe_feature.overlap.moe_common.mlp_init",
+    }, on["classes"]
+    # MindSpeed's RoPE kernel ran (same result as the unfused path of the "off" case)
+    assert on["rope_kernel_calls"] == 1 and on["rope_equal_to_first"] is True, on
+    # MOE_ZERO_MEMORY_NUM_LAYERS=1: the first layer of the stage keeps the full level1 (False), the rest only the
+    # activation's recompute
+    assert on["only_recompute_activation"] == [False, True, True, True], on
+    # positive control: the switches off
+    print(f"off: {off['args']}\n  {off['classes']}")
+    assert off["override"] == {} and off["args"]["use_fused_rotary_pos_emb"] is False, off
+    assert (
+        off["args"]["moe_alltoall_overlap_comm"] is False and off["args"]["moe_zero_memory"] == "disable"
+    ), off
+    assert off["args"]["moe_zero_memory_num_layers"] is None, off
+    assert not any(v.startswith("mindspeed.") for v in off["classes"].values()), off["classes"]
+    assert off["rope_kernel_calls"] == 0 and off["only_recompute_activation"] == [False] * 4, off
+
+
+def test_negative_controls_dispatcher_and_position_type_are_needed(repatch: dict[str, dict]) -> None:
+    """Why the current set's keys are these: without ``moe_token_dispatcher_type`` (no MindSpeed arg under verl,
+    ``args`` "<absent>") the overlap leaves megatron's MoE layer; without ``position_embedding_type`` MindSpeed
+    refuses the TransformerConfig with the fused RoPE on."""
+    nd = repatch["no_dispatcher"]
+    assert (
+        nd["args"]["moe_alltoall_overlap_comm"] is True
+        and nd["args"]["moe_token_dispatcher_type"] == "<absent>"
+    )
+    assert nd["classes"]["MoELayer"] == "megatron.core.transformer.moe.moe_layer.MoELayer", nd["classes"]
+    npt = repatch["no_position_type"]
+    print(f"\nno position_embedding_type: {npt.get('tf_config_error')}")
+    assert npt["args"]["use_fused_rotary_pos_emb"] is True
+    assert "position_embedding_type" in npt.get("tf_config_error", ""), npt
 
 
 def test_without_torchvision_verl_keeps_its_npu_engine_without_mindspeed_silently(adaptor: dict) -> None:
@@ -163,6 +267,10 @@ def test_it_is_verl_091s_npu_engine_with_mindspeed_applied(run: dict, ms_tree: P
     # ... and they ran: the torch_npu kernels MindSpeed's TE norm-linear and flash attention call (rank 0's counts)
     print(f"torch_npu kernel stand-ins called: {run['kernels']}")
     assert run["kernels"].get("npu_rms_norm", 0) > 0 and run["kernels"].get("npu_fusion_attention", 0) > 0
+    # FUSED_ROPE's keys: MindSpeed's args after the engine's repatch, and its RoPE kernel ran in the engine
+    assert run["switch_args"]["use_fused_rotary_pos_emb"] is True, run["switch_args"]
+    assert run["switch_args"]["position_embedding_type"] == "rope", run["switch_args"]
+    assert run["kernels"].get("npu_rotary_position_embedding", 0) > 0, run["kernels"]
 
 
 def test_log_probs_equal_hf_transformers(run: dict) -> None:

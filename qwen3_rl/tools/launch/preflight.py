@@ -4,7 +4,8 @@ Reads the train script through :func:`qwen3_rl.tools.launch.train_script.parse_t
 verl command with every default resolved), then checks, all at once:
 
 * node: NPUs visible (``npu-smi info -m``), CANN sourced, pinned trees present and every patch
-  applied (``apply_all_patches.sh --status``);
+  applied (``apply_all_patches.sh --status``); on the current set, MindSpeed's adaptor imports the way verl 0.9.1
+  imports it (:mod:`qwen3_rl.tools.launch.mindspeed_check`: else verl trains without MindSpeed, silently);
 * files: model path has ``config.json`` and weights (or the Megatron dist checkpoint when that is
   what is loaded), train/val parquet files carry verl's columns;
 * layout: world size = nnodes × NPUs, actor TP×PP×CP divides the world and the expert layout
@@ -549,6 +550,34 @@ def check_patches(workspace: str | None, only: str | None = None, timeout_s: flo
     return out
 
 
+def mindspeed_finding(result: Mapping[str, Any]) -> list[Finding]:
+    """One ``[mindspeed]`` error from :func:`qwen3_rl.tools.launch.mindspeed_check.probe`'s result, none when ok."""
+    if result.get("ok"):
+        return []
+    missing = f"missing module {result['missing']!r}: " if result.get("missing") else ""
+    return [_err("mindspeed", f"{missing}importing mindspeed.megatron_adaptor as verl 0.9.1 does raises "
+                              f"{result.get('error')}; verl would train without MindSpeed, silently "
+                              "(verl/workers/engine/mindspeed/transformer_impl.py:18-21)")]
+
+
+def check_mindspeed(env: Mapping[str, str], cmd: list[str] | None = None, timeout_s: float = 600.0) -> list[Finding]:
+    """:mod:`qwen3_rl.tools.launch.mindspeed_check` in a fresh process (``cmd``; default this Python with ``-m``) in
+    the launch environment ``env``; its last stdout line is the probe's JSON."""
+    cmd = cmd or [sys.executable, "-m", "qwen3_rl.tools.launch.mindspeed_check"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False, env=dict(env),
+                              cwd=REPO)
+    except subprocess.TimeoutExpired:
+        return [_err("mindspeed", f"the MindSpeed import check did not finish within {timeout_s:.0f} s")]
+    lines = proc.stdout.strip().splitlines()
+    try:
+        result = json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+        return [_err("mindspeed", f"the MindSpeed import check failed (exit {proc.returncode}): {last}")]
+    return mindspeed_finding(result)
+
+
 def run_preflight(train_script: str, env_script: str | None = None, nnodes: int | None = None,
                   npus_per_node: int | None = None, role: str = "head", workspace: str | None = None,
                   extra_args: list[str] | None = None, node_checks: bool = True,
@@ -587,6 +616,8 @@ def run_preflight(train_script: str, env_script: str | None = None, nnodes: int 
         findings += check_npus(npus_per_node or _get_int(vals, "trainer.n_gpus_per_node", 16) or 16)
         findings += check_cann(env)
         findings += check_patches(workspace, patch_only, pin_set=pin_set)
+        if pin_set == "current":
+            findings += check_mindspeed(env)
     findings += contract
     findings += check_model(vals)
     if role == "head":
