@@ -8,7 +8,8 @@ trainer (``trainer_sync.py:24``) that reads them from every policy server at the
 sampling-to-update span and puts the difference, as ``rollout/spec_decode/*`` (:func:`qwen3_rl.spec_decode.metrics.
 step_metrics`: drafts, draft tokens, accepted tokens, acceptance rate, mean acceptance length), into the step's
 metrics through verl's ``_pending_sync_metrics`` (merged at ``trainer_base.py:488``, logged at ``:514``).
-Validation runs after the step's metrics are taken, so its drafts are not counted.
+Validation runs after the step's metrics are taken, so its drafts are not counted. The same trainer mode carries the
+on-policy old-log-prob skip (:class:`qwen3_rl.trainer.verl091_old_log_prob.OnPolicyOldLogProbMixin`, off by default).
 
 Selected with ``trainer.v1.trainer_mode=qwen3_rl_sync`` (``main_ppo.py:139-141``; features.toml: SAM_ENABLE on the
 current set); registered under that name by :func:`register` (verl's ``register_trainer``,
@@ -44,8 +45,11 @@ def trainer_class() -> type:
     from verl.trainer.ppo.v1.trainer_base import register_trainer
     from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
-    class SpecDecodeMetricsTrainer(PPOTrainerSync):
-        """verl's sync V1 trainer plus the servers' spec-decode counters per step (module docstring)."""
+    from qwen3_rl.trainer.verl091_old_log_prob import OnPolicyOldLogProbMixin
+
+    class SpecDecodeMetricsTrainer(OnPolicyOldLogProbMixin, PPOTrainerSync):
+        """verl's sync V1 trainer plus the servers' spec-decode counters per step (module docstring) and, with
+        ``qwen3_rl.old_log_prob.enable``, no old-log-prob pass (``qwen3_rl.trainer.verl091_old_log_prob``)."""
 
         def _policy_servers(self) -> list[Any]:
             return [srv for rep in self.llm_server_manager.get_replicas() for srv in rep.servers]
