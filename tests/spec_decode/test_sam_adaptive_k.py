@@ -1,7 +1,7 @@
 """Draft length that follows the batch (``SAM_ADAPTIVE_K``): the policy, the runner, the corpus goal.
 
 Checks: with the same acceptance statistics the cost model drafts short in a full batch and long in the
-tail; draft lengths never exceed what the drafter has and respect the floor; ``pad_drafts`` (graph mode)
+tail; a request whose drafts start breaking off drafts shorter within a bounded number of steps; draft lengths never exceed what the drafter has and respect the floor; ``pad_drafts`` (graph mode)
 gets one length per step; in the runner (``SamRunnerDrafter`` over a stand-in ``InputBatch``) k changes
 from step to step as the batch shrinks; on the dev corpus the tail gains >= 25 % tokens per step over
 fixed k = 3 without losing in the bulk.
@@ -94,6 +94,30 @@ def test_request_that_breaks_off_early_drafts_shorter() -> None:
     assert g[0, 0] == pytest.approx(g[2, 0]) and (g[0, 1:] < g[2, 1:]).all()  # the first position is a_i's
     pol.reset(slots[:1])
     assert pol.factor(slots[:1])[0] == 1.0
+
+
+def test_k_falls_within_steps_when_acceptance_drops() -> None:
+    """Two requests drafting in a batch of 256 running (k_max 15, the linear cost model), both accepted whole for
+    12 steps: both draft >= 12. From the step one's drafts break off after the first token, its draft length falls
+    (never back up) below half within 11 steps and to at most 4 within 15, while its companion (still accepting
+    whole) keeps drafting >= 12. The first 7 steps keep the length: the continuation counts banked while its runs
+    beat the bucket's (the factor is capped at 1) decay by 0.8 per draft before the factor falls below 1."""
+    pol = _trained(0.8, n=64)
+    slots = np.array([100, 101])
+    avail = np.full(2, KMAX)
+    for _ in range(12):
+        k = pol.choose(slots, avail, 256 * 8000.0, n_running=256)
+        pol.observe(slots, k, k)
+    before = int(k[0])
+    after = []
+    for _ in range(20):
+        k = pol.choose(slots, avail, 256 * 8000.0, n_running=256)
+        after.append(int(k[0]))
+        pol.observe(slots, k, np.array([min(1, int(k[0])), int(k[1])]))
+    print(f"k before {before}, after the drop {after}, companion {int(k[1])}, factor {pol.factor(slots).round(3)}")
+    assert before >= 12 and int(k[1]) >= 12
+    assert all(x >= y for x, y in zip(after, after[1:], strict=False))
+    assert min(after[:11]) < before / 2 and max(after[14:]) <= 4
 
 
 def _texts(n: int, rng: np.random.Generator, length: int = 400) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -316,7 +316,8 @@ def test_warm_up_compiles_the_table_kernels() -> None:
 
 def test_corpus_goals_on_the_h100_table() -> None:
     """On the dev corpus (history 4, k_max 15) priced at every cell of the H100 table: adaptive k is >= 0.97 x the
-    best fixed k in every cell (both pricings), and >= 1.10 x fixed k = 3 over the cells with B <= 8."""
+    best fixed k in every cell (both pricings), also against the best fixed k = 1..15 on its own steps, and >= 1.10 x
+    fixed k = 3 over the cells with B <= 8."""
     res = cost_cells(load_corpus(CORPUS), SamConfig(num_speculative_tokens=3, group_mode=True, history_responses=4),
                      [str(H100)], 4, KMAX)
     cells = res["cost_cells"]
@@ -324,6 +325,8 @@ def test_corpus_goals_on_the_h100_table() -> None:
     for key, g in res["cost_goals"].items():
         print(key, g)
         assert g["adaptive_vs_best_fixed_min"] >= 0.97 and g["adaptive_vs_k3_mean_small_b"] >= 1.10
+        # its choices against every fixed k = 1..15 on its own steps (the same text: fixed_on_steps)
+        assert g["adaptive_vs_best_fixed_same_steps_min"] >= 0.97 and g["cells_below_0.97_same_steps"] == 0
     # the fixed k priced padded is the table's own ratio: tokens per step / ratio_to_k0
     t = load_cost_tables(H100)["qwen3-32b-tp8"]
     c = next(c for c in cells if (c["shape"], c["B"], c["ctx"]) == ("qwen3-32b-tp8", 256, 1024))

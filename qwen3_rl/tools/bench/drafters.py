@@ -609,7 +609,8 @@ def replay_visits(groups: list[list[Sample]], cfg: SamConfig, k: int, history: i
                   adaptive: bool = False, weighted: bool = False, tail_max: int = TAIL_MAX,
                   on_step: Callable[[int, np.ndarray], None] | None = None,
                   cell: tuple[float, float] | None = None,
-                  record: list[tuple[int, int, int]] | None = None) -> dict[str, Any]:
+                  record: list[tuple[int, int, int]] | None = None,
+                  states: list[np.ndarray] | None = None) -> dict[str, Any]:
     """Lockstep replay of one rollout step on one engine, with a prompt's earlier visit in the history.
 
     Per prompt, samples ``[0, history)`` stand for the responses of its previous visit (an earlier rollout
@@ -626,7 +627,9 @@ def replay_visits(groups: list[list[Sample]], cfg: SamConfig, k: int, history: i
     the steps, ``AdaptiveK.step_ms``; drafted tokens counted as verified) and the draft-length histogram.
     ``on_step(step, k_per_request)`` sees every step's draft lengths (tests). ``cell`` = (B, context tokens per
     request): the adaptive policy prices every step at that cell of ``cfg.cost_table`` (``AdaptiveK.pin``).
-    ``record`` gets one ``(running requests, tokens advanced, draft tokens verified)`` per lockstep step.
+    ``record`` gets one ``(running requests, tokens advanced, draft tokens verified)`` per lockstep step;
+    ``states`` one int64[running, 3] per lockstep step: per request the tokens of the drafter's whole proposal (up
+    to k_max) that match the response, the proposal's length and the response tokens left (``fixed_on_steps``).
     """
     p = SamProposer(cfg)
     if weighted and p.history is not None:
@@ -680,11 +683,17 @@ def replay_visits(groups: list[list[Sample]], cfg: SamConfig, k: int, history: i
         tail_steps += part == "tail"
         acc_l, adv_l, done = [], [], []
         accs = np.zeros(len(live), np.int64)
+        st = np.zeros((len(live), 3), np.int64) if states is not None else None
         for j, i in enumerate(live):
             d, r, p0 = out[j, : min(kk[j], cnt[j])], resp[i], pos[i]
             a = 0
             while a < d.shape[0] and p0 + a < r.shape[0] and d[a] == r[p0 + a]:
                 a += 1
+            if st is not None:  # the whole proposal against the response: what any other k would have accepted
+                full, m = out[j, : cnt[j]], a
+                while m < full.shape[0] and p0 + m < r.shape[0] and full[m] == r[p0 + m]:
+                    m += 1
+                st[j] = (m, cnt[j], r.shape[0] - p0)
             adv = min(a + 1, r.shape[0] - p0)
             accs[j] = a
             acc_l.append(rids[i])
@@ -699,6 +708,8 @@ def replay_visits(groups: list[list[Sample]], cfg: SamConfig, k: int, history: i
         modeled += costm.step_ms(len(live), int(kk.sum()), ctx_tokens)
         if record is not None:
             record.append((len(live), int(sum(a.shape[0] for a in adv_l)), int(kk.sum())))
+        if st is not None:
+            states.append(st)
         if pol is not None:
             pol.observe(slots, np.minimum(kk, cnt), accs)  # real draft tokens (pad tokens are no drafts)
         p.extend_batch(acc_l, adv_l)
@@ -788,6 +799,7 @@ def replay_visits_suffix(groups: list[list[Sample]], make: Callable[[], VllmSuff
 
 
 COST_KS = (1, 3, 7, 15)  # fixed draft lengths priced by --cost-table
+SPEEDUPS = ("speedup", "speedup_padded")  # cost_cells' pricings: drafts as sent, every draft padded to the step's k
 
 
 def priced_speedup(record: Sequence[tuple[int, int, int]], table: CostTable, b: float, ctx: float, segment: str,
@@ -809,6 +821,26 @@ def priced_speedup(record: Sequence[tuple[int, int, int]], table: CostTable, b: 
         q = 1.0 + (fixed_k if fixed_k is not None else drafted / n)
         tokens += adv
         cost += n * float(price(q_grid, curve, q) / curve[0])
+    return tokens / cost if cost else None
+
+
+def fixed_on_steps(states: Sequence[np.ndarray], table: CostTable, b: float, ctx: float, segment: str, k: int,
+                   padded: bool, tail_max: int = TAIL_MAX) -> float | None:
+    """Speedup over no drafting that fixed ``k`` would have had on another replay's own steps (``replay_visits(
+    states=...)``: the same requests at the same positions with the same proposals), priced like ``priced_speedup``:
+    a request advances min(its proposal's matching tokens, k) + 1 tokens (at most what is left of its response); the
+    step costs running x ratio at q = 1 + k (``padded``) or 1 + the mean of min(k, proposal length). Compares two
+    draft-length choices on one text, where separate replays' tails (the last <= ``tail_max`` requests) are different
+    stretches of text. None when the segment has no step."""
+    curve = table.curve(b, ctx)
+    tokens = cost = 0.0
+    for st in states:
+        n = st.shape[0]
+        if (n <= tail_max) != (segment == "tail"):
+            continue
+        tokens += float(np.minimum(np.minimum(st[:, 0], k) + 1, st[:, 2]).sum())
+        q = 1.0 + (k if padded else float(np.minimum(st[:, 1], k).sum()) / n)
+        cost += n * float(price(table.q, curve, q) / curve[0])
     return tokens / cost if cost else None
 
 
@@ -839,7 +871,8 @@ def cost_cells(groups: list[list[Sample]], cfg: SamConfig, specs: Sequence[str],
     k over the cells, the mean adaptive / fixed k = 3 over the cells with B <= tail_max, the mean adaptive /
     adaptive_linear. ``others``: name -> the record of another drafter's visit replay (vLLM's suffix at k = 3 and 15,
     ``replay_visits_suffix``), priced the same way in every cell (``speedup``), with the lowest adaptive / best of
-    them over the cells in ``cost_goals``.
+    them over the cells in ``cost_goals``. ``best_fixed_same_steps`` (per pricing): the best fixed k = 1..k_max on the
+    adaptive replay's own steps (``fixed_on_steps``), with the lowest adaptive / it over the cells in ``cost_goals``.
     """
     use_h = history > 0
     others = others or {}
@@ -866,7 +899,7 @@ def cost_cells(groups: list[list[Sample]], cfg: SamConfig, specs: Sequence[str],
                     seg = "tail" if b <= tail_max else "bulk"
                     row: dict[str, Any] = {"table": Path(path).name, "shape": shape, "B": int(b), "ctx": int(ctx),
                                            "segment": seg, "speedup": {}, "speedup_padded": {},
-                                           "tokens_per_step": {}}
+                                           "tokens_per_step": {}, "best_fixed_same_steps": {}}
                     for k in COST_KS:
                         row["speedup"][f"k{k}"] = priced_speedup(fixed[k], table, b, ctx, seg, None, tail_max)
                         row["speedup_padded"][f"k{k}"] = priced_speedup(fixed[k], table, b, ctx, seg, k, tail_max)
@@ -877,9 +910,12 @@ def cost_cells(groups: list[list[Sample]], cfg: SamConfig, specs: Sequence[str],
                         ac = SamConfig(**{**cfg.__dict__, "num_speculative_tokens": k_max, "adaptive_k": True,
                                           "pad_drafts": pad, "cost_table": f"{path}@{shape}"})
                         rec: list[tuple[int, int, int]] = []
+                        sts: list[np.ndarray] = []
                         r = replay_visits(groups, ac, k_max, history, use_history=use_h, adaptive=True,
-                                          tail_max=tail_max, cell=(b, ctx), record=rec)
+                                          tail_max=tail_max, cell=(b, ctx), record=rec, states=sts)
                         row[key]["adaptive"] = priced_speedup(rec, table, b, ctx, seg, None, tail_max)
+                        row["best_fixed_same_steps"][key] = max(
+                            fixed_on_steps(sts, table, b, ctx, seg, k, pad, tail_max) for k in range(1, k_max + 1))
                         row[key]["adaptive_linear"] = priced_speedup(linear[pad], table, b, ctx, seg, None, tail_max)
                         if not pad:
                             row["tokens_per_step"]["adaptive"] = r[f"{seg}_mean_accepted"]
@@ -889,10 +925,13 @@ def cost_cells(groups: list[list[Sample]], cfg: SamConfig, specs: Sequence[str],
     goals: dict[str, Any] = {}
     for key in ("speedup", "speedup_padded"):
         vs_best = [c[key]["adaptive"] / max(c[key][f"k{k}"] for k in COST_KS) for c in cells]
+        same = [c[key]["adaptive"] / c["best_fixed_same_steps"][key] for c in cells]
         small = [c[key]["adaptive"] / c[key]["k3"] for c in cells if c["B"] <= tail_max]
         goals[key] = {"adaptive_vs_best_fixed_min": min(vs_best) if vs_best else None,
                       "adaptive_vs_k3_mean_small_b": sum(small) / len(small) if small else None,
                       "cells_below_0.97_of_best": sum(v < 0.97 for v in vs_best),
+                      "adaptive_vs_best_fixed_same_steps_min": min(same) if same else None,
+                      "cells_below_0.97_same_steps": sum(v < 0.97 for v in same),
                       "adaptive_vs_adaptive_linear_mean": sum(c[key]["adaptive"] / c[key]["adaptive_linear"]
                                                               for c in cells) / len(cells) if cells else None}
     if others and cells:
@@ -1532,17 +1571,22 @@ def cost_cells_text(res: dict[str, Any]) -> list[str]:
         return []
     names = [f"k{k}" for k in COST_KS] + ["adaptive", "adaptive_linear"]
     others = [n for n in res["cost_cells"][0]["speedup"] if n not in names]
-    lines = ["| shape | B | ctx | segment | " + " | ".join(names + others) + " |",
-             "|---" * (4 + len(names) + len(others)) + "|"]
+    lines = ["| shape | B | ctx | segment | " + " | ".join(names + others)
+             + " | adaptive / best fixed | same steps |", "|---" * (6 + len(names) + len(others)) + "|"]
     for c in res["cost_cells"]:
+        vs = [f"{c[key]['adaptive'] / max(c[key][f'k{k}'] for k in COST_KS):.3f}" for key in SPEEDUPS]
+        same = [f"{c[key]['adaptive'] / c['best_fixed_same_steps'][key]:.3f}" for key in SPEEDUPS]
         vals = " | ".join([f"{c['speedup'][n]:.2f} ({c['speedup_padded'][n]:.2f})" for n in names]
-                          + [f"{c['speedup'][n]:.2f}" for n in others])
+                          + [f"{c['speedup'][n]:.2f}" for n in others]
+                          + ["{} ({})".format(*vs), "{} ({})".format(*same)])
         lines.append(f"| {c['shape']} | {c['B']} | {c['ctx']} | {c['segment']} | {vals} |")
     for key, g in res["cost_goals"].items():
         lines.append(f"{key}: adaptive / best fixed k >= {g['adaptive_vs_best_fixed_min']:.3f} in every cell "
                      f"({g['cells_below_0.97_of_best']} below 0.97); adaptive / k = 3, mean over B <= {TAIL_MAX}: "
                      f"{g['adaptive_vs_k3_mean_small_b']:.3f}; adaptive / adaptive on the linear model, mean: "
-                     f"{g['adaptive_vs_adaptive_linear_mean']:.3f}")
+                     f"{g['adaptive_vs_adaptive_linear_mean']:.3f}; on its own steps / the best fixed k = 1..k_max "
+                     f">= {g['adaptive_vs_best_fixed_same_steps_min']:.3f} ({g['cells_below_0.97_same_steps']} below "
+                     "0.97)")
         if "adaptive_vs_best_other_min" in g:
             lines.append(f"{key}: adaptive / best of {', '.join(others)} >= {g['adaptive_vs_best_other_min']:.3f} "
                          f"(mean {g['adaptive_vs_best_other_mean']:.3f}; {g['cells_adaptive_below_best_other']} cells "

@@ -74,3 +74,37 @@ def test_halves_split_the_prompts() -> None:
     assert [len(g) for g in load_corpus(CORPUS, half="a")] == [8] * 11
     with pytest.raises(ValueError, match="half must be"):
         load_corpus(CORPUS, half="c")
+
+
+def test_fixed_k_on_the_same_steps() -> None:
+    """``fixed_on_steps`` prices fixed k on another replay's own steps: on the fixed k = 3 replay's steps it gives that
+    replay's own priced speedup (``priced_speedup``, both pricings); on an adaptive replay's steps (proposals up to 15
+    tokens) fixed k = 1, 3 and 15 give three different figures."""
+    from qwen3_rl.spec_decode.cost_table import load_cost_tables
+    from qwen3_rl.spec_decode.sam import SamConfig
+    from qwen3_rl.tools.bench.drafters import fixed_on_steps, load_corpus, priced_speedup, replay_visits
+
+    groups = load_corpus(CORPUS, limit_prompts=3)
+    table = load_cost_tables(H100)["qwen3-30b-a3b"]
+    rec: list[tuple[int, int, int]] = []
+    sts: list = []
+    cfg = SamConfig(num_speculative_tokens=3, group_mode=True, history_responses=4)
+    replay_visits(groups, cfg, 3, 4, use_history=True, record=rec, states=sts)
+    assert len(sts) == len(rec) and all(s.shape == (n, 3) for s, (n, _, _) in zip(sts, rec, strict=True))
+    for seg, b in (("tail", 1.0), ("bulk", 32.0)):
+        own = priced_speedup(rec, table, b, 8192.0, seg)
+        assert own is not None and fixed_on_steps(sts, table, b, 8192.0, seg, 3, False) == pytest.approx(own)
+        padded = priced_speedup(rec, table, b, 8192.0, seg, fixed_k=3)
+        assert fixed_on_steps(sts, table, b, 8192.0, seg, 3, True) == pytest.approx(padded)
+    # an adaptive replay (k_max 15): its states hold proposals up to 15 tokens, so the fixed k differ
+    ada = SamConfig(num_speculative_tokens=15, group_mode=True, history_responses=4, adaptive_k=True,
+                    cost_table=f"{H100}@qwen3-30b-a3b")
+    rec_a: list[tuple[int, int, int]] = []
+    sts_a: list = []
+    replay_visits(groups, ada, 15, 4, use_history=True, adaptive=True, cell=(1.0, 8192.0), record=rec_a,
+                  states=sts_a)
+    figs = {k: fixed_on_steps(sts_a, table, 1.0, 8192.0, "tail", k, False) for k in (1, 3, 15)}
+    print("fixed k on the adaptive replay's tail:", figs, "adaptive:", priced_speedup(rec_a, table, 1.0, 8192.0, "tail"))
+    assert len(set(figs.values())) == 3
+    tail = [s for s in sts_a if s.shape[0] <= 8]
+    assert tail and any(int(s[:, 0].max()) > 3 for s in tail)  # matches beyond 3 tokens: what k = 15 would take
