@@ -186,11 +186,12 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def chunk_plan_for_step(num_tokens_local: int, chunk_tokens: int, *, max_tokens_across_dp: int | None,
-                        comm_type: object, sp_enabled: bool, tp_size: int = 1) -> ChunkPlan | None:
+                        comm_type: object, sp_enabled: bool, tp_size: int = 1,
+                        chunkable: Sequence[str] = (CHUNKABLE_COMM_TYPE,)) -> ChunkPlan | None:
     """The chunk plan for one ``AscendFusedMoE.forward_impl`` call, or ``None`` for the upstream path.
 
-    ``None`` when the switch is off (``chunk_tokens <= 0``), the step's communication method is not
-    :data:`CHUNKABLE_COMM_TYPE`, sequence parallelism is on for the step, or the step has at most
+    ``None`` when the switch is off (``chunk_tokens <= 0``), the step's communication method is not in
+    ``chunkable`` (default :data:`CHUNKABLE_COMM_TYPE`), sequence parallelism is on for the step, or the step has at most
     ``chunk_tokens`` global rows (decode and small steps). Every input that decides this is the same on
     all EP ranks of a step (config; comm type and sp flag are chosen from the DP-synced token count;
     ``max_tokens_across_dp`` is the DP all-reduce result), so either all ranks chunk, with equal chunk
@@ -199,7 +200,7 @@ def chunk_plan_for_step(num_tokens_local: int, chunk_tokens: int, *, max_tokens_
     if chunk_tokens <= 0:
         return None
     name = _comm_name(comm_type)
-    if name != CHUNKABLE_COMM_TYPE:
+    if name not in chunkable:
         return None
     if sp_enabled:
         _warn_once("sp", f"{CONFIG_KEY}={chunk_tokens}: not chunking MoE steps with sequence parallelism "
@@ -265,23 +266,28 @@ class ChunkedForwardImpl:
     Called as ``hook(forward_impl_body, hidden_states [N, H], router_logits [N, E], return_with_event)``
     in place of the layer's ``forward_impl``: with a plan from :func:`chunk_plan_for_step` it runs the
     upstream body once per token chunk through :func:`forward_in_chunks` (events: the first chunk's
-    ``before_dispatch_evt``, the last chunk's ``before_combine_evt``); without one, the body once.
+    ``before_dispatch_evt``, the last chunk's ``before_combine_evt`` and, on 0.23, ``before_gmm2_evt``); without
+    one, the body once.
     """
 
     def __init__(self, chunk_tokens: int) -> None:
         self.chunk_tokens = chunk_tokens
 
-    def __call__(self, forward_impl_body: Callable[..., Any], hidden_states: torch.Tensor,
-                 router_logits: torch.Tensor, return_with_event: bool = False) -> Any:
+    def plan(self, rows: int) -> ChunkPlan | None:
+        """The plan for a forward of ``rows`` local rows, from vLLM-Ascend 0.13's forward context."""
         from vllm.distributed import get_tp_group
         from vllm.forward_context import get_forward_context
 
         forward_context = get_forward_context()
-        plan = chunk_plan_for_step(hidden_states.shape[0], self.chunk_tokens,
+        return chunk_plan_for_step(rows, self.chunk_tokens,
                                    max_tokens_across_dp=forward_context.max_tokens_across_dp,
                                    comm_type=forward_context.moe_comm_type,
                                    sp_enabled=forward_context.sp_enabled,
                                    tp_size=get_tp_group().world_size)
+
+    def __call__(self, forward_impl_body: Callable[..., Any], hidden_states: torch.Tensor,
+                 router_logits: torch.Tensor, return_with_event: bool = False) -> Any:
+        plan = self.plan(hidden_states.shape[0])
         if plan is None:
             return forward_impl_body(hidden_states, router_logits, return_with_event)
         routed_out, first, last = forward_in_chunks(
@@ -289,7 +295,9 @@ class ChunkedForwardImpl:
             routed_out_of=(lambda res: res.routed_out) if return_with_event else None)
         if not return_with_event:
             return routed_out
-        return dataclasses.replace(first, routed_out=routed_out, before_combine_evt=last.before_combine_evt)
+        # events the shared experts wait on after dispatch: the last chunk's (vLLM-Ascend 0.23 adds before_gmm2_evt)
+        later = {f: getattr(last, f) for f in ("before_gmm2_evt", "before_combine_evt") if hasattr(last, f)}
+        return dataclasses.replace(first, routed_out=routed_out, **later)
 
 
 def forward_impl_hook(layer: Any, vllm_config: Any) -> ChunkedForwardImpl | None:

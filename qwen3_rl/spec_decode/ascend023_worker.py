@@ -42,6 +42,7 @@ from typing import Any
 from vllm_ascend.spec_decode.ngram_proposer import AscendNgramProposer
 from vllm_ascend.worker.worker import NPUWorker
 
+from qwen3_rl.moe import chunking_ascend023
 from qwen3_rl.rollout.gc_worker import GcStepWorkerMixin
 from qwen3_rl.spec_decode.custom_class_proposer import ADDITIONAL_CONFIG_KEY, sam_requested
 from qwen3_rl.spec_decode.ngram_seat import NgramSeatMixin
@@ -58,12 +59,19 @@ class SamAscendNgramSeat(NgramSeatMixin, AscendNgramProposer):
 
 class SamNPUWorker(GcStepWorkerMixin, NPUWorker):
     """vLLM-Ascend's ``NPUWorker`` that seats :class:`SamAscendNgramSeat` in its runner when ``sam_config`` is given;
-    it also carries the gc guard of ``qwen3_rl.rollout.gc_worker`` (one engine takes one ``worker_cls``)."""
+    it also carries the gc guard of ``qwen3_rl.rollout.gc_worker`` and chunked MoE prefill
+    (``additional_config.moe_prefill_chunk_size``) (one engine takes one ``worker_cls``)."""
 
     def init_device(self) -> None:
         super().init_device()
         if sam_requested(self.vllm_config):
             self._seat_sam()
+
+    def load_model(self) -> None:
+        """Upstream's load, then chunked MoE prefill on the loaded model when ``additional_config`` asks for it
+        (:func:`qwen3_rl.moe.chunking_ascend023.install`; before the profile run, which then measures it)."""
+        super().load_model()
+        chunking_ascend023.install(self.model_runner.get_model(), self.vllm_config)
 
     def _seat_sam(self) -> None:
         spec = self.vllm_config.speculative_config

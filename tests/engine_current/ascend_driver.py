@@ -6,7 +6,7 @@ fused MoE) on vLLM 0.23.0 over the recipe's CPU stand-in for torch_npu, in this 
 SPEC: {"tree": the vLLM-Ascend 0.23 source tree (pristine or patched), "model": DIR, "prompts": [[token ids], ...],
        "env": optional {variable: value} set before anything is imported,
        "runs": [{"name": str, "model": optional DIR (default SPEC's), "llm": {LLM kwargs},
-                 "sampling": {SamplingParams kwargs},
+                 "sampling": {SamplingParams kwargs}, "moe_probe": optional bool (count MoE forwards, see MoeProbe),
                  "phases": optional [{"name": str, "prompts": [[token ids], ...], "waves": [[prompt indices], ...],
                                       "rpc": optional [worker method, argument],
                                       "max_tokens": optional [per prompt]}, ...]}
@@ -20,7 +20,7 @@ Each result: {"name", "outputs": [[token ids] per prompt], "platform": vLLM's cu
 ``generate`` per wave; "outputs" in the phase's prompt order, "metrics" counted over the phase alone,
 "sam": our SAM drafter's group mode and k (absent for other drafters). Phases also give "steps": per drafter call
 [batch rows, longest draft, draft tokens, rows with a draft] (what the drafter returned to the runner) and "drafted_per_pos" (draft
-tokens returned at each position, summed), "probe": the seed set's
+tokens returned at each position, summed), with "moe_probe": true "moe": :class:`MoeProbe`'s counts over the phase, "probe": the seed set's
 ``qwen3_rl.spec_decode.metrics.RolloutProbe`` counts over the phase and their ``step_metrics``, "per_pos": vLLM's
 ``spec_decode_num_accepted_tokens_per_pos`` over the phase, and with adaptive k "adaptive": the table's file, the
 drafter's histograms and, per choice, whether it equals the choice of a copy of the policy priced by the table file
@@ -85,6 +85,7 @@ def main() -> int:
         )
         kwargs.update(run.get("llm", {}))
         llm = LLM(**kwargs)
+        moe_probe = MoeProbe(runner_of(llm).get_model()) if run.get("moe_probe") else None
         base = {"temperature": 0.0, "max_tokens": 32, "ignore_eos": True, **run.get("sampling", {})}
         phases = run.get("phases") or [{"name": None, "prompts": spec["prompts"]}]
         for phase in phases:
@@ -115,6 +116,8 @@ def main() -> int:
                 rpc,
             )
             out.update(trace.report())
+            if moe_probe is not None:
+                out["moe"] = moe_probe.take()
             out["seconds"] = round(
                 time.perf_counter() - t0, 2
             )  # the RPC (a drafter's build) and the generate calls
@@ -127,6 +130,49 @@ def main() -> int:
         gc.collect()
     print("ENGINE_RESULT " + json.dumps(results))
     return 0
+
+
+class MoeProbe:
+    """Counts, per call of each ``AscendFusedMoE`` layer's ``forward_impl`` (whatever callable the layer holds: the
+    class's, or the instance wrapper of ``qwen3_rl.moe.chunking_ascend023``), the rows of that call and of each
+    fused-experts call inside it (``quant_method.apply``: routing, dispatch, grouped matmuls, combine)."""
+
+    def __init__(self, model) -> None:  # noqa: ANN001
+        from vllm_ascend.ops.fused_moe.fused_moe import AscendFusedMoE
+
+        self.forwards: list[list] = []  # [rows of the forward_impl call, [rows of each apply call]]
+        self._open: list[list[int]] = []
+        layers = [m for m in model.modules() if isinstance(m, AscendFusedMoE)]
+        self.layers, self.wrapped = len(layers), sum("forward_impl" in vars(m) for m in layers)
+        seen: set[int] = set()
+        for m in layers:
+            m.forward_impl = self._outer(m.forward_impl)
+            if id(m.quant_method) not in seen:
+                seen.add(id(m.quant_method))
+                m.quant_method.apply = self._inner(m.quant_method.apply)
+
+    def _outer(self, fn):  # noqa: ANN001, ANN202
+        def forward_impl(hidden_states, router_logits, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            self._open.append([])
+            try:
+                return fn(hidden_states, router_logits, *args, **kwargs)
+            finally:
+                self.forwards.append([int(hidden_states.shape[0]), self._open.pop()])
+
+        return forward_impl
+
+    def _inner(self, fn):  # noqa: ANN001, ANN202
+        def apply(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if self._open:
+                self._open[-1].append(int(kwargs["x"].shape[0]))
+            return fn(*args, **kwargs)
+
+        return apply
+
+    def take(self) -> dict:
+        out = {"layers": self.layers, "wrapped": self.wrapped, "forwards": self.forwards}
+        self.forwards = []
+        return out
 
 
 def drop_rope_buffers() -> None:

@@ -25,6 +25,9 @@ from qwen3_rl.tools.upstream.download import fill_pristine
 
 from conftest import REPO, hf_greedy, run_driver
 
+#: the module fixture's set-up (the first test's time): four vLLM-Ascend engines in one process, then the shipped
+#: engine's process and HF; pytest's default 900 s was exceeded on a loaded machine
+pytestmark = pytest.mark.timeout(1500)
 TOKENS = 32
 PROMPTS = [[5, 6, 7, 8, 9, 10], [20, 21, 22, 23], [30, 31, 30, 31, 30], [40, 41, 42]]
 #: vLLM's n-gram drafter: vLLM-Ascend's runner verifies its drafts (rejection sampling)
@@ -36,6 +39,10 @@ NGRAM = {
         "prompt_lookup_min": 1,
     }
 }
+#: chunked MoE prefill (qwen3_rl.moe.chunking_ascend023 through the recipe's worker class): below the first prefill
+#: step's 18 rows, not below a decode step's 4
+CHUNK = 4
+ROLLOUT_WORKER = "qwen3_rl.spec_decode.rollout_worker.SamWorker"
 #: What vLLM-Ascend's setup.py writes for SOC_VERSION=ascend910b1 (an A2 build; the stand-in then reports an A2 SoC).
 A2_BUILD_INFO = "# Auto-generated file\n__device_type__ = 'A2'\n"
 #: The stand-in kernels vLLM-Ascend 0.23's eager path must have called (dense; MoE adds MOE_KERNELS).
@@ -98,7 +105,12 @@ def ascend(
             "model": str(tiny_models["dense"]),
             "prompts": PROMPTS,
             "runs": [
-                {"name": m, "model": str(tiny_models[m]), "sampling": {"max_tokens": TOKENS}}
+                {
+                    "name": m,
+                    "model": str(tiny_models[m]),
+                    "sampling": {"max_tokens": TOKENS},
+                    "moe_probe": m == "moe",
+                }
                 for m in ("moe", "dense")
             ]
             + [
@@ -107,7 +119,18 @@ def ascend(
                     "model": str(tiny_models["dense"]),
                     "llm": NGRAM,
                     "sampling": {"max_tokens": TOKENS},
-                }
+                },
+                # last: the MoE kernel counts of "dense" are read against "moe"'s
+                {
+                    "name": "moe_chunked",
+                    "model": str(tiny_models["moe"]),
+                    "llm": {
+                        "worker_cls": ROLLOUT_WORKER,
+                        "additional_config": {"moe_prefill_chunk_size": CHUNK},
+                    },
+                    "sampling": {"max_tokens": TOKENS},
+                    "moe_probe": True,
+                },
             ],
         },
         tmp,
@@ -158,3 +181,27 @@ def test_greedy_output_equals_vllm_cpu_engine_and_transformers(ascend: dict, mod
     assert out == ascend["hf"][model], "vLLM-Ascend 0.23 (stand-in) differs from HF transformers"
     # the two models differ (the comparison is not of a constant)
     assert ascend["runs"]["dense"]["outputs"] != ascend["runs"]["moe"]["outputs"]
+
+
+def test_moe_prefill_chunking_through_the_worker_class_is_token_identical(ascend: dict) -> None:
+    """``moe_prefill_chunk_size`` through ``worker_cls`` (``SamNPUWorker.load_model`` ->
+    ``chunking_ascend023.install``): every MoE forward above ``CHUNK`` rows runs its fused-experts call
+    (``quant_method.apply``) once per chunk; the engine without the switch runs it once per forward (positive
+    control); greedy output equal."""
+    plain, chunked = ascend["runs"]["moe"], ascend["runs"]["moe_chunked"]
+    p, c = plain["moe"], chunked["moe"]
+    big = [f for f in c["forwards"] if f[0] > CHUNK]
+    print(
+        f"MoE layers {c['layers']}, wrapped {c['wrapped']} (unswitched engine {p['wrapped']}); forwards "
+        f"{len(c['forwards'])}, above {CHUNK} rows {len(big)}: rows -> fused-experts calls "
+        f"{sorted({(f[0], tuple(f[1])) for f in big})}; unswitched: {sorted({(f[0], len(f[1])) for f in p['forwards']})}"
+    )
+    assert p["layers"] == c["layers"] > 0 and p["wrapped"] == 0 and c["wrapped"] == c["layers"]
+    # positive control: without the switch one fused-experts call per forward, with all its rows, prefill included
+    assert p["forwards"] and all(apply == [rows] for rows, apply in p["forwards"]), p["forwards"]
+    assert max(rows for rows, _ in p["forwards"]) > CHUNK
+    # same steps with the switch; those above CHUNK rows split into calls of <= CHUNK rows, the others unchanged
+    assert [rows for rows, _ in c["forwards"]] == [rows for rows, _ in p["forwards"]]
+    assert big and all(len(apply) > 1 and max(apply) <= CHUNK and sum(apply) == rows for rows, apply in big)
+    assert all(apply == [rows] for rows, apply in c["forwards"] if rows <= CHUNK)
+    assert chunked["outputs"] == plain["outputs"], "chunked MoE prefill changed the greedy output"

@@ -159,6 +159,29 @@ def test_step_decision() -> None:
     assert len(chunk_plan_for_step(9000, 4096, **dict(kw, max_tokens_across_dp=None))) == 3
 
 
+def test_step_decision_ascend023() -> None:
+    """vLLM-Ascend 0.23 (chunking_ascend023.step_plan): ALLTOALL as on 0.13; ALLGATHER only without DP and PCP
+    (nothing gathered); MC2 / FUSED_MC2 / sequence parallel never. The engine run is
+    tests/engine_current/test_current_ascend_engine.py."""
+    from qwen3_rl.moe.chunking_ascend023 import install, step_plan
+
+    kw = {"max_tokens_across_dp": 9000, "sp_enabled": False, "tp_size": 1, "dp_size": 1, "pcp_size": 1}
+    want = plan_chunks(9000, 9000, 4096)
+    for name in ("ALLTOALL", "ALLGATHER"):
+        assert step_plan(9000, 4096, comm_type=_CommType(name), **kw) == want
+        assert step_plan(9000, 4096, comm_type=_CommType(name), **dict(kw, sp_enabled=True)) is None
+        assert step_plan(4096, 4096, comm_type=_CommType(name), **dict(kw, max_tokens_across_dp=4096)) is None
+    assert step_plan(9000, 4096, comm_type=_CommType("ALLTOALL"), **dict(kw, dp_size=2)) == want
+    for extra in ({"dp_size": 2}, {"pcp_size": 2}):
+        assert step_plan(9000, 4096, comm_type=_CommType("ALLGATHER"), **dict(kw, **extra)) is None
+    for other in ("MC2", "FUSED_MC2"):
+        assert step_plan(9000, 4096, comm_type=_CommType(other), **kw) is None
+    # switch off: nothing is looked at or wrapped; refused keys are refused before vLLM-Ascend is imported
+    assert install(None, types.SimpleNamespace(additional_config={CONFIG_KEY: 0})) == 0
+    with pytest.raises(ValueError, match="multistream_overlap_gate"):
+        install(None, types.SimpleNamespace(additional_config={CONFIG_KEY: 8, "multistream_overlap_gate": True}))
+
+
 # ---- forward_in_chunks / run_chunked -------------------------------------------------------------------
 
 @settings(max_examples=40, deadline=None)
