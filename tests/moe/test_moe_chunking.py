@@ -233,6 +233,52 @@ def test_forward_in_chunks_results_and_errors() -> None:
 
 # ---- config key --------------------------------------------------------------------------------------
 
+def test_hook_with_events_merges_chunk_results() -> None:
+    """``return_with_event`` (the shared-experts path, ``shared_forward_impl``): one ``[N, H]`` routed output, the
+    first chunk's ``before_dispatch_evt`` and the last chunk's ``before_gmm2_evt`` / ``before_combine_evt`` (fields of
+    vLLM-Ascend 0.23's ``FusedMoEResult``); a forward without a plan is the body's own result (positive control)."""
+    import dataclasses
+
+    from qwen3_rl.moe.chunking import ChunkedForwardImpl
+
+    @dataclasses.dataclass
+    class Result:  # vLLM-Ascend 0.23's FusedMoEResult fields (ops/fused_moe/fused_moe.py:70-76)
+        routed_out: torch.Tensor
+        before_dispatch_evt: object = None
+        before_gmm2_evt: object = None
+        before_combine_evt: object = None
+        swiglu_limit: float = 0.0
+
+    class Fixed(ChunkedForwardImpl):
+        def __init__(self, plan) -> None:  # noqa: ANN001
+            super().__init__(4)
+            self.fixed = plan
+
+        def plan(self, rows: int):  # noqa: ANN202
+            return self.fixed
+
+    calls = []
+
+    def body(h: torch.Tensor, r: torch.Tensor, with_event: bool):  # noqa: ANN202
+        i = len(calls)
+        calls.append((h.shape[0], with_event))
+        out = h * 2 + r.sum(-1, keepdim=True)
+        return Result(out, f"dispatch{i}", f"gmm2{i}", f"combine{i}", 1.5) if with_event else out
+
+    h, r = torch.randn(10, 3), torch.randn(10, 5)
+    want = h * 2 + r.sum(-1, keepdim=True)
+    res = Fixed([(0, 4), (4, 8), (8, 10)])(body, h, r, True)
+    assert calls == [(4, True), (4, True), (2, True)]
+    assert torch.equal(res.routed_out, want)
+    assert (res.before_dispatch_evt, res.before_gmm2_evt, res.before_combine_evt, res.swiglu_limit) == (
+        "dispatch0", "gmm22", "combine2", 1.5)
+    calls.clear()
+    assert torch.equal(Fixed([(0, 4), (4, 10)])(body, h, r, False), want) and calls == [(4, False), (6, False)]
+    calls.clear()
+    one = Fixed(None)(body, h, r, True)
+    assert calls == [(10, True)] and one.before_gmm2_evt == "gmm20" and torch.equal(one.routed_out, want)
+
+
 def test_config_key_parsing() -> None:
     assert CONFIG_KEY == "moe_prefill_chunk_size"
     for config, want in [(None, 0), ({}, 0), ({CONFIG_KEY: None}, 0), ({CONFIG_KEY: 0}, 0),
