@@ -28,6 +28,21 @@ megatron-core's GPTModel, MoE layer, token dispatcher and dist checkpointing) is
    NVIDIA driver" without one); verl 0.9.1's fully-async trainer keeps the actor's old weights in pinned host copies
    (``verl/utils/megatron_utils.py`` ``copy_megatron_model_to_cpu``, called from
    ``experimental/separation/engine_workers.py:137``). On the host the tensor is already host memory: returned as is.
+6. ``FUSED_ADAM``: MindSpeed's ``apex.optimizers.FusedAdam``, as in the seed set (``megatron_shims.py`` 8). On an A3
+   MindSpeed core_r0.16.0 registers its AdamW under that name (``mindspeed/features_manager/megatron_basic/
+   requirements_basic.py:89-95``, default ``--optimizer-selection fused_adamw``: ``mindspeed/arguments.py:345``),
+   so megatron-core 0.16.1 takes its Apex
+   branch (``megatron/core/optimizer/distrib_optimizer.py:21-36``, ``optimizer/__init__.py:12-34``). Without it
+   megatron runs torch's Adam, whose fresh state has no ``step``: resuming from a checkpoint fails in
+   ``DistributedOptimizer.state_dict`` (``distrib_optimizer.py:640-642``, ``assert len(steps) == 1``), a path an A3
+   never takes. ``apex.optimizers.FusedAdam`` is :class:`CpuFusedAdam16`: the seed stand-in's update and layout
+   (``state[p]`` = ``exp_avg`` / ``exp_avg_sq``, the step count in the param group: MindSpeed's ``AdamW``,
+   ``mindspeed/core/optimizer/adamw.py:140-165``), with core_r0.16.0's two differences: the group's step is a Python
+   ``int`` (``adamw.py:141-143``, ``_to_step_int``; 0.16.1 collects the groups' steps in a set and asserts one,
+   ``distrib_optimizer.py:654-664``: 0-d tensors hash by identity, one per group) and ``adam_w_mode`` is accepted
+   and unused (``adamw.py:96``; 0.16.1 passes it, ``optimizer/__init__.py:362``). The other choice,
+   ``fused_torch_adamw`` (``FusedTorchAdamW``, ``adamw.py:64-91``: torch's AdamW, a ``step`` per parameter), is not
+   stood in for.
 """
 
 from __future__ import annotations
@@ -127,6 +142,31 @@ def _host_pin_memory() -> None:
         torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
 
 
+class CpuFusedAdam16(megatron_shims.CpuFusedAdam):
+    """MindSpeed core_r0.16.0's ``apex.optimizers.FusedAdam`` on the CPU: :class:`megatron_shims.CpuFusedAdam` (AdamW,
+    ``state[p]`` = ``exp_avg`` / ``exp_avg_sq``, shape of ``p``) with ``group["step"]`` a Python ``int`` (steps
+    taken) and the ``adam_w_mode`` argument megatron-core 0.16.1 passes (MindSpeed's ``AdamW`` ignores it)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, adam_w_mode: bool = False, *,
+                 maximize: bool = False) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         maximize=maximize)
+
+    def step(self, closure=None):  # noqa: ANN001, ANN201 (torch.optim.Optimizer.step's signature)
+        loss = super().step(closure)
+        for group in self.param_groups:
+            group["step"] = int(group["step"])
+        return loss
+
+
+def _fused_adam() -> None:
+    if "apex" in sys.modules:  # a real Apex, or MindSpeed's registration, already there
+        return
+    megatron_shims._fused_adam()
+    sys.modules["apex.optimizers"].FusedAdam = CpuFusedAdam16
+
+
 def install() -> None:
     """Apply the shims above in this process (idempotent). ``qwen3_rl/cpu_device`` must be on ``sys.path``
     (``post_import``), as the seed set's shims need."""
@@ -141,4 +181,5 @@ def install() -> None:
     megatron_shims._moe_host_copy()
     _router_gemm()
     _host_pin_memory()
+    _fused_adam()
     _INSTALLED = True

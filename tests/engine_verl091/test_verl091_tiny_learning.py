@@ -16,13 +16,19 @@ What is checked:
 * SAM group drafting in verl's servers (``SAM_ENABLE=True SAM_GROUP=True``): every step's metrics carry the servers'
   drafted and accepted token counts (``rollout/spec_decode/*``, trainer mode ``qwen3_rl_sync``); verl's plain server
   counting nothing is the control in ``test_verl091_vllm_server.py``;
-* the run's log, step by step (``python -m qwen3_rl report --json``), the last two checkpoints, the launcher's plots.
+* the run's log, step by step (``python -m qwen3_rl report --json``), the last two checkpoints, the launcher's plots;
+* resume: the same command with one more step (``TOTAL_TRAINING_STEPS=7``) on a copy of that run's checkpoint
+  directory loads ``global_step_6`` (verl's ``trainer.resume_mode=auto``), each rank's model parameters and
+  optimizer tensors after the load equal those of the step-6 save, tensor by tensor (the probe saves both), and it
+  trains step 7 only. The cheap positive control of the device-layer shim it needs (``FUSED_ADAM``) is in
+  ``tests/engine_verl091/test_verl091_fused_adam.py``.
 
 Runs in the venv of ``tests/setup_verl091_engine_env.sh``; device layer only (``qwen3_rl/cpu_device/verl091_site``).
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
 
@@ -90,12 +96,19 @@ def check_weight_sync(run: Run, model_dir: Path) -> int:
     return n
 
 
-@pytest.mark.timeout(2400)
-def test_grpo_tiny_learns_on_the_current_set(current_ws: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def grpo_run(current_ws: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
     """``PIN_SET=current SAM_ENABLE=True SAM_GROUP=True bash ray_start_npu.sh internal/train_grpo_tiny_cpu.sh --device
-    cpu`` from the warmed-up model: validation accuracy rises by LEARNING_MARGIN, every weight sync exact, SAM drafts
+    cpu`` from the warmed-up model, once for the learning and the resume test (its probe and checkpoint dirs)."""
+    return launch(current_ws, "internal/train_grpo_tiny_cpu.sh", tmp_path_factory.mktemp("grpo-current"),
+                  env={**CURRENT, **SWITCHES_ON})
+
+
+@pytest.mark.timeout(2400)
+def test_grpo_tiny_learns_on_the_current_set(current_ws: Path, grpo_run: Run) -> None:
+    """The run of ``grpo_run``: validation accuracy rises by LEARNING_MARGIN, every weight sync exact, SAM drafts
     and is accepted in every step, 6 steps logged, checkpoints kept."""
-    run = launch(current_ws, "internal/train_grpo_tiny_cpu.sh", tmp_path, env={**CURRENT, **SWITCHES_ON})
+    run = grpo_run
     assert run.rc == 0, _tail(run)
     assert "pin set current" in run.log and "KeyedvLLMHttpServer" in run.log, _tail(run)
     check_weight_sync(run, current_ws / "tiny" / "qwen3_tiny")
@@ -112,3 +125,69 @@ def test_grpo_tiny_learns_on_the_current_set(current_ws: Path, tmp_path: Path) -
     assert all(v > 0 for v in drafted.values()), f"steps without drafts: {drafted}"
     assert all(v > 0 for v in accepted.values()), f"steps without accepted draft tokens: {accepted}"
     print(f"SAM in the servers: drafted per step {list(drafted.values())}, accepted {list(accepted.values())}")
+
+
+def check_restored_state(saved_run: Run, resumed: Run, step: int, ranks: tuple[int, ...] = (0, 1)) -> int:
+    """Each rank's model parameters and optimizer tensors right after the resumed run's ``load_checkpoint`` equal
+    those right after the first run's save of ``step`` (``probe_verl091.actor_state``), tensor by tensor; returns the
+    number of tensors compared. Positive control: the step-``step`` save differs from the step-``step - 1`` save."""
+    import torch
+
+    total = 0
+    for rank in ranks:
+        saved = torch.load(saved_run.probe / f"state-save-step{step}-rank{rank}.pt")
+        earlier = torch.load(saved_run.probe / f"state-save-step{step - 1}-rank{rank}.pt")
+        loaded = torch.load(resumed.probe / f"state-load-rank{rank}.pt")
+        assert saved and set(saved) == set(loaded), f"rank {rank}: names differ {sorted(set(saved) ^ set(loaded))[:6]}"
+        assert any(k.startswith("model0/") for k in saved), sorted(saved)[:8]
+        for kind in ("exp_avg", "exp_avg_sq", "param", "step"):
+            assert any(k.endswith(f"/{kind}") for k in saved), f"rank {rank}: no {kind} in {sorted(saved)[:8]}"
+        bad = [k for k in saved if saved[k].dtype != loaded[k].dtype or not torch.equal(saved[k], loaded[k])]
+        assert not bad, f"rank {rank}: {len(bad)} of {len(saved)} loaded tensors differ from the step-{step} save: " \
+            f"{bad[:6]}"
+        moved = [k for k in saved if k.startswith("model0/") and not torch.equal(saved[k], earlier[k])]
+        assert moved, f"rank {rank}: the step-{step} save holds the step-{step - 1} weights"
+        steps = {float(saved[k]) for k in saved if k.endswith("/step")}
+        n_model = sum(k.startswith("model") for k in saved)
+        print(f"rank {rank}: {len(saved)} tensors loaded equal to the step-{step} save ({n_model} model, "
+              f"{len(saved) - n_model} optimizer; optimizer step count {sorted(steps)}); {len(moved)} weights moved "
+              f"since step {step - 1}")
+        total += len(saved)
+    return total
+
+
+def optimizer_steps(run: Run, step: int) -> set[float]:
+    """The optimizer's step counts (every group, ranks 0 and 1) in ``run``'s save of ``step``."""
+    import torch
+
+    out: set[float] = set()
+    for rank in (0, 1):
+        state = torch.load(run.probe / f"state-save-step{step}-rank{rank}.pt")
+        out |= {float(v) for k, v in state.items() if k.endswith("/step")}
+    return out
+
+
+@pytest.mark.timeout(2400)
+def test_grpo_tiny_resumes_on_the_current_set(current_ws: Path, grpo_run: Run, tmp_path: Path) -> None:
+    """The same command with ``TOTAL_TRAINING_STEPS=7`` on a copy of ``grpo_run``'s checkpoints: verl resumes from
+    global_step_6 (``trainer.resume_mode=auto``), the restored weights and optimizer state equal the saved ones, and
+    the run trains step 7 only (no validation before it: ``trainer.val_before_train=False``)."""
+    assert grpo_run.rc == 0, _tail(grpo_run)
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(grpo_run.ckpt, ckpt)
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == str(GRPO_STEPS)
+    resumed = launch(current_ws, "internal/train_grpo_tiny_cpu.sh", tmp_path / "resume", ckpt=ckpt,
+                     env={**CURRENT, **SWITCHES_ON, "TOTAL_TRAINING_STEPS": str(GRPO_STEPS + 1)},
+                     args=["trainer.val_before_train=False"])
+    assert resumed.rc == 0, _tail(resumed)
+    loads = resumed.of("checkpoint_load")
+    assert {e["rank"] for e in loads} == {0, 1}, loads
+    assert all(Path(e["path"]).name == "actor" and Path(e["path"]).parent.name == f"global_step_{GRPO_STEPS}"
+               for e in loads), loads
+    n = check_restored_state(grpo_run, resumed, GRPO_STEPS)
+    check_step_log_and_ckpt(resumed, [GRPO_STEPS + 1])
+    saves = sorted({e["step"] for e in resumed.of("checkpoint_save")})
+    assert saves == [GRPO_STEPS + 1], f"the resumed run saved steps {saves}"
+    assert optimizer_steps(resumed, GRPO_STEPS + 1) == {float(GRPO_STEPS + 1)}, "the optimizer's count did not go on"
+    print(f"resumed from global_step_{GRPO_STEPS}: {n} tensors restored exactly on 2 ranks, then trained step "
+          f"{GRPO_STEPS + 1} ({resumed.seconds:.0f} s)")
