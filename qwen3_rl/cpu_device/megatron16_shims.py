@@ -147,11 +147,21 @@ class CpuFusedAdam16(megatron_shims.CpuFusedAdam):
     ``state[p]`` = ``exp_avg`` / ``exp_avg_sq``, shape of ``p``) with ``group["step"]`` a Python ``int`` (steps
     taken) and the ``adam_w_mode`` argument megatron-core 0.16.1 passes (MindSpeed's ``AdamW`` ignores it)."""
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2, amsgrad: bool = False, adam_w_mode: bool = False, *,
-                 maximize: bool = False) -> None:
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         maximize=maximize)
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        adam_w_mode: bool = False,
+        *,
+        maximize: bool = False,
+    ) -> None:
+        super().__init__(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize
+        )
 
     def step(self, closure=None):  # noqa: ANN001, ANN201 (torch.optim.Optimizer.step's signature)
         loss = super().step(closure)

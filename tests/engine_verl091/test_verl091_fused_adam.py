@@ -32,8 +32,13 @@ TIMEOUT_S = 300
 
 
 def _drive(mode: str) -> dict:
-    proc = subprocess.run([sys.executable, str(DRIVER), mode, str(free_port())], cwd=REPO, capture_output=True,
-                          text=True, timeout=TIMEOUT_S)
+    proc = subprocess.run(
+        [sys.executable, str(DRIVER), mode, str(free_port())],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -42,7 +47,9 @@ def test_fresh_state_dict_fails_without_the_stand_in() -> None:
     out = _drive("no-shim")
     print(out)
     assert out["apex_or_te"] is False and out["adam"] == "torch.optim.adam.Adam", out
-    assert out["fresh_state_dict"] == "AssertionError at distrib_optimizer.py:642: assert len(steps) == 1", out
+    assert out["fresh_state_dict"] == "AssertionError at distrib_optimizer.py:642: assert len(steps) == 1", (
+        out
+    )
 
 
 def test_stand_in_is_megatrons_fused_adam_with_mindspeeds_layout() -> None:

@@ -55,14 +55,26 @@ def main(mode: str, port: int) -> dict:
 
     torch.manual_seed(0)
     ddp = DistributedDataParallel(
-        config, DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True), Tiny()
+        config,
+        DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True),
+        Tiny(),
     )
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1],
-                        adam_eps=EPS, use_distributed_optimizer=True),
+        OptimizerConfig(
+            optimizer="adam",
+            lr=LR,
+            weight_decay=WD,
+            adam_beta1=BETAS[0],
+            adam_beta2=BETAS[1],
+            adam_eps=EPS,
+            use_distributed_optimizer=True,
+        ),
         [ddp],
     )
-    out: dict = {"apex_or_te": dopt.HAVE_APEX_OR_TE, "adam": f"{dopt.Adam.__module__}.{dopt.Adam.__qualname__}"}
+    out: dict = {
+        "apex_or_te": dopt.HAVE_APEX_OR_TE,
+        "adam": f"{dopt.Adam.__module__}.{dopt.Adam.__qualname__}",
+    }
     try:
         opt.state_dict()
         out["fresh_state_dict"] = "ok"
@@ -80,10 +92,14 @@ def main(mode: str, port: int) -> dict:
         if not ref:
             copies = [[p.detach().clone() for p in ps] for ps in live]
             ref.append(copies)
-            ref.append(torch.optim.AdamW(
-                [{"params": c, **{k: g[k] for k in ("lr", "weight_decay", "betas", "eps")}}
-                 for c, g in zip(copies, inner.param_groups, strict=True)]
-            ))
+            ref.append(
+                torch.optim.AdamW(
+                    [
+                        {"params": c, **{k: g[k] for k in ("lr", "weight_decay", "betas", "eps")}}
+                        for c, g in zip(copies, inner.param_groups, strict=True)
+                    ]
+                )
+            )
         for ps, cs in zip(live, ref[0], strict=True):
             for p, c in zip(ps, cs, strict=True):
                 c.grad = p.grad.detach().clone()
