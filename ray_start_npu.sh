@@ -17,7 +17,7 @@ say() { echo "[ray_start_npu] $*"; }
 die() { echo "error: $*" >&2; exit 1; }
 
 PLAN_DIR=$(mktemp -d "${TMPDIR:-/tmp}/ray_start_npu.XXXXXX")
-RAY_PID="" TRAIN_PID="" BINDER_PID="" WATCH_PID="" OWN_PIDFILE="" OWN_TOKEN=""
+RAY_PID="" TRAIN_PID="" BINDER_PID="" WATCH_PID="" OOM_PID="" OWN_PIDFILE="" OWN_TOKEN=""
 
 stop_pid() {  # stop_pid PID NAME GRACE_S: SIGTERM, bounded wait, then SIGKILL to its own process group
   local pid=$1 name=$2 grace=$3 i
@@ -54,7 +54,7 @@ stop_group() {
 }
 
 # shellcheck disable=SC2329  # invoked by the EXIT trap
-# The stops take at most 25 + 5 + 5 + 20 s (+ 5 s per group left behind): under Slurm's KillWait (>= 60 s, launch.md),
+# The stops take at most 25 + 5 + 2 + 5 + 20 s (+ 5 s per group left behind): under Slurm's KillWait (>= 60 s, launch.md),
 # after which Slurm SIGKILLs this launcher and a Ray of its own process group (setsid) would be left running. A
 # worker's `ray start --block` whose head is already gone can ignore SIGTERM until then (seen after scancel).
 cleanup() {
@@ -65,6 +65,7 @@ cleanup() {
     stop_pid "$TRAIN_PID" "training" 25
   fi
   stop_pid "$WATCH_PID" "head watcher" 5
+  stop_pid "$OOM_PID" "memory-kill watcher" 2
   stop_pid "$BINDER_PID" "cpu binder" 5
   stop_pid "$RAY_PID" "ray (started by this launcher)" 20
   [[ -n "$RAY_PID" ]] && { q3 launch address-file restore --plan-dir "$PLAN_DIR" || true; }   # Ray's ray_current_cluster
@@ -172,6 +173,12 @@ start_ray() {  # start this node's Ray in its own session; returns non-zero if i
   q3 launch wait-started --log "${P[RAY_LOG]}" --pid "$RAY_PID" --timeout 180
 }
 
+watch_oom() {  # watch_oom UNTIL_PID: report Ray memory-monitor kills on this node (head: exits 1 on the first)
+  [[ "${P[OOM_WATCH]}" == 1 ]] || return 0
+  q3 launch watch-oom --plan-dir "$PLAN_DIR" --ray-pid "$RAY_PID" --until "$1" &
+  OOM_PID=$!
+}
+
 if [[ "${P[ROLE]}" == head ]]; then
   # 5h. head: start, wait (bounded) for every node's NPUs, run the training with its log teed
   if [[ "${P[AUTH_TOKEN_MAKE]}" == 1 ]]; then OWN_TOKEN=${P[AUTH_TOKEN_FILE]}; fi
@@ -192,9 +199,22 @@ if [[ "${P[ROLE]}" == head ]]; then
     q3 report "${P[LOG_FILE]}" --follow "$TRAIN_PID" --from-byte "$LOG_START" &
     WATCH_PID=$!
   fi
+  watch_oom "$TRAIN_PID"
   rc=0
-  wait "$TRAIN_PID" || rc=$?
+  if [[ -n "$OOM_PID" ]]; then
+    # a Ray memory-monitor kill leaves verl waiting forever: the watcher's exit 1 stops the training (cleanup)
+    done_pid=""
+    wait -n -p done_pid "$TRAIN_PID" "$OOM_PID" || rc=$?
+    if [[ "$done_pid" == "$OOM_PID" ]]; then
+      OOM_PID=""
+      ((rc == 0)) || exit "$rc"
+      wait "$TRAIN_PID" || rc=$?
+    fi
+  else
+    wait "$TRAIN_PID" || rc=$?
+  fi
   TRAIN_PID=""
+  if [[ -n "$OOM_PID" ]]; then wait "$OOM_PID" || true; OOM_PID=""; fi   # its last read, then it exits
   say "training exited with code ${rc}"
   if [[ -n "$WATCH_PID" ]]; then
     wait "$WATCH_PID" 2>/dev/null || true
@@ -219,6 +239,7 @@ for ((attempt = 1; ; attempt++)); do
   ((attempt < P[JOIN_RETRIES])) || die "could not join ${P[RAY_ADDRESS]} after ${attempt} attempts (see ${P[RAY_LOG]})"
   sleep "${P[JOIN_INTERVAL]}"
 done
+watch_oom "$RAY_PID"
 q3 launch watch-head --plan-dir "$PLAN_DIR" --pid "$RAY_PID" &
 WATCH_PID=$!
 rc=0

@@ -6,6 +6,7 @@ wrote (``--plan-dir``) and prints one-line ``error: ...`` messages on failure.
 Steps: ``resolve`` (options -> plan files), ``show`` (dry-run printout), ``wait-started`` (the local
 ``ray start --block`` is up), ``wait-cluster`` (head: N nodes × NPUs registered), ``wait-head``
 (worker: the head's GCS port answers), ``watch-head`` (worker: stay until the head goes away),
+``watch-oom`` (report Ray's memory-monitor kills on this node; head: exit 1 so the training is stopped; ray_oom.py),
 ``cpu-map`` / ``cpu-bind`` (CPU binding), ``stop`` (stop what this launcher started, by PID), ``auth`` (the
 cluster's Ray token: the head writes it, a worker waits for it), ``address-file save|restore`` (leave Ray's
 ``ray_current_cluster`` as it was found), ``slurm-plan`` / ``slurm-task`` (launch_slurm.sbatch), ``k8s`` (a
@@ -36,6 +37,7 @@ from qwen3_rl.tools.launch.netinfo import tcp_reachable
 from qwen3_rl.tools.launch.npu_smi import NpuSmiError, run_npu_smi
 from qwen3_rl.tools.launch.options import LaunchError, LaunchPlan, parse_options, usage
 from qwen3_rl.tools.launch.ray_node import make_token, restore_address_file, save_address_file, wait_token
+from qwen3_rl.tools.launch.ray_oom import follow_kills, raylet_session_dir
 from qwen3_rl.tools.launch.ray_status import ClusterError, query_status, wait_for_cluster
 from qwen3_rl.tools.launch.train_script import TrainScriptError, parse_train_script
 
@@ -271,6 +273,36 @@ def cmd_watch_head(argv: list[str]) -> int:
     return 0
 
 
+def cmd_watch_oom(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="launch watch-oom")
+    ap.add_argument("--plan-dir", required=True)
+    ap.add_argument("--ray-pid", type=int, required=True, help="the launcher's 'setsid ray start --block'")
+    ap.add_argument("--until", type=int, required=True, help="watch while this process runs")
+    ap.add_argument("--interval", type=float, default=1.0, help="seconds between reads of raylet.out")
+    a = ap.parse_args(argv)
+    plan = _load(a.plan_dir)
+    latest = Path(plan.ray_address_file).parent / "session_latest"
+    session = None
+    for _ in range(int(30 / 0.2)):  # the raylet is up once wait-started returned; bounded in case it is not
+        session = raylet_session_dir(a.ray_pid)
+        if session is not None or not pid_alive(a.until):
+            break
+        time.sleep(0.2)
+    if session is None:
+        session = latest
+        _log(f"memory-kill watch: no raylet of this launcher's Ray found; following {latest}")
+    elif latest.resolve() != session.resolve():
+        _log(f"memory-kill watch: {latest} is another cluster's; following this launch's {session}")
+    for kill in follow_kills(session / "logs" / "raylet.out", lambda: pid_alive(a.until), a.interval):
+        if not kill.lost:  # an idle worker, or Ray runs the task again / restarts the actor
+            print(f"warning: {kill.message(head=False)}", file=sys.stderr, flush=True)
+            continue
+        _die(kill.message(head=plan.role == "head"))
+        if plan.role == "head":
+            return 1
+    return 0
+
+
 def _compute_map(plan: LaunchPlan) -> BindingMap:
     topo = run_npu_smi("info", "-t", "topo")
     chips = run_npu_smi("info", "-m")
@@ -449,8 +481,8 @@ def cmd_calibrate(argv: list[str]) -> int:
 
 STEPS: dict[str, Callable[[list[str]], int]] = {
     "resolve": cmd_resolve, "show": cmd_show, "wait-started": cmd_wait_started, "wait-cluster": cmd_wait_cluster,
-    "wait-head": cmd_wait_head, "watch-head": cmd_watch_head, "cpu-map": cmd_cpu_map, "cpu-bind": cmd_cpu_bind,
-    "stop": cmd_stop, "auth": cmd_auth, "address-file": cmd_address_file, "slurm-plan": cmd_slurm_plan,
+    "wait-head": cmd_wait_head, "watch-head": cmd_watch_head, "watch-oom": cmd_watch_oom, "cpu-map": cmd_cpu_map,
+    "cpu-bind": cmd_cpu_bind, "stop": cmd_stop, "auth": cmd_auth, "address-file": cmd_address_file, "slurm-plan": cmd_slurm_plan,
     "slurm-task": cmd_slurm_task, "k8s": cmd_k8s, "calibrate": cmd_calibrate,
 }
 

@@ -49,7 +49,8 @@ ENV_FALLBACKS: dict[str, tuple[str, str | None]] = {
     "device": ("LAUNCH_DEVICE", "npu"),
     "auth_token_file": ("RAY_AUTH_TOKEN_FILE", None),
 }
-BOOL_FALLBACKS = {"dashboard": "RAY_DASHBOARD", "cpu_binding": "CPU_BINDING", "no_preflight": "SKIP_PREFLIGHT"}
+BOOL_FALLBACKS = {"dashboard": "RAY_DASHBOARD", "cpu_binding": "CPU_BINDING", "no_preflight": "SKIP_PREFLIGHT",
+                  "no_oom_watch": "SKIP_OOM_WATCH"}
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class LaunchPlan:
     auth_token_file: str = ""
     auth_token_make: bool = False
     ray_address_file: str = ""  # <ray temp dir>/ray_current_cluster (restored on exit; see launch/ray_node.py)
+    oom_watch: bool = True  # follow raylet.out for Ray memory-monitor kills (launch/ray_oom.py)
     pin_set: str = "seed"  # PIN_SET (qwen3_rl.tools.pins.resolve_pin_set): which pin set's stack this node runs
     notes: list[str] = field(default_factory=list)
 
@@ -171,6 +173,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-preflight", action="store_true", default=None,
                     help="skip 'python -m qwen3_rl preflight' before ray start, except its environment "
                          "contract (--env-only) [SKIP_PREFLIGHT=1]")
+    ap.add_argument("--no-oom-watch", action="store_true", default=None,
+                    help="do not follow raylet.out for Ray memory-monitor kills (on, the head stops the training "
+                         "after one, as verl waits forever for the killed actor) [SKIP_OOM_WATCH=1]")
     ap.add_argument("--dry-run", action="store_true", help="print every command and the environment; run nothing")
     ap.add_argument("--stop", action="store_true", help="stop the Ray (and training) this launcher started here")
     ap.add_argument("-h", "--help", action="store_true", help="show this help")
@@ -292,6 +297,7 @@ def parse_options(argv: list[str], env: dict[str, str] | None = None) -> LaunchP
     dashboard = _bool(ns, "dashboard", env)
     cpu_binding = _bool(ns, "cpu_binding", env)
     preflight = not _bool(ns, "no_preflight", env)
+    oom_watch = not _bool(ns, "no_oom_watch", env)
     device, device_src = _value(ns, "device", env)
     if device not in ("npu", "cpu"):
         raise LaunchError(f"{device_src}={device!r} must be npu or cpu")
@@ -419,7 +425,7 @@ def parse_options(argv: list[str], env: dict[str, str] | None = None) -> LaunchP
         preflight=preflight, join_retries=join_retries, join_interval=join_interval,
         watch_interval=watch_interval, watch_misses=watch_misses, cann_home=str(cann_home),
         npu_env=str(Path(str(npu_env)).resolve()), ray_bin=ray_bin, ray_start=ray_start,
-        python=sys.executable, repo=str(REPO), pin_set=pin_set, auth_mode=auth_mode, auth_token_file=token_file,
+        python=sys.executable, repo=str(REPO), pin_set=pin_set, oom_watch=oom_watch, auth_mode=auth_mode, auth_token_file=token_file,
         auth_token_make=token_make,
         ray_address_file=str(ray_temp_root(str(temp_dir) if temp_dir else None, env) / ADDRESS_FILE), notes=notes,
     )
