@@ -255,6 +255,27 @@ def _fully_async_negatives(config_name: str, overrides: list[str]) -> list[dict]
     ]
 
 
+def _off_switches(reg: F.Registry, setup: str, model: Path | None) -> dict[str, str]:
+    """The values that turn off every switch ``setup``'s defaults stop on (its expected stops), as env overrides."""
+    return {n: _off_value(reg.features[n]) for n in _expected_stops(setup, _env(model=model))}
+
+
+def _render_case(out: dict, cases: list[dict], name: str, setup: str, env: dict[str, str], model: Path | None,
+                 **extra: object):  # noqa: ANN201 (the parsed command or None)
+    """Run ``setup``'s train script with ``env``: a stop records its stderr in ``out["stops"][name]`` and returns
+    None; else the printed command's overrides go to ``out["overrides"][name]``, a dry-run case (``extra`` keys added)
+    to ``cases``, and the parsed command is returned."""
+    proc = _run_script(setup, env)
+    if proc.returncode != 0:
+        out["stops"][name] = proc.stderr
+        return None
+    cmd = parse_train_script(REPO / "internal" / setup, env=env)
+    out["overrides"][name] = cmd.overrides
+    cases.append({"name": name, "config_name": cmd.config_name, "overrides": cmd.overrides,
+                  "model": model is not None, **extra})
+    return cmd
+
+
 def _run_script(setup: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", str(REPO / "internal" / setup)],

@@ -57,28 +57,12 @@ def ms_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict:
     cases, out = [], {"overrides": {}, "default": {}, "stops": {}}
     for name, (setup, switches, _) in CASES.items():
         model = dense if "tiny" in setup else None
-        off = {
-            n: base._off_value(reg.features[n]) for n in base._expected_stops(setup, base._env(model=model))
-        }
+        off = base._off_switches(reg, setup, model)
         out["default"][name] = parse_train_script(
             REPO / "internal" / setup, env=base._env(off, model)
         ).overrides
         env = base._env(off | switches, model)
-        proc = base._run_script(setup, env)
-        if proc.returncode != 0:
-            out["stops"][name] = proc.stderr
-            continue
-        cmd = parse_train_script(REPO / "internal" / setup, env=env)
-        out["overrides"][name] = cmd.overrides
-        cases.append(
-            {
-                "name": name,
-                "config_name": cmd.config_name,
-                "overrides": cmd.overrides,
-                "model": model is not None,
-                "report": [OTC, REF_OTC],
-            }
-        )
+        base._render_case(out, cases, name, setup, env, model, report=[OTC, REF_OTC])
     out["dry"] = base._dry_run(cases, tmp_path_factory.mktemp("dry_run_ms"))
     return out
 

@@ -15,9 +15,6 @@ import pytest
 import test_verl091_dry_run as base
 
 from qwen3_rl.tools import features as F
-from qwen3_rl.tools.launch.train_script import parse_train_script
-
-from conftest import REPO
 
 EK = "+actor_rollout_ref.rollout.engine_kwargs.vllm."
 MODE = EK + "compilation_config.cudagraph_mode=FULL_DECODE_ONLY"
@@ -42,26 +39,11 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict:
     cases, out = [], {"overrides": {}, "stops": {}}
     for setup in base.GRPO:
         model = dense if setup == TINY else None
-        off = {
-            n: base._off_value(reg.features[n]) for n in base._expected_stops(setup, base._env(model=model))
-        }
+        off = base._off_switches(reg, setup, model)
         for case, switches in CASES.items():
             name = f"{case}:{setup}"
             env = base._env(off | switches, model)
-            proc = base._run_script(setup, env)
-            if proc.returncode != 0:
-                out["stops"][name] = proc.stderr
-                continue
-            cmd = parse_train_script(REPO / "internal" / setup, env=env)
-            out["overrides"][name] = cmd.overrides
-            cases.append(
-                {
-                    "name": name,
-                    "config_name": cmd.config_name,
-                    "overrides": cmd.overrides,
-                    "model": model is not None,
-                }
-            )
+            base._render_case(out, cases, name, setup, env, model)
     out["dry"] = base._dry_run(cases, tmp_path_factory.mktemp("dry_run_nge"))
     return out
 

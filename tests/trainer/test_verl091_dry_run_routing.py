@@ -22,7 +22,6 @@ import pytest
 import test_verl091_dry_run as base
 
 from qwen3_rl.tools import features as F
-from qwen3_rl.tools.launch.train_script import parse_train_script
 
 from conftest import REPO
 from helpers.current_verl import run_in_venv
@@ -50,30 +49,16 @@ def routing_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict:
     cases, out = [], {"overrides": {}, "stops": {}, "read_back": {}}
     for setup in SETUPS:
         model = dense if "tiny" in setup else None
-        off = {
-            n: base._off_value(reg.features[n]) for n in base._expected_stops(setup, base._env(model=model))
-        }
+        off = base._off_switches(reg, setup, model)
         for value in ("True", "False"):
             name = f"{value}:{setup}"
             env = base._env(off | {"SERVER_ROUTING": value}, model)
-            proc = base._run_script(setup, env)
-            if proc.returncode != 0:
-                out["stops"][name] = proc.stderr
+            cmd = base._render_case(out, cases, name, setup, env, model, report=[KEY])
+            if cmd is None:
                 continue
-            cmd = parse_train_script(REPO / "internal" / setup, env=env)
-            out["overrides"][name] = cmd.overrides
+            cases[-1]["entry"] = cmd.entry_module
             back = F.values_from_overrides(reg, cmd.override_map(), setup, pin_set="current")
             out["read_back"][name] = back["SERVER_ROUTING"]
-            cases.append(
-                {
-                    "name": name,
-                    "config_name": cmd.config_name,
-                    "overrides": cmd.overrides,
-                    "model": model is not None,
-                    "entry": cmd.entry_module,
-                    "report": [KEY],
-                }
-            )
     out["dry"] = base._dry_run(cases, tmp_path_factory.mktemp("dry_run_routing"))
     return out
 

@@ -85,20 +85,7 @@ def sam_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict:
             name = f"{case}:{setup}"
             extra = dict(switches, **({"SAM_COST_TABLE": str(table)} if case == "sam_adaptive" else {}))
             env = base._env(off | extra, model)
-            proc = base._run_script(setup, env)
-            if proc.returncode != 0:
-                out["stops"][name] = proc.stderr
-                continue
-            cmd = parse_train_script(REPO / "internal" / setup, env=env)
-            out["overrides"][name] = cmd.overrides
-            cases.append(
-                {
-                    "name": name,
-                    "config_name": cmd.config_name,
-                    "overrides": cmd.overrides,
-                    "model": model is not None,
-                }
-            )
+            base._render_case(out, cases, name, setup, env, model)
     out["dry"] = base._dry_run(cases, tmp_path_factory.mktemp("dry_run_sam"))
     return out
 

@@ -152,7 +152,6 @@ def dry_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict:
     ``test_verl091_dry_run.py``'s positive control): the printed command, or the script's stderr; and the dry run of
     ``tests/helpers/verl091_dry_run_driver.py`` (verl 0.9.1's compose, ``validate_config``, dataclass conversions)."""
     from qwen3_rl.tools import features as F
-    from qwen3_rl.tools.launch.train_script import parse_train_script
     from qwen3_rl.tools.tiny_model import TinySpec, make_tiny_model
 
     reg = F.load_registry()
@@ -160,26 +159,11 @@ def dry_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict:
     cases, out = [], {"overrides": {}, "stops": {}}
     for setup in base.GRPO:
         model = dense if "tiny" in setup else None
-        off = {
-            n: base._off_value(reg.features[n]) for n in base._expected_stops(setup, base._env(model=model))
-        }
+        off = base._off_switches(reg, setup, model)
         for case, switches in DRY_CASES.items():
             name = f"{case}:{setup}"
             env = base._env(off | switches, model)
-            proc = base._run_script(setup, env)
-            if proc.returncode != 0:
-                out["stops"][name] = proc.stderr
-                continue
-            cmd = parse_train_script(REPO / "internal" / setup, env=env)
-            out["overrides"][name] = cmd.overrides
-            cases.append(
-                {
-                    "name": name,
-                    "config_name": cmd.config_name,
-                    "overrides": cmd.overrides,
-                    "model": model is not None,
-                }
-            )
+            base._render_case(out, cases, name, setup, env, model)
     out["dry"] = base._dry_run(cases, tmp_path_factory.mktemp("olp_dry"))
     return out
 
