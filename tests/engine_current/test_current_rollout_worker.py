@@ -83,7 +83,8 @@ def test_the_commands_settings_are_the_recipes(runs: dict) -> None:
     assert llm["scheduler_cls"] == "qwen3_rl.rollout.gc_scheduler.GcStepScheduler", llm
     assert llm["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}, llm
     assert llm["additional_config"] == {
-        "qwen3_rl": {"disable_gc": True, "sam_config": {"group_mode": True}}
+        # pad_drafts follows NPUGRAPH_EX (off here): graphs need fixed-size drafts (features.toml)
+        "qwen3_rl": {"disable_gc": True, "sam_config": {"group_mode": True, "pad_drafts": False}}
     }, llm
 
 

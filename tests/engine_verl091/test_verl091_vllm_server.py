@@ -89,7 +89,9 @@ def test_recipe_settings_come_from_the_train_scripts_command(result: dict) -> No
     assert want <= set(cmd["overrides"]), sorted(want - set(cmd["overrides"]))
     ek = cmd["engine_kwargs"]
     assert ek["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}, ek
-    assert ek["additional_config"]["qwen3_rl"] == {"disable_gc": True, "sam_config": {"group_mode": True}}, ek
+    # pad_drafts follows NPUGRAPH_EX (off here): graphs need fixed-size drafts (features.toml)
+    sam = {"group_mode": True, "pad_drafts": False}
+    assert ek["additional_config"]["qwen3_rl"] == {"disable_gc": True, "sam_config": sam}, ek
     assert cmd["disable_log_stats"] is False
 
 
