@@ -177,9 +177,12 @@ def _fused_adam() -> None:
     sys.modules["apex.optimizers"].FusedAdam = CpuFusedAdam16
 
 
-def install() -> None:
+def install(fused_adam: bool = True) -> None:
     """Apply the shims above in this process (idempotent). ``qwen3_rl/cpu_device`` must be on ``sys.path``
-    (``post_import``), as the seed set's shims need."""
+    (``post_import``), as the seed set's shims need. ``fused_adam=False`` leaves out ``FUSED_ADAM`` (6) for a model
+    built on megatron's local spec: its ``import apex`` would pick ``FusedLayerNorm``
+    (``transformer/transformer_block.py:44-63``, ``models/gpt/gpt_layer_specs.py:59-64``), which refuses RMSNorm and
+    which only MindSpeed's norm patch makes take it on an NPU."""
     global _INSTALLED
     if _INSTALLED:
         return
@@ -191,5 +194,6 @@ def install() -> None:
     megatron_shims._moe_host_copy()
     _router_gemm()
     _host_pin_memory()
-    _fused_adam()
+    if fused_adam:
+        _fused_adam()
     _INSTALLED = True

@@ -272,7 +272,9 @@ def worker(rank: int, port: int, modes: list[str], q) -> None:
     one step; put ``{mode: results}`` on ``q``."""
     from qwen3_rl.cpu_device import megatron16_shims
 
-    megatron16_shims.install()
+    # the model is built on megatron's local norm spec, whose choice `import apex` flips to FusedLayerNorm (no
+    # RMSNorm without MindSpeed's norm patch); this driver's optimizer is not under test: no FUSED_ADAM
+    megatron16_shims.install(fused_adam=False)
     if "hybrid-mindspeed" in modes:
         sys.path.append(os.environ["QWEN3_RL_MS16_TREE"])
         from helpers import mindspeed_shims
