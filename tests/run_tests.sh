@@ -227,10 +227,16 @@ main() {
     echo "== pytest (current engine venv: tests/engine_current, vLLM 0.23.0; then the verl 0.9.1 engine venv:" \
          "tests/engine_verl091; in the background, log after the main run)"
     (
+      # its own numba cache: the current venvs' numba 0.65 and the seed venvs' 0.61 name their cache files of a
+      # kernel alike (the checkout's __pycache__); one version rewriting a data file the other's index points to
+      # failed the seed lane's SAM warm-up with "LLVM bitcode parsing error" in a clean-clone CI run
+      NUMBA_CACHE_DIR="$(mktemp -d)"
+      export NUMBA_CACHE_DIR
       rc=0
       "${CURRENT_ENGINE_VENV}/bin/python" -m pytest tests/engine_current "$@" || rc=$?
       rc_v=0
       "${VERL091_ENGINE_VENV}/bin/python" -m pytest tests/engine_verl091 "$@" || rc_v=$?
+      rm -rf "${NUMBA_CACHE_DIR}"
       echo "${rc_v}" >"${verl091e_rc_file}"
       [[ -z "${done_dir}" ]] || : >"${done_dir}/current"
       exit "${rc}"
