@@ -515,47 +515,17 @@ def verl_state() -> dict:
     }
 
 
-class _WatchAdaptorImport(importlib.abc.MetaPathFinder):
-    """Observes the import of ``mindspeed.megatron_adaptor``: finds its spec as the path finder does and wraps the
-    loader so that an exception raised while the module runs is kept (``error``) and raised on unchanged."""
-
-    def __init__(self) -> None:
-        self.error: BaseException | None = None
-
-    def find_spec(
-        self, name: str, path: object = None, target: object = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if name != "mindspeed.megatron_adaptor":
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        loader, watch = spec.loader, self
-
-        class Loader(importlib.abc.Loader):
-            def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
-                return loader.create_module(spec)
-
-            def exec_module(self, module: types.ModuleType) -> None:
-                try:
-                    loader.exec_module(module)
-                except BaseException as e:
-                    watch.error = e
-                    raise
-
-        spec.loader = Loader()
-        return spec
-
-
 def adaptor_main(out: Path) -> int:
     """``adaptor`` mode: verl's import of its engines (``import verl.workers.engine``, MindSpeed's adaptor inside) with
     the stand-ins and nothing else; OUT (JSON): :func:`verl_state`, and "error": what the adaptor's import raised
-    ({"type", "message", "frames": ["file:line function", ...]} or None, observed by :class:`_WatchAdaptorImport`)."""
+    ({"type", "message", "frames": ["file:line function", ...]} or None, observed by ``mindspeed_check._WatchAdaptor``)."""
     here = Path(__file__).resolve().parent
     install_npu_stand_ins(here.parent)
     os.environ["VERL_PLATFORM"] = verl091_cpu.PLATFORM_NAME
     os.environ["VERL_ENGINE_DEVICE"] = "npu"
-    watch = _WatchAdaptorImport()
+    from qwen3_rl.tools.launch import mindspeed_check
+
+    watch = mindspeed_check._WatchAdaptor()  # the preflight check's observer of the adaptor's import
     sys.meta_path.insert(0, watch)
     import verl.workers.engine  # noqa: F401
 
