@@ -44,6 +44,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 if sys.argv[1] == "engine":
     from qwen3_rl.cpu_device import megatron16_shims, verl091_cpu
@@ -107,6 +108,30 @@ def make_batch(pad_id: int) -> dict[str, torch.Tensor]:
     }
 
 
+def float32_worker_config(cfg: Any) -> tuple[Any, Any, Any]:
+    """ActorRolloutRefWorker.init_model's actor branch (``engine_workers.py:590-645``) on the composed ``cfg``:
+    (TrainingWorkerConfig, ActorConfig, HFModelConfig), the engine config's dtype float32 for the exact comparison
+    with HF. McoreEngineConfig's validation accepts only bfloat16 / float16 (``verl/workers/config/engine.py:218``)
+    and its fields are frozen (``verl/base_config.py:33-38``), so the validated config's dtype is set past both; the
+    engine reads it once (``transformer_impl.py:277-278``: param_dtype, and from that mbridge's dtype, tf_config.fp16
+    / bf16 False, the optimizer's fp16 / bf16 False)."""
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.config import TrainingWorkerConfig
+
+    model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
+    actor_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    actor_config.model_config = model_config
+    wcfg = TrainingWorkerConfig(
+        model_type=model_config.get("model_type", "language_model"),
+        model_config=model_config,
+        engine_config=actor_config.engine,
+        optimizer_config=actor_config.optim,
+        checkpoint_config=actor_config.checkpoint,
+    )
+    object.__setattr__(wcfg.engine_config, "dtype", "float32")
+    return wcfg, actor_config, model_config
+
+
 def engine_main(hf_dir: str, out_dir: Path, extra: tuple[str, ...] = ()) -> int:
     """The engine check; ``extra``: Hydra overrides after :func:`overrides`' (e.g. the switches' keys)."""
     import importlib.metadata as md
@@ -115,8 +140,6 @@ def engine_main(hf_dir: str, out_dir: Path, extra: tuple[str, ...] = ()) -> int:
     import verl
     from hydra import compose, initialize_config_dir
     from verl.utils import tensordict_utils as tu
-    from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.config import ActorConfig, HFModelConfig, TrainingWorkerConfig
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
@@ -128,23 +151,8 @@ def engine_main(hf_dir: str, out_dir: Path, extra: tuple[str, ...] = ()) -> int:
     with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
         cfg = compose("ppo_megatron_trainer", overrides=[*overrides(hf_dir, world, n), *extra])
 
-    # ActorRolloutRefWorker.init_model's actor branch (engine_workers.py:590-645)
-    model_config: HFModelConfig = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
-    actor_config: ActorConfig = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    actor_config.model_config = model_config
-    wcfg = TrainingWorkerConfig(
-        model_type=model_config.get("model_type", "language_model"),
-        model_config=model_config,
-        engine_config=actor_config.engine,
-        optimizer_config=actor_config.optim,
-        checkpoint_config=actor_config.checkpoint,
-    )
+    wcfg, actor_config, model_config = float32_worker_config(cfg)
     ecfg = wcfg.engine_config
-    # float32 for the exact comparison with HF: McoreEngineConfig's validation accepts only bfloat16 / float16
-    # (verl/workers/config/engine.py:218) and its fields are frozen (verl/base_config.py:33-38), so the validated
-    # config's dtype is set past both; the engine reads it once (transformer_impl.py:277-278: param_dtype, and from
-    # that mbridge's dtype, tf_config.fp16 / bf16 False, the optimizer's fp16 / bf16 False).
-    object.__setattr__(ecfg, "dtype", "float32")
     ecfg.use_dynamic_bsz = cfg.actor_rollout_ref.actor.use_dynamic_bsz
     ecfg.infer_micro_batch_size_per_gpu = cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu
     ecfg.micro_batch_size_per_gpu = cfg.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu

@@ -232,8 +232,6 @@ def engine_main(hf_dir: str, out_pt: str, kind: str) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     import verl091_engine_driver as engine_driver  # its import installs the device layer (argv[1] == "engine")
     from verl.utils import tensordict_utils as tu
-    from verl.utils.config import omega_conf_to_dataclass
-    from verl.workers.config import TrainingWorkerConfig
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
@@ -243,20 +241,8 @@ def engine_main(hf_dir: str, out_pt: str, kind: str) -> int:
     batch = engine_driver.make_batch(pad_id=0)
     n = batch["input_ids"].shape[0]
     cfg = compose(engine_driver.overrides(hf_dir, 1, n))
-    # ActorRolloutRefWorker.init_model's actor branch, as in the engine driver (engine_workers.py:590-645)
-    model_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.model)
-    actor_config = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    actor_config.model_config = model_config
-    wcfg = TrainingWorkerConfig(
-        model_type="language_model",
-        model_config=model_config,
-        engine_config=actor_config.engine,
-        optimizer_config=actor_config.optim,
-        checkpoint_config=actor_config.checkpoint,
-    )
+    wcfg, actor_config, model_config = engine_driver.float32_worker_config(cfg)
     ecfg = wcfg.engine_config
-    # as the engine driver: float32 set past the bf16/fp16-only validation (verl/workers/config/engine.py:218)
-    object.__setattr__(ecfg, "dtype", "float32")
     ecfg.use_dynamic_bsz = False
     ecfg.infer_micro_batch_size_per_gpu = n
     ecfg.micro_batch_size_per_gpu = n
