@@ -53,6 +53,15 @@ def pids_mentioning(text: str) -> list[int]:
     return out
 
 
+def kill_mentioning(text: str) -> None:
+    """SIGKILL every process whose command line contains ``text`` (a test's own directory): what a launcher left."""
+    for pid in pids_mentioning(text):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 @dataclass(frozen=True)
 class TwoNodes:
     """Two network namespaces joined by a veth pair (``head_ip`` in ``head_ns``, ``worker_ip`` in ``worker_ns``)."""

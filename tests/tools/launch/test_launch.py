@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from qwen3_rl.tools.launch.netinfo import NetError, parse_addr_show, parse_route
 from qwen3_rl.tools.launch.ray_status import ClusterError, ClusterStatus, parse_ray_status, wait_for_cluster
 
 from conftest import free_port
-from helpers.netns import pids_mentioning
+from helpers.netns import kill_mentioning, pids_mentioning
 
 REPO = Path(__file__).resolve().parents[3]
 DATA = REPO / "tests" / "data"
@@ -651,11 +650,7 @@ def test_real_ray_head_in_loopback_namespace(tmp_path: Path):
         assert left == [], f"Ray processes left behind: {left}"
         print(f"real-ray launch took {took:.1f} s")
     finally:
-        for pid in pids_mentioning(str(root / "ray")):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_mentioning(str(root / "ray"))
         shutil.rmtree(root, ignore_errors=True)
 
 

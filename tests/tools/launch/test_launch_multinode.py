@@ -34,7 +34,7 @@ from test_launch import REPO, VENV_BIN, make_cann, make_standin, make_stubs, stu
 
 from qwen3_rl.tools.pins import load_pins
 
-from helpers.netns import TwoNodes, describe, ns_pids, pids_mentioning, two_nodes  # noqa: F401 (fixture)
+from helpers.netns import TwoNodes, describe, kill_mentioning, ns_pids, pids_mentioning, two_nodes  # noqa: F401 (fixture)
 
 NPUS = 16
 EXIT_CODE = 5
@@ -198,9 +198,5 @@ def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):  # noqa: F8
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)  # its own session (start_new_session)
                 proc.wait(timeout=10)
-        for pid in pids_mentioning(str(root)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_mentioning(str(root))
         shutil.rmtree(root, ignore_errors=True)

@@ -5,9 +5,7 @@ non-zero; the same run at a normal threshold ends 0 without that line (positive 
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -17,7 +15,7 @@ from test_launch import REPO, VENV_BIN, _netns_prefix, make_cann, make_standin, 
 
 from qwen3_rl.tools.launch.ray_oom import OomKill, OomParser, follow_kills, parse_kills, raylet_session_dir
 
-from helpers.netns import pids_mentioning
+from helpers.netns import kill_mentioning, pids_mentioning
 
 # The records of one kill as raylet.out holds them (ids, addresses and the process table made up; the wording,
 # field order and units are Ray 2.52's: memory_monitor.cc "above threshold", node_manager.cc "Killing worker",
@@ -237,11 +235,7 @@ def _launch(threshold: str, hold_s: str) -> tuple[subprocess.CompletedProcess[st
         assert pids_mentioning(str(root / "ray")) == [], "Ray processes left behind"
         return p, text, term, took
     finally:
-        for pid in pids_mentioning(str(root / "ray")):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_mentioning(str(root / "ray"))
         shutil.rmtree(root, ignore_errors=True)
 
 
