@@ -59,7 +59,10 @@ stop_group() {
 # worker's `ray start --block` whose head is already gone can ignore SIGTERM until then (seen after scancel).
 cleanup() {
   local rc=$?
-  trap - EXIT INT TERM HUP
+  # A repeated signal must not cut the stops short: Slurm's scancel sends SIGTERM again while this runs, and with
+  # the default action back the launcher died mid-stop, leaving a worker's `ray start` (own process group) behind.
+  trap - EXIT
+  trap '' INT TERM HUP
   if [[ -n "$TRAIN_PID" ]] && kill -0 "$TRAIN_PID" 2>/dev/null; then
     kill -TERM -- "-${TRAIN_PID}" 2>/dev/null || true   # the training's own process group
     stop_pid "$TRAIN_PID" "training" 25

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -60,7 +61,7 @@ case "$1" in
   start)
     if [[ -n "${STUB_RAY_FAIL_START:-}" ]]; then echo "ConnectionError: GCS unreachable"; exit 1; fi
     echo "Ray runtime started."
-    trap 'echo "ray-stub TERM $$" >> "$STUB_LOG"; exit 0' TERM
+    trap 'echo "ray-stub TERM $$" >> "$STUB_LOG"; sleep "${STUB_RAY_TERM_DELAY:-0}"; echo "ray-stub exit $$" >> "$STUB_LOG"; exit 0' TERM
     while :; do sleep 0.1; done ;;
   status)
     n=${STUB_NODES:-1}
@@ -563,6 +564,42 @@ def test_stop_stops_only_this_launcher(stubs):
     assert any(x.startswith("ray-stub TERM") for x in calls(root))
     p = run_launcher([str(script), "--stop"], env)
     assert p.returncode == 0 and "nothing to stop" in p.stdout
+
+
+
+def test_repeated_sigterm_does_not_cut_the_stops_short(stubs):
+    """scancel sends SIGTERM again while the launcher stops what it started (the clean-clone CI saw a worker's
+    launcher die mid-stop and its ``ray start`` outlive the job). Here Ray takes 3 s to stop and the launcher gets
+    three more SIGTERMs meanwhile: it still waits for Ray, removes its pid file and exits 143 by its own trap."""
+    root, bin_dir = stubs
+    script = make_standin(root, "import time\nprint('standin: training', flush=True)\ntime.sleep(60)\n")
+    env = stub_env(root, bin_dir, **_good_files(root), STUB_RAY_TERM_DELAY="3")
+    proc = subprocess.Popen(["bash", str(REPO / "ray_start_npu.sh"), str(script), "--no-preflight"], env=env,
+                            text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
+    pidfile = root / "logs" / ".ray_start_npu_head_6379.pid"
+    try:
+        log = root / "logs" / "train_standin_head_127.0.0.1.log"
+        deadline = time.time() + 30
+        while time.time() < deadline and not (log.is_file() and "standin: training" in log.read_text()):
+            time.sleep(0.1)
+        assert log.is_file() and pidfile.is_file(), "training did not start"
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.time() + 30
+        while time.time() < deadline and not any(x.startswith("ray-stub TERM") for x in calls(root)):
+            time.sleep(0.05)
+        assert any(x.startswith("ray-stub TERM") for x in calls(root)), "the launcher never stopped its Ray"
+        for _ in range(3):  # while Ray is still stopping
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+        out, err = proc.communicate(timeout=40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, (proc.returncode, out[-2000:], err[-2000:])
+    c = calls(root)
+    term = [x.split()[-1] for x in c if x.startswith("ray-stub TERM")]
+    assert [x.split()[-1] for x in c if x.startswith("ray-stub exit")] == term, c  # Ray finished stopping
+    assert not pidfile.exists(), "the launcher died before its clean-up ended"
 
 
 # ---- one real Ray head, confined to a network namespace with only loopback ---------------------------
