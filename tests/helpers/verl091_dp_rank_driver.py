@@ -24,7 +24,14 @@ prints ``VERL_DP_RANK_ENGINE {json}``: one recipe server launched by verl (``lau
 DP 1; ``qwen3_rl.cpu_device.vllm023_shims`` in the engine's processes by ``verl091_vllm_site``, a device-kernel
 keyword), the shipped plugin told ``data_parallel_size: 2`` (``group``) or verl's balancer (``default``), four
 prompts x two samples, greedy, 4 tokens: {run: [[request id, prompt index, rank the balancer chose or "absent",
-"ok" | "error", token ids | the error's last line], ...]}.
+"ok" | "error", token ids | the error's last line], ...], "cores": {run: [[engine index, pid, vLLM's request id], ...]}}
+(``cores``: the engine cores' own log, the observer of ``verl091_vllm_site``; the client passes verl's request id
+through, ``full_determinism``).
+
+    python tests/helpers/verl091_dp_rank_driver.py WORK_DIR engine 2
+
+the same with the server at ``data_parallel_size=2`` (vLLM's DP coordinator and two engine-core processes, one CPU
+each), the shipped plugin as it is (the DP size asked of the server) and four samples per prompt.
 """
 
 from __future__ import annotations
@@ -109,10 +116,11 @@ async def drive(handles: list, clients: list, ray) -> dict:
     return out
 
 
-async def engine_runs(replica, model_dir: Path, work: Path) -> dict:
-    """One recipe server launched by verl (``launch_server``: vLLM 0.23's ``AsyncLLM`` on CPU, DP 1); the shipped
-    plugin told ``data_parallel_size: 2`` (``group``) or verl's balancer (``default``); per request: the rank the
-    balancer chose (its own record) and the outcome (tokens, or the error's last line)."""
+async def engine_runs(replica, model_dir: Path, work: Path, dp: int) -> dict:
+    """One recipe server launched by verl (``launch_server``: vLLM 0.23's ``AsyncLLM`` on CPU, DP ``dp``); the
+    shipped plugin (DP 1: told ``data_parallel_size: 2``; DP 2: the servers' size) (``group``) or verl's balancer
+    (``default``); per request: the rank the balancer chose (its own record) and the outcome (tokens, or the error's
+    last line); and the engine cores' own log of the requests they took (``cores``)."""
     import ray
     from omegaconf import OmegaConf
     from verl.workers.rollout.llm_server import LLMServerClient
@@ -123,24 +131,28 @@ async def engine_runs(replica, model_dir: Path, work: Path) -> dict:
         config=replica.config,
         model_config=replica.model_config,
         rollout_mode=RolloutMode.STANDALONE,
-        workers=[],
+        workers=[None] * dp,  # verl checks only their number against the local DP size (:389)
         replica_rank=0,
         node_rank=0,
-        gpus_per_node=1,
+        gpus_per_node=dp,
         nnodes=1,
         cuda_visible_devices="",
     )
     await asyncio.wait_for(server.launch_server.remote(), 900)
     host, port = await server.get_server_address.remote()
-    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm", "full_determinism": False}}})
+    # full_determinism: verl's client hands the caller's request id to vLLM (llm_server.py:90-96), so the cores'
+    # log names the request; the balancer is told nothing of it (get_router_handle's own argument, router.py:303)
+    rollout = {"name": "vllm", "full_determinism": True}
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}})
     router_yaml = work / "router_dp2.yaml"
     plugin = (REPO / "qwen3_rl/rollout/verl_router.yaml").read_text()
-    router_yaml.write_text(plugin + "data_parallel_size: 2\n")
-    out: dict = {}
+    router_yaml.write_text(plugin + ("data_parallel_size: 2\n" if dp == 1 else ""))
+    core_log = Path(os.environ.get("QWEN3_RL_CORE_LOG", work / "no-core-log"))
+    out: dict = {"cores": {}}
     for run, yaml_path in (("default", None), ("group", str(router_yaml))):
         balancer = get_router_handle({f"{host}:{port}": server}, router_config_path=yaml_path)
         client = LLMServerClient(config, load_balancer_handle=balancer)
-        rids = [(f"{run}-{p}-{s}", p) for p in range(len(PROMPTS)) for s in range(2)]
+        rids = [(f"{run}-{p}-{s}", p) for p in range(len(PROMPTS)) for s in range(2 * dp)]
 
         async def one(rid: str, p: int, client=client) -> list:
             try:
@@ -160,14 +172,18 @@ async def engine_runs(replica, model_dir: Path, work: Path) -> dict:
             for (rid, p), o in zip(rids, outcomes, strict=True)
         ]
         ray.kill(balancer)
+        logs = sorted(core_log.glob("core-*.txt"))
+        out["cores"][run] = [ln.split() for f in logs for ln in f.read_text().splitlines()]
+        for f in logs:
+            f.unlink()
     ray.kill(server)
     return out
 
 
 def main() -> int:
     work = Path(sys.argv[1])
-    if sys.argv[2:] == ["engine"]:
-        return main_engine(work)
+    if sys.argv[2:3] == ["engine"]:
+        return main_engine(work, int(sys.argv[3]) if sys.argv[3:] else 1)
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
     from omegaconf import OmegaConf
@@ -250,8 +266,8 @@ def main() -> int:
     return 0
 
 
-def main_engine(work: Path) -> int:
-    """``WORK_DIR engine``: :func:`engine_runs` in a local Ray; prints ``VERL_DP_RANK_ENGINE {json}``."""
+def main_engine(work: Path, dp: int) -> int:
+    """``WORK_DIR engine [DP]``: :func:`engine_runs` in a local Ray; prints ``VERL_DP_RANK_ENGINE {json}``."""
     import ray
     from verl.workers.config import HFModelConfig, RolloutConfig
     from verl.workers.rollout.replica import get_rollout_replica_class
@@ -264,8 +280,8 @@ def main_engine(work: Path) -> int:
     rollout = RolloutConfig(
         name="vllm",
         tensor_model_parallel_size=1,
-        data_parallel_size=1,
-        n_gpus_per_node=1,
+        data_parallel_size=dp,
+        n_gpus_per_node=dp,
         nnodes=1,
         dtype="float32",
         load_format="auto",
@@ -283,13 +299,19 @@ def main_engine(work: Path) -> int:
         custom={"qwen3_rl": {"server_auth": {"enable": False}}},
     )
     replica = get_rollout_replica_class("vllm")(
-        replica_rank=0, config=rollout, model_config=HFModelConfig(path=str(model)), gpus_per_node=1
+        replica_rank=0, config=rollout, model_config=HFModelConfig(path=str(model)), gpus_per_node=dp
     )
     site = REPO / "tests" / "helpers" / "verl091_vllm_site"
+    cpus = sorted(os.sched_getaffinity(0))
+    bind = "|".join(str(cpus[r % len(cpus)]) for r in range(dp)) if dp > 1 else "auto"
     env = {
         "RAY_AUTH_MODE": "disabled",
         "QWEN3_RL_VLLM023_SHIMS": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
+        "QWEN3_RL_CORE_LOG": str(work / "core-log"),
+        # vLLM-CPU binds each engine core's OpenMP threads to a NUMA node of its own by default (DP 2 on this
+        # one-node host: "Not enough allowed NUMA nodes", ompmultiprocessing.py:204-212); one CPU per DP rank instead
+        "VLLM_CPU_OMP_THREADS_BIND": bind,
         "PYTHONPATH": os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(
             os.pathsep
         ),
@@ -302,8 +324,10 @@ def main_engine(work: Path) -> int:
         runtime_env={"env_vars": env},
         log_to_driver=False,
     )
+    (work / "core-log").mkdir()
+    os.environ["QWEN3_RL_CORE_LOG"] = str(work / "core-log")  # for engine_runs (this process starts no core)
     try:
-        out = asyncio.run(engine_runs(replica, model, work))
+        out = asyncio.run(engine_runs(replica, model, work, dp))
     finally:
         ray.shutdown()
     print("VERL_DP_RANK_ENGINE " + json.dumps(out), flush=True)
