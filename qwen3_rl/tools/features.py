@@ -55,10 +55,14 @@ class Rule:
     when: tuple[str, ...]
     conds: dict[str, tuple[str, ...]]
     why: str
+    pin_sets: tuple[str, ...] = ()  # the pin sets the rule holds on (empty: every set)
 
     def describe(self) -> str:
         parts = [_cond_text(n, specs) for n, specs in self.conds.items()]
-        return " and ".join(parts)
+        return " and ".join(parts) + (f" (pin set {'/'.join(self.pin_sets)})" if self.pin_sets else "")
+
+    def applies(self, pin_set: str) -> bool:
+        return not self.pin_sets or pin_set in self.pin_sets
 
 
 @dataclass(frozen=True)
@@ -236,7 +240,10 @@ def _rules(env: str, kind: str, raw: object) -> tuple[Rule, ...]:
         conds = item.get("need" if kind == "requires" else "with")
         if conds is None or "when" not in item:
             raise FeatureError(f"{where}: needs 'when' and '{'need' if kind == 'requires' else 'with'}'")
-        out.append(Rule(env, kind, _tuple(item["when"]), _conds(conds, where), str(item.get("why", ""))))
+        pin_sets = _tuple(item["pin_sets"]) if "pin_sets" in item else ()
+        if bad := [p for p in pin_sets if p not in _PIN_SET_NAMES]:
+            raise FeatureError(f"{where}: pin_sets {bad}: expected names of {', '.join(_PIN_SET_NAMES)}")
+        out.append(Rule(env, kind, _tuple(item["when"]), _conds(conds, where), str(item.get("why", "")), pin_sets))
     return tuple(out)
 
 
@@ -267,6 +274,7 @@ def _seam_default(env: str, key: str) -> object:
     return defaults[key][0]
 
 
+_PIN_SET_NAMES = ("seed", "current")  # the sets a feature declares: its own keys (seed), its `current` table
 _FEATURE_KEYS = {"name", "type", "default", "default_for", "allowed", "min", "setups", "sets", "requires", "excludes",
                  "patches", "modules", "tests", "doc", "current"}
 
@@ -401,16 +409,16 @@ def _all_hold(conds: Mapping[str, tuple[str, ...]], lookup: Callable[[str], str 
     return all(any(_holds(s, lookup(n), lookup) for s in specs) for n, specs in conds.items())
 
 
-def rule_violations(reg: Registry, values: Mapping[str, str | None]) -> list[str]:
-    """One line per broken requires / excludes rule, in registry order (``values``: features and context;
-    None = the feature does not apply or is unknown)."""
+def rule_violations(reg: Registry, values: Mapping[str, str | None], pin_set: str = "seed") -> list[str]:
+    """One line per broken requires / excludes rule of ``pin_set``, in registry order (``values``: features and
+    context; None = the feature does not apply or is unknown)."""
     out = []
     for f in reg.features.values():
         mine = values.get(f.env)
         if mine is None:
             continue
         for r in (*f.requires, *f.excludes):
-            if not any(_holds(w, mine, values.get) for w in r.when):
+            if not r.applies(pin_set) or not any(_holds(w, mine, values.get) for w in r.when):
                 continue
             held = _all_hold(r.conds, values.get)
             if r.kind == "requires" and not held:
@@ -579,7 +587,7 @@ def setup_overrides(setup: str, env: Mapping[str, str], context: list[str],
         raise FeatureError(str(exc)) from exc
     ctx = parse_context(reg, context)
     values = resolve(reg, setup, env, ctx, notes, pin_set)
-    broken = rule_violations(reg, values)
+    broken = rule_violations(reg, values, pin_set)
     if broken:
         raise FeatureError(broken[0])
     errors, upstream = pin_set_problems(reg, values, pin_set)
@@ -658,7 +666,7 @@ def check_command(vals: Mapping[str, str], setup: str | None = None, reg: Regist
     """The requires / excludes rules on a final command's override map (one message per broken rule), its
     switches read back from the keys of ``pin_set``."""
     reg = reg or load_registry()
-    return rule_violations(reg, values_from_overrides(reg, vals, setup, pin_set))
+    return rule_violations(reg, values_from_overrides(reg, vals, setup, pin_set), pin_set)
 
 
 # ---- CLI ----------------------------------------------------------------------------------------------

@@ -204,8 +204,8 @@ RULE_CASES += [
      "batch piece to a DP rank (qwen3_rl/rollout/data_rebalance.py refuses it); SERVER_ROUTING keeps a prompt's samples "
      "together instead"),
     (MOE, {"ROLLOUT_MODE": "async", "MOE_ALLTOALLV": "True"}, MOE_CTX,
-     "ROLLOUT_MODE=async excludes MOE_ALLTOALLV=True: its expert placement is the sync rollout's (vLLM DP rank = "
-     "RANK // TP under the external launcher); server mode's DP ranks come from verl's server "
+     "ROLLOUT_MODE=async excludes MOE_ALLTOALLV=True (pin set seed): its expert placement is the sync rollout's "
+     "(vLLM DP rank = RANK // TP under the external launcher); server mode's DP ranks come from verl's server "
      "(vllm_async_server.py:258-268) and are not checked against it"),
     (MOE, {"ROLLOUT_MODE": "async", "SAM_ENABLE": "True", "SAM_GROUP": "True", "SAM_GROUP_EXCHANGE": "True"}, MOE_CTX,
      "ROLLOUT_MODE=async excludes SAM_GROUP_EXCHANGE=True: the exchange runs between the vLLM DP ranks of the sync "
@@ -414,6 +414,24 @@ def test_current_set_stops_a_feature_it_cannot_run_with_one_line() -> None:
         setup_overrides(DENSE, env | {"ROLLOUT_MODE": "sync"}, DENSE_CTX, REG)
     with pytest.raises(FeatureError, match="^PIN_SET='newest' is not a pin set"):
         setup_overrides(DENSE, {"PIN_SET": "newest"}, DENSE_CTX, REG)
+
+
+def test_a_rule_limited_to_one_pin_set_holds_only_there(tmp_path: Path) -> None:
+    """``pin_sets`` on a rule: ROLLOUT_MODE=async excludes MOE_ALLTOALLV on the seed set only (its seam's expert
+    placement is the sync rollout's); on the current set, where server mode is the only mode, the recipe's mbridge
+    bridge module takes it (verl's model.external_lib). An unknown set name in ``pin_sets`` is refused on load."""
+    env = {"ROLLOUT_MODE": "async", "MOE_ALLTOALLV": "True"}
+    with pytest.raises(FeatureError, match=r"^ROLLOUT_MODE=async excludes MOE_ALLTOALLV=True \(pin set seed\): "):
+        setup_overrides(MOE, env, MOE_CTX, REG)
+    cur = setup_overrides(MOE, {**env, "PIN_SET": "current"}, MOE_CTX, REG)
+    assert {"actor_rollout_ref.model.external_lib=qwen3_rl.moe.alltoallv_verl091",
+            "+actor_rollout_ref.qwen3_rl.moe_alltoallv.enable=True"} <= set(cur), cur
+    # positive control: without the switch neither key is there
+    assert not [o for o in setup_overrides(MOE, {"PIN_SET": "current"}, MOE_CTX, REG) if "alltoallv" in o]
+    bad = tmp_path / "f.toml"
+    bad.write_text((REPO / "features.toml").read_text().replace('pin_sets = ["seed"]', 'pin_sets = ["newest"]'))
+    with pytest.raises(FeatureError, match=r"feature.ROLLOUT_MODE.excludes\[1\]: pin_sets \['newest'\]: expected "):
+        load_registry(bad)
 
 
 def test_current_off_value_is_not_in_use() -> None:

@@ -85,6 +85,8 @@ WEIGHT_CASES = [
     ("USE_MBRIDGE=False", "train_grpo_qwen3_30b_a3b_32die_fully_async.sh", {"USE_MBRIDGE": "False"}, True),
     ("USE_MBRIDGE=True", "train_grpo_qwen3_30b_a3b_32die_fully_async.sh", {"USE_MBRIDGE": "True"}, False),
 ]
+#: the keys MOE_ALLTOALLV sets on the current set, read back from the composed config
+MOE_ALLTOALLV_KEYS = ["actor_rollout_ref.model.external_lib", "actor_rollout_ref.qwen3_rl.moe_alltoallv.enable"]
 #: rows of the TRAIN_FILE the scripts read here (the fully-async setups with SYNCS null count their updates from it)
 TRAIN_ROWS = 1000
 LR_STEPS = "actor_rollout_ref.actor.optim.total_training_steps"
@@ -408,6 +410,10 @@ def outcomes(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFact
                 "report": WEIGHT_KEYS,
             }
         )
+    moe = GRPO[0]  # MOE_ALLTOALLV on the current set: verl's model.external_lib loads the recipe's mbridge bridge
+    cmd = parse_train_script(REPO / "internal" / moe, env=_env({**result["control_env"][moe], "MOE_ALLTOALLV": "True"}))
+    cases.append({"name": "switch:MOE_ALLTOALLV", "config_name": cmd.config_name, "overrides": cmd.overrides,
+                  "report": MOE_ALLTOALLV_KEYS})
     long_buffer = parse_train_script(REPO / "internal" / DAPO[1], env=_env({"OVERLONG_BUFFER_LEN": "40000"}))
     cases.append(
         {
@@ -569,6 +575,16 @@ def test_weight_source_switches_on_the_current_set(outcomes: dict, case: tuple) 
             assert got[m + "dist_checkpointing_path"] == seed[m + "dist_checkpointing_path"], (role, got)
         assert got[m + "use_mbridge"] is True and got[m + "vanilla_mbridge"] is True, (role, got)
     print(f"{setup} with {extra}: {got}")
+
+
+def test_moe_alltoallv_switch_on_the_current_set(outcomes: dict) -> None:
+    """MOE_ALLTOALLV=True on the 235B GRPO script (server mode, the only mode there; the seed set's rule against
+    server mode holds on the seed set only): the command passes the dry run with verl's external_lib naming the
+    recipe's bridge module and the switch key on."""
+    r = outcomes["dry"]["switch:MOE_ALLTOALLV"]
+    assert r["ok"], r
+    got = r["facts"]["keys"]
+    assert got[MOE_ALLTOALLV_KEYS[0]] == "qwen3_rl.moe.alltoallv_verl091" and got[MOE_ALLTOALLV_KEYS[1]] is True, got
 
 
 def test_negative_controls_dapo_and_fully_async(outcomes: dict, tiny_models: dict[str, Path]) -> None:
