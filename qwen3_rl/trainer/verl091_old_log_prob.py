@@ -17,8 +17,14 @@ policy being differentiated, so this module, through verl's extension points onl
   ``compute_log_prob`` call) when the switch is on, and which refuses a config that is not on-policy.
 
 Switch: ``qwen3_rl.old_log_prob.enable`` (features.toml ``USE_CURRENT_LOG_PROB_AS_OLD``, ``current.sets``).
-``actor/entropy`` (taken by upstream from the skipped pass) is not logged; ``actor/entropy_loss`` is when the
-update computes entropy (``entropy_coeff != 0``).
+``actor/entropy``, which upstream takes from the skipped pass (``trainer_base.py:1675-1686``: ``agg_loss`` of the
+pass's entropy over the batch), comes from the training forward instead: the mixin sets verl's
+``actor.calculate_entropy`` (read by ``_update_actor``, ``:1831-1833``), so ``ppo_loss`` logs ``actor/entropy_loss``
+(the same ``agg_loss`` over the mini-batch = the batch, with the same pre-update weights; ``losses.py:122-129``;
+``entropy_coeff`` 0 leaves the loss unchanged), and :meth:`OnPolicyOldLogProbMixin._update_actor` logs it as
+``actor/entropy``. Its cost in the training forward: verl's Megatron engine clones the logits for it
+(``transformer_impl.py:1214-1229``, [tokens, vocab / TP]) and computes the vocab-wide entropy (no backward through it
+with ``entropy_coeff`` 0: :func:`on_policy_ppo_loss` detaches it); not measured on an NPU.
 """
 
 from __future__ import annotations
@@ -76,9 +82,13 @@ def check(config: Any) -> bool:
 def on_policy_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any = None) -> tuple[Any, dict]:
     """verl 0.9.1's ``ppo_loss`` with pi_old = this forward's log-probs, detached.
 
+    With ``entropy_coeff`` 0 the ``entropy`` (computed for the ``actor/entropy`` metric only, :func:`keep_entropy_metric`)
+    is passed on detached: its term in the loss is 0 either way, and no backward runs through the vocab-wide entropy.
+
     Args:
         config: the actor's ``ActorConfig`` (bound by ``functools.partial``, as verl binds ``ppo_loss``).
-        model_output: the engine's output; ``log_probs`` nested over the packed sequences (prompt + response tokens).
+        model_output: the engine's output; ``log_probs`` (and ``entropy`` if computed) nested over the packed
+            sequences (prompt + response tokens).
         data: the micro-batch TensorDict (verl's no-padding layout); its ``old_log_probs`` is set here, [b, R] nats.
         dp_group: passed on.
 
@@ -89,6 +99,8 @@ def on_policy_ppo_loss(config: Any, model_output: Any, data: Any, dp_group: Any 
     from verl.workers.utils.padding import no_padding_2_padding
 
     data["old_log_probs"] = no_padding_2_padding(model_output["log_probs"], data).detach()
+    if config.entropy_coeff == 0 and model_output.get("entropy") is not None:
+        model_output = {**model_output, "entropy": model_output["entropy"].detach()}
     return ppo_loss(config, model_output, data, dp_group=dp_group)
 
 
@@ -100,18 +112,47 @@ def actor_loss_fn(config: Any) -> partial:
     return partial(on_policy_ppo_loss, config=omega_conf_to_dataclass(config.actor_rollout_ref.actor))
 
 
+def keep_entropy_metric(config: Any) -> None:
+    """Sets verl's ``actor_rollout_ref.actor.calculate_entropy`` in ``config`` (in place): the training forward then
+    computes the per-token entropy [b, R] (nats) and ``ppo_loss`` logs its ``agg_loss`` as ``actor/entropy_loss``
+    whatever ``entropy_coeff`` (0: the loss and its gradients are unchanged)."""
+    from omegaconf import open_dict
+
+    with open_dict(config):
+        config.actor_rollout_ref.actor.calculate_entropy = True
+
+
+def prepare(config: Any) -> bool:
+    """What the trainer does before its workers start: :func:`check`, and with the switch on
+    :func:`keep_entropy_metric`. Returns whether the switch is on."""
+    on = check(config)
+    if on:
+        keep_entropy_metric(config)
+    return on
+
+
+def entropy_metric(metrics: dict) -> None:
+    """``metrics["actor/entropy"]`` (nats per token, aggregated as ``loss_agg_mode``) from the update's
+    ``actor/entropy_loss``, in place; the key upstream's skipped pass would have written. A missing
+    ``actor/entropy_loss`` (the forward computed no entropy) is an error, not a silent gap."""
+    if "actor/entropy_loss" not in metrics:
+        raise KeyError("actor/entropy_loss not in the update's metrics: actor.calculate_entropy was not set")
+    metrics["actor/entropy"] = metrics["actor/entropy_loss"]
+
+
 class OnPolicyOldLogProbMixin:
     """For a subclass of verl 0.9.1's V1 ``PPOTrainer``: with the switch on, no old-log-prob pass (module docstring).
 
-    ``init`` checks the config before the workers start and, after them, gives the actor workers
-    :func:`on_policy_ppo_loss`; ``_compute_old_log_prob`` then skips ``compute_log_prob``.
+    ``init`` checks the config before the workers start, sets ``actor.calculate_entropy`` and, after the workers
+    start, gives the actor workers :func:`on_policy_ppo_loss`; ``_compute_old_log_prob`` then skips
+    ``compute_log_prob`` and ``_update_actor`` logs the training forward's entropy as ``actor/entropy``.
     """
 
     config: Any
     actor_rollout_wg: Any
 
     def init(self) -> None:
-        self._qwen3_rl_skip_old_log_prob = check(self.config)
+        self._qwen3_rl_skip_old_log_prob = prepare(self.config)
         super().init()  # type: ignore[misc]
         if self._qwen3_rl_skip_old_log_prob:
             self.actor_rollout_wg.set_loss_fn(actor_loss_fn(self.config))
@@ -120,3 +161,9 @@ class OnPolicyOldLogProbMixin:
         if getattr(self, "_qwen3_rl_skip_old_log_prob", False):
             return batch
         return super()._compute_old_log_prob(batch, metrics)  # type: ignore[misc]
+
+    def _update_actor(self, batch: Any, metrics: dict) -> Any:
+        batch = super()._update_actor(batch, metrics)  # type: ignore[misc]
+        if getattr(self, "_qwen3_rl_skip_old_log_prob", False):
+            entropy_metric(metrics)
+        return batch

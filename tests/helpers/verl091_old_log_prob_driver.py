@@ -16,7 +16,8 @@ log-probs by verl's ``logprobs_from_logits``), three losses through verl's ``ppo
 
 ``skip``: the recipe's trainer class (``qwen3_rl_sync``) with the tiny GRPO config: ``_compute_old_log_prob`` with the
 switch on and off, the actor worker group replaced by a counter of ``compute_log_prob`` calls (off: upstream's method
-reaches the call, which the counter then stops); and the start-up check's refusals.
+reaches the call, which the counter then stops), and ``_update_actor`` on a stand-in ``update_actor`` (the
+``calculate_entropy`` sent, the metrics logged); and the start-up check's refusals.
 
 OUT_JSON: {"loss": {mode: {"recomputed" | "current" | "bypass": loss, "grad_diff_current" | "grad_diff_bypass":
 max abs gradient difference to recomputed, "ratio_current_max_dev" | "ratio_bypass_max_dev": max |ratio - 1| on
@@ -156,14 +157,27 @@ def loss_case(mode: str) -> dict[str, float]:
 
 
 class _CountingWorkerGroup:
-    """The actor worker group's ``compute_log_prob``, counted; a call stops the step there (``_Reached``)."""
+    """The actor worker group's ``compute_log_prob``, counted; a call stops the step there (``_Reached``).
+    ``update_actor`` records the ``calculate_entropy`` the trainer sends and answers with the worker's metric names
+    (``ppo_loss``'s ``actor/entropy_loss`` only when the forward computes entropy, as the worker does)."""
+
+    ENTROPY_LOSS = 0.625  # nats per token: the update's actor/entropy_loss in this stand-in
 
     def __init__(self) -> None:
         self.calls = 0
+        self.calculate_entropy: list[bool] = []
 
     def compute_log_prob(self, batch: object) -> object:
         self.calls += 1
         raise _Reached
+
+    def update_actor(self, batch: object) -> dict:
+        on = bool(batch.extra_info["calculate_entropy"])
+        self.calculate_entropy.append(on)
+        metrics = {"actor/pg_loss": [0.25], "mfu": [0.0]}
+        if on:
+            metrics["actor/entropy_loss"] = [self.ENTROPY_LOSS]
+        return {"metrics": metrics}
 
 
 class _Reached(Exception):
@@ -191,18 +205,25 @@ def skip_case() -> dict:
         trainer.config = cfg
         trainer.actor_rollout_wg = wg = _CountingWorkerGroup()
         # what init() sets before the workers start (the rest of init starts Ray workers: not run here)
-        trainer._qwen3_rl_skip_old_log_prob = olp.check(cfg)
+        trainer._qwen3_rl_skip_old_log_prob = olp.prepare(cfg)
         batch, reached = KVBatchMeta(partition_id="train", keys=["0", "1"], tags=[{}, {}]), False
         try:
             returned = trainer._compute_old_log_prob(batch, {})
         except _Reached:
             reached, returned = True, None
+        extra_info = dict(batch.extra_info)
+        update_metrics: dict = {}
+        trainer._update_actor(
+            KVBatchMeta(partition_id="train", keys=["0", "1"], tags=[{}, {}]), update_metrics
+        )
         res[f"switch_{switch}"] = {
             "calls": wg.calls,
             "reached": reached,
             "same_batch": returned is batch,
-            "extra_info": dict(batch.extra_info),
+            "extra_info": extra_info,
             "loss_fn": olp.actor_loss_fn(cfg).func.__name__ if switch else None,
+            "update_calculate_entropy": wg.calculate_entropy,
+            "update_metrics": {k: float(v) for k, v in update_metrics.items()},
         }
     refusals = {}
     for name, extra in {
@@ -227,16 +248,20 @@ def engine_main(hf_dir: str, out_pt: str, kind: str) -> int:
     """One ``update_actor`` step of verl 0.9.1's Megatron engine (TP 1, one process) on the engine driver's batch:
     ``kind`` ``upstream`` = the old-log-prob pass (``infer_batch``, the worker's ``compute_log_prob`` call) then
     ``train_mini_batch`` with verl's ``ppo_loss``; ``current`` = ``train_mini_batch`` on the batch without
-    ``old_log_probs`` with :func:`on_policy_ppo_loss`. Writes {"params_before" / "params_after" (name -> tensor),
-    "metrics", "infer_calls", "logp_old"}."""
+    ``old_log_probs`` with :func:`on_policy_ppo_loss` and ``calculate_entropy``. Writes {"params_before" /
+    "params_after" (name -> tensor), "metrics", "infer_calls", "logp_old", "actor/entropy" (nats per token: upstream
+    from the pass as the trainer aggregates it, ours the switch's metric from the update)}."""
     sys.path.insert(0, str(Path(__file__).parent))
     import verl091_engine_driver as engine_driver  # its import installs the device layer (argv[1] == "engine")
+    from verl.trainer.ppo.core_algos import agg_loss
     from verl.utils import tensordict_utils as tu
+    from verl.utils.metric import reduce_metrics
+    from verl.utils.py_functional import rename_dict
     from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
-    from qwen3_rl.trainer.verl091_old_log_prob import on_policy_ppo_loss
+    from qwen3_rl.trainer.verl091_old_log_prob import entropy_metric, on_policy_ppo_loss
 
     batch = engine_driver.make_batch(pad_id=0)
     n = batch["input_ids"].shape[0]
@@ -280,14 +305,29 @@ def engine_main(hf_dir: str, out_pt: str, kind: str) -> int:
     if kind == "upstream":
         worker.set_loss_fn(partial(ppo_loss, config=actor_config))
         data = td(calculate_entropy=True, compute_loss=False)
-        res["logp_old"] = no_padding_2_padding(tu.get(worker.infer_batch(data), "log_probs"), data).float()
+        inferred = worker.infer_batch(data)
+        res["logp_old"] = no_padding_2_padding(tu.get(inferred, "log_probs"), data).float()
         train["old_log_probs"] = res["logp_old"].clone()
+        # actor/entropy as the trainer computes it from this pass (trainer_base.py:1668, :1675-1686), [b, R] nats
+        entropy = no_padding_2_padding(tu.get(inferred, "entropy"), data)
+        res["actor/entropy"] = agg_loss(
+            loss_mat=entropy,
+            loss_mask=batch["response_mask"],
+            loss_agg_mode=actor_config.loss_agg_mode,
+            loss_scale_factor=actor_config.loss_scale_factor,
+        ).item()
     else:
         worker.set_loss_fn(partial(on_policy_ppo_loss, config=actor_config))
+        # the switch's trainer sends calculate_entropy (actor.calculate_entropy, set by olp.keep_entropy_metric)
+        tu.assign_non_tensor(train, calculate_entropy=True)
     out = worker.train_mini_batch(train)
     res["metrics"] = {
         k: (v.tolist() if hasattr(v, "tolist") else v) for k, v in tu.get(out, "metrics").items()
     }
+    if kind == "current":  # the trainer's reduction (trainer_base.py:1860-1863), then the mixin's metric
+        step_metrics = reduce_metrics(rename_dict(dict(tu.get(out, "metrics")), "actor/"))
+        entropy_metric(step_metrics)
+        res["actor/entropy"] = float(step_metrics["actor/entropy"])
     res["params_after"] = params()
     res["infer_calls"] = calls["infer_batch"]
     res["has_old_log_probs"] = "old_log_probs" in train.keys()

@@ -10,11 +10,14 @@ extension points (``qwen3_rl.trainer.verl091_old_log_prob``), checked on verl 0.
   ``bypass_mode`` puts there) they differ: the ratio is pi / pi_rollout, not 1;
 * verl 0.9.1's Megatron engine (TP 1, float32, the engine driver's device layer and batch), one ``update_actor``
   step: upstream (``infer_batch`` for ``old_log_probs``, then ``train_mini_batch`` with ``ppo_loss``) and ours
-  (``train_mini_batch`` on a batch without ``old_log_probs``, ``on_policy_ppo_loss``) give the same parameters,
-  loss and gradient norm; ``infer_batch`` ran once upstream, never with ours;
+  (``train_mini_batch`` on a batch without ``old_log_probs``, ``on_policy_ppo_loss``, ``calculate_entropy`` on) give
+  the same parameters, loss and gradient norm, and the same ``actor/entropy`` (upstream: the trainer's ``agg_loss``
+  of the pass's entropy; ours: the update's ``actor/entropy_loss``); ``infer_batch`` ran once upstream, never with
+  ours;
 * the recipe's trainer class (trainer mode ``qwen3_rl_sync``): ``_compute_old_log_prob`` with the switch on calls
   the worker group's ``compute_log_prob`` 0 times and returns the batch; off (positive control) it reaches the call
-  (1); the start-up check refuses two mini-batches, two epochs, ``bypass_mode`` and rollout log-probs.
+  (1); with it on, ``_update_actor`` sends ``calculate_entropy`` and logs ``actor/entropy`` (off: neither); the
+  start-up check refuses two mini-batches, two epochs, ``bypass_mode`` and rollout log-probs.
 """
 
 from __future__ import annotations
@@ -106,6 +109,22 @@ def test_megatron_engine_step_same_without_the_old_log_prob_pass(engine_out: dic
     )
 
 
+def test_entropy_metric_kept_without_the_old_log_prob_pass(engine_out: dict) -> None:
+    """``actor/entropy`` with the switch (the training forward's ``actor/entropy_loss``, ``calculate_entropy`` on)
+    equals the one upstream's trainer computes from its old-log-prob pass (``agg_loss`` of the pass's entropy)."""
+    up, cur = engine_out["upstream"], engine_out["current"]
+    assert "actor/entropy_loss" not in up["metrics"], "control: entropy_coeff 0 alone computes no entropy"
+    assert "actor/entropy_loss" in cur["metrics"], sorted(cur["metrics"])
+    assert up["actor/entropy"] > 0.1, up["actor/entropy"]  # the tiny model's entropy, nats per token
+    # the same weights' forward (without grad in the pass, with it in the update) and the same aggregation: equal
+    diff = abs(cur["actor/entropy"] - up["actor/entropy"])
+    assert cur["actor/entropy"] == up["actor/entropy"], (up["actor/entropy"], cur["actor/entropy"])
+    print(
+        f"actor/entropy: old-log-prob pass {up['actor/entropy']!r}, training forward {cur['actor/entropy']!r} "
+        f"(|diff| {diff:.3g})"
+    )
+
+
 def test_trainer_skips_compute_log_prob_only_with_the_switch(driver_out: dict) -> None:
     s = driver_out["skip"]
     assert s["mro"][:3] == ["SpecDecodeMetricsTrainer", "OnPolicyOldLogProbMixin", "PPOTrainerSync"], s["mro"]
@@ -116,9 +135,19 @@ def test_trainer_skips_compute_log_prob_only_with_the_switch(driver_out: dict) -
         "same_batch": True,
         "extra_info": {},
         "loss_fn": "on_policy_ppo_loss",
+        # the update's forward computes entropy and its actor/entropy_loss is logged as actor/entropy too
+        "update_calculate_entropy": [True],
+        "update_metrics": {
+            "actor/pg_loss": 0.25,
+            "actor/entropy_loss": 0.625,
+            "actor/entropy": 0.625,
+            "perf/mfu/actor": 0.0,
+        },
     }, on
     assert off["calls"] == 1 and off["reached"], off  # positive control: upstream's pass
     assert off["extra_info"].get("compute_loss") is False, off
+    # switch off: upstream's update (entropy_coeff 0) computes no entropy; its actor/entropy is the pass's
+    assert off["update_calculate_entropy"] == [False] and "actor/entropy" not in off["update_metrics"], off
     assert s["switch_default"] is False
     want = {
         "two_mini_batches": "ppo_mini_batch_size=8 != data.train_batch_size=16",
