@@ -127,16 +127,19 @@ def test_grpo_tiny_learns_on_the_current_set(current_ws: Path, grpo_run: Run) ->
     print(f"SAM in the servers: drafted per step {list(drafted.values())}, accepted {list(accepted.values())}")
 
 
-def check_restored_state(saved_run: Run, resumed: Run, step: int, ranks: tuple[int, ...] = (0, 1)) -> int:
+def check_restored_state(saved_run: Run, resumed: Run, step: int, ranks: tuple[int, ...] = (0, 1),
+                         before: int | None = None) -> int:
     """Each rank's model parameters and optimizer tensors right after the resumed run's ``load_checkpoint`` equal
     those right after the first run's save of ``step`` (``probe_verl091.actor_state``), tensor by tensor; returns the
-    number of tensors compared. Positive control: the step-``step`` save differs from the step-``step - 1`` save."""
+    number of tensors compared. Positive control: the step-``step`` save differs from the step-``before`` save
+    (default ``step - 1``)."""
     import torch
 
+    before = step - 1 if before is None else before
     total = 0
     for rank in ranks:
         saved = torch.load(saved_run.probe / f"state-save-step{step}-rank{rank}.pt")
-        earlier = torch.load(saved_run.probe / f"state-save-step{step - 1}-rank{rank}.pt")
+        earlier = torch.load(saved_run.probe / f"state-save-step{before}-rank{rank}.pt")
         loaded = torch.load(resumed.probe / f"state-load-rank{rank}.pt")
         assert saved and set(saved) == set(loaded), f"rank {rank}: names differ {sorted(set(saved) ^ set(loaded))[:6]}"
         assert any(k.startswith("model0/") for k in saved), sorted(saved)[:8]
@@ -146,12 +149,12 @@ def check_restored_state(saved_run: Run, resumed: Run, step: int, ranks: tuple[i
         assert not bad, f"rank {rank}: {len(bad)} of {len(saved)} loaded tensors differ from the step-{step} save: " \
             f"{bad[:6]}"
         moved = [k for k in saved if k.startswith("model0/") and not torch.equal(saved[k], earlier[k])]
-        assert moved, f"rank {rank}: the step-{step} save holds the step-{step - 1} weights"
+        assert moved, f"rank {rank}: the step-{step} save holds the step-{before} weights"
         steps = {float(saved[k]) for k in saved if k.endswith("/step")}
         n_model = sum(k.startswith("model") for k in saved)
         print(f"rank {rank}: {len(saved)} tensors loaded equal to the step-{step} save ({n_model} model, "
               f"{len(saved) - n_model} optimizer; optimizer step count {sorted(steps)}); {len(moved)} weights moved "
-              f"since step {step - 1}")
+              f"since step {before}")
         total += len(saved)
     return total
 
