@@ -176,7 +176,9 @@ start_ray() {  # start this node's Ray in its own session; returns non-zero if i
   q3 launch wait-started --log "${P[RAY_LOG]}" --pid "$RAY_PID" --timeout 180
 }
 
-watch_oom() {  # watch_oom UNTIL_PID: report Ray memory-monitor kills on this node (head: exits 1 on the first)
+# watch_oom UNTIL_PID: report Ray memory-monitor kills on this node; the head's also reads the GCS actor table for
+# actors that died for good on any node (OOM, crash; ray_actors.py) and exits 1 on the first loss
+watch_oom() {
   [[ "${P[OOM_WATCH]}" == 1 ]] || return 0
   q3 launch watch-oom --plan-dir "$PLAN_DIR" --ray-pid "$RAY_PID" --until "$1" &
   OOM_PID=$!
@@ -205,7 +207,7 @@ if [[ "${P[ROLE]}" == head ]]; then
   watch_oom "$TRAIN_PID"
   rc=0
   if [[ -n "$OOM_PID" ]]; then
-    # a Ray memory-monitor kill leaves verl waiting forever: the watcher's exit 1 stops the training (cleanup)
+    # a killed or crashed actor leaves verl waiting forever: the watcher's exit 1 stops the training (cleanup)
     done_pid=""
     wait -n -p done_pid "$TRAIN_PID" "$OOM_PID" || rc=$?
     if [[ "$done_pid" == "$OOM_PID" ]]; then
@@ -217,7 +219,11 @@ if [[ "${P[ROLE]}" == head ]]; then
     wait "$TRAIN_PID" || rc=$?
   fi
   TRAIN_PID=""
-  if [[ -n "$OOM_PID" ]]; then wait "$OOM_PID" || true; OOM_PID=""; fi   # its last read, then it exits
+  if [[ -n "$OOM_PID" ]]; then   # its last read (bounded: a GCS that stopped answering), then it exits
+    for ((i = 0; i < 75; i++)); do kill -0 "$OOM_PID" 2>/dev/null || break; sleep 0.2; done
+    stop_pid "$OOM_PID" "memory-kill watcher" 2
+    OOM_PID=""
+  fi
   say "training exited with code ${rc}"
   if [[ -n "$WATCH_PID" ]]; then
     wait "$WATCH_PID" 2>/dev/null || true

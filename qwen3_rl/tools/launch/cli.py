@@ -6,7 +6,8 @@ wrote (``--plan-dir``) and prints one-line ``error: ...`` messages on failure.
 Steps: ``resolve`` (options -> plan files), ``show`` (dry-run printout), ``wait-started`` (the local
 ``ray start --block`` is up), ``wait-cluster`` (head: N nodes × NPUs registered), ``wait-head``
 (worker: the head's GCS port answers), ``watch-head`` (worker: stay until the head goes away),
-``watch-oom`` (report Ray's memory-monitor kills on this node; head: exit 1 so the training is stopped; ray_oom.py),
+``watch-oom`` (report Ray's memory-monitor kills on this node and, on the head, any actor of the cluster that died
+for good; head: exit 1 so the training is stopped; ray_oom.py, ray_actors.py),
 ``cpu-map`` / ``cpu-bind`` (CPU binding), ``stop`` (stop what this launcher started, by PID), ``auth`` (the
 cluster's Ray token: the head writes it, a worker waits for it), ``address-file save|restore`` (leave Ray's
 ``ray_current_cluster`` as it was found), ``slurm-plan`` / ``slurm-task`` (launch_slurm.sbatch), ``k8s`` (a
@@ -36,8 +37,9 @@ from qwen3_rl.tools.launch.cpu_binding import (
 from qwen3_rl.tools.launch.netinfo import tcp_reachable
 from qwen3_rl.tools.launch.npu_smi import NpuSmiError, run_npu_smi
 from qwen3_rl.tools.launch.options import LaunchError, LaunchPlan, parse_options, usage
+from qwen3_rl.tools.launch.ray_actors import ActorLoss, DeadActor, classify, gcs_dead_actors
 from qwen3_rl.tools.launch.ray_node import make_token, restore_address_file, save_address_file, wait_token
-from qwen3_rl.tools.launch.ray_oom import follow_kills, raylet_session_dir
+from qwen3_rl.tools.launch.ray_oom import OomKill, follow_kills, raylet_session_dir
 from qwen3_rl.tools.launch.ray_status import ClusterError, query_status, wait_for_cluster
 from qwen3_rl.tools.launch.train_script import TrainScriptError, parse_train_script
 
@@ -293,7 +295,13 @@ def cmd_watch_oom(argv: list[str]) -> int:
         _log(f"memory-kill watch: no raylet of this launcher's Ray found; following {latest}")
     elif latest.resolve() != session.resolve():
         _log(f"memory-kill watch: {latest} is another cluster's; following this launch's {session}")
-    for kill in follow_kills(session / "logs" / "raylet.out", lambda: pid_alive(a.until), a.interval):
+    also = _gcs_losses(plan.ray_address) if plan.role == "head" else None
+    reported: set[int] = set()  # pids: a kill on the head is both in its raylet.out and in the GCS
+    log = session / "logs" / "raylet.out"
+    for kill in follow_kills(log, lambda: pid_alive(a.until), a.interval, also=also):
+        if kill.pid and kill.pid in reported:
+            continue
+        reported.add(kill.pid)
         if not kill.lost:  # an idle worker, or Ray runs the task again / restarts the actor
             print(f"warning: {kill.message(head=False)}", file=sys.stderr, flush=True)
             continue
@@ -301,6 +309,38 @@ def cmd_watch_oom(argv: list[str]) -> int:
         if plan.role == "head":
             return 1
     return 0
+
+
+def _gcs_losses(address: str) -> Callable[[], list[OomKill | ActorLoss]] | None:
+    """Head: each call returns the actors (cluster-wide) that died for good since the last call (ray_actors.py);
+    ``None`` (this node's raylet log only) if ray is not importable here."""
+    try:
+        read: Callable[[], list[DeadActor]] = gcs_dead_actors(address)
+    except ImportError as exc:
+        _log(f"actor watch: ray is not importable ({exc}); following this node's raylet log only")
+        return None
+    seen: set[str] = set()
+    failing = [False]
+
+    def losses() -> list[OomKill | ActorLoss]:
+        try:
+            rows = read()
+        except Exception as exc:  # the GCS not answering (yet / any more): tried again at the next poll
+            if not failing[0]:
+                _log(f"actor watch: cannot read the GCS actor table at {address} ({exc}); retrying")
+            failing[0] = True
+            return []
+        failing[0] = False
+        out = []
+        for row in rows:
+            if row.actor_id not in seen:
+                seen.add(row.actor_id)
+                loss = classify(row)
+                if loss is not None:
+                    out.append(loss)
+        return out
+
+    return losses
 
 
 def _compute_map(plan: LaunchPlan) -> BindingMap:

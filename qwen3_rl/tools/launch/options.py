@@ -174,8 +174,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="skip 'python -m qwen3_rl preflight' before ray start, except its environment "
                          "contract (--env-only) [SKIP_PREFLIGHT=1]")
     ap.add_argument("--no-oom-watch", action="store_true", default=None,
-                    help="do not follow raylet.out for Ray memory-monitor kills (on, the head stops the training "
-                         "after one, as verl waits forever for the killed actor) [SKIP_OOM_WATCH=1]")
+                    help="do not watch for lost Ray actors: memory-monitor kills in raylet.out, and on the head "
+                         "the GCS's dead actors of any node (on, the head stops the training after one, as verl "
+                         "waits forever for the lost actor) [SKIP_OOM_WATCH=1]")
     ap.add_argument("--dry-run", action="store_true", help="print every command and the environment; run nothing")
     ap.add_argument("--stop", action="store_true", help="stop the Ray (and training) this launcher started here")
     ap.add_argument("-h", "--help", action="store_true", help="show this help")

@@ -10,7 +10,8 @@ worker pid: P"). verl 0.9.1 does not notice when this kills one of its actors (e
 trainer waits forever for rollouts. :class:`OomParser` turns those lines into :class:`OomKill` records (pure);
 :func:`follow_kills` follows the log with bounded polling; ``python -m qwen3_rl launch watch-oom`` (cli.py) prints
 one line per kill (``warning:`` when nothing is lost: an idle worker, a task Ray retries, an actor it restarts; else
-``error:``) and, on the head, exits 1 at the first loss so that ``ray_start_npu.sh`` stops the training.
+``error:``) and, on the head, exits 1 at the first loss so that ``ray_start_npu.sh`` stops the training. The
+kills on other nodes reach the head through the GCS actor table (ray_actors.py, :func:`oom_kill_from_message`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qwen3_rl.tools.launch.ray_actors import ActorLoss
 
 _ABOVE = re.compile(
     r"Node memory usage above threshold, used: (\d+), threshold_bytes: \d+, total bytes: (\d+), "
@@ -54,6 +59,7 @@ class OomKill:
             0), so the job can go on; verl's actors have ``max_restarts=0``.
         idle: the worker ran no task (``EmptyFunctionDescriptor``, empty ``task_name``; Ray 2.52 also kills idle
             pooled workers): nothing was lost.
+        node: the node's address when known from the GCS (a kill on another node); ``None`` for this node's log.
     """
 
     pid: int
@@ -63,6 +69,7 @@ class OomKill:
     threshold: float | None = None
     retried: bool = False
     idle: bool = False
+    node: str | None = None
 
     @property
     def lost(self) -> bool:
@@ -88,8 +95,9 @@ class OomKill:
         elif head:
             tail = "verl does not recover from this: stopping the training"
         else:
-            tail = "verl does not recover from this: stop the training on the head"
-        return f"Ray killed {self.name} (pid {self.pid}) to reclaim memory: {mem}{thr}; {tail}"
+            tail = "verl does not recover from this: the head's watcher stops the training"
+        where = f" on node {self.node}" if self.node else ""
+        return f"Ray killed {self.name} (pid {self.pid}){where} to reclaim memory: {mem}{thr}; {tail}"
 
 
 def _descriptor_name(spec: str) -> str:
@@ -151,6 +159,22 @@ class OomParser:
         )
 
 
+def oom_kill_from_message(message: str, pid: int, node: str | None, fallback_name: str) -> OomKill:
+    """The kill a GCS ``oom_context`` error message describes (it holds the "Memory on the node" paragraph of
+    raylet.out); ``fallback_name`` (the actor's class) if the paragraph names no task."""
+    m = _ON_NODE.search(" ".join(message.split()))
+    if not m:
+        return OomKill(pid=pid, name=fallback_name, node=node)
+    return OomKill(
+        pid=pid,
+        name=m.group(1).strip() or fallback_name,
+        used_gb=float(m.group(3)),
+        total_gb=float(m.group(4)),
+        threshold=float(m.group(5)),
+        node=node,
+    )
+
+
 def parse_kills(lines: Iterable[str]) -> list[OomKill]:
     """Every memory-monitor kill in ``lines`` (raylet.out), in log order."""
     parser = OomParser()
@@ -183,9 +207,11 @@ def follow_kills(
     alive: Callable[[], bool],
     interval_s: float = 1.0,
     sleep: Callable[[float], None] = time.sleep,
-) -> Iterator[OomKill]:
+    also: Callable[[], Iterable[OomKill | ActorLoss]] | None = None,
+) -> Iterator[OomKill | ActorLoss]:
     """Yield each kill logged in ``path`` from its start, polling every ``interval_s`` s; stops once ``alive()``
-    is false (after one last read). A file that does not exist yet is waited for the same way."""
+    is false (after one last read). A file that does not exist yet is waited for the same way. ``also`` is called
+    after each read of the log but the last; what it returns (the GCS's losses on the head) is yielded too."""
     parser = OomParser()
     pos, rest = 0, b""
     while True:
@@ -202,6 +228,8 @@ def follow_kills(
             kill = parser.feed(raw.decode(errors="replace"))
             if kill is not None:
                 yield kill
+        if also is not None and running:  # once the job is over, a loss no longer holds it up
+            yield from also()
         if not running:
             return
         sleep(interval_s)

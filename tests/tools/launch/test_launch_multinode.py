@@ -22,6 +22,7 @@ for ``ip netns``); without it the test is skipped with the failing command and i
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -200,3 +201,130 @@ def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):  # noqa: F8
                 proc.wait(timeout=10)
         kill_mentioning(str(root))
         shutil.rmtree(root, ignore_errors=True)
+
+
+# ---- a memory-monitor kill on the worker node stops the head's training (ray_actors.py via the GCS) ------------
+# The stand-in places one actor on the worker node (max_restarts=0, 64 MiB held) and then waits, as verl's trainer
+# waits for a dead rollout actor; the worker's Ray runs with RAY_memory_usage_threshold=0.05 (test_ray_oom.py).
+# Both test nodes share one Ray session dir on this host (Ray 2.52 workers take the head's temp dir), whose
+# node_ip_address.json holds the last-started node's address: the driver is given the head's own (on a cluster each
+# node has its own), else it attaches to the worker's raylet and the GCS, unable to reach it, ends its job. For the
+# same reason the worker's watcher here follows the head's raylet.out (the worker's raylet writes raylet.1.out).
+WORKER_HOG_STANDIN = r"""
+import os, signal, time
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False,
+         _node_ip_address=os.environ["HEAD_IP"])
+worker = [n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == os.environ["WORKER_IP"]][0]
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class Hog:
+    def __init__(self):
+        self.buf = bytearray(64 * 2**20)
+    def where(self):
+        return ray.util.get_node_ip_address(), os.getpid()
+
+hog = Hog.options(scheduling_strategy=NodeAffinitySchedulingStrategy(worker["NodeID"], soft=False)).remote()
+try:
+    print("standin: hog on", ray.get(hog.where.remote(), timeout=30), flush=True)
+except Exception as exc:  # the actor killed before it answered
+    print("standin: hog failed:", type(exc).__name__, flush=True)
+def on_term(*_):
+    open(os.environ["STANDIN_MARK"], "w").write("SIGTERM")
+    os._exit(143)
+signal.signal(signal.SIGTERM, on_term)
+hold = float(os.environ["STANDIN_HOLD_S"])
+time.sleep(hold)
+print("standin: done after", hold, "s", flush=True)
+"""
+
+
+def _two_node_run(net: TwoNodes, root: Path, worker_threshold: str, hold_s: str) -> dict[str, str | int]:
+    """Both launchers on WORKER_HOG_STANDIN (token auth on); returns their exit codes and outputs, the training
+    log and what the stand-in recorded on SIGTERM. Asserts that no process is left (namespaces, test dir)."""
+    procs: dict[str, subprocess.Popen[str]] = {}
+    out: dict[str, Path] = {}
+    deadline = time.monotonic() + 150  # until the head exits (a loaded shared host: Ray starts slowly)
+    try:
+        bin_dir = make_stubs(root, ray=False, ip=False)
+        script = make_standin(root, WORKER_HOG_STANDIN)
+        cann = make_cann(root)
+        for role, ns in (("head", net.head_ns), ("worker", net.worker_ns)):
+            node = root / role
+            (node / "tmp").mkdir(parents=True)
+            env = stub_env(root, bin_dir, CANN_HOME=str(cann), LOG_DIR=str(node / "logs"), TMPDIR=str(node / "tmp"),
+                           WORKER_IP=net.worker_ip, HEAD_IP=net.head_ip, STANDIN_HOLD_S=hold_s, STANDIN_MARK=str(root / "term.txt"),
+                           RAY_memory_monitor_refresh_ms="100",
+                           RAY_memory_usage_threshold=worker_threshold if role == "worker" else "0.98")
+            for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+                env.pop(k, None)
+            env["PATH"] = f"{bin_dir}:{VENV_BIN}:{env['PATH']}"
+            cmd = ["ip", "netns", "exec", ns, "bash", str(REPO / "ray_start_npu.sh"), str(script),
+                   "--nnodes", "2", "--npus-per-node", str(NPUS), "--master-addr", net.head_ip, "--port", str(PORT),
+                   "--no-preflight", "--timeout", "60", "--temp-dir", str(root / "head" / "ray"),
+                   "--auth-token-file", str(root / "shared" / "ray_token"),
+                   "--join-retries", "20", "--join-interval", "1", "--watch-interval", "1", "--watch-misses", "2",
+                   "--ray-arg=--num-cpus=1", "--ray-arg=--object-store-memory=80000000"]
+            out[role] = node / "launcher.out"
+            with out[role].open("w") as fh:
+                procs[role] = subprocess.Popen(cmd, env=env, text=True, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
+                                               start_new_session=True)
+            if role == "head":  # as above: the worker starts once the head's Ray is up (their shared session dir)
+                ok = _wait_for(out["head"], "cluster: 1/2 nodes", deadline, procs["head"])
+                assert ok, f"head did not report 1/2 nodes:\n{_tail(out['head'])}"
+        try:
+            head_rc = procs["head"].wait(timeout=max(1.0, deadline - time.monotonic()))
+            worker_rc = procs["worker"].wait(timeout=25)  # it leaves once the head's cluster is gone
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"{exc}\n--- head\n{_tail(out['head'])}\n--- worker\n{_tail(out['worker'])}") from exc
+        time.sleep(0.5)
+        left = ns_pids(net.head_ns) + ns_pids(net.worker_ns) + pids_mentioning(str(root))
+        assert left == [], f"processes left:\n{describe(left)}\n--- worker\n{_tail(out['worker'])}"
+        train_log = root / "head" / "logs" / f"train_standin_head_{net.head_ip}.log"
+        mark = root / "term.txt"
+        return {"head_rc": head_rc, "worker_rc": worker_rc, "head": out["head"].read_text(),
+                "worker": out["worker"].read_text(), "train": train_log.read_text() if train_log.is_file() else "",
+                "term": mark.read_text() if mark.is_file() else ""}
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        kill_mentioning(str(root))
+
+
+@pytest.mark.timeout(240)
+def test_memory_kill_on_the_worker_stops_the_heads_training(two_nodes: TwoNodes):  # noqa: F811 (the fixture)
+    """The worker's memory monitor kills the stand-in's actor there; the head's watcher reads it from the GCS,
+    prints one line naming the worker node and stops the training (exit 1); the worker then leaves by itself."""
+    root = Path(tempfile.mkdtemp(prefix="q3mo", dir="/tmp"))
+    try:
+        r = _two_node_run(two_nodes, root, worker_threshold="0.05", hold_s="600")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    dump = "\n".join(f"--- {k}\n{v}" for k, v in r.items())
+    errors = [ln for ln in str(r["head"]).splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, dump
+    m = re.fullmatch(rf"error: Ray killed Hog.__init__ \(pid (\d+)\) on node {re.escape(two_nodes.worker_ip)} to "
+                     r"reclaim memory: node memory [0-9.]+/[0-9.]+ GB above Ray's threshold 0.05; verl does not "
+                     r"recover from this: stopping the training", errors[0])
+    assert m, dump
+    assert r["head_rc"] == 1 and r["term"] == "SIGTERM" and "standin: done" not in str(r["train"]), dump
+    assert r["worker_rc"] == 0, dump
+    print(f"worker-node memory kill: head exit {r['head_rc']}; {errors[0]}")
+
+
+@pytest.mark.timeout(240)
+def test_no_kill_on_the_worker_runs_to_the_end(two_nodes: TwoNodes):  # noqa: F811 (the fixture)
+    """Positive control: the same two nodes with the worker at threshold 0.98: the actor lives, the run ends 0."""
+    root = Path(tempfile.mkdtemp(prefix="q3mo", dir="/tmp"))
+    try:
+        r = _two_node_run(two_nodes, root, worker_threshold="0.98", hold_s="3")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    dump = "\n".join(f"--- {k}\n{v}" for k, v in r.items())
+    assert r["head_rc"] == 0 and r["worker_rc"] == 0, dump
+    assert "error:" not in str(r["head"]) + str(r["worker"]) and r["term"] == "", dump
+    assert f"standin: hog on ('{two_nodes.worker_ip}'," in str(r["train"]), dump
+    assert "standin: done after 3.0 s" in str(r["train"]), dump

@@ -149,6 +149,21 @@ def test_follow_kills_reads_appended_lines_and_stops(tmp_path: Path):
     assert ticks == [0.5] * 5
 
 
+def test_follow_kills_adds_what_also_returns_except_at_the_last_read(tmp_path: Path):
+    """The head's GCS losses (``also``) come after each read of the log while the job runs; not once it ended."""
+    log = tmp_path / "raylet.out"
+    log.write_text("\n".join(ACTOR_KILL) + "\n")
+    calls: list[int] = []
+
+    def also() -> list[OomKill]:
+        calls.append(len(calls) + 1)
+        return [OomKill(pid=100 + len(calls), name="gcs")]
+
+    alive = iter([True, True, False])
+    got = list(follow_kills(log, lambda: next(alive), 0.1, sleep=lambda _: None, also=also))
+    assert [k.pid for k in got] == [4242, 101, 102] and calls == [1, 2]
+
+
 def test_raylet_session_dir_by_process_group(tmp_path: Path):
     proc = tmp_path / "proc"
     for pid, pgid, argv in [
@@ -192,9 +207,12 @@ print("standin: done after", hold, "s", flush=True)
 """
 
 
-def _launch(threshold: str, hold_s: str) -> tuple[subprocess.CompletedProcess[str], str, str, float]:
-    """ray_start_npu.sh with the real Ray in a loopback-only network namespace, running HOG_STANDIN; returns the
-    launcher's process, the training log, what the stand-in recorded on SIGTERM ("" = none) and the seconds."""
+def _launch(
+    threshold: str, hold_s: str, standin: str = HOG_STANDIN, **extra_env: str
+) -> tuple[subprocess.CompletedProcess[str], str, str, float]:
+    """ray_start_npu.sh with the real Ray in a loopback-only network namespace, running ``standin`` (HOG_STANDIN;
+    test_ray_actors.py's too); returns the launcher's process, the training log, what the stand-in recorded on
+    SIGTERM ("" = none) and the seconds."""
     prefix = _netns_prefix()
     assert prefix is not None, (
         "cannot create a network namespace here (unshare --net); the real-Ray runs need one"
@@ -205,7 +223,7 @@ def _launch(threshold: str, hold_s: str) -> tuple[subprocess.CompletedProcess[st
     )  # short: Ray's unix socket paths are length-limited
     try:
         bin_dir = make_stubs(root, ray=False, npu_smi=False, ip=False)
-        script = make_standin(root, HOG_STANDIN)
+        script = make_standin(root, standin)
         env = stub_env(
             root,
             bin_dir,
@@ -215,6 +233,7 @@ def _launch(threshold: str, hold_s: str) -> tuple[subprocess.CompletedProcess[st
             STANDIN_HOLD_S=hold_s,
             STANDIN_MARK=str(root / "term.txt"),
             RAY_AUTH_MODE="disabled",
+            **extra_env,
         )
         env["PATH"] = f"{VENV_BIN}:{env['PATH']}"
         cmd = (
