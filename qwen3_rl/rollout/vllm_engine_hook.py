@@ -55,6 +55,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime
+import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -77,7 +78,7 @@ from qwen3_rl.rollout.rebalance import RankState, RebalanceConfig, RunningReques
 logger = logging.getLogger("qwen3_rl.rollout.rebalance")
 
 #: SamplingParams fields msgspec does not encode (leading underscore) but the engine relies on
-_PRIVATE_SP_FIELDS = ("_all_stop_token_ids", "_bad_words_token_ids")
+_PRIVATE_SP_FIELDS = ("_all_stop_token_ids", "_bad_words_token_ids", "_eos_token_id")  # the last: vLLM 0.23
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -118,6 +119,8 @@ def sampling_params_from_dict(d: dict[str, Any]) -> Any:
         sp._all_stop_token_ids = set(d["_all_stop_token_ids"])
     if d.get("_bad_words_token_ids") is not None:
         sp._bad_words_token_ids = [list(x) for x in d["_bad_words_token_ids"]]
+    if d.get("_eos_token_id") is not None:
+        sp._eos_token_id = int(d["_eos_token_id"])
     return sp
 
 
@@ -146,7 +149,7 @@ class AwayOutput:
         if out.finish_reason is not None:
             self.finish_reason = int(out.finish_reason)
             self.stop_reason = out.stop_reason
-        self.num_cached_tokens = int(out.num_cached_tokens)
+        self.num_cached_tokens = int(getattr(out, "num_cached_tokens", 0))  # vLLM 0.23: in prefill_stats
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe form (arrays base64)."""
@@ -179,9 +182,10 @@ class AwayOutput:
             lp = LogprobsLists(np.stack([r[0] for r in self.logprob_rows]), np.stack([r[1] for r in self.logprob_rows]),
                                np.stack([r[2] for r in self.logprob_rows]), None)
         fr = FinishReason(self.finish_reason) if self.finish_reason is not None else None
+        cached = ({"num_cached_tokens": self.num_cached_tokens}
+                  if "num_cached_tokens" in EngineCoreOutput.__struct_fields__ else {})  # a field of vLLM 0.13's
         return EngineCoreOutput(request_id=req_id, new_token_ids=list(self.token_ids), new_logprobs=lp,
-                                finish_reason=fr, stop_reason=self.stop_reason,
-                                num_cached_tokens=self.num_cached_tokens)
+                                finish_reason=fr, stop_reason=self.stop_reason, **cached)
 
 
 def kv_block_axis(shape: Sequence[int], num_blocks: int) -> int:
@@ -492,10 +496,12 @@ class VllmRebalanceHook:
         gen_state = self._generator_state(sid)
         origin, away = self._foreign.get(req_id, (self.rank, AwayOutput()))
         sp = req.sampling_params
+        # eos_token_id / num_cached_tokens: Request fields of vLLM 0.13, gone in 0.23 (eos in the sampling params)
         extra = {"status": "running" if running else ("preempted" if req.num_output_tokens else "waiting"),
-                 "eos_token_id": req.eos_token_id, "arrival_time": float(req.arrival_time),
+                 "eos_token_id": getattr(req, "eos_token_id", None), "arrival_time": float(req.arrival_time),
                  "priority": int(req.priority), "cache_salt": req.cache_salt,
-                 "num_preemptions": int(req.num_preemptions), "num_cached_tokens": int(req.num_cached_tokens),
+                 "num_preemptions": int(req.num_preemptions),
+                 "num_cached_tokens": int(getattr(req, "num_cached_tokens", -1)),
                  "away": away.to_json()}
         st = RequestState(req_id, origin, tuple(int(t) for t in req.prompt_token_ids),
                           tuple(int(t) for t in req.output_token_ids), sampling_params_to_dict(sp), sp.seed,
@@ -524,9 +530,11 @@ class VllmRebalanceHook:
         from vllm.v1.request import Request
 
         ex = state.extra
+        # vLLM 0.13's Request takes eos_token_id (5th); 0.23's has client_index there (eos is in the params)
+        eos = {"eos_token_id": ex.get("eos_token_id")} if "eos_token_id" in inspect.signature(Request).parameters else {}
         req = Request(self._target_id(state), list(state.prompt_token_ids), sampling_params_from_dict(state.sampling_params),
-                      None, ex.get("eos_token_id"), arrival_time=ex.get("arrival_time"), cache_salt=ex.get("cache_salt"),
-                      priority=int(ex.get("priority", 0)), block_hasher=self.core.request_block_hasher)
+                      None, arrival_time=ex.get("arrival_time"), cache_salt=ex.get("cache_salt"),
+                      priority=int(ex.get("priority", 0)), block_hasher=self.core.request_block_hasher, **eos)
         if state.output_token_ids:
             req.append_output_token_ids(list(state.output_token_ids))
         req.num_preemptions = int(ex.get("num_preemptions", 0))
