@@ -97,6 +97,30 @@ def _tail(path: Path, n: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-n:]) if path.is_file() else f"({path} absent)"
 
 
+def _start_node(net: TwoNodes, root: Path, role: str, ns: str, bin_dir: Path, cann: Path, script: Path,
+                token_file: Path, **extra_env: str) -> tuple[subprocess.Popen[str], Path]:
+    """One node's launcher (the command a user runs on it) inside namespace ``ns``, its own log dir and TMPDIR under
+    ``root/role``, the real ray and ip; returns the process (its own session) and the file its output goes to."""
+    node = root / role
+    (node / "tmp").mkdir(parents=True)
+    env = stub_env(root, bin_dir, CANN_HOME=str(cann), LOG_DIR=str(node / "logs"), TMPDIR=str(node / "tmp"),
+                   **extra_env)
+    for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        env.pop(k, None)
+    env["PATH"] = f"{bin_dir}:{VENV_BIN}:{env['PATH']}"
+    cmd = ["ip", "netns", "exec", ns, "bash", str(REPO / "ray_start_npu.sh"), str(script),
+           "--nnodes", "2", "--npus-per-node", str(NPUS), "--master-addr", net.head_ip, "--port", str(PORT),
+           "--no-preflight", "--timeout", "60", "--temp-dir", str(root / "head" / "ray"),
+           "--auth-token-file", str(token_file),
+           "--join-retries", "20", "--join-interval", "1", "--watch-interval", "1", "--watch-misses", "2",
+           "--ray-arg=--num-cpus=1", "--ray-arg=--object-store-memory=80000000"]
+    out = node / "launcher.out"
+    with out.open("w") as fh:
+        proc = subprocess.Popen(cmd, env=env, text=True, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return proc, out
+
+
 @pytest.mark.timeout(120)
 def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):  # noqa: F811 (the fixture)
     ray_bin = VENV_BIN / "ray"
@@ -121,23 +145,9 @@ def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):  # noqa: F8
         token = ""
         for role, ns in (("head", net.head_ns), ("worker", net.worker_ns)):
             node = root / role
-            (node / "tmp").mkdir(parents=True)
-            env = stub_env(root, bin_dir, CANN_HOME=str(cann), LOG_DIR=str(node / "logs"), TMPDIR=str(node / "tmp"),
-                           STANDIN_EXIT=str(EXIT_CODE), RAY_DEDUP_LOGS="0", PEER_NS=net.worker_ns,
-                           EMPTY_HOME=str(root / "empty_home"))
-            for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-                env.pop(k, None)
-            env["PATH"] = f"{bin_dir}:{VENV_BIN}:{env['PATH']}"
-            cmd = ["ip", "netns", "exec", ns, "bash", str(REPO / "ray_start_npu.sh"), str(script),
-                   "--nnodes", "2", "--npus-per-node", str(NPUS), "--master-addr", net.head_ip, "--port", str(PORT),
-                   "--no-preflight", "--timeout", "60", "--temp-dir", str(root / "head" / "ray"),
-                   "--auth-token-file", str(token_file),
-                   "--join-retries", "20", "--join-interval", "1", "--watch-interval", "1", "--watch-misses", "2",
-                   "--ray-arg=--num-cpus=1", "--ray-arg=--object-store-memory=80000000"]
-            out[role] = node / "launcher.out"
-            with out[role].open("w") as fh:
-                procs[role] = subprocess.Popen(cmd, env=env, text=True, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
-                                               start_new_session=True)
+            procs[role], out[role] = _start_node(net, root, role, ns, bin_dir, cann, script, token_file,
+                                                 STANDIN_EXIT=str(EXIT_CODE), RAY_DEDUP_LOGS="0",
+                                                 PEER_NS=net.worker_ns, EMPTY_HOME=str(root / "empty_home"))
             if role == "head":  # the worker starts once the head reports the half-assembled cluster and waits
                 ok = _wait_for(out["head"], "cluster: 1/2 nodes, 16/32 NPU registered", deadline, procs["head"])
                 assert ok, f"head did not report 1/2 nodes:\n{_tail(out['head'])}"
@@ -251,25 +261,11 @@ def _two_node_run(net: TwoNodes, root: Path, worker_threshold: str, hold_s: str)
         script = make_standin(root, WORKER_HOG_STANDIN)
         cann = make_cann(root)
         for role, ns in (("head", net.head_ns), ("worker", net.worker_ns)):
-            node = root / role
-            (node / "tmp").mkdir(parents=True)
-            env = stub_env(root, bin_dir, CANN_HOME=str(cann), LOG_DIR=str(node / "logs"), TMPDIR=str(node / "tmp"),
-                           WORKER_IP=net.worker_ip, HEAD_IP=net.head_ip, STANDIN_HOLD_S=hold_s, STANDIN_MARK=str(root / "term.txt"),
-                           RAY_memory_monitor_refresh_ms="100",
-                           RAY_memory_usage_threshold=worker_threshold if role == "worker" else "0.98")
-            for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-                env.pop(k, None)
-            env["PATH"] = f"{bin_dir}:{VENV_BIN}:{env['PATH']}"
-            cmd = ["ip", "netns", "exec", ns, "bash", str(REPO / "ray_start_npu.sh"), str(script),
-                   "--nnodes", "2", "--npus-per-node", str(NPUS), "--master-addr", net.head_ip, "--port", str(PORT),
-                   "--no-preflight", "--timeout", "60", "--temp-dir", str(root / "head" / "ray"),
-                   "--auth-token-file", str(root / "shared" / "ray_token"),
-                   "--join-retries", "20", "--join-interval", "1", "--watch-interval", "1", "--watch-misses", "2",
-                   "--ray-arg=--num-cpus=1", "--ray-arg=--object-store-memory=80000000"]
-            out[role] = node / "launcher.out"
-            with out[role].open("w") as fh:
-                procs[role] = subprocess.Popen(cmd, env=env, text=True, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
-                                               start_new_session=True)
+            procs[role], out[role] = _start_node(
+                net, root, role, ns, bin_dir, cann, script, root / "shared" / "ray_token", WORKER_IP=net.worker_ip,
+                HEAD_IP=net.head_ip, STANDIN_HOLD_S=hold_s, STANDIN_MARK=str(root / "term.txt"),
+                RAY_memory_monitor_refresh_ms="100",
+                RAY_memory_usage_threshold=worker_threshold if role == "worker" else "0.98")
             if role == "head":  # as above: the worker starts once the head's Ray is up (their shared session dir)
                 ok = _wait_for(out["head"], "cluster: 1/2 nodes", deadline, procs["head"])
                 assert ok, f"head did not report 1/2 nodes:\n{_tail(out['head'])}"
