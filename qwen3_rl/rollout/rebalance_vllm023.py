@@ -46,12 +46,25 @@ from qwen3_rl.rollout.gc_scheduler import GcStepSchedulerMixin
 from qwen3_rl.rollout.migration import MigrationError
 from qwen3_rl.rollout.vllm_engine_hook import CoreRebalanceHook, core_settings
 
-__all__ = ["RebalanceScheduler", "RebalanceSchedulerMixin"]
+__all__ = ["RebalanceScheduler", "RebalanceSchedulerMixin", "loop_point_problems"]
 
 #: the code object of the DP engine core loop, whose ``has_unfinished_requests()`` call is the loop point
 _DP_LOOP_CODE = DPEngineCoreProc.run_busy_loop.__code__
 #: the code object of the engine step, whose first ``has_requests()`` call runs the hook's step
 _STEP_CODE = EngineCore.step.__code__
+
+
+def loop_point_problems(dp_loop: Any = _DP_LOOP_CODE, step: Any = _STEP_CODE) -> list[str]:
+    """What the hook relies on that the given code objects (default: the installed vLLM's DP loop and engine step)
+    lack: the DP loop must call ``has_unfinished_requests`` and read ``executed`` / ``engines_running``, the step must
+    call ``has_requests``. Empty on vLLM 0.23.0; a vLLM that moved them would leave the hook never stepping."""
+    problems = []
+    need = {"has_unfinished_requests": dp_loop.co_names, "engines_running": dp_loop.co_names,
+            "executed": dp_loop.co_varnames}
+    problems += [f"DPEngineCoreProc.run_busy_loop has no {n!r}" for n, names in need.items() if n not in names]
+    if "has_requests" not in step.co_names:
+        problems.append("EngineCore.step does not call 'has_requests'")
+    return problems
 
 
 class RebalanceSchedulerMixin:
@@ -78,6 +91,7 @@ class RebalanceSchedulerMixin:
                 problems.append("async scheduling is not supported (output placeholders in flight)")
             if pc.distributed_executor_backend == "external_launcher":
                 problems.append("the external launcher has no DP engine core loop")
+            problems += [f"this vLLM's loop moved ({p})" for p in loop_point_problems()]
             if problems:
                 raise MigrationError("rollout rebalance cannot run on this engine: " + "; ".join(problems))
 

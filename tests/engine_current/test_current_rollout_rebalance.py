@@ -105,3 +105,21 @@ def test_queued_and_running_requests_move_to_the_idle_core_losslessly(runs: dict
     assert {m[0] for m in moves} <= delivered
     assert on["outputs"] == off["outputs"]
     print("moves", moves, "KV bytes", sent, "link GB/s", rounds[0][1]["link_gb_s"])
+
+
+def test_loop_points_checked_against_the_installed_vllm() -> None:
+    """The hook finds vLLM 0.23.0's DP loop point and step call (nothing refused); a loop without them (positive
+    control: a function standing for a moved loop) is named, which refuses the switch at the scheduler's build."""
+    from qwen3_rl.rollout.rebalance_vllm023 import loop_point_problems
+
+    assert loop_point_problems() == []
+
+    def moved_loop(self):  # noqa: ANN001, ANN202 (a stand-in for a loop that no longer asks the scheduler)
+        return self.scheduler.has_work()
+
+    assert loop_point_problems(moved_loop.__code__, moved_loop.__code__) == [
+        "DPEngineCoreProc.run_busy_loop has no 'has_unfinished_requests'",
+        "DPEngineCoreProc.run_busy_loop has no 'engines_running'",
+        "DPEngineCoreProc.run_busy_loop has no 'executed'",
+        "EngineCore.step does not call 'has_requests'",
+    ]
