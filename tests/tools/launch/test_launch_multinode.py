@@ -250,9 +250,11 @@ print("standin: done after", hold, "s", flush=True)
 """
 
 
-def _two_node_run(net: TwoNodes, root: Path, worker_threshold: str, hold_s: str) -> dict[str, str | int]:
-    """Both launchers on WORKER_HOG_STANDIN (token auth on); returns their exit codes and outputs, the training
-    log and what the stand-in recorded on SIGTERM. Asserts that no process is left (namespaces, test dir)."""
+def _two_node_run(net: TwoNodes, worker_threshold: str, hold_s: str) -> dict[str, str | int]:
+    """Both launchers on WORKER_HOG_STANDIN (token auth on) in a short temp root of their own (Ray's socket paths
+    are length-limited), removed afterwards; returns their exit codes and outputs, the training log and what the
+    stand-in recorded on SIGTERM. Asserts that no process is left (namespaces, test dir)."""
+    root = Path(tempfile.mkdtemp(prefix="q3mo", dir="/tmp"))
     procs: dict[str, subprocess.Popen[str]] = {}
     out: dict[str, Path] = {}
     deadline = time.monotonic() + 150  # until the head exits (a loaded shared host: Ray starts slowly)
@@ -288,17 +290,14 @@ def _two_node_run(net: TwoNodes, root: Path, worker_threshold: str, hold_s: str)
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
         kill_mentioning(str(root))
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.mark.timeout(240)
 def test_memory_kill_on_the_worker_stops_the_heads_training(two_nodes: TwoNodes):  # noqa: F811 (the fixture)
     """The worker's memory monitor kills the stand-in's actor there; the head's watcher reads it from the GCS,
     prints one line naming the worker node and stops the training (exit 1); the worker then leaves by itself."""
-    root = Path(tempfile.mkdtemp(prefix="q3mo", dir="/tmp"))
-    try:
-        r = _two_node_run(two_nodes, root, worker_threshold="0.05", hold_s="600")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    r = _two_node_run(two_nodes, worker_threshold="0.05", hold_s="600")
     dump = "\n".join(f"--- {k}\n{v}" for k, v in r.items())
     errors = [ln for ln in str(r["head"]).splitlines() if ln.startswith("error:")]
     assert len(errors) == 1, dump
@@ -314,11 +313,7 @@ def test_memory_kill_on_the_worker_stops_the_heads_training(two_nodes: TwoNodes)
 @pytest.mark.timeout(240)
 def test_no_kill_on_the_worker_runs_to_the_end(two_nodes: TwoNodes):  # noqa: F811 (the fixture)
     """Positive control: the same two nodes with the worker at threshold 0.98: the actor lives, the run ends 0."""
-    root = Path(tempfile.mkdtemp(prefix="q3mo", dir="/tmp"))
-    try:
-        r = _two_node_run(two_nodes, root, worker_threshold="0.98", hold_s="3")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    r = _two_node_run(two_nodes, worker_threshold="0.98", hold_s="3")
     dump = "\n".join(f"--- {k}\n{v}" for k, v in r.items())
     assert r["head_rc"] == 0 and r["worker_rc"] == 0, dump
     assert "error:" not in str(r["head"]) + str(r["worker"]) and r["term"] == "", dump
