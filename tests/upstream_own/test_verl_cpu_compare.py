@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -108,6 +109,37 @@ def test_recorded_key_changes_with_a_byte_of_the_tree_or_the_repo_and_the_record
         recorded.run_key(tree, ["nothing-here"], repo, [])
     with pytest.raises(ValueError):
         recorded.write("verl", key, {"t::a": "failed"}, records)
+
+
+def test_record_keeps_its_package_list_and_a_packages_mismatch_names_what_moved(tmp_path: Path) -> None:
+    recorded = verl_cpu.recorded
+    repo = _tree(tmp_path / "repo", {"tests/s.py": b"script\n"})
+    key = recorded.run_key(repo, ["tests"], repo, ["tests/s.py"])
+    # the key keeps this interpreter's package list beside its digest; the record shows it one line per package
+    assert key["package_list"] == recorded.package_list() != []
+    assert key["packages"] == recorded.packages_digest(key["package_list"])
+    records = tmp_path / "records"
+    outcomes = {"tests/t_on_cpu.py::test": "passed"}
+    path = recorded.write("verl", key, outcomes, records)
+    assert json.loads(path.read_text())["key"]["package_list"] == key["package_list"]
+    assert f'\n   "{key["package_list"][0]}",\n' in path.read_text()
+    assert recorded.lookup("verl", key, records)[0] == outcomes
+    # a record from a venv where numpy was older, old-one was installed and new-one was not
+    then = ["numpy==1.26.4", "old-one==1.0", "same==2.0"]
+    now = ["new-one==3.0", "numpy==2.0.0", "same==2.0"]
+    recorded.write("verl", {**key, "packages": recorded.packages_digest(then), "package_list": then}, outcomes,
+                   records)
+    rec, why = recorded.lookup("verl", {**key, "packages": recorded.packages_digest(now), "package_list": now},
+                               records)
+    assert rec is None and why == ("record verl.json is for other inputs (packages changed); packages moved: "
+                                   "new-one 3.0 new, numpy 1.26.4 -> 2.0.0, old-one 1.0 gone")
+    # a record from before the list (digests only) still says which part changed
+    recorded.write("verl", {k: v for k, v in key.items() if k != "package_list"} | {"packages": "0" * 64}, outcomes,
+                   records)
+    assert recorded.lookup("verl", key, records) == (None, "record verl.json is for other inputs (packages changed)")
+    # a package list that is not the one the digest is over is refused
+    with pytest.raises(ValueError):
+        recorded.write("verl", {**key, "package_list": then}, outcomes, records)
 
 
 def test_judge_against_a_recorded_pristine_run_names_a_changed_outcome(runs: dict[str, dict[str, str]],
