@@ -58,6 +58,44 @@ UPSTREAM_OWN_RUNS=("verl-own|VENV|tests/upstream_own/verl_cpu.py|verl 0.6.1's ow
                    "vllm023-own|CURRENT_ENGINE_VENV|tests/upstream_own/vllm023_cpu.py|vLLM 0.23.0's own CPU tests (current set)"
                    "vllm-ascend023-own|CURRENT_ASCEND_VENV|tests/upstream_own/vllm_ascend023_cpu.py|vLLM-Ascend 0.23.0.post1's own unit tests on the NPU stand-in (current set)")
 
+# CPU seconds per part: each part runs in a cpuacct cgroup of its own where the kernel lets this user make one
+# (cgroup v1, as root); the Ray daemons and engine processes a part starts are counted with it. Elsewhere the parts
+# run as before and no CPU line is printed.
+CG_ROOT="${QWEN3_RL_CPUACCT_ROOT:-/sys/fs/cgroup/cpuacct}"
+CG_RUN="qwen3-rl-tests-$$"
+CG_PARTS=()
+
+cg_enter() {
+  # cg_enter PART: move this (sub)shell into PART's cpuacct cgroup (a no-op where that is not possible)
+  local d="${CG_ROOT}/${CG_RUN}-$1"
+  [[ -w "${CG_ROOT}" ]] || return 0
+  mkdir -p "${d}" 2>/dev/null || return 0
+  echo "${BASHPID}" >"${d}/cgroup.procs" 2>/dev/null || true
+}
+
+cg_cpu_s() {
+  # cg_cpu_s PART: CPU seconds used so far in PART's cgroup (empty where there is none)
+  local f="${CG_ROOT}/${CG_RUN}-$1/cpuacct.usage"
+  [[ -r "${f}" ]] && awk '{printf "%.0f", $1 / 1e9}' "${f}"
+  return 0
+}
+
+cg_report() {
+  # cg_report WALL_S: one line of CPU seconds per part and their sum against cores x wall time; removes the cgroups
+  # (one that still holds a process, e.g. a Ray daemon left running, stays)
+  local part s total=0 line=""
+  for part in "${CG_PARTS[@]}"; do
+    s="$(cg_cpu_s "${part}")"
+    [[ -n "${s}" ]] || continue
+    line+=" ${part} ${s},"
+    total=$((total + s))
+    rmdir "${CG_ROOT}/${CG_RUN}-${part}" 2>/dev/null || true
+  done
+  [[ -n "${line}" ]] || return 0
+  echo "== CPU seconds per part:${line%,} (sum ${total} s over $1 s of wall time on $(nproc) cores:" \
+       "$(( total * 100 / ($1 * $(nproc) > 0 ? $1 * $(nproc) : 1) )) % busy)"
+}
+
 usage() {
   cat <<'USAGE'
 usage: bash tests/run_tests.sh [PYTEST_ARGS...]
@@ -83,6 +121,8 @@ Boundscheck run: when the main run runs and no test path, -m or -k is given, the
 (a fresh process: numba reads the switch at import, and its cache must not hand back unchecked code),
 so an off-by-one of the kernels' raw-pointer views shows as an IndexError; tests that run no kernel of their own
 (BOUNDSCHECK_NOT_KERNELS: CLIs, warm-up, config checks) are left out of that rerun.
+CPU: where the kernel lets the user make cpuacct cgroups (v1, as root, e.g. in CI), each part runs in its own and
+the run ends with a line of CPU seconds per part (with the Ray daemons and engine processes it started).
 verl's own tests: on a full run, tests/upstream_own/verl_cpu.py runs verl 0.6.1's tests/**/*_on_cpu.py on the
 pristine and on the patched verl tree (the series in patches/verl/ now) while the main run runs (it mostly waits
 on Ray start-up), and fails when the outcomes differ. Alone: $QWEN3_RL_VENV/bin/python tests/upstream_own/verl_cpu.py
@@ -120,12 +160,13 @@ run_engine_late() {
   # the late lane: tests/engine without the early lane's files
   local ignores=() f
   for f in "${ENGINE_LAUNCHER_TESTS[@]}" "${ENGINE_EARLY_EXTRA[@]}"; do ignores+=("--ignore=${f}"); done
-  "${ENGINE_VENV}/bin/python" -m pytest tests/engine "${ignores[@]}" "$@"
+  ( cg_enter engine-late; exec "${ENGINE_VENV}/bin/python" -m pytest tests/engine "${ignores[@]}" "$@" )
 }
 
 run_engine_early() {
   # the early lane (live output when in the foreground): ENGINE_LAUNCHER_TESTS and ENGINE_EARLY_EXTRA in one process
-  "${ENGINE_VENV}/bin/python" -m pytest "${ENGINE_LAUNCHER_TESTS[@]}" "${ENGINE_EARLY_EXTRA[@]}" "$@"
+  ( cg_enter engine-early; exec "${ENGINE_VENV}/bin/python" -m pytest "${ENGINE_LAUNCHER_TESTS[@]}" \
+      "${ENGINE_EARLY_EXTRA[@]}" "$@" )
 }
 
 wait_for_files() {
@@ -206,6 +247,9 @@ main() {
   local full=0 t0
   local current_log="" current_pid="" verl091e_rc_file="" done_dir="" early_log="" early_pid="" done_files=()
   local run_t0=${SECONDS}
+  CG_PARTS=(main boundscheck)
+  for own in "${UPSTREAM_OWN_RUNS[@]}"; do CG_PARTS+=("${own%%|*}"); done
+  CG_PARTS+=(current-engine verl091-engine engine-early engine-late)
   (( main_paths || engine_paths || current_paths || verl091e_paths || selective )) || full=1
   # on a full run each background run leaves a file in done_dir when it ends: the early engine lane waits for them
   if (( full )); then done_dir="$(mktemp -d)"; fi
@@ -233,9 +277,11 @@ main() {
       NUMBA_CACHE_DIR="$(mktemp -d)"
       export NUMBA_CACHE_DIR
       rc=0
-      "${CURRENT_ENGINE_VENV}/bin/python" -m pytest tests/engine_current "$@" || rc=$?
+      ( cg_enter current-engine; exec "${CURRENT_ENGINE_VENV}/bin/python" -m pytest tests/engine_current "$@" ) \
+        || rc=$?
       rc_v=0
-      "${VERL091_ENGINE_VENV}/bin/python" -m pytest tests/engine_verl091 "$@" || rc_v=$?
+      ( cg_enter verl091-engine; exec "${VERL091_ENGINE_VENV}/bin/python" -m pytest tests/engine_verl091 "$@" ) \
+        || rc_v=$?
       rm -rf "${NUMBA_CACHE_DIR}"
       echo "${rc_v}" >"${verl091e_rc_file}"
       [[ -z "${done_dir}" ]] || : >"${done_dir}/current"
@@ -260,7 +306,7 @@ main() {
           IFS='|' read -r name venv_var script title <<<"${own}"
           rc=0
           t0=${SECONDS}
-          "${!venv_var}/bin/python" "${script}" >"${own_log[${name}]}" 2>&1 || rc=$?
+          ( cg_enter "${name}"; exec "${!venv_var}/bin/python" "${script}" ) >"${own_log[${name}]}" 2>&1 || rc=$?
           echo "== ${title}: ${name} took $((SECONDS - t0)) s, ended $((SECONDS - run_t0)) s into the test run" \
             >>"${own_log[${name}]}"
           echo "${rc}" >"${done_dir}/${name}"
@@ -289,7 +335,7 @@ main() {
     echo "== pytest (main venv)"
     t0=${SECONDS}
     rc_main=0
-    "${VENV}/bin/python" -m pytest "$@" || rc_main=$?
+    ( cg_enter main; exec "${VENV}/bin/python" -m pytest "$@" ) || rc_main=$?
     echo "== main run: $((SECONDS - t0)) s"
     if (( ! main_paths && ! selective )); then
       echo "== pytest (main venv, NUMBA_BOUNDSCHECK=1: SAM kernels)"
@@ -298,8 +344,9 @@ main() {
       not_kernels="$(printf ' or %s' "${BOUNDSCHECK_NOT_KERNELS[@]}")"
       t0=${SECONDS}
       rc_bounds=0
-      NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR="${cache_dir}" "${VENV}/bin/python" -m pytest -q -p no:cacheprovider \
-        -k "not (${not_kernels# or })" "${SAM_BOUNDSCHECK_TESTS[@]}" || rc_bounds=$?
+      ( cg_enter boundscheck
+        NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR="${cache_dir}" exec "${VENV}/bin/python" -m pytest -q -p no:cacheprovider \
+          -k "not (${not_kernels# or })" "${SAM_BOUNDSCHECK_TESTS[@]}" ) || rc_bounds=$?
       rm -rf "${cache_dir}"
       echo "== boundscheck run: $((SECONDS - t0)) s"
     fi
@@ -351,6 +398,7 @@ main() {
     own_rcs+=("${own_rc[${name}]:-5}")
     own_summary+=" ${name} ${own_rc[${name}]:-5},"
   done
+  cg_report "$((SECONDS - run_t0))"
   echo "== exit codes: main ${rc_main}, boundscheck ${rc_bounds},${own_summary} engine ${rc_engine}," \
        "current engine ${rc_current}, verl 0.9.1 engine ${rc_verl091e} (5 = nothing collected or not run)"
   if [[ ${rc_main} -eq 5 && ${rc_engine} -eq 5 && ${rc_current} -eq 5 && ${rc_verl091e} -eq 5 ]]; then
