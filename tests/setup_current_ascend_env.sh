@@ -19,8 +19,9 @@ Creates $QWEN3_RL_CURRENT_ASCEND_VENV (default ~/.cache/qwen3_rl/current-ascend-
 torch==<pins.toml current runtime.torch> (PyPI's build, runs on CPU), vllm==<current vllm.version> built from its
 sdist (the one tests/upstream_own/vllm023_cpu.py pins and caches) with VLLM_TARGET_DEVICE=empty (Python only, as vLLM-Ascend's Dockerfile installs it), then
 .ci/requirements-current-ascend.txt under .ci/constraints-current-ascend.txt, arctic-inference==0.1.1 built from its
-sdist, and qwen3_rl editable. vLLM-Ascend itself is not installed: its checks run the pinned sdist's tree. A rerun
-with unchanged pins and requirement files does nothing.
+sdist, every step under the full lock .ci/lock-current-ascend.txt, and qwen3_rl editable; it ends by checking the
+venv equals the lock. vLLM-Ascend itself is not installed: its checks run the pinned sdist's tree. A rerun with
+unchanged pins, requirement and lock files does nothing.
 USAGE
 }
 
@@ -30,13 +31,16 @@ pin() {
 
 main() {
   case "${1:-}" in -h|--help) usage; return 0 ;; esac
-  local torch_spec vllm_spec stamp want cons
+  local torch_spec vllm_spec stamp want cons lock
   torch_spec="torch==$(pin runtime.torch)"
   vllm_spec="vllm==$(pin vllm.version)"
   cons="${HERE}/.ci/constraints-current-ascend.txt"
+  # every distribution's exact version (tests/venv_lock.py: all but the editable qwen3_rl and vLLM, built from the
+  # pinned sdist file, whose URL and sha256 tests/upstream_own/vllm_cpu.py checks)
+  lock="${HERE}/.ci/lock-current-ascend.txt"
   stamp="${VENV}/.qwen3_rl-stamp"
   want="$(printf '%s\n' "${torch_spec}" "${vllm_spec}" "${ARCTIC_SPEC}" \
-    | cat - "${HERE}/.ci/requirements-current-ascend.txt" "${cons}" "${HERE}/pyproject.toml" | sha256sum \
+    | cat - "${HERE}/.ci/requirements-current-ascend.txt" "${cons}" "${lock}" "${HERE}/pyproject.toml" | sha256sum \
     | cut -d' ' -f1)"
   if [[ -f "${stamp}" && "$(cat "${stamp}")" == "${want}" ]]; then
     echo "setup-current-ascend: ${VENV} up to date"
@@ -47,7 +51,7 @@ main() {
     "${PYTHON}" -m venv "${VENV}"
   fi
   echo "setup-current-ascend: installing into ${VENV} (first time: about 10 minutes)"
-  local pip=("${VENV}/bin/python" -m pip install -q)
+  local pip=("${VENV}/bin/python" -m pip install -q -c "${lock}")
   "${pip[@]}" --upgrade pip
   "${pip[@]}" -c "${cons}" "${torch_spec}"
   # vLLM's build requirements (its pyproject.toml) bar torch: the build uses the torch above instead of fetching
@@ -82,6 +86,7 @@ assert torch.__version__.split("+")[0] == os.environ["TORCH_WANT"], torch.__vers
 assert md.version("vllm") == f"{os.environ['VLLM_WANT']}+empty", md.version("vllm")
 assert importlib.util.find_spec("vllm._C") is None, "vLLM's compiled ops: this venv is the Python-only tree"
 PY
+  "${VENV}/bin/python" "${HERE}/tests/venv_lock.py" check "${lock}"
   echo "${want}" > "${stamp}"
   echo "setup-current-ascend: done"
 }

@@ -14,8 +14,9 @@ usage() {
 usage: bash tests/setup_env.sh
 Creates $QWEN3_RL_VENV (default ~/.cache/qwen3_rl/venv) with torch==<pins.toml runtime.torch>
 (PyPI's build: the CUDA build, which runs on CPU; ~8 GB with its nvidia-* wheels, ~2 min uncached),
-.ci/requirements-test.txt under .ci/constraints-test.txt, and qwen3_rl editable. A rerun with
-unchanged pin and requirement files does nothing; a venv holding another torch is made anew.
+.ci/requirements-test.txt under .ci/constraints-test.txt and the full lock .ci/lock-test.txt, and qwen3_rl
+editable; it ends by checking the venv equals the lock. A rerun with unchanged pin, requirement and lock files does
+nothing; a venv holding another torch is made anew.
 USAGE
 }
 
@@ -27,7 +28,10 @@ runtime_torch() { runtime_pin torch; }
 
 main() {
   case "${1:-}" in -h|--help) usage; return 0 ;; esac
-  local stamp want torch_spec ray_spec have
+  local stamp want torch_spec ray_spec have lock
+  # every distribution's exact version (tests/venv_lock.py: all but the editable qwen3_rl); .ci/constraints-test.txt
+  # keeps the bounds the lock was resolved in
+  lock="${HERE}/.ci/lock-test.txt"
   torch_spec="torch==$(runtime_torch)"
   ray_spec="ray[default]==$(runtime_pin ray)"
   if [[ "${torch_spec}" == "torch==" ]]; then
@@ -36,7 +40,7 @@ main() {
   fi
   stamp="${VENV}/.qwen3_rl-stamp"
   want="$(printf '%s\n' "${torch_spec}" "${ray_spec}" | cat - "${HERE}/.ci/requirements-test.txt" \
-    "${HERE}/.ci/constraints-test.txt" "${HERE}/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+    "${HERE}/.ci/constraints-test.txt" "${lock}" "${HERE}/pyproject.toml" | sha256sum | cut -d' ' -f1)"
   if [[ -f "${stamp}" && "$(cat "${stamp}")" == "${want}" ]]; then
     echo "setup: ${VENV} up to date (${torch_spec})"
     return 0
@@ -58,9 +62,9 @@ main() {
     "${PYTHON}" -m venv "${VENV}"
   fi
   echo "setup: installing ${torch_spec} and the test requirements into ${VENV} (first time: several minutes)"
-  "${VENV}/bin/python" -m pip install -q --upgrade pip
-  "${VENV}/bin/python" -m pip install -q -c "${HERE}/.ci/constraints-test.txt" "${torch_spec}" "${ray_spec}" \
-    -r "${HERE}/.ci/requirements-test.txt"
+  "${VENV}/bin/python" -m pip install -q -c "${lock}" --upgrade pip
+  "${VENV}/bin/python" -m pip install -q -c "${HERE}/.ci/constraints-test.txt" -c "${lock}" "${torch_spec}" \
+    "${ray_spec}" -r "${HERE}/.ci/requirements-test.txt"
   # .ci/run runs both set-up scripts at once; the editable install writes qwen3_rl.egg-info into the checkout:
   # one at a time (the lock is on a file every checkout has, so no lock file is left behind)
   flock -w 600 "${HERE}/pyproject.toml" "${VENV}/bin/python" -m pip install -q --no-deps -e "${HERE}"
@@ -72,6 +76,7 @@ import torch
 print(f"setup: torch {torch.__version__}")
 assert torch.__version__.split("+")[0] == sys.argv[1], (torch.__version__, sys.argv[1])
 PY
+  "${VENV}/bin/python" "${HERE}/tests/venv_lock.py" check "${lock}"
   echo "${want}" > "${stamp}"
   echo "setup: done"
 }

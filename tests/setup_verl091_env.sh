@@ -24,17 +24,21 @@ usage() {
 usage: bash tests/setup_verl091_env.sh
 Creates $QWEN3_RL_VERL091_VENV (default ~/.cache/qwen3_rl/verl091-venv): Python 3.11, torch==2.13.0 (the CPU build
 pip takes from the machine's disk), verl==0.9.1 and megatron-core==0.16.1 without their dependencies, verl's install
-requirements, mbridge 0.15.1, ray[default]==<pins.toml runtime.ray>, qwen3_rl editable. A rerun with this script
-and the pins unchanged does nothing.
+requirements, mbridge 0.15.1, ray[default]==<pins.toml runtime.ray>, all under the full lock .ci/lock-verl091.txt,
+qwen3_rl editable; it ends by checking the venv equals the lock. A rerun with this script, the pins and the lock
+unchanged does nothing.
 USAGE
 }
 
 main() {
   case "${1:-}" in -h|--help) usage; return 0 ;; esac
-  local ray_spec stamp want
+  local ray_spec stamp want lock
+  # every distribution's exact version (tests/venv_lock.py: all but the editable qwen3_rl; torch's +cpu build is the
+  # one on the machine's disk, found through pip's find-links)
+  lock="${HERE}/.ci/lock-verl091.txt"
   ray_spec="ray[default]==$(PYTHONPATH="${HERE}" "${PYTHON}" -m qwen3_rl pins --pins "${HERE}/pins.toml" --get runtime.ray)"
   stamp="${VENV}/.qwen3_rl-stamp"
-  want="$(printf '%s\n' "${TORCH_SPEC}" "${ray_spec}" "${NO_DEPS[@]}" "${DEPS[@]}" | cat - "${HERE}/pyproject.toml" \
+  want="$(printf '%s\n' "${TORCH_SPEC}" "${ray_spec}" "${NO_DEPS[@]}" "${DEPS[@]}" | cat - "${lock}" "${HERE}/pyproject.toml" \
     | sha256sum | cut -d' ' -f1)"
   if [[ -f "${stamp}" && "$(cat "${stamp}")" == "${want}" ]]; then
     echo "setup-verl091: ${VENV} up to date"
@@ -44,13 +48,14 @@ main() {
     echo "setup-verl091: creating ${VENV}"
     "${PYTHON}" -m venv "${VENV}"
   fi
-  local pip=("${VENV}/bin/python" -m pip install -q)
+  local pip=("${VENV}/bin/python" -m pip install -q -c "${lock}")
   "${pip[@]}" "${TORCH_SPEC}"
   "${pip[@]}" --no-deps "${NO_DEPS[@]}"
   # torch stays at 2.13.0: a dependency asking for another torch fails here instead of pulling a CUDA build
   "${pip[@]}" "${TORCH_SPEC}" "${ray_spec}" "${DEPS[@]}"
   flock -w 600 "${HERE}/pyproject.toml" "${pip[@]}" --no-deps -e "${HERE}"
   "${VENV}/bin/python" -c 'import torch, verl, megatron.core, mbridge; print("setup-verl091: torch", torch.__version__, "verl", verl.__version__, "megatron-core", megatron.core.__version__)'
+  "${VENV}/bin/python" "${HERE}/tests/venv_lock.py" check "${lock}"
   echo "${want}" > "${stamp}"
   echo "setup-verl091: done"
 }

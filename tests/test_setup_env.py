@@ -1,5 +1,6 @@
-"""tests/setup_env.sh: the main venv runs the runtime's torch (pins.toml runtime.torch), and its stamp
-reinstalls on a changed requirement file and rebuilds the venv on a changed torch pin.
+"""tests/setup_env.sh: the main venv runs the runtime's torch (pins.toml runtime.torch), every install runs under
+the full lock .ci/lock-test.txt and the script ends by checking the venv against it, and its stamp reinstalls on a
+changed requirement or lock file and rebuilds the venv on a changed torch pin.
 
 The script runs for real on a copy of the files it reads; ``python`` is a stub that records its calls
 (``-m venv`` makes a stub venv, ``-m pip`` records the torch it was asked for) so no package is
@@ -42,8 +43,8 @@ fi
 
 def _tree(tmp_path: Path) -> Path:
     root = tmp_path / "repo"
-    for rel in ("tests/setup_env.sh", ".ci/requirements-test.txt", ".ci/constraints-test.txt",
-                "pyproject.toml", "pins.toml"):
+    for rel in ("tests/setup_env.sh", "tests/venv_lock.py", ".ci/requirements-test.txt", ".ci/constraints-test.txt",
+                ".ci/lock-test.txt", "pyproject.toml", "pins.toml"):
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / rel, root / rel)
     shutil.copytree(REPO / "qwen3_rl", root / "qwen3_rl", ignore=shutil.ignore_patterns("__pycache__"))
@@ -77,6 +78,11 @@ def test_installs_the_runtime_torch_and_caches(tmp_path: Path):
     assert _torch_installs(calls) == [f"torch=={pin}"]
     install = next(c for c in calls if f"torch=={pin}" in c)
     assert "-r" in install.split() and "-c" in install.split()  # one resolve with the test requirements
+    lock = str(root / ".ci/lock-test.txt")
+    pip_installs = [c.split() for c in calls if c.startswith("-m pip install")]
+    assert [c for c in pip_installs if "-e" not in c] == [c for c in pip_installs if lock in c] != [], pip_installs
+    assert calls.index(f"{root / 'tests/venv_lock.py'} check {lock}") > calls.index(
+        next(c for c in calls if c.startswith("-m pip install")))  # the check of the venv against the lock, after
     assert (tmp_path / "venv/.qwen3_rl-stamp").is_file()
 
     r, calls = _run(root, tmp_path)  # unchanged: nothing installed
@@ -89,6 +95,14 @@ def test_installs_the_runtime_torch_and_caches(tmp_path: Path):
     r, calls = _run(root, tmp_path)
     assert r.returncode == 0, r.stderr
     assert "recreating" not in r.stdout and (tmp_path / "venv/keep").exists()
+    assert _torch_installs(calls) == [f"torch=={pin}"]
+
+    r, calls = _run(root, tmp_path)
+    assert r.returncode == 0 and "up to date" in r.stdout
+    with (root / ".ci/lock-test.txt").open("a") as f:  # changed lock: reinstall under it
+        f.write("# changed\n")
+    r, calls = _run(root, tmp_path)
+    assert r.returncode == 0, r.stderr
     assert _torch_installs(calls) == [f"torch=={pin}"]
 
 

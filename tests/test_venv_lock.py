@@ -1,0 +1,79 @@
+"""tests/venv_lock.py: the full locks of the test venvs (.ci/lock-*.txt) hold every distribution pip can constrain
+from an index, leave out (naming why) the editable install, file installs and stand-ins, and the check names every
+distribution that differs; and this venv equals its committed lock."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import venv_lock
+
+from conftest import REPO, _in_current_engine_env, _in_engine_env, _in_verl091_engine_env
+
+
+def _dist(site: Path, name: str, version: str, installer: str | None = "pip", direct: dict | None = None) -> None:
+    d = site / f"{name}-{version}.dist-info"
+    d.mkdir(parents=True)
+    (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    if installer is not None:
+        (d / "INSTALLER").write_text(installer + "\n")
+    if direct is not None:
+        (d / "direct_url.json").write_text(json.dumps(direct))
+
+
+def test_lock_holds_what_pip_can_constrain_and_names_what_it_leaves_out(tmp_path: Path):
+    site = tmp_path / "site"
+    _dist(site, "Some_Pkg", "1.0")
+    _dist(site, "torch", "2.13.0+cpu")
+    _dist(site, "qwen3_rl", "0.1.0", direct={"url": "file:///x/checkout", "dir_info": {"editable": True}})
+    _dist(site, "vllm", "0.23.0+empty", direct={"url": "file:///c/sdists/vllm-0.23.0.tar.gz", "archive_info": {}})
+    _dist(site, "alias", "0.23.0+cpu", installer="qwen3_rl-alias")
+    _dist(site, "bare", "0.0.0", installer=None)
+    locked, left_out = venv_lock.scan([str(site)])
+    assert locked == {"some-pkg": "1.0", "torch": "2.13.0+cpu"}
+    assert left_out == {"qwen3-rl": "editable install",
+                        "vllm": "installed from vllm-0.23.0.tar.gz, not from an index",
+                        "alias": "written by qwen3_rl-alias (a stand-in), not installed by pip",
+                        "bare": "written by no installer (a stand-in), not installed by pip"}
+    lock = tmp_path / "lock-x.txt"
+    lock.write_text(venv_lock.render(locked, left_out, ".ci/lock-x.txt"))
+    text = lock.read_text()
+    assert "some-pkg==1.0\ntorch==2.13.0+cpu\n" in text and "#   vllm: installed from vllm-0.23.0.tar.gz" in text
+    assert venv_lock.read(lock) == locked
+    assert venv_lock.differences(locked, venv_lock.read(lock)) == []
+    moved = {"some-pkg": "1.1", "torch": "2.13.0+cpu", "extra": "3.0"}
+    assert venv_lock.differences(moved, locked) == [
+        "extra 3.0 (not in the lock)", "some-pkg 1.1 (lock 1.0)"]
+    assert venv_lock.differences({"torch": "2.13.0+cpu"}, locked) == ["some-pkg (lock 1.0, not installed)"]
+
+
+def test_check_of_this_interpreter_passes_on_its_own_lock_and_names_a_moved_package(tmp_path: Path):
+    lock = tmp_path / "lock-here.txt"
+    tool = str(REPO / "tests/venv_lock.py")
+    w = subprocess.run([sys.executable, tool, "write", str(lock)], capture_output=True, text=True, timeout=120)
+    assert w.returncode == 0, w.stderr
+    ok = subprocess.run([sys.executable, tool, "check", str(lock)], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "equals lock-here.txt" in ok.stdout, ok.stderr
+    lines = lock.read_text().splitlines()
+    i = next(i for i, line in enumerate(lines) if line.startswith("pytest=="))
+    have = lines[i].split("==")[1]
+    lines[i] = "pytest==0.0.1"
+    lock.write_text("\n".join(lines + ["not-installed-here==1.0"]) + "\n")
+    bad = subprocess.run([sys.executable, tool, "check", str(lock)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1
+    assert bad.stderr.count("\n") == 1  # one line
+    assert (f"differs from lock-here.txt in 2: not-installed-here (lock 1.0, not installed); "
+            f"pytest {have} (lock 0.0.1)") in bad.stderr
+
+
+def test_this_venv_equals_its_committed_lock():
+    """The venv the suite runs in was built under its lock (tests/setup_env.sh and the engine set-ups end with the
+    same check): a failure names the distributions that moved; rebuild the venv, or rewrite the lock on purpose."""
+    name = ("verl091-engine" if _in_verl091_engine_env() else "current-engine" if _in_current_engine_env()
+            else "engine" if _in_engine_env() else "test")
+    lock = REPO / ".ci" / f"lock-{name}.txt"
+    locked, _ = venv_lock.scan()
+    assert venv_lock.differences(locked, venv_lock.read(lock)) == [], f"this venv differs from {lock.name}"
