@@ -59,7 +59,7 @@ def test_tests_mirror_the_package() -> None:
     top = sorted(p.name for p in (REPO / "tests").glob("test_*.py"))
     repo_level = {"test_dockerfile.py", "test_machine_paths.py", "test_requirements.py", "test_scripts.py",
                   "test_suite_rules.py", "test_train_configs.py", "test_setup_env.py", "test_package_layout.py",
-                  "test_docs.py"}
+                  "test_docs.py", "test_venv_lock.py"}
     assert set(top) <= repo_level, f"tests/ holds package tests at its top: {sorted(set(top) - repo_level)}"
 
 

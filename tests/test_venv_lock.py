@@ -77,3 +77,17 @@ def test_this_venv_equals_its_committed_lock():
     lock = REPO / ".ci" / f"lock-{name}.txt"
     locked, _ = venv_lock.scan()
     assert venv_lock.differences(locked, venv_lock.read(lock)) == [], f"this venv differs from {lock.name}"
+
+
+def test_default_scan_reads_the_install_folders_not_a_grown_sys_path(tmp_path: Path, monkeypatch):
+    """A folder a running program put first on sys.path (``import ray`` adds ``ray/thirdparty_files`` with its own
+    psutil and colorama) is not the venv: the default scan reads the install folders only. Control: scanning sys.path
+    itself sees the planted distributions."""
+    planted = tmp_path / "thirdparty_files"
+    _dist(planted, "planted_only", "1.0")
+    _dist(planted, "pip", "0.0.1")
+    monkeypatch.syspath_prepend(str(planted))
+    locked, _ = venv_lock.scan()
+    assert "planted-only" not in locked and locked["pip"] != "0.0.1"
+    grown, _ = venv_lock.scan(sys.path)
+    assert grown["planted-only"] == "1.0" and grown["pip"] == "0.0.1"

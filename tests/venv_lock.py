@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import sysconfig
 from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
@@ -49,12 +50,19 @@ def _unlockable(dist: metadata.Distribution) -> str | None:
     return None
 
 
+def site_dirs() -> list[str]:
+    """This interpreter's install folders (purelib, platlib): what pip installed into the venv. Not sys.path, which a
+    running program may have grown: ``import ray`` puts ``ray/thirdparty_files`` (its own psutil and colorama) first."""
+    paths = sysconfig.get_paths()
+    return list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+
+
 def scan(path: Iterable[str] | None = None) -> tuple[dict[str, str], dict[str, str]]:
-    """(locked, unlockable) of the distributions on ``path`` (default: this interpreter's sys.path):
+    """(locked, unlockable) of the distributions on ``path`` (default: :func:`site_dirs`):
     name -> version, and name -> the reason it is left out of the lock."""
     locked: dict[str, str] = {}
     left_out: dict[str, str] = {}
-    dists = metadata.distributions(path=list(path)) if path is not None else metadata.distributions()
+    dists = metadata.distributions(path=list(path) if path is not None else site_dirs())
     for d in dists:
         if not d.metadata["Name"]:
             continue
