@@ -5,11 +5,12 @@ rollout config composed by Hydra from a real train script; prints one JSON line.
 
 SPEC: {"workspace": DIR, "script": "internal/train_....sh", "env": {VAR: value},
        "overrides": [Hydra overrides appended to the script's, as a user would pass them],
-       "prompts": [[token ids], ...], "n": samples per prompt, "do_sample": [bool, ...] (one
-       generate_sequences call each, in order), "port": a free TCP port for the gloo world of 1,
+       "prompts": [[token ids], ...], "n": samples per prompt, "do_sample": [bool or "validate", ...] (one
+       generate_sequences call each, in order; "validate": do_sample with meta_info validate=True, the trainer's
+       validation call, sampled with rollout.val_kwargs), "port": a free TCP port for the gloo world of 1,
        "ascend": optional bool (vLLM-Ascend's NPUWorker/NPUModelRunner on the CPU stand-in)}
 Result: {"rollout": the resolved rollout config's spec-decode keys, "logprobs": the requests'
-SamplingParams.logprobs, "generations": [{"do_sample", "responses": [[ids]], "metrics": vLLM's
+SamplingParams.logprobs, "generations": [{"do_sample", "validate", "responses": [[ids]], "metrics": vLLM's
 spec-decode counters accrued by that call, "meta_info": the returned DataProto's meta_info (verl 0013:
 the rollout's own counts), "step_metrics": what the trainer logs from it}], "drafter": class}.
 """
@@ -97,15 +98,16 @@ def main() -> int:
     pos = torch.clamp(mask.cumsum(-1) - 1, min=0)
     llm = rollout.inference_engine
     generations = []
-    for do_sample in spec["do_sample"]:
+    for call in spec["do_sample"]:
+        do_sample, validate = call is True or call == "validate", call == "validate"
         data = DataProto.from_dict({"input_ids": ids, "attention_mask": mask, "position_ids": pos},
                                    meta_info={"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
-                                              "do_sample": do_sample})
+                                              "do_sample": do_sample, "validate": validate})
         before = counters(llm)
         out = rollout.generate_sequences(data)
         after = counters(llm)
         lp = out.batch["rollout_log_probs"].tolist() if "rollout_log_probs" in out.batch.keys() else None
-        generations.append({"do_sample": do_sample, "responses": out.batch["responses"].tolist(),
+        generations.append({"do_sample": do_sample, "validate": validate, "responses": out.batch["responses"].tolist(),
                             "rollout_log_probs": lp,
                             "metrics": {k: after[k] - before.get(k, 0.0) for k in after},
                             "meta_info": dict(out.meta_info),
@@ -116,6 +118,7 @@ def main() -> int:
     result = {"rollout": {"speculative_config": OmegaConf.to_container(spec_cfg) if spec_cfg else None,
                           "calculate_log_probs": rollout_cfg.calculate_log_probs,
                           "disable_log_stats": rollout_cfg.disable_log_stats,
+                          "val_temperature": rollout_cfg.val_kwargs.temperature,
                           "data_rebalance": RecipeConfig.from_group(cfg.qwen3_rl).data_rebalance.enable},
               "logprobs": rollout.sampling_params.logprobs, "generations": generations,
               "drafter": type(getattr(runner_of(llm), "drafter", None)).__name__}

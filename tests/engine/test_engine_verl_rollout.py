@@ -45,7 +45,11 @@ def run_rollout(spec: dict, tmp_path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def sam_rollout(engine_ws: Path, tiny_models: dict[str, Path], tmp_path_factory) -> dict:
-    return run_rollout(rollout_spec(engine_ws, tiny_models["moe"]), tmp_path_factory.mktemp("rollout"))
+    """One rollout engine, three generate_sequences calls: greedy, sampled (the script's temperature 1.0), and the
+    trainer's validation call sampled at val_kwargs.temperature=0.2 (test_low_temperature_sampling_accepts_drafts)."""
+    spec = rollout_spec(engine_ws, tiny_models["moe"], ["actor_rollout_ref.rollout.val_kwargs.temperature=0.2"],
+                        do_sample=(False, True, "validate"))
+    return run_rollout(spec, tmp_path_factory.mktemp("rollout"))
 
 
 def test_switches_reach_the_engine(sam_rollout: dict) -> None:
@@ -61,7 +65,8 @@ def test_switches_reach_the_engine(sam_rollout: dict) -> None:
 def test_sam_drafts_through_verls_rollout(sam_rollout: dict) -> None:
     # verl 0007: requests ask for no log-probs while a drafter is on, so vLLM drafts for them.
     assert sam_rollout["logprobs"] is None
-    greedy, sampled = sam_rollout["generations"]
+    greedy, sampled = sam_rollout["generations"][:2]
+    assert (greedy["do_sample"], sampled["do_sample"], sampled["validate"]) == (False, True, False)
     for g in (greedy, sampled):
         assert len(g["responses"]) == 2 * len(PROMPTS) and all(len(r) == 48 for r in g["responses"])
     m = greedy["metrics"]
@@ -86,27 +91,27 @@ def test_sam_drafts_through_verls_rollout(sam_rollout: dict) -> None:
 
 
 def test_without_verl_0007_logprob_requests_draft_only_with_vllm_0004(engine_ws: Path, tiny_models: dict[str, Path],
-                                                                      tmp_path: Path) -> None:
+                                                                      sam_rollout: dict, tmp_path: Path) -> None:
     # The bug: verl asks every request for logprobs=0 and vLLM 0.13 drafts nothing for such requests. verl 0007 (and
-    # the patches stacked on it) reversed: logprobs=0, drafted with vllm 0004; with vllm 0004 reversed too, nothing.
+    # the patches stacked on it) reversed: logprobs=0, drafted with vllm 0004, greedy tokens equal the patched run's
+    # (logprobs=None). That logprobs=0 requests get no drafts with vllm 0004 reversed too is vLLM's own
+    # is_spec_decode_unsupported in InputBatch.add_request, whoever sets logprobs=0: checked in
+    # test_engine_spec_decode_logprobs.py::test_without_the_patch_nothing_is_drafted.
     no_verl = tree_without(engine_ws, tmp_path / "ws-without-0007", "verl", 7)
-    neither = tree_without(no_verl, tmp_path / "ws-without-0007-0004", "vllm", 4, only=True)
-    with_vllm, without = (run_rollout(rollout_spec(ws, tiny_models["moe"], do_sample=(False,)), tmp_path)
-                          for ws in (no_verl, neither))
-    m, m0 = with_vllm["generations"][0]["metrics"], without["generations"][0]["metrics"]
-    print(f"without verl 0007: logprobs={with_vllm['logprobs']}, {m}; and without vllm 0004: {m0}")
-    assert with_vllm["logprobs"] == without["logprobs"] == 0
-    assert m["spec_decode_num_draft_tokens"] > 0 and m["spec_decode_num_accepted_tokens"] > 0
-    assert m0.get("spec_decode_num_draft_tokens", 0) == 0
-    assert with_vllm["generations"][0]["responses"] == without["generations"][0]["responses"]
-
-
-def test_low_temperature_sampling_accepts_drafts(engine_ws: Path, tiny_models: dict[str, Path],
-                                                 tmp_path: Path) -> None:
-    # The random rejection path accepts drafts when the target is sharp (temperature 0.2).
-    r = run_rollout(rollout_spec(engine_ws, tiny_models["moe"], ["actor_rollout_ref.rollout.temperature=0.2"],
-                                 do_sample=(True,)), tmp_path)
+    r = run_rollout(rollout_spec(no_verl, tiny_models["moe"], do_sample=(False,)), tmp_path)
     m = r["generations"][0]["metrics"]
+    print(f"without verl 0007: logprobs={r['logprobs']}, {m}")
+    assert r["logprobs"] == 0
+    assert m["spec_decode_num_draft_tokens"] > 0 and m["spec_decode_num_accepted_tokens"] > 0
+    assert r["generations"][0]["responses"] == sam_rollout["generations"][0]["responses"]
+
+
+def test_low_temperature_sampling_accepts_drafts(sam_rollout: dict) -> None:
+    # The random rejection path accepts drafts when the target is sharp (temperature 0.2): the trainer's validation
+    # call (meta_info validate=True) of the sam_rollout engine, sampled with rollout.val_kwargs.temperature=0.2.
+    g = sam_rollout["generations"][2]
+    assert sam_rollout["rollout"]["val_temperature"] == 0.2 and g["do_sample"] is True and g["validate"] is True
+    m = g["metrics"]
     print(f"temperature 0.2 through verl: {m}")
     assert m["spec_decode_num_accepted_tokens"] > 0
 
