@@ -10,6 +10,11 @@ CURRENT_ENGINE_VENV="${QWEN3_RL_CURRENT_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/cur
 CURRENT_ASCEND_VENV="${QWEN3_RL_CURRENT_ASCEND_VENV:-${HOME}/.cache/qwen3_rl/current-ascend-venv}"
 VERL091_VENV="${QWEN3_RL_VERL091_VENV:-${HOME}/.cache/qwen3_rl/verl091-venv}"
 VERL091_ENGINE_VENV="${QWEN3_RL_VERL091_ENGINE_VENV:-${HOME}/.cache/qwen3_rl/verl091-engine-venv}"
+# OpenMP threads (libgomp in every venv's torch) sleep when idle instead of spinning: the test parts share 2 cores,
+# and a spinning thread burns the core another process is waiting for. Measured (cgroup CPU s, 3 busy loops beside):
+# cpu-setup's warm-up 64 -> 19 s (wall 84 -> 34 s); tests/engine/test_engine_spec_decode.py 61 -> 60 s and two gloo
+# Megatron files of the main run 145 -> 139 s (each pair run side by side). No number changes: only idle threads wait.
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_decode/test_sibling_exchange.py tests/spec_decode/test_sam_warm_up.py
                        tests/spec_decode/test_sam_exchange_hook.py tests/spec_decode/test_sam_group_key.py tests/spec_decode/test_sam_boundscheck.py
                        tests/spec_decode/test_sam_history.py tests/spec_decode/test_sam_adaptive_k.py
