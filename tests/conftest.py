@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,8 @@ sys.path.insert(0, str(REPO))
 
 from qwen3_rl.tools.pins import load_pins  # noqa: E402
 from qwen3_rl.tools.upstream.download import fill_pristine  # noqa: E402
+
+from helpers.ports import free_port  # noqa: E402,F401  (the tests import it from here)
 
 try:  # the main venv has hypothesis; the engine venvs may not
     from hypothesis import HealthCheck, settings
@@ -144,11 +145,6 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (for a gloo store or a stand-in server)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_module(path: Path, alias: str) -> ModuleType:

@@ -82,3 +82,25 @@ def test_engine_launcher_tests_are_every_engine_file_that_starts_a_training_run(
         str(f.relative_to(REPO)) for f in sorted((REPO / "tests" / "engine").glob("test_*.py"))
         if re.search(r"\bcpu_ws\b|ray_start_npu\.sh|ray\.init\(", f.read_text())}
     assert starts_runs == set(files), (sorted(starts_runs - set(files)), sorted(set(files) - starts_runs))
+
+
+def test_free_port_is_outside_the_ephemeral_range_and_skips_taken_ports(monkeypatch) -> None:
+    """The tests' ports come from below the kernel's ephemeral range (outgoing connections cannot take them between
+    the choice and the listen) and a port something listens on is never handed out; control: the same port once
+    free is."""
+    import socket
+    from pathlib import Path
+
+    from helpers import ports
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    got = {ports.free_port() for _ in range(20)}
+    assert all(ports.FREE_PORTS[0] <= p < ports.FREE_PORTS[1] < low for p in got), (got, low)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        monkeypatch.setattr(ports, "FREE_PORTS", (busy, busy + 1))  # the range is the listening port alone
+        with pytest.raises(RuntimeError, match="no free port"):
+            ports.free_port()
+    assert ports.free_port() == busy  # closed: handed out

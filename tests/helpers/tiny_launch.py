@@ -20,18 +20,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from helpers.ports import free_port  # noqa: F401  (the launch tests import it from here)
+
 REPO = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 1500  # one launcher run, start to exit
 LEARNING_MARGIN = 0.10  # validation accuracy after training >= before + this
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (the launcher's Ray port)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
