@@ -24,12 +24,11 @@ import workspace  # noqa: E402
 
 
 def gloo_port() -> int:
-    """A free TCP port on 127.0.0.1 for a child's gloo store."""
-    import socket
+    """A free TCP port on 127.0.0.1 for a child's gloo store (``helpers.ports.free_port``: outside the ephemeral
+    range)."""
+    from helpers.ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_port()
 
 ENGINE_TIMEOUT_S = 900
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -44,6 +43,7 @@ from helpers.tiny_launch import (  # noqa: F401 (re-exported: the other tiny-run
     Run,
     _events,
     _tail,
+    actor_death_watch,
     check_step_log_and_ckpt,
     engine_venv,
     launch,
@@ -214,7 +214,7 @@ def test_grpo_learns_then_fault_and_resume(cpu_ws: Path, grpo_on_run: Run, tmp_p
     assert faulty.rc != 0, "the run exited 0 although a worker was killed"
     # verl's own error, or the launcher's actor-death watch (qwen3_rl.tools.launch.ray_actors) naming the killed
     # worker by its pid, whichever stops the run first (the watch won in a clean-clone CI run)
-    watch = re.search(rf"error: Ray actor .* \(pid {killed['pid']}\) on node \S+ died: ", faulty.log)
+    watch = actor_death_watch(killed["pid"]).search(faulty.log)
     assert "ActorDiedError" in faulty.log or "actor died" in faulty.log.lower() or watch, _tail(faulty)
     check_weight_sync(faulty, model)
     assert (faulty.ckpt / "global_step_1" / "actor").is_dir() and not (faulty.ckpt / "global_step_2").exists()

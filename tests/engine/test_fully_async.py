@@ -48,7 +48,14 @@ import re
 from pathlib import Path
 
 import pytest
-from test_e2e_training import LEARNING_MARGIN, Run, check_resume_state, launch, prompts_of_step
+from test_e2e_training import (
+    LEARNING_MARGIN,
+    Run,
+    actor_death_watch,
+    check_resume_state,
+    launch,
+    prompts_of_step,
+)
 
 from qwen3_rl.spec_decode.metrics import ACCEPTED_TOKENS, DRAFT_TOKENS
 from qwen3_rl.trainer.fully_async.stream import staleness_bound
@@ -261,7 +268,7 @@ def test_rollout_worker_killed_in_a_weight_sync_ends_the_run(cpu_ws: Path, tmp_p
     seconds = ended - kills[0]["time"]
     # the sync's own error, or the launcher's actor-death watch (qwen3_rl.tools.launch.ray_actors) naming the killed
     # worker by its pid, whichever stops the run first (the watch won in a clean-clone CI run: exit 7 s after the kill)
-    watch = re.compile(rf"error: Ray actor .* \(pid {kills[0]['pid']}\) on node \S+ died: ")
+    watch = actor_death_watch(kills[0]["pid"])
     said = [ln for ln in run.log.splitlines()
             if "weight sync: rollout worker 0 died during the sync" in ln or watch.search(ln)]
     print(f"rollout worker killed in weight sync {kills[0]['n']} ({kills[0]['first_tensor']} received): the "

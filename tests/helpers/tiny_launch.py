@@ -27,6 +27,12 @@ RUN_TIMEOUT_S = 1500  # one launcher run, start to exit
 LEARNING_MARGIN = 0.10  # validation accuracy after training >= before + this
 
 
+def actor_death_watch(pid: int) -> re.Pattern[str]:
+    """The line of the launcher's actor-death watch (``qwen3_rl.tools.launch.ray_actors``) naming the Ray actor of
+    process ``pid`` as dead: ``error: Ray actor <label> (pid P) on node N died: <cause>; ...``."""
+    return re.compile(rf"error: Ray actor .* \(pid {pid}\) on node \S+ died: ")
+
+
 @dataclass
 class Run:
     rc: int
