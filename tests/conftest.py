@@ -145,8 +145,6 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-
-
 def load_module(path: Path, alias: str) -> ModuleType:
     """Import the file ``path`` as module ``alias`` (registered in ``sys.modules``), e.g. a pristine
     upstream file beside its patched twin."""
