@@ -110,7 +110,7 @@ def _start_node(net: TwoNodes, root: Path, role: str, ns: str, bin_dir: Path, ca
     env["PATH"] = f"{bin_dir}:{VENV_BIN}:{env['PATH']}"
     cmd = ["ip", "netns", "exec", ns, "bash", str(REPO / "ray_start_npu.sh"), str(script),
            "--nnodes", "2", "--npus-per-node", str(NPUS), "--master-addr", net.head_ip, "--port", str(PORT),
-           "--no-preflight", "--timeout", "60", "--temp-dir", str(root / "head" / "ray"),
+           "--no-preflight", "--timeout", "120", "--temp-dir", str(root / "head" / "ray"),
            "--auth-token-file", str(token_file),
            "--join-retries", "20", "--join-interval", "1", "--watch-interval", "1", "--watch-misses", "2",
            "--ray-arg=--num-cpus=1", "--ray-arg=--object-store-memory=80000000"]
@@ -121,7 +121,7 @@ def _start_node(net: TwoNodes, root: Path, role: str, ns: str, bin_dir: Path, ca
     return proc, out
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):  # noqa: F811 (the fixture)
     ray_bin = VENV_BIN / "ray"
     if not ray_bin.exists():
@@ -134,7 +134,9 @@ def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):  # noqa: F8
     root = Path(tempfile.mkdtemp(prefix="q3mn", dir="/tmp"))
     procs: dict[str, subprocess.Popen[str]] = {}
     t0 = time.monotonic()
-    deadline = t0 + 90  # until the head exits; the worker then has 25 s to leave (whole test < 120 s)
+    # until the head exits; the worker then has 60 s to leave (whole test < 300 s). Alone the head exits after ~45 s;
+    # in CI, beside two other test parts on 2 cores, it once took over 90 s (the bound this test had then).
+    deadline = t0 + 200
     try:
         bin_dir = make_stubs(root, ray=False, ip=False)  # stub npu-smi; real ray and ip
         script = make_standin(root, MULTINODE_STANDIN)
@@ -156,7 +158,11 @@ def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):  # noqa: F8
                 token = token_file.read_text().strip()
                 assert len(token) == 64 and (token_file.stat().st_mode & 0o077) == 0, "token file not private"
 
-        head_rc = procs["head"].wait(timeout=max(1.0, deadline - time.monotonic()))
+        try:
+            head_rc = procs["head"].wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"head still running {time.monotonic() - t0:.0f} s after the start:\n{_tail(out['head'])}\n"
+                        f"--- worker\n{_tail(out['worker'])}")
         t_head = time.monotonic()
         head_out = out["head"].read_text()
         train_log = root / "head" / "logs" / f"train_standin_head_{net.head_ip}.log"
@@ -179,7 +185,7 @@ def test_two_node_launch_in_network_namespaces(two_nodes: TwoNodes):  # noqa: F8
         assert not token_file.exists(), "the head left the cluster's token file"
 
         # the worker notices the head's cluster is gone and leaves on its own (bounded)
-        worker_rc = procs["worker"].wait(timeout=25)
+        worker_rc = procs["worker"].wait(timeout=60)
         t_worker = time.monotonic()
         worker_out = out["worker"].read_text()
         assert worker_rc == 0, f"worker exit {worker_rc}\n{worker_out}"
@@ -273,7 +279,7 @@ def _two_node_run(net: TwoNodes, worker_threshold: str, hold_s: str) -> dict[str
                 assert ok, f"head did not report 1/2 nodes:\n{_tail(out['head'])}"
         try:
             head_rc = procs["head"].wait(timeout=max(1.0, deadline - time.monotonic()))
-            worker_rc = procs["worker"].wait(timeout=25)  # it leaves once the head's cluster is gone
+            worker_rc = procs["worker"].wait(timeout=60)  # it leaves once the head's cluster is gone
         except subprocess.TimeoutExpired as exc:
             raise AssertionError(f"{exc}\n--- head\n{_tail(out['head'])}\n--- worker\n{_tail(out['worker'])}") from exc
         time.sleep(0.5)
