@@ -28,18 +28,17 @@ SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_deco
 # same check.
 # The engine part runs in two pytest processes ("lanes") that together fill both cores.
 # The early lane: the engine tests that start whole training runs through the launcher (ENGINE_LAUNCHER_TESTS: Ray,
-# trainer, rollout; they wait on start-ups and on each other, so about a third of a core stays idle beside them; they
-# are the only engine tests that start Ray clusters and they run one after another in this one process) and the
-# engine-level tests of ENGINE_EARLY_EXTRA. The late lane: every other test of tests/engine.
+# trainer, rollout; they are the only engine tests that start Ray clusters and they run one after another in this one
+# process) and the engine-level tests of ENGINE_EARLY_EXTRA (none now). The late lane: every other test of tests/engine.
 # On a full run the early lane starts as soon as the background runs (upstream's own tests, the current set's engine
-# parts) have ended, beside the main run, whose second core is idle from then on; the late lane starts after the main
-# run. With a selection both lanes start together after the main run. ENGINE_EARLY_EXTRA is sized so that the two
-# lanes end at about the same time on a full run (clean-clone CI: launcher runs ~1760 s, the late lane's tests
-# ~1960 s under the same load, the early lane starting ~680 s before the main run ends).
+# parts) have ended or the main run has, whichever comes first; the late lane starts after the main run. With a
+# selection both lanes start together after the main run. Measured in the clean-clone CI of 349a16e: the background
+# ended 126 s after the main run (the verl 0.9.1 engine part is its tail), the early lane (launcher tests + 4 engine
+# files, 1775 s) then ran 685 s alone after the late lane (1216 s) had ended, one pytest process on 2 cores; its 4
+# engine files (~230 s there) now run in the late lane.
 ENGINE_LAUNCHER_TESTS=(tests/engine/test_e2e_training.py tests/engine/test_slurm.py tests/engine/test_server_rollout.py
                        tests/engine/test_fully_async.py tests/engine/test_ascend_grpo_step.py)
-ENGINE_EARLY_EXTRA=(tests/engine/test_engine_rebalance.py tests/engine/test_engine_eval.py
-                    tests/engine/test_fully_async_dp_sync.py tests/engine/test_ascend_dp.py)
+ENGINE_EARLY_EXTRA=()
 # longest wait (s) of the early lane for the background runs before it starts anyway
 ENGINE_EARLY_WAIT="${QWEN3_RL_ENGINE_EARLY_WAIT:-3600}"
 BOUNDSCHECK_NOT_KERNELS=(test_benchmark_smoke test_construction_compiles_every_kernel_of_the_runner_path
@@ -115,9 +114,9 @@ run only their part(s). Without test paths the two current-set engine parts run 
 background beside the main run.
 The engine part without test paths runs in two pytest processes ("lanes"): the early lane
 (ENGINE_LAUNCHER_TESTS: whole trainings through Ray, and ENGINE_EARLY_EXTRA) and the late lane (the other
-engine tests). On a full run the early lane starts beside the main run once the background runs have ended
-(at most QWEN3_RL_ENGINE_EARLY_WAIT s, default 3600, after the start) and the late lane after the main run;
-otherwise both start together.
+engine tests). On a full run the early lane starts once the background runs have ended or the main run has,
+whichever is first (at most QWEN3_RL_ENGINE_EARLY_WAIT s, default 3600, after the start), and the late lane after
+the main run; otherwise both start together.
 On a full run (no test path, -m or -k) every part must run tests: a part that collects nothing fails
 the run. With a selection, one part collecting nothing is fine as long as
 another ran tests. A skipped test fails (tests/conftest.py).
@@ -175,9 +174,12 @@ run_engine_early() {
 }
 
 wait_for_files() {
-  # wait until every file named exists, at most ENGINE_EARLY_WAIT seconds (polling every 2 s); returns 0 either way
-  local f t0=${SECONDS} missing
+  # wait until ANY_OF exists or every other file named does, at most ENGINE_EARLY_WAIT seconds (polling every 2 s);
+  # returns 0 either way.  usage: wait_for_files ANY_OF FILE...
+  local any=$1 f t0=${SECONDS} missing
+  shift
   while (( SECONDS - t0 < ENGINE_EARLY_WAIT )); do
+    [[ -e "${any}" ]] && return 0
     missing=0
     for f in "$@"; do [[ -e "${f}" ]] || missing=1; done
     (( missing )) || return 0
@@ -327,7 +329,7 @@ main() {
       echo "== pytest (engine venv: the early lane, ${ENGINE_LAUNCHER_TESTS[*]} ${ENGINE_EARLY_EXTRA[*]};" \
            "in the background once the runs above have ended; log after the late lane)"
       (
-        wait_for_files "${done_files[@]}"
+        wait_for_files "${done_dir}/main" "${done_files[@]}"
         t0=${SECONDS}
         echo "== engine early lane: starts $((SECONDS - run_t0)) s into the test run"
         rc=0
@@ -341,6 +343,7 @@ main() {
     t0=${SECONDS}
     rc_main=0
     ( cg_enter main; exec "${VENV}/bin/python" -m pytest "$@" ) || rc_main=$?
+    [[ -z "${done_dir}" ]] || : >"${done_dir}/main"  # the early engine lane starts now if it has not yet
     echo "== main run: $((SECONDS - t0)) s"
     if (( ! main_paths && ! selective )); then
       echo "== pytest (main venv, NUMBA_BOUNDSCHECK=1: SAM kernels)"
