@@ -34,10 +34,12 @@ tokens so far, as the partial rollout sends it) continues the greedy output toke
 on, and the original prompt's length in ``extra_args`` keeps it in its siblings' drafter group (it drafts from the
 finished sibling's answer kept in the group's history: more accepted tokens than the same resume without it).
 
-On-policy at staleness 0 (a short third launch, ``STALENESS_THRESHOLD=0``, 3 syncs, no validation, the rollout's
-log-probs as the old ones: ``USE_ROLLOUT_LOG_PROBS=True ROLLOUT_CORRECTION=off``): every batch's staleness is 0 (max
-and mean), each version started exactly one update's prompts, and no request was running at a sync (nothing to
-abort: the rollout waits for the sync).
+On-policy at staleness 0, then a killed rollout worker (a short third launch, ``STALENESS_THRESHOLD=0``, 4 syncs, no
+validation, the rollout's log-probs as the old ones: ``USE_ROLLOUT_LOG_PROBS=True ROLLOUT_CORRECTION=off``): in the
+3 updates logged before the last sync, every batch's staleness is 0 (max and mean), each version started exactly
+one update's prompts, and no request was running at a sync (nothing to abort: the rollout waits for the sync). In
+the 4th sync the rollout worker kills itself (SIGKILL, by the probe, after the first tensor arrived): the run exits
+non-zero within KILL_EXIT_BOUND_S of the kill with a one-line error naming the dead worker.
 
 ``bash tests/run_tests.sh -m fully_async`` runs these tests alone.
 """
@@ -223,19 +225,31 @@ def test_resumed_request_is_lossless_and_drafts_from_its_group(engine_ws: Path, 
     assert drafted["grouped"] > 0 and acc["grouped"] > acc["own"], (drafted, acc)
 
 
-#: staleness 0: 3 syncs of one update each, no validation, no checkpoint (what it checks is the staleness)
-ON_POLICY_ENV = {**RUN_ENV, "SYNCS": "3", "STALENESS_THRESHOLD": "0", "SAVE_FREQ": "-1", "VAL_BEFORE_TRAIN": "False",
+#: staleness 0: 4 syncs of one update each, no validation, no checkpoint; the rollout worker kills itself in the 4th
+#: (the last) sync, after the updates 1-3 were logged (an update's metrics are logged after its sync)
+ON_POLICY_ENV = {**RUN_ENV, "SYNCS": "4", "STALENESS_THRESHOLD": "0", "SAVE_FREQ": "-1", "VAL_BEFORE_TRAIN": "False",
                  "TEST_FREQ": "-1", "SAM_ENABLE": "False", "SAM_GROUP": "False", "USE_ROLLOUT_LOG_PROBS": "True",
-                 "ROLLOUT_CORRECTION": "off"}
+                 "ROLLOUT_CORRECTION": "off", "QWEN3_RL_E2E_KILL_IN_SYNC": "4"}
+KILL_IN_SYNC = int(ON_POLICY_ENV["QWEN3_RL_E2E_KILL_IN_SYNC"])
+KILL_EXIT_BOUND_S = 120.0
 
 
-@pytest.mark.timeout(1200)
-def test_staleness_zero_trains_on_policy(cpu_ws: Path, tmp_path: Path) -> None:
-    run = launch(cpu_ws, SCRIPT, tmp_path / "run", env=ON_POLICY_ENV)
+@pytest.fixture(scope="module")
+def on_policy_killed(cpu_ws: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, float]:
+    """The staleness-0 launch that ends with its rollout worker killed in the last sync, and when it ended."""
+    import time
+
+    run = launch(cpu_ws, SCRIPT, tmp_path_factory.mktemp("on-policy-killed"), env=ON_POLICY_ENV)
+    return run, time.time()
+
+
+@pytest.mark.timeout(1500)
+def test_staleness_zero_trains_on_policy(on_policy_killed: tuple[Run, float]) -> None:
+    run, _ended = on_policy_killed
     tail = "\n".join(run.log.splitlines()[-60:])
-    assert run.rc == 0, f"fully-async run failed (exit {run.rc}):\n{tail}"
+    assert run.of("killed_in_sync"), f"the run did not reach its last sync (exit {run.rc}):\n{tail}"
     trained = {s: m for s, m in step_metrics(run.log).items() if s > 0}
-    assert sorted(trained) == list(range(1, int(ON_POLICY_ENV["SYNCS"]) + 1)), f"trained steps {sorted(trained)}"
+    assert sorted(trained) == list(range(1, KILL_IN_SYNC)), f"trained steps {sorted(trained)}"
     staleness = {s: (m["fully_async/staleness/max"], m["fully_async/staleness/mean"]) for s, m in trained.items()}
     started = {s: m["fully_async/count/started_in_version"] for s, m in trained.items()}
     aborted = {s: m["fully_async/sync/aborted_requests"] for s, m in trained.items()}
@@ -246,25 +260,17 @@ def test_staleness_zero_trains_on_policy(cpu_ws: Path, tmp_path: Path) -> None:
     assert all(n == 0 for n in aborted.values()), f"requests were running at a sync at staleness 0: {aborted}"
 
 
-#: the killed-worker run: no validation, no save; the rollout worker kills itself in the first weight sync
-KILL_ENV = {**RUN_ENV, "SYNCS": "2", "VAL_BEFORE_TRAIN": "False", "TEST_FREQ": "-1", "SAVE_FREQ": "-1",
-            "SAM_ENABLE": "False", "SAM_GROUP": "False", "QWEN3_RL_E2E_KILL_IN_SYNC": "1"}
-KILL_EXIT_BOUND_S = 120.0
-
-
 @pytest.mark.timeout(1500)
-def test_rollout_worker_killed_in_a_weight_sync_ends_the_run(cpu_ws: Path, tmp_path: Path) -> None:
+def test_rollout_worker_killed_in_a_weight_sync_ends_the_run(on_policy_killed: tuple[Run, float]) -> None:
     """The product command with the rollout worker killed (SIGKILL, by the probe: ``QWEN3_RL_E2E_KILL_IN_SYNC``)
-    in the first weight sync, after the first tensor arrived: the run exits non-zero within KILL_EXIT_BOUND_S of
+    in the last weight sync, after the first tensor arrived: the run exits non-zero within KILL_EXIT_BOUND_S of
     the kill, with a one-line error naming the dead worker: the sync's, or the launcher's watch naming its pid (the
     seconds are printed)."""
-    import time
-
-    run = launch(cpu_ws, SCRIPT, tmp_path / "killed", env=KILL_ENV)
-    ended = time.time()
+    run, ended = on_policy_killed
     kills = run.of("killed_in_sync")
     tail = "\n".join(run.log.splitlines()[-40:])
     assert kills, f"no rollout worker was killed in a sync (exit {run.rc}):\n{tail}"
+    assert kills[0]["n"] == KILL_IN_SYNC, kills
     seconds = ended - kills[0]["time"]
     # the sync's own error, or the launcher's actor-death watch (qwen3_rl.tools.launch.ray_actors) naming the killed
     # worker by its pid, whichever stops the run first (the watch won in a clean-clone CI run: exit 7 s after the kill)
