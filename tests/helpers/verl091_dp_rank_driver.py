@@ -1,46 +1,27 @@
-"""The group router's vLLM DP rank through verl 0.9.1's own client and server code to vLLM's engine-client call, in
-a local Ray (127.0.0.1); prints one line ``VERL_DP_RANK_RESULT {json}``.
+"""The group router's vLLM DP rank through verl 0.9.1's own client and server code into vLLM 0.23's CPU engine, in a
+local Ray (127.0.0.1). Runs in the venv of ``tests/setup_verl091_engine_env.sh`` (verl 0.9.1 + vLLM 0.23).
 
-    python tests/helpers/verl091_dp_rank_driver.py WORK_DIR
+    python tests/helpers/verl091_dp_rank_driver.py WORK_DIR engine [DP]
 
-Runs in the venv of ``tests/setup_verl091_engine_env.sh`` (verl 0.9.1 + vLLM 0.23). Two servers of the recipe's
-class (``get_rollout_replica_class("vllm")`` after ``qwen3_rl.rollout.verl_server_auth.register()`` ->
-``server_class``), built from verl's ``RolloutConfig`` (``data_parallel_size=2``) and ``HFModelConfig`` on the tiny
-model as ``vLLMReplica.launch_servers`` builds them (``vllm_async_server.py:1377-1396``); verl's
-``get_router_handle`` with the shipped router YAML (``qwen3_rl/rollout/verl_router.yaml``: the DP size is asked of
-the servers) or without (``default``: verl's own balancer, the control); two verl ``LLMServerClient`` send four
-prompts x four samples at once, then a second turn of one request.
-
-Stand-in (named in the output under ``"shims"``): no engine is launched (two DP=2 engines do not fit this host's
-two cores); each server's ``engine`` is :class:`EngineClientRecorder`, which takes ``generate`` with vLLM 0.23's
-own ``AsyncLLM.generate`` signature (``inspect.Signature.bind``: a keyword vLLM lacks fails), records the call's
-keywords and yields vLLM's ``RequestOutput``. Everything between the client and that call is verl's and ours.
-Output: {run: {"calls": [[server index, prompt ids, data_parallel_rank or "absent"], ...], "turns": [...],
-"fields": [...]}, "dp_asked": int, "shims": [...]}.
-
-    python tests/helpers/verl091_dp_rank_driver.py WORK_DIR engine
-
-prints ``VERL_DP_RANK_ENGINE {json}``: one recipe server launched by verl (``launch_server``: vLLM 0.23's CPU engine,
-DP 1; ``qwen3_rl.cpu_device.vllm023_shims`` in the engine's processes by ``verl091_vllm_site``, a device-kernel
-keyword), the shipped plugin told ``data_parallel_size: 2`` (``group``) or verl's balancer (``default``), four
-prompts x two samples, greedy, 4 tokens: {run: [[request id, prompt index, rank the balancer chose or "absent",
-"ok" | "error", token ids | the error's last line], ...], "cores": {run: [[engine index, pid, vLLM's request id], ...]}}
-(``cores``: the engine cores' own log, the observer of ``verl091_vllm_site``; the client passes verl's request id
-through, ``full_determinism``).
-
-    python tests/helpers/verl091_dp_rank_driver.py WORK_DIR engine 2
-
-the same with the server at ``data_parallel_size=2`` (vLLM's DP coordinator and two engine-core processes, one CPU
-each), the shipped plugin as it is (the DP size asked of the server) and four samples per prompt.
+prints ``VERL_DP_RANK_ENGINE {json}``: one recipe server (``get_rollout_replica_class("vllm")`` after
+``qwen3_rl.rollout.verl_server_auth.register()`` -> ``server_class``, built from verl's ``RolloutConfig`` and
+``HFModelConfig`` on the tiny model) launched by verl (``launch_server``: vLLM 0.23's CPU engine at DP ``DP``, default 1;
+``qwen3_rl.cpu_device.vllm023_shims`` in the engine's processes by ``verl091_vllm_site``, a device-kernel keyword);
+verl's ``get_router_handle`` with the shipped plugin (``group``; at DP 1 told ``data_parallel_size: 2``, at DP 2 the
+DP size asked of the server) or without it (``default``: verl's own balancer, the control); verl's
+``LLMServerClient`` sends four prompts x 2·DP samples at once, greedy, 4 tokens: {run: [[request id, prompt index,
+rank the balancer chose or "absent", "ok" | "error", token ids | the error's last line], ...], "cores": {run:
+[[engine index, pid, vLLM's request id], ...]}, "server_mro": [the server's classes]} (``cores``: the engine cores'
+own log, the observer of ``verl091_vllm_site``; the client passes verl's request id through,
+``full_determinism``). At DP 2: vLLM's DP coordinator and two engine-core processes, one CPU each.
 
     python tests/helpers/verl091_dp_rank_driver.py WORK_DIR all
 
-the three runs above one after the other in this one process and one local Ray (one import of verl and vLLM, one
-tiny model): the stand-ins, then the engine at DP 1, then at DP 2; prints ``VERL_DP_RANK_ALL {json}``: {"result":
-the stand-ins' output, "engine": DP 1's, "engine_dp2": DP 2's, "released": {phase: processes killed by pid},
-"seconds": {phase: its wall time}}. What differs between the runs is given per server actor (Ray ``runtime_env`` of
-the actor, :func:`engine_env`), and each phase's actors are gone, with their child processes, before the next phase
-starts (:func:`_release`). The single modes above run the same code (the same per-actor environment) alone.
+DP 1, then DP 2, one after the other in this one process and one local Ray (one import of verl and vLLM, one tiny
+model); prints ``VERL_DP_RANK_ALL {json}``: {"engine": DP 1's output, "engine_dp2": DP 2's, "released": {phase:
+processes killed by pid}, "seconds": {phase: its wall time}}. What differs between the runs is given per server actor
+(Ray ``runtime_env`` of the actor, :func:`engine_env`), and each phase's server is gone, with its child processes,
+before the next phase starts (:func:`_release`).
 """
 
 from __future__ import annotations
@@ -51,55 +32,10 @@ import os
 import sys
 import time
 from pathlib import Path
-from uuid import uuid4
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [[11, 12, 13, 14], [21, 22, 23], [31, 32, 33, 34, 35], [41, 42]]
-N_SAMPLES = 4
 ABSENT = "absent"
-
-
-class EngineClientRecorder:
-    """Stands in for vLLM 0.23's ``AsyncLLM`` at its ``generate`` call: binds the call to that method's signature,
-    records ``(prompt ids, data_parallel_rank)``, answers one token (the prompt's first) as a finished request."""
-
-    def __init__(self) -> None:
-        import inspect
-
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        self.signature = inspect.signature(AsyncLLM.generate)
-        self.calls: list[list] = []
-
-    def generate(self, *args, **kwargs):
-        bound = self.signature.bind(self, *args, **kwargs)  # TypeError on a keyword vLLM's generate lacks
-        prompt = list(bound.arguments["prompt"]["prompt_token_ids"])
-        self.calls.append([prompt, kwargs.get("data_parallel_rank", ABSENT)])
-        return self._answer(bound.arguments["request_id"], prompt)
-
-    async def _answer(self, request_id: str, prompt: list[int]):
-        from vllm.outputs import CompletionOutput, RequestOutput
-
-        await asyncio.sleep(0.05)  # requests overlap, as on an engine
-        done = CompletionOutput(
-            index=0,
-            text="",
-            token_ids=[prompt[0]],
-            cumulative_logprob=None,
-            logprobs=None,
-            finish_reason="length",
-        )
-        yield RequestOutput(request_id, None, prompt, None, [done], True)
-
-
-def _install(server) -> None:
-    server.engine = EngineClientRecorder()
-
-
-def _take(server) -> list:
-    engine = getattr(server.engine, "_engine", server.engine)  # under the recipe's RankedEngine once ranked
-    out, engine.calls = engine.calls, []
-    return out
 
 
 def _own_pids(_actor) -> list[int]:
@@ -139,30 +75,6 @@ def _release(handles: list, timeout_s: float = 120.0) -> int:
     for p in alive:
         p.kill()
     return len(alive)
-
-
-async def drive(handles: list, clients: list, ray) -> dict:
-    async def one(client, rid: str, prompt: list[int]) -> None:
-        await client.generate(rid, prompt_ids=prompt, sampling_params={"temperature": 1.0, "max_tokens": 1})
-
-    async def take() -> list:
-        out = []
-        for i, h in enumerate(handles):
-            out += [[i, *c] for c in await h.__ray_call__.remote(_take)]
-        return out
-
-    await asyncio.gather(
-        *(
-            one(clients[(p * N_SAMPLES + s) % 2], uuid4().hex, prompt)
-            for p, prompt in enumerate(PROMPTS)
-            for s in range(N_SAMPLES)
-        )
-    )
-    out = {"calls": await take(), "turns": []}
-    for prompt in (PROMPTS[0], PROMPTS[0] + [99, 98]):
-        await one(clients[0], "conversation-1", prompt)
-        out["turns"] += await take()
-    return out
 
 
 def engine_env(core_log: Path, dp: int) -> dict[str, str]:
@@ -248,6 +160,7 @@ async def engine_runs(replica, work: Path, dp: int) -> tuple[dict, int]:
     )
     await asyncio.wait_for(server.launch_server.remote(), 900)
     host, port = await server.get_server_address.remote()
+    mro = await server.__ray_call__.remote(lambda s: [f"{c.__module__}.{c.__qualname__}" for c in type(s).__mro__])
     # full_determinism: verl's client hands the caller's request id to vLLM (llm_server.py:90-96), so the cores'
     # log names the request; the balancer is told nothing of it (get_router_handle's own argument, router.py:303)
     rollout = {"name": "vllm", "full_determinism": True}
@@ -255,7 +168,7 @@ async def engine_runs(replica, work: Path, dp: int) -> tuple[dict, int]:
     router_yaml = work / f"router_dp{dp}.yaml"
     plugin = (REPO / "qwen3_rl/rollout/verl_router.yaml").read_text()
     router_yaml.write_text(plugin + ("data_parallel_size: 2\n" if dp == 1 else ""))
-    out: dict = {"cores": {}}
+    out: dict = {"cores": {}, "server_mro": mro}
     for run, yaml_path in (("default", None), ("group", str(router_yaml))):
         balancer = get_router_handle({f"{host}:{port}": server}, router_config_path=yaml_path)
         client = LLMServerClient(config, load_balancer_handle=balancer)
@@ -288,72 +201,8 @@ async def engine_runs(replica, work: Path, dp: int) -> tuple[dict, int]:
     return out, _release([server])
 
 
-def stand_in_runs(model: Path) -> dict:
-    """The stand-in run (module docstring) in the running Ray: its output dict and, under ``released``, how many of
-    its actors' processes :func:`_release` had to kill by pid."""
-    import ray
-    from omegaconf import OmegaConf
-    from verl.workers.config import HFModelConfig, RolloutConfig
-    from verl.workers.rollout.llm_server import LLMServerClient
-    from verl.workers.rollout.replica import RolloutMode, get_rollout_replica_class
-    from verl.workers.rollout.router import get_router_handle
-
-    replica_cls = get_rollout_replica_class("vllm")
-    rollout = RolloutConfig(
-        name="vllm",
-        tensor_model_parallel_size=1,
-        data_parallel_size=2,
-        expert_parallel_size=2,
-        n_gpus_per_node=2,
-        nnodes=1,
-        dtype="float32",
-        load_format="auto",
-        max_model_len=256,
-        prompt_length=64,
-        response_length=8,
-        custom={"qwen3_rl": {"server_auth": {"enable": False}}},
-    )
-    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm", "full_determinism": False}}})
-    out: dict = {"shims": ["EngineClientRecorder: vLLM's AsyncLLM at its generate call (no engine launched)"]}
-    released = 0
-    replica = replica_cls(replica_rank=0, config=rollout, model_config=HFModelConfig(path=str(model)))
-    for run, router_yaml in (
-        ("default", None),
-        ("group", str(REPO / "qwen3_rl/rollout/verl_router.yaml")),
-    ):
-        handles = [
-            replica.server_class.options(name=f"dp_rank_{run}_{i}_{os.getpid()}", max_concurrency=64).remote(
-                config=replica.config,
-                model_config=replica.model_config,
-                rollout_mode=RolloutMode.STANDALONE,
-                workers=[],
-                replica_rank=i,
-                node_rank=0,
-                gpus_per_node=2,
-                nnodes=1,
-                cuda_visible_devices="",
-            )
-            for i in range(2)
-        ]
-        ray.get([h.__ray_call__.remote(_install) for h in handles], timeout=300)
-        out["server_mro"] = ray.get(
-            handles[0].__ray_call__.remote(lambda s: [f"{c.__module__}.{c.__qualname__}" for c in type(s).__mro__])
-        )
-        servers = {f"127.0.0.1:{9000 + i}": h for i, h in enumerate(handles)}
-        balancer = get_router_handle(servers, router_config_path=router_yaml)
-        clients = [LLMServerClient(config, load_balancer_handle=balancer) for _ in range(2)]
-        res = asyncio.run(drive(handles, clients, ray))
-        res["fields"] = ray.get(balancer.require_acquire_fields.remote())
-        if run == "group":
-            out["dp_asked"] = ray.get(balancer.__ray_call__.remote(lambda lb: lb.router.dp))
-        out[run] = res
-        released += _release([*handles, balancer])
-    out["released"] = released
-    return out
-
-
 def main() -> int:
-    """``WORK_DIR [engine [DP] | all]``: the run(s) named in the module docstring, in one local Ray."""
+    """``WORK_DIR engine [DP] | WORK_DIR all``: the run(s) named in the module docstring, in one local Ray."""
     work = Path(sys.argv[1])
     mode = sys.argv[2:3]
     # before Ray starts: its daemons and every worker inherit it
@@ -365,9 +214,9 @@ def main() -> int:
 
     model = make_tiny_model(work / "dense", TinySpec(moe=False))  # one tiny model for every phase
     verl_server_auth.register()
-    # the Ray job's own environment is the one the stand-ins need (our checkout on PYTHONPATH); an engine server's
-    # additions (the start-up hook verl091_vllm_site, the CPU binding per DP size, the cores' log folder) ride on
-    # that server actor alone (engine_env), so the stand-ins and both DP sizes share this one Ray
+    # the Ray job's own environment: our checkout on PYTHONPATH; an engine server's additions (the start-up hook
+    # verl091_vllm_site, the CPU binding per DP size, the cores' log folder) ride on that server actor alone
+    # (engine_env), so both DP sizes share this one Ray
     ray.init(
         address="local",
         num_cpus=2,
@@ -388,21 +237,17 @@ def main() -> int:
             # ports and spawns its own vLLM processes, which read their environment at their start, and this
             # process's environment stays as it is (the per-DP settings are the server actors' runtime_env)
             t0 = time.monotonic()
-            result = stand_in_runs(model)
-            t1 = time.monotonic()
             engine, released_dp1 = asyncio.run(engine_runs(engine_replica(model, 1), work, 1))
-            t2 = time.monotonic()
+            t1 = time.monotonic()
             engine_dp2, released_dp2 = asyncio.run(engine_runs(engine_replica(model, 2), work, 2))
-            t3 = time.monotonic()
-            released = {"result": result.pop("released"), "engine": released_dp1, "engine_dp2": released_dp2}
-            seconds = {"result": round(t1 - t0), "engine": round(t2 - t1), "engine_dp2": round(t3 - t2)}
-            out = {"result": result, "engine": engine, "engine_dp2": engine_dp2, "released": released}
+            t2 = time.monotonic()
+            released = {"engine": released_dp1, "engine_dp2": released_dp2}
+            seconds = {"engine": round(t1 - t0), "engine_dp2": round(t2 - t1)}
+            out = {"engine": engine, "engine_dp2": engine_dp2, "released": released}
             out["seconds"] = seconds  # each phase's wall time, its release included
             tag = "VERL_DP_RANK_ALL"
         else:
-            out = stand_in_runs(model)
-            del out["released"]
-            tag = "VERL_DP_RANK_RESULT"
+            raise SystemExit(f"usage: {sys.argv[0]} WORK_DIR engine [DP] | WORK_DIR all (got {sys.argv[2:]})")
     finally:
         ray.shutdown()
     print(f"{tag} " + json.dumps(out), flush=True)
