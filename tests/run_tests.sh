@@ -29,16 +29,14 @@ SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_deco
 # The engine part runs in two pytest processes ("lanes") that together fill both cores.
 # The early lane: the engine tests that start whole training runs through the launcher (ENGINE_LAUNCHER_TESTS: Ray,
 # trainer, rollout; they are the only engine tests that start Ray clusters and they run one after another in this one
-# process) and the engine-level tests of ENGINE_EARLY_EXTRA (none now). The late lane: every other test of tests/engine.
+# process). The late lane: every other test of tests/engine.
 # On a full run the early lane starts as soon as the background runs (upstream's own tests, the current set's engine
 # parts) have ended or the main run has, whichever comes first; the late lane starts after the main run. With a
-# selection both lanes start together after the main run. Measured in the clean-clone CI of 349a16e: the background
-# ended 126 s after the main run (the verl 0.9.1 engine part is its tail), the early lane (launcher tests + 4 engine
-# files, 1775 s) then ran 685 s alone after the late lane (1216 s) had ended, one pytest process on 2 cores; its 4
-# engine files (~230 s there) now run in the late lane.
+# selection both lanes start together after the main run. The verl 0.9.1 engine part, the background's tail, may
+# still run then: one pytest process alone on 2 cores at the end is what this order avoids (measured with three test
+# streams at once, as here for ~2 min: at most 9.4 of 23.5 GB used).
 ENGINE_LAUNCHER_TESTS=(tests/engine/test_e2e_training.py tests/engine/test_slurm.py tests/engine/test_server_rollout.py
                        tests/engine/test_fully_async.py tests/engine/test_ascend_grpo_step.py)
-ENGINE_EARLY_EXTRA=()
 # longest wait (s) of the early lane for the background runs before it starts anyway
 ENGINE_EARLY_WAIT="${QWEN3_RL_ENGINE_EARLY_WAIT:-3600}"
 BOUNDSCHECK_NOT_KERNELS=(test_benchmark_smoke test_construction_compiles_every_kernel_of_the_runner_path
@@ -113,7 +111,7 @@ Test paths decide the part: paths under tests/engine, tests/engine_current, test
 run only their part(s). Without test paths the two current-set engine parts run one after the other in the
 background beside the main run.
 The engine part without test paths runs in two pytest processes ("lanes"): the early lane
-(ENGINE_LAUNCHER_TESTS: whole trainings through Ray, and ENGINE_EARLY_EXTRA) and the late lane (the other
+(ENGINE_LAUNCHER_TESTS: whole trainings through Ray) and the late lane (the other
 engine tests). On a full run the early lane starts once the background runs have ended or the main run has,
 whichever is first (at most QWEN3_RL_ENGINE_EARLY_WAIT s, default 3600, after the start), and the late lane after
 the main run; otherwise both start together.
@@ -163,14 +161,13 @@ collect_background() {
 run_engine_late() {
   # the late lane: tests/engine without the early lane's files
   local ignores=() f
-  for f in "${ENGINE_LAUNCHER_TESTS[@]}" "${ENGINE_EARLY_EXTRA[@]}"; do ignores+=("--ignore=${f}"); done
+  for f in "${ENGINE_LAUNCHER_TESTS[@]}"; do ignores+=("--ignore=${f}"); done
   ( cg_enter engine-late; exec "${ENGINE_VENV}/bin/python" -m pytest tests/engine "${ignores[@]}" "$@" )
 }
 
 run_engine_early() {
-  # the early lane (live output when in the foreground): ENGINE_LAUNCHER_TESTS and ENGINE_EARLY_EXTRA in one process
-  ( cg_enter engine-early; exec "${ENGINE_VENV}/bin/python" -m pytest "${ENGINE_LAUNCHER_TESTS[@]}" \
-      "${ENGINE_EARLY_EXTRA[@]}" "$@" )
+  # the early lane (live output when in the foreground): ENGINE_LAUNCHER_TESTS in one process
+  ( cg_enter engine-early; exec "${ENGINE_VENV}/bin/python" -m pytest "${ENGINE_LAUNCHER_TESTS[@]}" "$@" )
 }
 
 wait_for_files() {
@@ -208,7 +205,7 @@ run_engine_split() {
        "log after the early lane)"
   run_engine_late "$@" >"${log}" 2>&1 &
   pid=$!
-  echo "== pytest (engine venv: the early lane, ${ENGINE_LAUNCHER_TESTS[*]} ${ENGINE_EARLY_EXTRA[*]})"
+  echo "== pytest (engine venv: the early lane, ${ENGINE_LAUNCHER_TESTS[*]})"
   run_engine_early "$@" || rc_a=$?
   echo "== engine early lane: $((SECONDS - t0)) s (exit ${rc_a})"
   collect_background "engine late lane" "${pid}" "${log}" || rc_b=$?
@@ -326,8 +323,8 @@ main() {
       done
       # the early engine lane, beside the main run once the background runs have ended
       early_log="$(mktemp)"
-      echo "== pytest (engine venv: the early lane, ${ENGINE_LAUNCHER_TESTS[*]} ${ENGINE_EARLY_EXTRA[*]};" \
-           "in the background once the runs above have ended; log after the late lane)"
+      echo "== pytest (engine venv: the early lane, ${ENGINE_LAUNCHER_TESTS[*]}; in the background once the runs" \
+           "above or the main run have ended; log after the late lane)"
       (
         wait_for_files "${done_dir}/main" "${done_files[@]}"
         t0=${SECONDS}

@@ -75,9 +75,7 @@ def test_engine_launcher_tests_are_every_engine_file_that_starts_a_training_run(
     launcher, a Ray cluster) is listed, so two Ray clusters never start at once."""
     text = (REPO / "tests" / "run_tests.sh").read_text()
     files = _bash_array(text, "ENGINE_LAUNCHER_TESTS")
-    beside = _bash_array(text, "ENGINE_EARLY_EXTRA")  # engine-level tests in the same process (balance)
-    assert files and all((REPO / f).is_file() for f in files + beside), files + beside
-    assert not set(files) & set(beside), beside
+    assert files and all((REPO / f).is_file() for f in files), files
     starts_runs = {
         str(f.relative_to(REPO)) for f in sorted((REPO / "tests" / "engine").glob("test_*.py"))
         if re.search(r"\bcpu_ws\b|ray_start_npu\.sh|ray\.init\(", f.read_text())}
