@@ -213,6 +213,9 @@ def calibrate(run: dict) -> dict:
     return {"name": run["name"], "rc": rc, "stdout": buf.getvalue(), "table": table, "seconds": seconds}
 
 
+_PRICING = frozenset({"table", "_q", "_curve", "_cnt", "_gsum"})  # AdaptiveK's fields set from its cost table
+
+
 class Trace:
     """What the runner's drafter returns per call, and (adaptive k) whether each choice is the table's.
 
@@ -268,8 +271,12 @@ class Trace:
                 pol.uniform,
                 table=priced_by,
             )
-            for attr in ("reach", "acc", "bucket", "first"):
-                setattr(t, attr, copy.deepcopy(getattr(pol, attr)))
+            # every piece of the policy's state (acceptance counts, per-request estimates, the pinned cell) but
+            # its pricing (the table and its buffers) and the wrapped ``choose``: a twin missing a field decides on
+            # other gains than the drafter's
+            for attr, value in vars(pol).items():
+                if attr not in _PRICING and attr != "choose":
+                    setattr(t, attr, copy.deepcopy(value))
             return t
 
         def choose(slots, avail, ctx_tokens, n_running=None, match_len=None):  # noqa: ANN001, ANN202
