@@ -82,6 +82,36 @@ cg_cpu_s() {
   return 0
 }
 
+# Memory and load over the whole run, sampled every 2 s by a background loop: the run ends with the least memory
+# available and the highest 1-minute load average, and when (a part that dies only when the others crowd it is told
+# apart by these).
+MEM_LOG=""
+MEM_PID=""
+
+mem_watch_start() {
+  MEM_LOG="$(mktemp)"
+  local t0=${SECONDS}
+  while kill -0 $$ 2>/dev/null; do  # ends with this script, however it ends
+    echo "$((SECONDS - t0)) $(awk '/^MemAvailable:/ {print $2}' /proc/meminfo) $(cut -d' ' -f1 /proc/loadavg)"
+    sleep 2
+  done >"${MEM_LOG}" 2>/dev/null &
+  MEM_PID=$!
+  trap 'kill "${MEM_PID}" 2>/dev/null || true' EXIT
+}
+
+mem_watch_report() {
+  [[ -n "${MEM_PID}" ]] || return 0
+  kill "${MEM_PID}" 2>/dev/null || true
+  wait "${MEM_PID}" 2>/dev/null || true
+  awk -v total_kib="$(awk '/^MemTotal:/ {print $2}' /proc/meminfo)" '
+    NF == 3 && (n++ == 0 || $2 < low) { low = $2; low_t = $1 }
+    NF == 3 && $3 > load { load = $3; load_t = $1 }
+    END { if (n) printf "== memory: least available %.1f of %.1f GiB (%d s into the run); highest 1-min load %.1f " \
+                        "(%d s in); %d samples\n", low / 1048576, total_kib / 1048576, low_t, load, load_t, n }
+  ' "${MEM_LOG}"
+  rm -f "${MEM_LOG}"
+}
+
 cg_report() {
   # cg_report WALL_S: one line of CPU seconds per part and their sum against cores x wall time; removes the cgroups
   # (one that still holds a process, e.g. a Ray daemon left running, stays)
@@ -251,6 +281,7 @@ main() {
   local full=0 t0
   local current_log="" current_pid="" verl091e_rc_file="" done_dir="" early_log="" early_pid="" done_files=()
   local run_t0=${SECONDS}
+  mem_watch_start
   CG_PARTS=(main boundscheck)
   for own in "${UPSTREAM_OWN_RUNS[@]}"; do CG_PARTS+=("${own%%|*}"); done
   CG_PARTS+=(current-engine verl091-engine engine-early engine-late)
@@ -368,6 +399,14 @@ main() {
       done
     fi
   fi
+  if [[ -n "${current_pid}" ]]; then
+    rc_current=0
+    collect_background "current engine tests (vLLM 0.23.0, then verl 0.9.1's server on it)" "${current_pid}" \
+      "${current_log}" || rc_current=$?
+    rc_verl091e="$(cat "${verl091e_rc_file}" 2>/dev/null || true)"
+    [[ "${rc_verl091e}" =~ ^[0-9]+$ ]] || rc_verl091e=1  # the job ended before its second run said anything
+    rm -f "${verl091e_rc_file}"
+  fi
   if (( engine_paths || (! main_paths && ! current_paths && ! verl091e_paths) )); then
     rc_engine=0
     if (( engine_paths )); then
@@ -388,16 +427,6 @@ main() {
       run_engine_split "$@" || rc_engine=$?
     fi
   fi
-  # the current set's background job is collected after the seed engine part: the late lane need not wait for it
-  # (in the clean-clone CI of 24ab63d it waited 127 s, then ended 224 s after the early lane)
-  if [[ -n "${current_pid}" ]]; then
-    rc_current=0
-    collect_background "current engine tests (vLLM 0.23.0, then verl 0.9.1's server on it)" "${current_pid}" \
-      "${current_log}" || rc_current=$?
-    rc_verl091e="$(cat "${verl091e_rc_file}" 2>/dev/null || true)"
-    [[ "${rc_verl091e}" =~ ^[0-9]+$ ]] || rc_verl091e=1  # the job ended before its second run said anything
-    rm -f "${verl091e_rc_file}"
-  fi
   [[ -z "${done_dir}" ]] || rm -rf "${done_dir}"
   local own_summary=""
   for own in "${UPSTREAM_OWN_RUNS[@]}"; do
@@ -406,6 +435,7 @@ main() {
     own_summary+=" ${name} ${own_rc[${name}]:-5},"
   done
   cg_report "$((SECONDS - run_t0))"
+  mem_watch_report
   echo "== exit codes: main ${rc_main}, boundscheck ${rc_bounds},${own_summary} engine ${rc_engine}," \
        "current engine ${rc_current}, verl 0.9.1 engine ${rc_verl091e} (5 = nothing collected or not run)"
   if [[ ${rc_main} -eq 5 && ${rc_engine} -eq 5 && ${rc_current} -eq 5 && ${rc_verl091e} -eq 5 ]]; then
