@@ -53,6 +53,7 @@ import pytest
 from test_e2e_training import (
     LEARNING_MARGIN,
     Run,
+    _tail,
     actor_death_watch,
     check_resume_state,
     launch,
@@ -246,8 +247,7 @@ def on_policy_killed(cpu_ws: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 @pytest.mark.timeout(1500)
 def test_staleness_zero_trains_on_policy(on_policy_killed: tuple[Run, float]) -> None:
     run, _ended = on_policy_killed
-    tail = "\n".join(run.log.splitlines()[-60:])
-    assert run.of("killed_in_sync"), f"the run did not reach its last sync (exit {run.rc}):\n{tail}"
+    assert run.of("killed_in_sync"), f"the run did not reach its last sync:\n{_tail(run)}"
     trained = {s: m for s, m in step_metrics(run.log).items() if s > 0}
     assert sorted(trained) == list(range(1, KILL_IN_SYNC)), f"trained steps {sorted(trained)}"
     staleness = {s: (m["fully_async/staleness/max"], m["fully_async/staleness/mean"]) for s, m in trained.items()}
@@ -281,4 +281,7 @@ def test_rollout_worker_killed_in_a_weight_sync_ends_the_run(on_policy_killed: t
           f"launcher exited {run.rc} {seconds:.0f} s after the kill; {said[:1]}")
     assert run.rc != 0, tail
     assert said, f"the run did not say which worker died:\n{tail}"
+    # a failed run keeps Ray's own logs of the head and shows their tails (tests/helpers/tiny_launch.py)
+    kept = sorted((run.probe.parent / "ray_logs").glob("session_*/raylet.out"))
+    assert kept and "a failed run: Ray's own logs" in run.log, f"Ray's logs not kept: {kept}"
     assert seconds <= KILL_EXIT_BOUND_S, f"the run took {seconds:.0f} s to exit after the kill"

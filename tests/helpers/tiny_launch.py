@@ -113,9 +113,42 @@ def launch(ws: Path, script: str, run_dir: Path, env: dict[str, str] | None = No
                 proc.wait(timeout=90)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
+        if proc.returncode != 0:
+            _keep_ray_logs(Path(ray_tmp), run_dir / "ray_logs", out_file)
         shutil.rmtree(ray_tmp, ignore_errors=True)
     log = out_file.read_text(errors="replace")
     return Run(proc.returncode, log, _events(probe), probe, ckpt, time.monotonic() - t0)
+
+
+#: Ray's own logs of the head (its session directory) that tell why a node or the cluster died
+RAY_DIAG_LOGS = ("raylet.out", "raylet.err", "gcs_server.out", "gcs_server.err")
+
+
+def _keep_ray_logs(ray_tmp: Path, keep: Path, out_file: Path, n: int = 12) -> None:
+    """A failed run: Ray's own logs (``RAY_DIAG_LOGS`` of every session under ``ray_tmp``) are copied to ``keep``
+    and their last ``n`` lines appended to the launcher's output, with the memory then available (a node Ray marked
+    dead is told apart from a raylet that crashed only there)."""
+    lines = [f"-- a failed run: Ray's own logs (kept in {keep}); MemAvailable now "
+             f"{_mem_available_gib():.1f} GiB --"]
+    for session in sorted(ray_tmp.glob("session_2*")):
+        for name in RAY_DIAG_LOGS:
+            f = session / "logs" / name
+            if not f.is_file():
+                continue
+            dest = keep / session.name / name
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(f, dest)
+            tail = f.read_text(errors="replace").splitlines()[-n:]
+            lines += [f"-- {session.name}/logs/{name}: last {len(tail)} lines --", *(t[:400] for t in tail)]
+    with open(out_file, "a") as sink:
+        sink.write("\n".join(lines) + "\n")
+
+
+def _mem_available_gib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return float("nan")
 
 
 _ERROR_LINE = re.compile(r"Traceback|Error|Exception|error:|Killed|FAILED")
