@@ -31,10 +31,11 @@ SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_deco
 # trainer, rollout; they are the only engine tests that start Ray clusters and they run one after another in this one
 # process). The late lane: every other test of tests/engine.
 # On a full run the early lane starts as soon as the background runs (upstream's own tests, the current set's engine
-# parts) have ended or the main run has, whichever comes first; the late lane starts after the main run. With a
-# selection both lanes start together after the main run. The verl 0.9.1 engine part, the background's tail, may
-# still run then: one pytest process alone on 2 cores at the end is what this order avoids (measured with three test
-# streams at once, as here for ~2 min: at most 9.4 of 23.5 GB used).
+# parts) have ended or the main run has, whichever comes first; the late lane starts after the main run and the
+# background runs. With a selection both lanes start together after the main run. So at most two engine test streams
+# run at once: with three (a seed fully-async launch, verl 0.9.1's fully-async file, the Ascend DP and engine files)
+# the 1-min load reached 70 on 2 cores and the memory available fell to 4.0 of 23.5 GiB, and in a CI run Ray marked
+# a launch's node dead.
 ENGINE_LAUNCHER_TESTS=(tests/engine/test_e2e_training.py tests/engine/test_slurm.py tests/engine/test_server_rollout.py
                        tests/engine/test_fully_async.py tests/engine/test_ascend_grpo_step.py)
 # longest wait (s) of the early lane for the background runs before it starts anyway
@@ -144,7 +145,7 @@ The engine part without test paths runs in two pytest processes ("lanes"): the e
 (ENGINE_LAUNCHER_TESTS: whole trainings through Ray) and the late lane (the other
 engine tests). On a full run the early lane starts once the background runs have ended or the main run has,
 whichever is first (at most QWEN3_RL_ENGINE_EARLY_WAIT s, default 3600, after the start), and the late lane after
-the main run; otherwise both start together.
+the main run and the background runs (at most two engine test streams at once); otherwise both start together.
 On a full run (no test path, -m or -k) every part must run tests: a part that collects nothing fails
 the run. With a selection, one part collecting nothing is fine as long as
 another ran tests. A skipped test fails (tests/conftest.py).
