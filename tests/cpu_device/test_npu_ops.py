@@ -323,9 +323,12 @@ MC2_PROBE = textwrap.dedent("""
             ref[tt] += w[tt, j] * (w2[ee] @ (torch.nn.functional.silu(a[:f]) * a[f:]))
     torch.testing.assert_close(combined, ref, rtol=1e-5, atol=1e-5)
     print("MC2_OK", json.dumps({"rank": rank, "received": ex.shape[0]}), flush=True)
-    # both ranks done before either tears gloo down (a rank leaving first aborts its peer's gloo threads)
+    # both ranks done before either tears gloo down (a rank leaving first aborts its peer's gloo threads); then no
+    # interpreter teardown: a clean-clone CI run saw rank 0 abort there after MC2_OK and the destroy ("terminate
+    # called without an active exception")
     dist.barrier()
     dist.destroy_process_group()
+    os._exit(0)
 """)
 
 
