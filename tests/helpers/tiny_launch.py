@@ -128,8 +128,10 @@ def _keep_ray_logs(ray_tmp: Path, keep: Path, out_file: Path, n: int = 12) -> No
     """A failed run: Ray's own logs (``RAY_DIAG_LOGS`` of every session under ``ray_tmp``) are copied to ``keep``
     and their last ``n`` lines appended to the launcher's output, with the memory then available (a node Ray marked
     dead is told apart from a raylet that crashed only there)."""
-    lines = [f"-- a failed run: Ray's own logs (kept in {keep}); MemAvailable now "
-             f"{_mem_available_gib():.1f} GiB --"]
+    import psutil  # vLLM's and Ray's dependency: in both engine environments
+
+    lines = [f"-- a failed run: Ray's own logs (kept in {keep}); memory available now "
+             f"{psutil.virtual_memory().available / 2**30:.1f} GiB --"]
     for session in sorted(ray_tmp.glob("session_2*")):
         for name in RAY_DIAG_LOGS:
             f = session / "logs" / name
@@ -142,13 +144,6 @@ def _keep_ray_logs(ray_tmp: Path, keep: Path, out_file: Path, n: int = 12) -> No
             lines += [f"-- {session.name}/logs/{name}: last {len(tail)} lines --", *(t[:400] for t in tail)]
     with open(out_file, "a") as sink:
         sink.write("\n".join(lines) + "\n")
-
-
-def _mem_available_gib() -> float:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 2**20
-    return float("nan")
 
 
 _ERROR_LINE = re.compile(r"Traceback|Error|Exception|error:|Killed|FAILED")
