@@ -151,13 +151,26 @@ def pythonpath(ws: Path) -> list[str]:
     return [str(CPU_DEVICE), *(str(ws / d) for d in PATH_TREES), str(REPO), str(ws / ".dist-info")]
 
 
+#: Host settings that change no result, for every CPU process of an engine or a run on a small host:
+#: ``TORCHINDUCTOR_VEC_ISA_OK=1``: inductor trusts the vector ISAs the CPU reports instead of proving each one in a
+#: fresh Python that imports torch (``torch/_inductor/cpu_vec_isa.py`` ``check_build``; ~2.3 CPU s each, in every
+#: process that compiles); ``REPORTER_UPDATE_INTERVAL_MS``: Ray's dashboard agent samples every process's stats each
+#: 5 s by default, once a minute here.
+HOST_ENV = {"TORCHINDUCTOR_VEC_ISA_OK": "1", "REPORTER_UPDATE_INTERVAL_MS": "60000"}
+#: The CPU profile's processes also run torch eagerly (``TORCHDYNAMO_DISABLE=1``): its rollout is eager already
+#: (``ROLLOUT_ENFORCE_EAGER``, tiny default); what is left to compile, Megatron's fused ops (``jit_fuser``), costs more
+#: to trace and build in each process than it saves on a tiny model. verl 0.9.1's tiny GRPO launch (2 cores, one run
+#: each): 586 CPU s / 414 s wall pristine, 423 / 306 with HOST_ENV, 353 / 245 with both.
+CPU_PROFILE_ENV = {**HOST_ENV, "TORCHDYNAMO_DISABLE": "1"}
+
+
 def run_env(ws: Path) -> dict[str, str]:
     """The environment of the CPU profile's processes (``ray_start_npu.sh --device cpu``, tests): the device layer
     on (``QWEN3_RL_CPU_SHIMS``), vLLM's CPU platform in-process, the trees on ``PYTHONPATH``."""
     return {
         "PYTHONPATH": ":".join(pythonpath(ws)), "QWEN3_RL_CPU_SHIMS": "1", "QWEN3_RL_ENGINE_WS": str(ws),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": "qwen3_rl", "VLLM_TARGET_DEVICE": "cpu",
-        "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **CPU_PROFILE_ENV,
     }
 
 
@@ -234,5 +247,5 @@ def current_run_env(ws: Path) -> dict[str, str]:
     path = [str(CURRENT_SITE), *(str(ws / d) for d in CURRENT_TREES), str(REPO), str(CPU_DEVICE)]
     return {
         "PYTHONPATH": ":".join(path), "QWEN3_RL_VERL091_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-        "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **CPU_PROFILE_ENV,
     }

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from qwen3_rl.tools.engine_workspace import HOST_ENV
+
 REPO = Path(__file__).resolve().parents[2]
 SETUP_TIMEOUT_S = 900
+
+#: every engine child of these tests inherits the small host's settings (no result changes; engine_workspace.HOST_ENV)
+os.environ.update(HOST_ENV)
 
 
 @pytest.fixture(scope="session")  # one set-up (and warm-up) for the GRPO and the fully-async run
