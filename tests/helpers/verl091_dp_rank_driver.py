@@ -97,27 +97,17 @@ def engine_env(core_log: Path, dp: int) -> dict[str, str]:
 
 def engine_replica(model: Path, dp: int):
     """verl's replica of the recipe's server class for one engine at DP ``dp`` (its ``server_class``, ``config``)."""
-    from verl.workers.config import HFModelConfig, RolloutConfig
+    from verl.workers.config import HFModelConfig
     from verl.workers.rollout.replica import get_rollout_replica_class
 
-    rollout = RolloutConfig(
-        name="vllm",
-        tensor_model_parallel_size=1,
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from verl091_tiny_rollout import tiny_rollout_config
+
+    rollout = tiny_rollout_config(
         data_parallel_size=dp,
         n_gpus_per_node=dp,
-        nnodes=1,
-        dtype="float32",
-        load_format="auto",
-        enforce_eager=True,
         gpu_memory_utilization=0.2,
-        max_model_len=256,
-        max_num_seqs=8,
-        prompt_length=64,
         response_length=8,
-        enable_sleep_mode=False,
-        free_cache_engine=False,
-        seed=0,
-        skip_tokenizer_init=False,
         engine_kwargs={"vllm": {"num_gpu_blocks_override": 256}},
         custom={"qwen3_rl": {"server_auth": {"enable": False}}},
     )

@@ -235,29 +235,17 @@ async def verl_server(
     of four), probe the engine, then walk the endpoint and list the server's sockets; returns outputs (token ids),
     probe, counters, endpoint walk and sockets."""
     import ray
-    from verl.workers.config import HFModelConfig, RolloutConfig
+    from verl.workers.config import HFModelConfig
     from verl.workers.rollout.replica import RolloutMode
 
-    rollout = RolloutConfig(
-        name="vllm",
-        tensor_model_parallel_size=1,
-        data_parallel_size=1,
-        n_gpus_per_node=1,
-        nnodes=1,
-        dtype="float32",
-        load_format="auto",
-        enforce_eager=True,
+    sys.path.insert(0, str(HERE))
+    from verl091_tiny_rollout import tiny_rollout_config
+
+    rollout = tiny_rollout_config(
         gpu_memory_utilization=0.5,
-        max_model_len=256,
-        max_num_seqs=8,
-        prompt_length=64,
         response_length=TOKENS,
-        enable_sleep_mode=False,
-        free_cache_engine=False,
         disable_log_stats=disable_log_stats,
         enable_prefix_caching=True,
-        seed=0,
-        skip_tokenizer_init=False,
         engine_kwargs={"vllm": engine_kwargs},
         custom=custom,
     )
