@@ -45,7 +45,7 @@ try:
         except ValueError as e:
             trainer = ["error: " + str(e)]
         return [c.__name__ for c in cls.__mro__], trainer
-    print("PROBE " + json.dumps(ray.get(replica.remote(), timeout=300)))
+    print("PROBE " + json.dumps(ray.get(replica.remote(), timeout=540)))
 finally:
     ray.shutdown()
 """
