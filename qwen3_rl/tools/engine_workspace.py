@@ -159,8 +159,8 @@ def pythonpath(ws: Path) -> list[str]:
 HOST_ENV = {"TORCHINDUCTOR_VEC_ISA_OK": "1", "REPORTER_UPDATE_INTERVAL_MS": "60000"}
 #: The CPU profile's processes also run torch eagerly (``TORCHDYNAMO_DISABLE=1``): its rollout is eager already
 #: (``ROLLOUT_ENFORCE_EAGER``, tiny default); what is left to compile, Megatron's fused ops (``jit_fuser``), costs more
-#: to trace and build in each process than it saves on a tiny model. verl 0.9.1's tiny GRPO launch (2 cores, one run
-#: each): 586 CPU s / 414 s wall pristine, 423 / 306 with HOST_ENV, 353 / 245 with both.
+#: to trace and build in each process than it saves on a tiny model. verl 0.9.1's tiny GRPO test, set-up and launch
+#: (2 cores, alone, one run each): 469 CPU s / 356 s wall without these settings, 317 / 226 with them.
 CPU_PROFILE_ENV = {**HOST_ENV, "TORCHDYNAMO_DISABLE": "1"}
 
 
