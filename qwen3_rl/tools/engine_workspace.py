@@ -166,7 +166,8 @@ CPU_PROFILE_ENV = {**HOST_ENV, "TORCHDYNAMO_DISABLE": "1"}
 
 def run_env(ws: Path) -> dict[str, str]:
     """The environment of the CPU profile's processes (``ray_start_npu.sh --device cpu``, tests): the device layer
-    on (``QWEN3_RL_CPU_SHIMS``), vLLM's CPU platform in-process, the trees on ``PYTHONPATH``."""
+    on (``QWEN3_RL_CPU_SHIMS``), vLLM's CPU platform in-process, the trees on ``PYTHONPATH``, the host settings of
+    :data:`CPU_PROFILE_ENV`."""
     return {
         "PYTHONPATH": ":".join(pythonpath(ws)), "QWEN3_RL_CPU_SHIMS": "1", "QWEN3_RL_ENGINE_WS": str(ws),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": "qwen3_rl", "VLLM_TARGET_DEVICE": "cpu",
@@ -243,7 +244,8 @@ def ensure_current(ws: Path, pristine: Path, log=print) -> bool:
 
 def current_run_env(ws: Path) -> dict[str, str]:
     """The environment of the current set's CPU-profile processes: the device layer's ``sitecustomize``
-    (:data:`CURRENT_SITE`, active with ``QWEN3_RL_VERL091_CPU=1``), the patched trees, this checkout."""
+    (:data:`CURRENT_SITE`, active with ``QWEN3_RL_VERL091_CPU=1``), the patched trees, this checkout, the host
+    settings of :data:`CPU_PROFILE_ENV`."""
     path = [str(CURRENT_SITE), *(str(ws / d) for d in CURRENT_TREES), str(REPO), str(CPU_DEVICE)]
     return {
         "PYTHONPATH": ":".join(path), "QWEN3_RL_VERL091_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
