@@ -25,14 +25,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-#: a child process (its own Ray cluster, shut down at exit): the replica class a Ray worker gets from verl's registry
+#: a child process (its own Ray cluster, no setup hook, shut down at exit): the replica class and trainer mode a Ray
+#: worker gets from verl's registries
 PROBE = """
 import json, sys, ray
-hook, repo, tmp = sys.argv[1], sys.argv[2], sys.argv[3]
-env = {"env_vars": {"PYTHONPATH": repo}}
-if hook:
-    env["worker_process_setup_hook"] = hook
-ray.init(address="local", num_cpus=1, include_dashboard=False, _temp_dir=tmp, runtime_env=env,
+repo, tmp = sys.argv[1], sys.argv[2]
+ray.init(address="local", num_cpus=1, include_dashboard=False, _temp_dir=tmp,
+         runtime_env={"env_vars": {"PYTHONPATH": repo}},
          log_to_driver=False)
 try:
     @ray.remote
@@ -51,11 +50,11 @@ finally:
 """
 
 
-def _replica_mro(hook: str) -> tuple[list[str], list[str]]:
+def _replica_mro() -> tuple[list[str], list[str]]:
     # Ray's socket paths must stay under 107 bytes: a short temp dir, not pytest's
     with tempfile.TemporaryDirectory(prefix="q3r-ray-") as tmp:
         proc = subprocess.run(
-            [sys.executable, "-c", PROBE, hook, str(REPO), tmp],
+            [sys.executable, "-c", PROBE, str(REPO), tmp],
             capture_output=True,
             text=True,
             timeout=600,
@@ -67,7 +66,7 @@ def _replica_mro(hook: str) -> tuple[list[str], list[str]]:
 
 
 def test_without_the_setup_hook_a_ray_worker_gets_verls_own_replica_and_no_recipe_trainer() -> None:
-    plain, trainer = _replica_mro("")
+    plain, trainer = _replica_mro()
     assert plain[0] == "vLLMReplica" and "KeyedvLLMReplica" not in plain, plain
     assert trainer[0].startswith("error: Unknown trainer 'qwen3_rl_sync'"), trainer
     print(f"no hook: a Ray worker's replica class {plain[0]}, trainer mode qwen3_rl_sync: {trainer[0]}")
