@@ -673,7 +673,8 @@ def test_mbridge_and_fused_rope_switches(patched_imports: Path) -> None:
 def test_compose_every_feature_key(patched_imports: Path) -> None:
     """Every key a features.toml switch can set composes with patched verl's real Hydra config: each setup with its
     switches on (bools True where no rule forbids it for the setup's sizes, MoE zero memory level1, the int knobs
-    non-zero), with USE_MBRIDGE on and off, and with the defaults; together the commands carry every key of the
+    non-zero), with USE_MBRIDGE on and off; together with the defaults (composed by
+    test_compose_every_setup_with_patched_verl and test_fully_async_setups) the commands carry every key of the
     registry."""
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
@@ -698,7 +699,7 @@ def test_compose_every_feature_key(patched_imports: Path) -> None:
         if fully_async:  # server mode: the sync rollout's switches are excluded; rollout log-probs without SAM
             on.update(ROLLOUT_MODE="async", DATA_REBALANCE="False", DATA_REBALANCE_BY_KEY="False", ROLLOUT_REBALANCE="False",
                       SAM_GROUP_EXCHANGE="False", USE_ROLLOUT_LOG_PROBS="False")
-        envs = [{}, on, {**on, "NPUGRAPH_EX": "False"}, {"USE_MBRIDGE": "True"}, server]
+        envs = [on, {**on, "NPUGRAPH_EX": "False"}, {"USE_MBRIDGE": "True"}, server]
         if fully_async:
             envs.append({"USE_ROLLOUT_LOG_PROBS": "True", "ROLLOUT_CORRECTION": "off"})
         for env in envs:

@@ -164,14 +164,27 @@ HOST_ENV = {"TORCHINDUCTOR_VEC_ISA_OK": "1", "REPORTER_UPDATE_INTERVAL_MS": "600
 CPU_PROFILE_ENV = {**HOST_ENV, "TORCHDYNAMO_DISABLE": "1"}
 
 
+def vllm_cache_env(pin_set: str) -> dict[str, str]:
+    """``VLLM_CACHE_ROOT`` per pin set (``<XDG cache>/vllm/pin-set-<name>``), unless the environment sets one.
+    vLLM keeps one cache file per model class (``modelinfos/<module>-<class>.json``) holding the inspection of the
+    class and the hash of its source; the seed and current sets' vLLMs (0.13, 0.23) have different ``qwen3.py``, so
+    on one root each engine start after the other set's finds the entry stale and inspects the class again in a
+    fresh Python that imports vLLM (``registry.py`` ``_run_in_subprocess``: ~9.5 CPU s per engine start)."""
+    if os.environ.get("VLLM_CACHE_ROOT"):
+        return {}
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return {"VLLM_CACHE_ROOT": os.path.join(base, "vllm", f"pin-set-{pin_set}")}
+
+
 def run_env(ws: Path) -> dict[str, str]:
     """The environment of the CPU profile's processes (``ray_start_npu.sh --device cpu``, tests): the device layer
     on (``QWEN3_RL_CPU_SHIMS``), vLLM's CPU platform in-process, the trees on ``PYTHONPATH``, the host settings of
-    :data:`CPU_PROFILE_ENV`."""
+    :data:`CPU_PROFILE_ENV`, the set's vLLM cache (:func:`vllm_cache_env`)."""
     return {
         "PYTHONPATH": ":".join(pythonpath(ws)), "QWEN3_RL_CPU_SHIMS": "1", "QWEN3_RL_ENGINE_WS": str(ws),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_PLUGINS": "qwen3_rl", "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **CPU_PROFILE_ENV,
+        **vllm_cache_env("seed"),
     }
 
 
@@ -245,9 +258,9 @@ def ensure_current(ws: Path, pristine: Path, log=print) -> bool:
 def current_run_env(ws: Path) -> dict[str, str]:
     """The environment of the current set's CPU-profile processes: the device layer's ``sitecustomize``
     (:data:`CURRENT_SITE`, active with ``QWEN3_RL_VERL091_CPU=1``), the patched trees, this checkout, the host
-    settings of :data:`CPU_PROFILE_ENV`."""
+    settings of :data:`CPU_PROFILE_ENV`, the set's vLLM cache (:func:`vllm_cache_env`)."""
     path = [str(CURRENT_SITE), *(str(ws / d) for d in CURRENT_TREES), str(REPO), str(CPU_DEVICE)]
     return {
         "PYTHONPATH": ":".join(path), "QWEN3_RL_VERL091_CPU": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-        "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **CPU_PROFILE_ENV,
+        "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **CPU_PROFILE_ENV, **vllm_cache_env("current"),
     }

@@ -21,6 +21,9 @@ What is checked:
   skipped (on) / timed (off); DAPO's dynamic sampling filters groups (and keeps some) and its overlong penalty
   lowers rewards below the lowest answer score (-1).
 
+The resumed run's rollout runs on vLLM-Ascend's own engine over the NPU stand-in with SAM on (``NPUWorker``, the
+vllm_ascend seam's ``SamAscendProposer``): the checkpoint is the actor's, whichever engine it syncs into.
+
 Device-layer shims only (``qwen3_rl/cpu_device/``); ``bash tests/run_tests.sh -m e2e`` runs these tests alone.
 """
 
@@ -63,6 +66,13 @@ SWITCHES_ON = {"SAM_ENABLE": "True", "SAM_GROUP": "True", "DATA_REBALANCE": "Tru
                "USE_CURRENT_LOG_PROB_AS_OLD": "True"}
 #: the fault / resume runs: 2 steps, no validation (what they check is the checkpoint, not learning)
 SHORT = {"TOTAL_TRAINING_STEPS": "2", "VAL_BEFORE_TRAIN": "False", "TEST_FREQ": "-1"}
+#: the rollout on vLLM-Ascend's own engine over the NPU stand-in, SAM on (the resumed run): the device layer's
+#: ``sitecustomize`` installs the stand-in in each process when it first imports vLLM (after verl has settled on the
+#: CPU device) and selects vLLM-Ascend's platform: ``NPUWorker`` -> ``NPUModelRunner`` -> the Ascend attention backend
+#: and ``SamAscendProposer`` (the vllm_ascend seam, 0002) instead of vLLM's CPU runner
+ASCEND_ROLLOUT = {"SAM_ENABLE": "True", "SAM_GROUP": "True", "QWEN3_RL_CPU_ROLLOUT": "ascend",
+                  # the stand-in's device size: vLLM-Ascend sizes the KV cache from it (ROLLOUT_GPU_MEMORY_UTILIZATION)
+                  "QWEN3_RL_NPU_MEMORY_GIB": "1"}
 
 
 def check_weight_sync(run: Run, model_dir: Path) -> None:
@@ -143,6 +153,26 @@ def check_independent_conversion(ws: Path, run: Run, step: int, sync: int, tmp: 
     print(f"independent conversion: merged global_step_{step} == engine after sync {sync}, {len(engine)} tensors")
 
 
+def check_ascend_rollout(run: Run, step: int) -> None:
+    """The run's rollout ran on vLLM-Ascend's engine (:data:`ASCEND_ROLLOUT`): SAM drafted and accepted tokens in
+    step ``step``; in each rollout worker the probe (``qwen3_rl/cpu_device/probe.py``) saw vLLM-Ascend's worker,
+    runner and SAM adapter hold the weights the actor synced (all equal), and the stand-in's NPU kernels run during
+    generation."""
+    metrics = report(run)["steps"][str(step)]
+    drafted = metrics.get("rollout/spec_decode/draft_tokens", 0)
+    accepted = metrics.get("rollout/spec_decode/accepted_tokens", 0)
+    print(f"step {step} on vLLM-Ascend: {drafted} draft tokens, {accepted} accepted")
+    assert drafted > 0 and accepted > 0, {k: v for k, v in metrics.items() if "spec_decode" in k}
+    syncs, gens = run.of("weight_sync"), run.of("generate_end")
+    assert {e["rank"] for e in syncs} == {0, 1} and {e["rank"] for e in gens} == {0, 1}
+    for e in syncs:
+        print(f"rank {e['rank']}: {e['worker']} / {e['runner']} / {e['drafter']}, weights equal: {e['all_equal']}")
+        assert (e["worker"], e["runner"], e["drafter"]) == ("NPUWorker", "NPUModelRunner", "SamAscendProposer")
+        assert e["all_equal"] and e["compared"] == e["engine_params"] > 0
+    for e in gens:
+        assert e["npu_calls"] and e["npu_calls"].get("torch_npu.npu_fused_infer_attention_score", 0) > 0, e
+
+
 def check_resume_state(faulty: Run, resumed: Run, step: int = 1, saved_sync: int = 2, earlier_sync: int = 1,
                        ranks: tuple[int, ...] = (0, 1)) -> None:
     """The resumed run's first weight sync equals the weights of the checkpoint it loaded (step ``step``), which the
@@ -172,6 +202,7 @@ def check_resume_state(faulty: Run, resumed: Run, step: int = 1, saved_sync: int
               f"first sync == saved weights ({len(first)} tensors)")
 
 
+@pytest.mark.ascend
 @pytest.mark.timeout(2400)  # set-up, then three launcher runs
 def test_grpo_learns_then_fault_and_resume(cpu_ws: Path, grpo_on_run: Run, tmp_path: Path) -> None:
     """GRPO from the warmed-up model, GRPO_STEPS steps, with SAM (group mode), data rebalance and the current log-prob as
@@ -179,7 +210,9 @@ def test_grpo_learns_then_fault_and_resume(cpu_ws: Path, grpo_on_run: Run, tmp_p
     Then 2 steps with every switch off: a worker is killed during step 2, which must stop the run with an error;
     the same command again resumes from step 1 (weights and optimizer state restored, checked) and finishes
     step 2 on the first run's step-2 prompts (the prompts a step trains on come from the seeded dataloader; the
-    switches only reorder and decode them)."""
+    switches only reorder and decode them). The resumed run's rollout is vLLM-Ascend's engine on the NPU stand-in
+    with SAM on (:data:`ASCEND_ROLLOUT`, checked by :func:`check_ascend_rollout`): the checkpoint is the actor's,
+    the engine it syncs into another."""
     model = cpu_ws / "tiny" / "qwen3_tiny"
     on = grpo_on_run  # launched by the fixture (conftest.py): the server-mode test compares its validation dump
     assert on.rc == 0, _tail(on)
@@ -228,15 +261,16 @@ def test_grpo_learns_then_fault_and_resume(cpu_ws: Path, grpo_on_run: Run, tmp_p
     (run_dir / "logs").rename(run_dir / "logs.faulty")
     (run_dir / "probe").rename(run_dir / "probe.faulty")
     faulty.probe = run_dir / "probe.faulty"
-    resumed = launch(cpu_ws, "internal/train_grpo_tiny_cpu.sh", run_dir, env=SHORT)
+    resumed = launch(cpu_ws, "internal/train_grpo_tiny_cpu.sh", run_dir, env={**SHORT, **ASCEND_ROLLOUT})
     assert resumed.rc == 0, _tail(resumed)
     assert "global_step_1" in resumed.log, "the rerun did not say it loaded global_step_1"
     doc = check_step_log_and_ckpt(resumed, [2])  # positive control of "no global_step_2" above: now it exists
     assert all(e["all_equal"] for e in resumed.of("weight_sync")) and resumed.of("weight_sync")
     check_resume_state(faulty, resumed)
+    check_ascend_rollout(resumed, 2)
     assert prompts_of_step(run_dir, 2) == prompts_of_step(on.probe.parent, 2), \
         "the resumed step 2 trained on other prompts than the uninterrupted run's step 2"
-    print("stage seconds (GRPO, switches off, resumed step 2):", json.dumps(stage_seconds(doc, resumed)))
+    print("stage seconds (GRPO, resumed step 2 on vLLM-Ascend, SAM on):", json.dumps(stage_seconds(doc, resumed)))
 
 
 @pytest.mark.timeout(1500)
