@@ -165,3 +165,16 @@ def test_launcher_gives_verl091_its_gpu_slots_on_the_current_set_only(tmp_path: 
     npus = re.search(r'"NPU": (\d+)', plans["current"][0]).group(1)  # the slots (no set-up here: the default 16)
     assert f"--num-gpus={npus}" in plans["current"][0].split()
     assert not any(a.startswith("--num-gpus") for a in plans["seed"][0].split())
+
+
+def test_vllm_cache_per_pin_set(tmp_path: Path, monkeypatch) -> None:
+    """Each set's CPU profile has its own vLLM cache root (the two vLLMs' model-info entries share file names); a
+    root the user set is kept."""
+    from qwen3_rl.tools import engine_workspace as ew
+
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    seed, current = ew.run_env(tmp_path)["VLLM_CACHE_ROOT"], ew.current_run_env(tmp_path)["VLLM_CACHE_ROOT"]
+    assert (seed, current) == (str(tmp_path / "vllm" / "pin-set-seed"), str(tmp_path / "vllm" / "pin-set-current"))
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "mine"))
+    assert "VLLM_CACHE_ROOT" not in ew.run_env(tmp_path) and "VLLM_CACHE_ROOT" not in ew.current_run_env(tmp_path)
