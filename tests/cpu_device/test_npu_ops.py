@@ -16,6 +16,8 @@ import torch
 
 from qwen3_rl.cpu_device.npu import ops
 
+from conftest import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -337,11 +339,8 @@ def test_mc2_dispatch_experts_combine_over_two_ranks_matches_per_token_experts()
     ranks (4 experts, 2 per rank, 5 and 3 tokens): each rank receives exactly the (token, slot) pairs routed to its
     experts, grouped by expert; the combined output equals the per-token expert loop."""
     import os
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", MC2_PROBE, str(REPO)], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, "RANK": str(r), "MASTER_ADDR": "127.0.0.1",
@@ -442,11 +441,7 @@ RUNTIME_PROBE = textwrap.dedent("""
 
 
 def test_runtime_stand_in_in_a_fresh_interpreter():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.run([sys.executable, "-c", RUNTIME_PROBE, str(REPO), str(port)], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and "RUNTIME_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

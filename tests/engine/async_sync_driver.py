@@ -36,7 +36,6 @@ import asyncio
 import json
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import time
@@ -44,6 +43,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.append(str(HERE.parent / "helpers"))  # ports: outside the ephemeral range
+
+from ports import free_port  # noqa: E402
 
 import workspace  # noqa: E402
 
@@ -71,12 +73,6 @@ class SyncProbe:
         self.execute_model = recorded("model", self.execute_model)
         self.execute_dummy_batch = recorded("dummy", self.execute_dummy_batch)
         return os.getpid()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker_main(spec: dict) -> None:
@@ -146,7 +142,7 @@ async def run(spec: dict) -> dict:  # noqa: C901 - one scenario, step by step
     t_start = time.monotonic()
     dp, syncs, max_len = int(spec["dp"]), int(spec["syncs"]), int(spec["max_model_len"])
     timeout_s = float(spec["sync_timeout_s"])
-    env = {**os.environ, "WORLD_SIZE": str(dp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "WORLD_SIZE": str(dp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "RAY_LOCAL_WORLD_SIZE": str(dp), "LOCAL_RANK": "0"}
     spec_file = Path(spec["probe_dir"]) / "spec.json"
     spec_file.write_text(json.dumps(spec))
@@ -204,7 +200,7 @@ async def run(spec: dict) -> dict:  # noqa: C901 - one scenario, step by step
         specs = specs_of(export(0))
         sizes = {s.dtype: torch.empty(0, dtype=getattr(torch, s.dtype)).element_size() for s in specs}
         buckets = plan_buckets(specs, sizes, bucket_bytes=1 << 20)
-        port = _free_port()
+        port = free_port()
         joins = [asyncio.ensure_future(call(i, "join", "127.0.0.1", port, 1 + i, 1 + dp, "gloo")) for i in range(dp)]
         group = await asyncio.to_thread(make_group, "127.0.0.1", port, 0, 1 + dp, "gloo", 600.0)
         await asyncio.gather(*joins)

@@ -23,23 +23,18 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.append(str(HERE.parent / "helpers"))  # ports: outside the ephemeral range
 
 from core_loop_driver import collect, drive  # noqa: E402
+from ports import free_port  # noqa: E402
 
 import workspace  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rollout_config(spec: dict, run: dict):  # noqa: ANN202
@@ -70,7 +65,7 @@ async def run_one(spec: dict, index: int, run: dict) -> dict:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     dp = int(run.get("dp", 1))
-    env = {**os.environ, "WORLD_SIZE": str(dp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+    env = {**os.environ, "WORLD_SIZE": str(dp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "RAY_LOCAL_WORLD_SIZE": str(dp), "LOCAL_RANK": "0"}
     spec_file = Path(spec["probe_dir"]) / f"{run['name']}-spec.json"
     spec_file.write_text(json.dumps(spec))

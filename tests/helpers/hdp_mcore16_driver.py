@@ -447,11 +447,9 @@ def main() -> None:
 
     modes = sys.argv[1].split(",")
     assert set(modes) <= {"off", "hybrid", "hybrid-mindspeed"}, modes
-    import socket
+    from ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # tests/helpers/ports.py: outside the ephemeral range
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=worker, args=(r, port, modes, q)) for r in range(WORLD)]

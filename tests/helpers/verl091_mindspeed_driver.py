@@ -648,13 +648,10 @@ def _default_switch_args() -> None:
 def _one_rank_model_parallel() -> None:
     """World of one (gloo on 127.0.0.1, a free port) and megatron's model-parallel groups, all of size 1 (mbridge
     reads the sizes from them, ``mbridge/core/llm_bridge.py:70-75``)."""
-    import socket
-
     from megatron.core import parallel_state
+    from ports import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # tests/helpers/ports.py: outside the ephemeral range
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -171,10 +170,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=800.0)
     a = ap.parse_args()
     import torch.multiprocessing as mp
+    from ports import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # tests/helpers/ports.py: outside the ephemeral range
     ctx = mp.start_processes(
         _rank,
         args=(a.world, a.ep, a.pp, port, a.experts, a.layers, a.out_dir),

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import sys
 
 import pytest
@@ -24,7 +23,7 @@ from qwen3_rl.trainer.fully_async.weight_sync import (
     specs_of,
 )
 
-from conftest import REPO
+from conftest import REPO, free_port
 
 
 def test_backend_per_device() -> None:
@@ -128,18 +127,12 @@ def _receiver(port: int, specs, buckets, q, taken) -> None:
     taken.wait(60)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_broadcast_delivers_the_export_tensor_by_tensor() -> None:
     named = _export()
     specs = specs_of(named)
     buckets = plan_buckets(specs, {"float32": 4, "bfloat16": 2}, bucket_bytes=600)
     assert len(buckets) > 1  # the split is exercised
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     q, taken = ctx.Queue(), ctx.Event()
     p = ctx.Process(target=_receiver, args=(port, specs, buckets, q, taken))
@@ -216,7 +209,7 @@ def test_a_rollout_worker_killed_mid_sync_stops_the_wait_at_once(tmp_path) -> No
 
     trainer, stuck, doomed = Peer.remote(), Peer.remote(), Peer.remote()
     pids = ray.get([stuck.pid.remote(), doomed.pid.remote()])
-    port = _free_port()
+    port = free_port()
     ray.get([p.join.remote(port, r, 3) for r, p in enumerate((trainer, stuck, doomed))], timeout=120)
     marker = tmp_path / "first-tensor"
     try:
