@@ -153,24 +153,26 @@ def check_independent_conversion(ws: Path, run: Run, step: int, sync: int, tmp: 
     print(f"independent conversion: merged global_step_{step} == engine after sync {sync}, {len(engine)} tensors")
 
 
-def check_ascend_rollout(run: Run, step: int) -> None:
-    """The run's rollout ran on vLLM-Ascend's engine (:data:`ASCEND_ROLLOUT`): SAM drafted and accepted tokens in
-    step ``step``; in each rollout worker the probe (``qwen3_rl/cpu_device/probe.py``) saw vLLM-Ascend's worker,
-    runner and SAM adapter hold the weights the actor synced (all equal), and the stand-in's NPU kernels run during
-    generation."""
-    metrics = report(run)["steps"][str(step)]
+def check_ascend_rollout(run: Run, metrics: dict[str, float], sync_rollout: bool = True) -> None:
+    """The run's rollout ran on vLLM-Ascend's engine (:data:`ASCEND_ROLLOUT`): SAM drafted and accepted tokens in the
+    step whose ``metrics`` are given; in each rollout worker the probe (``qwen3_rl/cpu_device/probe.py``) saw
+    vLLM-Ascend's worker, runner and SAM adapter hold the weights the actor synced (all equal); with the sync rollout
+    (the probe wraps its ``generate_sequences``) the stand-in's NPU kernels ran during generation on both ranks."""
     drafted = metrics.get("rollout/spec_decode/draft_tokens", 0)
     accepted = metrics.get("rollout/spec_decode/accepted_tokens", 0)
-    print(f"step {step} on vLLM-Ascend: {drafted} draft tokens, {accepted} accepted")
+    print(f"vLLM-Ascend: {drafted} draft tokens, {accepted} accepted ({run.seconds:.0f} s launcher run)")
     assert drafted > 0 and accepted > 0, {k: v for k, v in metrics.items() if "spec_decode" in k}
-    syncs, gens = run.of("weight_sync"), run.of("generate_end")
-    assert {e["rank"] for e in syncs} == {0, 1} and {e["rank"] for e in gens} == {0, 1}
+    syncs = run.of("weight_sync")
+    assert {e["rank"] for e in syncs} == {0, 1}
     for e in syncs:
         print(f"rank {e['rank']}: {e['worker']} / {e['runner']} / {e['drafter']}, weights equal: {e['all_equal']}")
         assert (e["worker"], e["runner"], e["drafter"]) == ("NPUWorker", "NPUModelRunner", "SamAscendProposer")
         assert e["all_equal"] and e["compared"] == e["engine_params"] > 0
-    for e in gens:
-        assert e["npu_calls"] and e["npu_calls"].get("torch_npu.npu_fused_infer_attention_score", 0) > 0, e
+    if sync_rollout:
+        gens = run.of("generate_end")
+        assert {e["rank"] for e in gens} == {0, 1}
+        for e in gens:
+            assert e["npu_calls"] and e["npu_calls"].get("torch_npu.npu_fused_infer_attention_score", 0) > 0, e
 
 
 def check_resume_state(faulty: Run, resumed: Run, step: int = 1, saved_sync: int = 2, earlier_sync: int = 1,
@@ -212,7 +214,7 @@ def test_grpo_learns_then_fault_and_resume(cpu_ws: Path, grpo_on_run: Run, tmp_p
     step 2 on the first run's step-2 prompts (the prompts a step trains on come from the seeded dataloader; the
     switches only reorder and decode them). The resumed run's rollout is vLLM-Ascend's engine on the NPU stand-in
     with SAM on (:data:`ASCEND_ROLLOUT`, checked by :func:`check_ascend_rollout`): the checkpoint is the actor's,
-    the engine it syncs into another."""
+    whichever engine the run syncs into."""
     model = cpu_ws / "tiny" / "qwen3_tiny"
     on = grpo_on_run  # launched by the fixture (conftest.py): the server-mode test compares its validation dump
     assert on.rc == 0, _tail(on)
@@ -267,7 +269,7 @@ def test_grpo_learns_then_fault_and_resume(cpu_ws: Path, grpo_on_run: Run, tmp_p
     doc = check_step_log_and_ckpt(resumed, [2])  # positive control of "no global_step_2" above: now it exists
     assert all(e["all_equal"] for e in resumed.of("weight_sync")) and resumed.of("weight_sync")
     check_resume_state(faulty, resumed)
-    check_ascend_rollout(resumed, 2)
+    check_ascend_rollout(resumed, doc["steps"]["2"])
     assert prompts_of_step(run_dir, 2) == prompts_of_step(on.probe.parent, 2), \
         "the resumed step 2 trained on other prompts than the uninterrupted run's step 2"
     print("stage seconds (GRPO, resumed step 2 on vLLM-Ascend, SAM on):", json.dumps(stage_seconds(doc, resumed)))
