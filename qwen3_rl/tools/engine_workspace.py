@@ -176,6 +176,13 @@ def vllm_cache_env(pin_set: str) -> dict[str, str]:
     return {"VLLM_CACHE_ROOT": os.path.join(base, "vllm", f"pin-set-{pin_set}")}
 
 
+def host_env(pin_set: str) -> dict[str, str]:
+    """The settings every engine process of pin set ``pin_set`` on a small host takes, none of which changes a
+    result: :data:`HOST_ENV` and the set's vLLM cache (:func:`vllm_cache_env`). The engine tests' conftests put them
+    in their own environment, which every engine child inherits."""
+    return {**HOST_ENV, **vllm_cache_env(pin_set)}
+
+
 def run_env(ws: Path) -> dict[str, str]:
     """The environment of the CPU profile's processes (``ray_start_npu.sh --device cpu``, tests): the device layer
     on (``QWEN3_RL_CPU_SHIMS``), vLLM's CPU platform in-process, the trees on ``PYTHONPATH``, the host settings of

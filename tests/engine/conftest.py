@@ -20,12 +20,12 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(HERE))
 
-from qwen3_rl.tools.engine_workspace import HOST_ENV, vllm_cache_env  # noqa: E402
+from qwen3_rl.tools.engine_workspace import host_env  # noqa: E402
 
 import workspace  # noqa: E402
 
-#: every engine child of these tests inherits the small host's settings (no result changes; engine_workspace.HOST_ENV)
-os.environ.update({**HOST_ENV, **vllm_cache_env("seed")})
+#: every engine child of these tests inherits the small host's settings and the set's vLLM cache (engine_workspace.host_env)
+os.environ.update(host_env("seed"))
 
 
 def gloo_port() -> int:

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from qwen3_rl.tools.engine_workspace import HOST_ENV, vllm_cache_env
+from qwen3_rl.tools.engine_workspace import host_env
 
 REPO = Path(__file__).resolve().parents[2]
 SETUP_TIMEOUT_S = 900
 
-#: every engine child of these tests inherits the small host's settings (no result changes; engine_workspace.HOST_ENV)
-os.environ.update({**HOST_ENV, **vllm_cache_env("current")})
+#: every engine child of these tests inherits the small host's settings and the set's vLLM cache (engine_workspace.host_env)
+os.environ.update(host_env("current"))
 
 
 @pytest.fixture(scope="session")  # one set-up (and warm-up) for the GRPO and the fully-async run

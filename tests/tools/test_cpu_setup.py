@@ -176,5 +176,6 @@ def test_vllm_cache_per_pin_set(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     seed, current = ew.run_env(tmp_path)["VLLM_CACHE_ROOT"], ew.current_run_env(tmp_path)["VLLM_CACHE_ROOT"]
     assert (seed, current) == (str(tmp_path / "vllm" / "pin-set-seed"), str(tmp_path / "vllm" / "pin-set-current"))
+    assert ew.host_env("current") == {**ew.HOST_ENV, "VLLM_CACHE_ROOT": current}  # the engine tests' conftests
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "mine"))
     assert "VLLM_CACHE_ROOT" not in ew.run_env(tmp_path) and "VLLM_CACHE_ROOT" not in ew.current_run_env(tmp_path)
