@@ -38,6 +38,10 @@ SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_deco
 # a launch's node dead.
 ENGINE_LAUNCHER_TESTS=(tests/engine/test_e2e_training.py tests/engine/test_slurm.py tests/engine/test_server_rollout.py
                        tests/engine/test_fully_async.py tests/engine/test_ascend_grpo_step.py)
+# Engine files that start no run but go in the early lane all the same, so the two lanes end closer together: in
+# clean-clone CI runs the late lane (which starts after the main run and its boundscheck run) ended 250-390 s after
+# the early lane; the eval file takes 70-85 s there and needs only the engine workspace (about 4 s to build).
+ENGINE_EARLY_EXTRA=(tests/engine/test_engine_eval.py)
 # longest wait (s) of the early lane for the background runs before it starts anyway
 ENGINE_EARLY_WAIT="${QWEN3_RL_ENGINE_EARLY_WAIT:-3600}"
 BOUNDSCHECK_NOT_KERNELS=(test_benchmark_smoke test_construction_compiles_every_kernel_of_the_runner_path
@@ -142,7 +146,7 @@ Test paths decide the part: paths under tests/engine, tests/engine_current, test
 run only their part(s). Without test paths the two current-set engine parts run one after the other in the
 background beside the main run.
 The engine part without test paths runs in two pytest processes ("lanes"): the early lane
-(ENGINE_LAUNCHER_TESTS: whole trainings through Ray) and the late lane (the other
+(ENGINE_LAUNCHER_TESTS: whole trainings through Ray; and ENGINE_EARLY_EXTRA) and the late lane (the other
 engine tests). On a full run the early lane starts once the background runs have ended or the main run has,
 whichever is first (at most QWEN3_RL_ENGINE_EARLY_WAIT s, default 3600, after the start), and the late lane after
 the main run and the background runs (at most two engine test streams at once); otherwise both start together.
@@ -192,13 +196,14 @@ collect_background() {
 run_engine_late() {
   # the late lane: tests/engine without the early lane's files
   local ignores=() f
-  for f in "${ENGINE_LAUNCHER_TESTS[@]}"; do ignores+=("--ignore=${f}"); done
+  for f in "${ENGINE_LAUNCHER_TESTS[@]}" "${ENGINE_EARLY_EXTRA[@]}"; do ignores+=("--ignore=${f}"); done
   ( cg_enter engine-late; exec "${ENGINE_VENV}/bin/python" -m pytest tests/engine "${ignores[@]}" "$@" )
 }
 
 run_engine_early() {
-  # the early lane (live output when in the foreground): ENGINE_LAUNCHER_TESTS in one process
-  ( cg_enter engine-early; exec "${ENGINE_VENV}/bin/python" -m pytest "${ENGINE_LAUNCHER_TESTS[@]}" "$@" )
+  # the early lane (live output when in the foreground): ENGINE_LAUNCHER_TESTS and ENGINE_EARLY_EXTRA in one process
+  ( cg_enter engine-early
+    exec "${ENGINE_VENV}/bin/python" -m pytest "${ENGINE_LAUNCHER_TESTS[@]}" "${ENGINE_EARLY_EXTRA[@]}" "$@" )
 }
 
 wait_for_files() {
@@ -236,7 +241,7 @@ run_engine_split() {
        "log after the early lane)"
   run_engine_late "$@" >"${log}" 2>&1 &
   pid=$!
-  echo "== pytest (engine venv: the early lane, ${ENGINE_LAUNCHER_TESTS[*]})"
+  echo "== pytest (engine venv: the early lane, ${ENGINE_LAUNCHER_TESTS[*]} ${ENGINE_EARLY_EXTRA[*]})"
   run_engine_early "$@" || rc_a=$?
   echo "== engine early lane: $((SECONDS - t0)) s (exit ${rc_a})"
   collect_background "engine late lane" "${pid}" "${log}" || rc_b=$?
@@ -355,8 +360,8 @@ main() {
       done
       # the early engine lane, beside the main run once the background runs have ended
       early_log="$(mktemp)"
-      echo "== pytest (engine venv: the early lane, ${ENGINE_LAUNCHER_TESTS[*]}; in the background once the runs" \
-           "above or the main run have ended; log after the late lane)"
+      echo "== pytest (engine venv: the early lane, ${ENGINE_LAUNCHER_TESTS[*]} ${ENGINE_EARLY_EXTRA[*]};" \
+           "in the background once the runs above or the main run have ended; log after the late lane)"
       (
         wait_for_files "${done_dir}/main" "${done_files[@]}"
         t0=${SECONDS}

@@ -80,6 +80,8 @@ def test_engine_launcher_tests_are_every_engine_file_that_starts_a_training_run(
         str(f.relative_to(REPO)) for f in sorted((REPO / "tests" / "engine").glob("test_*.py"))
         if re.search(r"\bcpu_ws\b|ray_start_npu\.sh|ray\.init\(", f.read_text())}
     assert starts_runs == set(files), (sorted(starts_runs - set(files)), sorted(set(files) - starts_runs))
+    extra = _bash_array(text, "ENGINE_EARLY_EXTRA")  # the early lane's other files: they exist and start no run
+    assert extra and all((REPO / f).is_file() for f in extra) and not starts_runs & set(extra), extra
 
 
 def test_free_port_is_outside_the_ephemeral_range_and_skips_taken_ports(monkeypatch) -> None:
