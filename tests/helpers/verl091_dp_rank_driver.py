@@ -7,21 +7,14 @@ prints ``VERL_DP_RANK_ENGINE {json}``: one recipe server (``get_rollout_replica_
 ``qwen3_rl.rollout.verl_server_auth.register()`` -> ``server_class``, built from verl's ``RolloutConfig`` and
 ``HFModelConfig`` on the tiny model) launched by verl (``launch_server``: vLLM 0.23's CPU engine at DP ``DP``, default 1;
 ``qwen3_rl.cpu_device.vllm023_shims`` in the engine's processes by ``verl091_vllm_site``, a device-kernel keyword);
-verl's ``get_router_handle`` with the shipped plugin (``group``; at DP 1 told ``data_parallel_size: 2``, at DP 2 the
-DP size asked of the server) or without it (``default``: verl's own balancer, the control); verl's
-``LLMServerClient`` sends four prompts x 2·DP samples at once, greedy, 4 tokens: {run: [[request id, prompt index,
-rank the balancer chose or "absent", "ok" | "error", token ids | the error's last line], ...], "cores": {run:
-[[engine index, pid, vLLM's request id], ...]}, "server_mro": [the server's classes]} (``cores``: the engine cores'
-own log, the observer of ``verl091_vllm_site``; the client passes verl's request id through,
+verl's ``get_router_handle`` with the shipped plugin (``group``: at DP 1 told ``data_parallel_size: 2``, at DP 2 the
+DP size asked of the server; at DP 2 also ``over``: told one rank more than the server has) or without it
+(``default``: verl's own balancer, the control); verl's ``LLMServerClient`` sends four prompts x 2·DP samples at once,
+greedy, 4 tokens: {run: [[request id, prompt index, rank the balancer chose or "absent", "ok" | "error", token ids |
+the error's last line], ...], "cores": {run: [[engine index, pid, vLLM's request id], ...]}, "server_mro": [the
+server's classes], "released": processes killed by pid at the end, "seconds": the wall time} (``cores``: the engine
+cores' own log, the observer of ``verl091_vllm_site``; the client passes verl's request id through,
 ``full_determinism``). At DP 2: vLLM's DP coordinator and two engine-core processes, one CPU each.
-
-    python tests/helpers/verl091_dp_rank_driver.py WORK_DIR all
-
-DP 1, then DP 2, one after the other in this one process and one local Ray (one import of verl and vLLM, one tiny
-model); prints ``VERL_DP_RANK_ALL {json}``: {"engine": DP 1's output, "engine_dp2": DP 2's, "released": {phase:
-processes killed by pid}, "seconds": {phase: its wall time}}. What differs between the runs is given per server actor
-(Ray ``runtime_env`` of the actor, :func:`engine_env`), and each phase's server is gone, with its child processes,
-before the next phase starts (:func:`_release`).
 """
 
 from __future__ import annotations
@@ -48,8 +41,8 @@ def _own_pids(_actor) -> list[int]:
 
 def _release(handles: list, timeout_s: float = 120.0) -> int:
     """Kills the actors ``handles`` and waits until their processes and those processes' children are gone (a
-    zombie counts as gone: it holds no CPU or memory), so the next phase starts on free cores; a process still
-    running after ``timeout_s`` is killed by its pid. Returns how many had to be."""
+    zombie counts as gone: it holds no CPU or memory); a process still running after ``timeout_s`` is killed by its
+    pid. Returns how many had to be."""
     import psutil
     import ray
 
@@ -78,8 +71,8 @@ def _release(handles: list, timeout_s: float = 120.0) -> int:
 
 
 def engine_env(core_log: Path, dp: int) -> dict[str, str]:
-    """The environment of one engine server actor (Ray ``runtime_env`` of that actor, so the phases of one Ray can
-    differ): vLLM's engine-core processes, which the server spawns, inherit it."""
+    """The environment of the engine server actor (its Ray ``runtime_env``): vLLM's engine-core processes, which the
+    server spawns, inherit it."""
     site = REPO / "tests" / "helpers" / "verl091_vllm_site"
     cpus = sorted(os.sched_getaffinity(0))
     bind = "|".join(str(cpus[r % len(cpus)]) for r in range(dp)) if dp > 1 else "auto"
@@ -118,21 +111,20 @@ def engine_replica(model: Path, dp: int):
 
 async def engine_runs(replica, work: Path, dp: int) -> tuple[dict, int]:
     """One recipe server launched by verl (``launch_server``: vLLM 0.23's ``AsyncLLM`` on CPU, DP ``dp``); the
-    shipped plugin (DP 1: told ``data_parallel_size: 2``; DP 2: the servers' size) (``group``) or verl's balancer
-    (``default``); per request: the rank the balancer chose (its own record) and the outcome (tokens, or the error's
-    last line); and the engine cores' own log of the requests they took (``cores``). Returns that and how many of
-    the server's processes :func:`_release` had to kill by pid."""
+    shipped plugin (``group``; DP 1: told ``data_parallel_size: 2``; DP 2: the server's size; DP 2 also ``over``: told
+    ``dp + 1`` ranks) or verl's balancer (``default``); per request: the rank the balancer chose (its own record) and
+    the outcome (tokens, or the error's last line); and the engine cores' own log of the requests they took
+    (``cores``). Returns that and how many of the server's processes :func:`_release` had to kill by pid."""
     import ray
     from omegaconf import OmegaConf
     from verl.workers.rollout.llm_server import LLMServerClient
     from verl.workers.rollout.replica import RolloutMode
     from verl.workers.rollout.router import get_router_handle
 
-    core_log = work / f"core-log-dp{dp}"  # this phase's own folder: a later phase never reads an earlier one's lines
+    core_log = work / f"core-log-dp{dp}"
     core_log.mkdir()
     # the DP size's settings ride on this actor (its runtime_env), not on the Ray job: vLLM reads them when its
-    # engine processes start (VLLM_CPU_OMP_THREADS_BIND), and they start fresh per server (Ray never reuses a dead
-    # actor's worker process); the name carries dp, as a killed actor's name may not be free yet
+    # engine processes start (VLLM_CPU_OMP_THREADS_BIND)
     server = replica.server_class.options(
         name=f"dp_rank_engine_dp{dp}_{os.getpid()}",
         max_concurrency=64,
@@ -155,12 +147,19 @@ async def engine_runs(replica, work: Path, dp: int) -> tuple[dict, int]:
     # log names the request; the balancer is told nothing of it (get_router_handle's own argument, router.py:303)
     rollout = {"name": "vllm", "full_determinism": True}
     config = OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}})
-    router_yaml = work / f"router_dp{dp}.yaml"
     plugin = (REPO / "qwen3_rl/rollout/verl_router.yaml").read_text()
-    router_yaml.write_text(plugin + ("data_parallel_size: 2\n" if dp == 1 else ""))
+    # the plugin's YAML per run (None: verl's own balancer): at DP 1 told two ranks, at DP 2 the server's own size
+    # and (``over``) one rank more than the server has
+    told = {"default": None, "group": "data_parallel_size: 2\n" if dp == 1 else ""}
+    if dp > 1:
+        told["over"] = f"data_parallel_size: {dp + 1}\n"
     out: dict = {"cores": {}, "server_mro": mro}
-    for run, yaml_path in (("default", None), ("group", str(router_yaml))):
-        balancer = get_router_handle({f"{host}:{port}": server}, router_config_path=yaml_path)
+    for run, extra in told.items():
+        yaml_path = None
+        if extra is not None:
+            yaml_path = work / f"router_dp{dp}_{run}.yaml"
+            yaml_path.write_text(plugin + extra)
+        balancer = get_router_handle({f"{host}:{port}": server}, router_config_path=yaml_path and str(yaml_path))
         client = LLMServerClient(config, load_balancer_handle=balancer)
         rids = [(f"{run}-{p}-{s}", p) for p in range(len(PROMPTS)) for s in range(2 * dp)]
 
@@ -186,15 +185,17 @@ async def engine_runs(replica, work: Path, dp: int) -> tuple[dict, int]:
         out["cores"][run] = [ln.split() for f in logs for ln in f.read_text().splitlines()]
         for f in logs:
             f.unlink()
-    # the server actor, vLLM's engine cores and (DP 2) its DP coordinator gone before the caller's next phase: their
-    # CPUs free for it; the DP ports (verl's get_free_port per server, vllm_async_server.py:210-213) die with them
+    # the server actor, vLLM's engine cores and (DP 2) its DP coordinator gone before Ray shuts down: no engine
+    # process outlives the run
     return out, _release([server])
 
 
 def main() -> int:
-    """``WORK_DIR engine [DP] | WORK_DIR all``: the run(s) named in the module docstring, in one local Ray."""
+    """``WORK_DIR engine [DP]``: the run named in the module docstring, in one local Ray."""
     work = Path(sys.argv[1])
-    mode = sys.argv[2:3]
+    if sys.argv[2:3] != ["engine"]:
+        raise SystemExit(f"usage: {sys.argv[0]} WORK_DIR engine [DP] (got {sys.argv[2:]})")
+    dp = int(sys.argv[3]) if sys.argv[3:] else 1
     # before Ray starts: its daemons and every worker inherit it
     os.environ["RAY_AUTH_MODE"] = "disabled"
     import ray
@@ -202,11 +203,10 @@ def main() -> int:
     from qwen3_rl.rollout import verl_server_auth
     from qwen3_rl.tools.tiny_model import TinySpec, make_tiny_model
 
-    model = make_tiny_model(work / "dense", TinySpec(moe=False))  # one tiny model for every phase
+    model = make_tiny_model(work / "dense", TinySpec(moe=False))
     verl_server_auth.register()
-    # the Ray job's own environment: our checkout on PYTHONPATH; an engine server's additions (the start-up hook
-    # verl091_vllm_site, the CPU binding per DP size, the cores' log folder) ride on that server actor alone
-    # (engine_env), so both DP sizes share this one Ray
+    # the Ray job's own environment: our checkout on PYTHONPATH; the engine server's additions (the start-up hook
+    # verl091_vllm_site, the CPU binding of its DP size, the cores' log folder) ride on that server actor (engine_env)
     ray.init(
         address="local",
         num_cpus=2,
@@ -216,31 +216,12 @@ def main() -> int:
         log_to_driver=False,
     )
     try:
-        if mode == ["engine"]:
-            dp = int(sys.argv[3]) if sys.argv[3:] else 1
-            out, _released = asyncio.run(engine_runs(engine_replica(model, dp), work, dp))
-            tag = "VERL_DP_RANK_ENGINE"
-        elif mode == ["all"]:
-            # the phases one after the other: each one's actors and their processes are gone (_release) before the
-            # next starts. No phase leaves anything the next reads: no placement group is made (the servers are
-            # built directly, STANDALONE), every actor has a name of its own, each engine server picks its own free
-            # ports and spawns its own vLLM processes, which read their environment at their start, and this
-            # process's environment stays as it is (the per-DP settings are the server actors' runtime_env)
-            t0 = time.monotonic()
-            engine, released_dp1 = asyncio.run(engine_runs(engine_replica(model, 1), work, 1))
-            t1 = time.monotonic()
-            engine_dp2, released_dp2 = asyncio.run(engine_runs(engine_replica(model, 2), work, 2))
-            t2 = time.monotonic()
-            released = {"engine": released_dp1, "engine_dp2": released_dp2}
-            seconds = {"engine": round(t1 - t0), "engine_dp2": round(t2 - t1)}
-            out = {"engine": engine, "engine_dp2": engine_dp2, "released": released}
-            out["seconds"] = seconds  # each phase's wall time, its release included
-            tag = "VERL_DP_RANK_ALL"
-        else:
-            raise SystemExit(f"usage: {sys.argv[0]} WORK_DIR engine [DP] | WORK_DIR all (got {sys.argv[2:]})")
+        t0 = time.monotonic()
+        out, released = asyncio.run(engine_runs(engine_replica(model, dp), work, dp))
+        out["released"], out["seconds"] = released, round(time.monotonic() - t0)
     finally:
         ray.shutdown()
-    print(f"{tag} " + json.dumps(out), flush=True)
+    print("VERL_DP_RANK_ENGINE " + json.dumps(out), flush=True)
     return 0
 
 
