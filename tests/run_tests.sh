@@ -153,7 +153,7 @@ the main run and the background runs (at most two engine test streams at once); 
 On a full run (no test path, -m or -k) every part must run tests: a part that collects nothing fails
 the run. With a selection, one part collecting nothing is fine as long as
 another ran tests. A skipped test fails (tests/conftest.py).
-Boundscheck run: when the main run runs and no test path, -m or -k is given, the SAM drafter's tests
+Boundscheck run: on a full run, in the background job of upstream's own suites after them, the SAM drafter's tests
 (SAM_BOUNDSCHECK_TESTS) run once more in the main venv with NUMBA_BOUNDSCHECK=1 and an empty numba cache
 (a fresh process: numba reads the switch at import, and its cache must not hand back unchecked code),
 so an off-by-one of the kernels' raw-pointer views shows as an IndexError; tests that run no kernel of their own
@@ -190,6 +190,19 @@ collect_background() {
   echo "== ${name} (exit ${rc}; waited $((SECONDS - t0)) s after the foreground run)"
   cat "${log}"
   rm -f "${log}"
+  return "${rc}"
+}
+
+run_boundscheck() {
+  # the SAM drafter's kernel tests again with NUMBA_BOUNDSCHECK=1 and an empty numba cache (a fresh process)
+  local cache_dir not_kernels rc=0 t0=${SECONDS}
+  cache_dir="$(mktemp -d)"
+  not_kernels="$(printf ' or %s' "${BOUNDSCHECK_NOT_KERNELS[@]}")"
+  ( cg_enter boundscheck
+    NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR="${cache_dir}" exec "${VENV}/bin/python" -m pytest -q -p no:cacheprovider \
+      -k "not (${not_kernels# or })" "${SAM_BOUNDSCHECK_TESTS[@]}" ) || rc=$?
+  rm -rf "${cache_dir}"
+  echo "== boundscheck run: $((SECONDS - t0)) s (exit ${rc})"
   return "${rc}"
 }
 
@@ -286,6 +299,7 @@ main() {
   local own_chain_pid=""
   local full=0 t0
   local current_log="" current_pid="" verl091e_rc_file="" done_dir="" early_log="" early_pid="" done_files=()
+  local bounds_log=""
   local run_t0=${SECONDS}
   mem_watch_start
   CG_PARTS=(main boundscheck)
@@ -342,6 +356,11 @@ main() {
         echo "== ${title}, pristine vs patched tree (in the background, one after the other; log at the end of" \
              "the main run)"
       done
+      # the boundscheck run last in that job (the late engine lane, which starts after the main run, need not wait
+      # for it; the early lane does not either)
+      bounds_log="$(mktemp)"
+      echo "== pytest (main venv, NUMBA_BOUNDSCHECK=1: SAM kernels; in the background after those; log at the end of" \
+           "the main run)"
       (
         for own in "${UPSTREAM_OWN_RUNS[@]}"; do
           IFS='|' read -r name venv_var script title <<<"${own}"
@@ -352,6 +371,9 @@ main() {
             >>"${own_log[${name}]}"
           echo "${rc}" >"${done_dir}/${name}"
         done
+        rc=0
+        run_boundscheck >"${bounds_log}" 2>&1 || rc=$?
+        echo "${rc}" >"${done_dir}/boundscheck"
       ) &
       own_chain_pid=$!
       for own in "${UPSTREAM_OWN_RUNS[@]}"; do
@@ -379,19 +401,6 @@ main() {
     ( cg_enter main; exec "${VENV}/bin/python" -m pytest "$@" ) || rc_main=$?
     [[ -z "${done_dir}" ]] || : >"${done_dir}/main"  # the early engine lane starts now if it has not yet
     echo "== main run: $((SECONDS - t0)) s"
-    if (( ! main_paths && ! selective )); then
-      echo "== pytest (main venv, NUMBA_BOUNDSCHECK=1: SAM kernels)"
-      local cache_dir not_kernels
-      cache_dir="$(mktemp -d)"
-      not_kernels="$(printf ' or %s' "${BOUNDSCHECK_NOT_KERNELS[@]}")"
-      t0=${SECONDS}
-      rc_bounds=0
-      ( cg_enter boundscheck
-        NUMBA_BOUNDSCHECK=1 NUMBA_CACHE_DIR="${cache_dir}" exec "${VENV}/bin/python" -m pytest -q -p no:cacheprovider \
-          -k "not (${not_kernels# or })" "${SAM_BOUNDSCHECK_TESTS[@]}" ) || rc_bounds=$?
-      rm -rf "${cache_dir}"
-      echo "== boundscheck run: $((SECONDS - t0)) s"
-    fi
     if [[ -n "${own_chain_pid}" ]]; then
       t0=${SECONDS}
       wait "${own_chain_pid}" || true
@@ -403,6 +412,11 @@ main() {
         cat "${own_log[${name}]}"
         rm -f "${own_log[${name}]}"
       done
+      rc_bounds="$(cat "${done_dir}/boundscheck" 2>/dev/null || true)"
+      [[ "${rc_bounds}" =~ ^[0-9]+$ ]] || rc_bounds=1  # the job ended before the boundscheck run said anything
+      echo "== boundscheck run (exit ${rc_bounds}; waited $((SECONDS - t0)) s after the foreground run)"
+      cat "${bounds_log}"
+      rm -f "${bounds_log}"
     fi
   fi
   if [[ -n "${current_pid}" ]]; then
