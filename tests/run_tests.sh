@@ -42,6 +42,10 @@ ENGINE_LAUNCHER_TESTS=(tests/engine/test_e2e_training.py tests/engine/test_slurm
 # clean-clone CI runs the late lane (which starts after the main run and its boundscheck run) ended 250-390 s after
 # the early lane; the eval file takes 70-85 s there and needs only the engine workspace (about 4 s to build).
 ENGINE_EARLY_EXTRA=(tests/engine/test_engine_eval.py)
+# On a full run the late lane runs in two parts: the first as the main run ends, the second (these files, about half
+# of the lane's time) once the first part or the early lane has ended, so that at the end two engine streams run
+# for longer (at most two at once): in CI run 65 the late lane ran alone for its last 540 s.
+ENGINE_LATE_SECOND=(tests/engine/test_engine_core_loop.py tests/engine/test_fully_async_dp_sync.py)
 # longest wait (s) of the early lane for the background runs before it starts anyway
 ENGINE_EARLY_WAIT="${QWEN3_RL_ENGINE_EARLY_WAIT:-3600}"
 BOUNDSCHECK_NOT_KERNELS=(test_benchmark_smoke test_construction_compiles_every_kernel_of_the_runner_path
@@ -147,7 +151,8 @@ run only their part(s). Without test paths the two current-set engine parts run 
 background beside the main run.
 The engine part without test paths runs in two pytest processes ("lanes"): the early lane
 (ENGINE_LAUNCHER_TESTS: whole trainings through Ray; and ENGINE_EARLY_EXTRA) and the late lane (the other
-engine tests). On a full run the early lane starts once the background runs have ended or the main run has,
+engine tests; on a full run in two parts, ENGINE_LATE_SECOND once the first part or the early lane has ended).
+On a full run the early lane starts once the background runs have ended or the main run has,
 whichever is first (at most QWEN3_RL_ENGINE_EARLY_WAIT s, default 3600, after the start), and the late lane after
 the main run and the background runs (at most two engine test streams at once); otherwise both start together.
 On a full run (no test path, -m or -k) every part must run tests: a part that collects nothing fails
@@ -207,10 +212,29 @@ run_boundscheck() {
 }
 
 run_engine_late() {
-  # the late lane: tests/engine without the early lane's files
-  local ignores=() f
+  # the late lane: tests/engine without the early lane's files (PART first: nor ENGINE_LATE_SECOND's; all: with them)
+  local ignores=() f part=$1
+  shift
   for f in "${ENGINE_LAUNCHER_TESTS[@]}" "${ENGINE_EARLY_EXTRA[@]}"; do ignores+=("--ignore=${f}"); done
+  if [[ "${part}" == first ]]; then
+    for f in "${ENGINE_LATE_SECOND[@]}"; do ignores+=("--ignore=${f}"); done
+  fi
   ( cg_enter engine-late; exec "${ENGINE_VENV}/bin/python" -m pytest tests/engine "${ignores[@]}" "$@" )
+}
+
+run_engine_late_second() {
+  # the late lane's second part (a full run): ENGINE_LATE_SECOND in one process
+  ( cg_enter engine-late; exec "${ENGINE_VENV}/bin/python" -m pytest "${ENGINE_LATE_SECOND[@]}" "$@" )
+}
+
+wait_for_either() {
+  # wait until FILE_A or FILE_B exists, at most ENGINE_EARLY_WAIT seconds (polling every 2 s); returns 0 either way
+  local t0=${SECONDS}
+  while (( SECONDS - t0 < ENGINE_EARLY_WAIT )); do
+    [[ -e "$1" || -e "$2" ]] && return 0
+    sleep 2
+  done
+  echo "== the late lane's second part waited ${ENGINE_EARLY_WAIT} s for the early lane or the first part"
 }
 
 run_engine_early() {
@@ -252,7 +276,7 @@ run_engine_split() {
   log="$(mktemp)"
   echo "== pytest (engine venv: the late lane, tests/engine without the early lane's files, in the background;" \
        "log after the early lane)"
-  run_engine_late "$@" >"${log}" 2>&1 &
+  run_engine_late all "$@" >"${log}" 2>&1 &
   pid=$!
   echo "== pytest (engine venv: the early lane, ${ENGINE_LAUNCHER_TESTS[*]} ${ENGINE_EARLY_EXTRA[*]})"
   run_engine_early "$@" || rc_a=$?
@@ -391,6 +415,7 @@ main() {
         rc=0
         run_engine_early "$@" || rc=$?
         echo "== engine early lane: $((SECONDS - t0)) s (exit ${rc})"
+        : >"${done_dir}/early"  # the late lane's second part starts now if it has not yet
         exit "${rc}"
       ) >"${early_log}" 2>&1 &
       early_pid=$!
@@ -433,11 +458,24 @@ main() {
       echo "== pytest (engine venv: tests/engine)"
       "${ENGINE_VENV}/bin/python" -m pytest "$@" || rc_engine=$?
     elif [[ -n "${early_pid}" ]]; then
-      local rc_a=0 rc_b=0
-      echo "== pytest (engine venv: the late lane, tests/engine without the early lane's files," \
-           "$((SECONDS - run_t0)) s into the test run)"
+      local rc_a=0 rc_b=0 rc_first=0 rc_second=0 first_log first_pid
+      echo "== pytest (engine venv: the late lane's first part, tests/engine without the early lane's files and" \
+           "${ENGINE_LATE_SECOND[*]}, $((SECONDS - run_t0)) s into the test run; log after the second part)"
       t0=${SECONDS}
-      run_engine_late "$@" || rc_b=$?
+      first_log="$(mktemp)"
+      (
+        rc=0
+        run_engine_late first "$@" || rc=$?
+        : >"${done_dir}/late-first"
+        exit "${rc}"
+      ) >"${first_log}" 2>&1 &
+      first_pid=$!
+      wait_for_either "${done_dir}/early" "${done_dir}/late-first"
+      echo "== pytest (engine venv: the late lane's second part, ${ENGINE_LATE_SECOND[*]}," \
+           "$((SECONDS - run_t0)) s into the test run)"
+      run_engine_late_second "$@" || rc_second=$?
+      collect_background "engine late lane, first part" "${first_pid}" "${first_log}" || rc_first=$?
+      rc_b="$(engine_rc "${rc_first}" "${rc_second}")"
       echo "== engine late lane: $((SECONDS - t0)) s (exit ${rc_b})"
       collect_background "engine early lane" "${early_pid}" "${early_log}" || rc_a=$?
       rc_engine="$(engine_rc "${rc_a}" "${rc_b}")"

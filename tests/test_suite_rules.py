@@ -82,6 +82,8 @@ def test_engine_launcher_tests_are_every_engine_file_that_starts_a_training_run(
     assert starts_runs == set(files), (sorted(starts_runs - set(files)), sorted(set(files) - starts_runs))
     extra = _bash_array(text, "ENGINE_EARLY_EXTRA")  # the early lane's other files: they exist and start no run
     assert extra and all((REPO / f).is_file() for f in extra) and not starts_runs & set(extra), extra
+    second = _bash_array(text, "ENGINE_LATE_SECOND")  # the late lane's second part: late-lane files that exist
+    assert second and all((REPO / f).is_file() for f in second) and not (starts_runs | set(extra)) & set(second)
 
 
 def test_free_port_is_outside_the_ephemeral_range_and_skips_taken_ports(monkeypatch) -> None:
