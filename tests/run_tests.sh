@@ -39,8 +39,7 @@ SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_deco
 ENGINE_LAUNCHER_TESTS=(tests/engine/test_e2e_training.py tests/engine/test_slurm.py tests/engine/test_server_rollout.py
                        tests/engine/test_fully_async.py tests/engine/test_ascend_grpo_step.py)
 # Engine files that start no run but go in the early lane all the same, so the two lanes end closer together: in
-# clean-clone CI runs the late lane (which starts after the main run and its boundscheck run) ended 250-390 s after
-# the early lane; the eval file takes 70-85 s there and needs only the engine workspace (about 4 s to build).
+# clean-clone CI runs the late lane (which starts after the main run) ended 250-390 s after the early lane; the eval file takes 70-85 s there and needs only the engine workspace (about 4 s to build).
 ENGINE_EARLY_EXTRA=(tests/engine/test_engine_eval.py)
 # On a full run the late lane runs in two parts: the first as the main run ends, the second (these files, about half
 # of the lane's time) once the first part or the early lane has ended, so that at the end two engine streams run
@@ -227,16 +226,6 @@ run_engine_late_second() {
   ( cg_enter engine-late; exec "${ENGINE_VENV}/bin/python" -m pytest "${ENGINE_LATE_SECOND[@]}" "$@" )
 }
 
-wait_for_either() {
-  # wait until FILE_A or FILE_B exists, at most ENGINE_EARLY_WAIT seconds (polling every 2 s); returns 0 either way
-  local t0=${SECONDS}
-  while (( SECONDS - t0 < ENGINE_EARLY_WAIT )); do
-    [[ -e "$1" || -e "$2" ]] && return 0
-    sleep 2
-  done
-  echo "== the late lane's second part waited ${ENGINE_EARLY_WAIT} s for the early lane or the first part"
-}
-
 run_engine_early() {
   # the early lane (live output when in the foreground): ENGINE_LAUNCHER_TESTS and ENGINE_EARLY_EXTRA in one process
   ( cg_enter engine-early
@@ -244,10 +233,10 @@ run_engine_early() {
 }
 
 wait_for_files() {
-  # wait until ANY_OF exists or every other file named does, at most ENGINE_EARLY_WAIT seconds (polling every 2 s);
-  # returns 0 either way.  usage: wait_for_files ANY_OF FILE...
-  local any=$1 f t0=${SECONDS} missing
-  shift
+  # WHO waits until ANY_OF exists or every other file named does, at most ENGINE_EARLY_WAIT seconds (polling every
+  # 2 s); returns 0 either way.  usage: wait_for_files WHO ANY_OF FILE...
+  local who=$1 any=$2 f t0=${SECONDS} missing
+  shift 2
   while (( SECONDS - t0 < ENGINE_EARLY_WAIT )); do
     [[ -e "${any}" ]] && return 0
     missing=0
@@ -255,7 +244,7 @@ wait_for_files() {
     (( missing )) || return 0
     sleep 2
   done
-  echo "== the early engine lane waited ${ENGINE_EARLY_WAIT} s for the background runs and starts anyway"
+  echo "== ${who} waited ${ENGINE_EARLY_WAIT} s for the runs before it and starts anyway"
 }
 
 engine_rc() {
@@ -409,7 +398,7 @@ main() {
       echo "== pytest (engine venv: the early lane, ${ENGINE_LAUNCHER_TESTS[*]} ${ENGINE_EARLY_EXTRA[*]};" \
            "in the background once the runs above or the main run have ended; log after the late lane)"
       (
-        wait_for_files "${done_dir}/main" "${done_files[@]}"
+        wait_for_files "the early engine lane" "${done_dir}/main" "${done_files[@]}"
         t0=${SECONDS}
         echo "== engine early lane: starts $((SECONDS - run_t0)) s into the test run"
         rc=0
@@ -470,7 +459,7 @@ main() {
         exit "${rc}"
       ) >"${first_log}" 2>&1 &
       first_pid=$!
-      wait_for_either "${done_dir}/early" "${done_dir}/late-first"
+      wait_for_files "the late lane's second part" "${done_dir}/early" "${done_dir}/late-first"
       echo "== pytest (engine venv: the late lane's second part, ${ENGINE_LATE_SECOND[*]}," \
            "$((SECONDS - run_t0)) s into the test run)"
       run_engine_late_second "$@" || rc_second=$?
