@@ -24,7 +24,8 @@ from qwen3_rl.tools.engine_workspace import host_env  # noqa: E402
 
 import workspace  # noqa: E402
 
-#: every engine child of these tests inherits the small host's settings and the set's vLLM cache (engine_workspace.host_env)
+#: every engine child of these tests inherits the small host's settings and the set's vLLM cache
+#: (engine_workspace.host_env)
 os.environ.update(host_env("seed"))
 
 

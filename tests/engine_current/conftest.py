@@ -21,7 +21,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 ENGINE_TIMEOUT_S = 900
 
-#: every engine child of these tests inherits the small host's settings and the set's vLLM cache (engine_workspace.host_env)
+#: every engine child of these tests inherits the small host's settings and the set's vLLM cache
+#: (engine_workspace.host_env)
 os.environ.update(host_env("current"))
 
 

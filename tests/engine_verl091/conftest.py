@@ -14,7 +14,8 @@ from qwen3_rl.tools.engine_workspace import host_env
 REPO = Path(__file__).resolve().parents[2]
 SETUP_TIMEOUT_S = 900
 
-#: every engine child of these tests inherits the small host's settings and the set's vLLM cache (engine_workspace.host_env)
+#: every engine child of these tests inherits the small host's settings and the set's vLLM cache
+#: (engine_workspace.host_env)
 os.environ.update(host_env("current"))
 
 
