@@ -19,8 +19,8 @@ Creates $QWEN3_RL_CURRENT_ASCEND_VENV (default ~/.cache/qwen3_rl/current-ascend-
 torch==<pins.toml current runtime.torch> (PyPI's build, runs on CPU), vllm==<current vllm.version> built from its
 sdist (the one tests/upstream_own/vllm023_cpu.py pins and caches) with VLLM_TARGET_DEVICE=empty (Python only, as vLLM-Ascend's Dockerfile installs it), then
 .ci/requirements-current-ascend.txt under .ci/constraints-current-ascend.txt, arctic-inference==0.1.1 built from its
-sdist, every step under the full lock .ci/lock-current-ascend.txt, and qwen3_rl editable; it ends by checking the
-venv equals the lock. vLLM-Ascend itself is not installed: its checks run the pinned sdist's tree. A rerun with
+sdist, every step under the full lock .ci/lock-current-ascend.txt, and qwen3_rl editable; it ends by making the
+venv equal the lock. vLLM-Ascend itself is not installed: its checks run the pinned sdist's tree. A rerun with
 unchanged pins, requirement and lock files does nothing.
 USAGE
 }
@@ -73,7 +73,6 @@ print(sdist(CURRENT))')"
   # other set-up scripts may run at once; the editable install writes qwen3_rl.egg-info into the checkout: one at
   # a time (the lock is on a file every checkout has, so no lock file is left behind)
   flock -w 600 "${HERE}/pyproject.toml" "${pip[@]}" --no-deps -e "${HERE}"
-  "${VENV}/bin/python" -m pip check
   TORCH_WANT="${torch_spec#torch==}" VLLM_WANT="${vllm_spec#vllm==}" "${VENV}/bin/python" - <<'PY'
 import importlib.metadata as md
 import importlib.util
@@ -86,7 +85,8 @@ assert torch.__version__.split("+")[0] == os.environ["TORCH_WANT"], torch.__vers
 assert md.version("vllm") == f"{os.environ['VLLM_WANT']}+empty", md.version("vllm")
 assert importlib.util.find_spec("vllm._C") is None, "vLLM's compiled ops: this venv is the Python-only tree"
 PY
-  "${VENV}/bin/python" "${HERE}/tests/venv_lock.py" check "${lock}"
+  "${VENV}/bin/python" "${HERE}/tests/venv_lock.py" sync "${lock}"
+  "${VENV}/bin/python" -m pip check
   echo "${want}" > "${stamp}"
   echo "setup-current-ascend: done"
 }

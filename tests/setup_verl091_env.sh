@@ -25,7 +25,7 @@ usage: bash tests/setup_verl091_env.sh
 Creates $QWEN3_RL_VERL091_VENV (default ~/.cache/qwen3_rl/verl091-venv): Python 3.11, torch==2.13.0 (the CPU build
 pip takes from the machine's disk), verl==0.9.1 and megatron-core==0.16.1 without their dependencies, verl's install
 requirements, mbridge 0.15.1, ray[default]==<pins.toml runtime.ray>, all under the full lock .ci/lock-verl091.txt,
-qwen3_rl editable; it ends by checking the venv equals the lock. A rerun with this script, the pins and the lock
+qwen3_rl editable; it ends by making the venv equal the lock. A rerun with this script, the pins and the lock
 unchanged does nothing.
 USAGE
 }
@@ -55,7 +55,7 @@ main() {
   "${pip[@]}" "${TORCH_SPEC}" "${ray_spec}" "${DEPS[@]}"
   flock -w 600 "${HERE}/pyproject.toml" "${pip[@]}" --no-deps -e "${HERE}"
   "${VENV}/bin/python" -c 'import torch, verl, megatron.core, mbridge; print("setup-verl091: torch", torch.__version__, "verl", verl.__version__, "megatron-core", megatron.core.__version__)'
-  "${VENV}/bin/python" "${HERE}/tests/venv_lock.py" check "${lock}"
+  "${VENV}/bin/python" "${HERE}/tests/venv_lock.py" sync "${lock}"
   echo "${want}" > "${stamp}"
   echo "setup-verl091: done"
 }

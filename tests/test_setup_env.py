@@ -1,6 +1,6 @@
 """tests/setup_env.sh: the main venv runs the runtime's torch (pins.toml runtime.torch), every install runs under
-the full lock .ci/lock-test.txt and the script ends by checking the venv against it, and its stamp reinstalls on a
-changed requirement or lock file and rebuilds the venv on a changed torch pin.
+the full lock .ci/lock-test.txt and the script ends by making the venv equal it (uninstalling what it lacks); its
+stamp reinstalls on a changed requirement or lock file and rebuilds the venv on a changed torch pin.
 
 The script runs for real on a copy of the files it reads; ``python`` is a stub that records its calls
 (``-m venv`` makes a stub venv, ``-m pip`` records the torch it was asked for) so no package is
@@ -81,7 +81,7 @@ def test_installs_the_runtime_torch_and_caches(tmp_path: Path):
     lock = str(root / ".ci/lock-test.txt")
     pip_installs = [c.split() for c in calls if c.startswith("-m pip install")]
     assert [c for c in pip_installs if "-e" not in c] == [c for c in pip_installs if lock in c] != [], pip_installs
-    assert calls.index(f"{root / 'tests/venv_lock.py'} check {lock}") > calls.index(
+    assert calls.index(f"{root / 'tests/venv_lock.py'} sync {lock}") > calls.index(
         next(c for c in calls if c.startswith("-m pip install")))  # the check of the venv against the lock, after
     assert (tmp_path / "venv/.qwen3_rl-stamp").is_file()
 

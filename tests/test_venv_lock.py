@@ -91,3 +91,41 @@ def test_default_scan_reads_the_install_folders_not_a_grown_sys_path(tmp_path: P
     assert "planted-only" not in locked and locked["pip"] != "0.0.1"
     grown, _ = venv_lock.scan(sys.path)
     assert grown["planted-only"] == "1.0" and grown["pip"] == "0.0.1"
+
+
+def _plant(site: Path, name: str, installer: str) -> Path:
+    """An installed distribution ``name`` 1.0 with one module and a RECORD (what pip uninstall reads); its module."""
+    mod = site / f"{name}.py"
+    mod.write_text("X = 1\n")
+    info = site / f"{name}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+    (info / "INSTALLER").write_text(installer + "\n")
+    (info / "RECORD").write_text("".join(f"{p},,\n" for p in (
+        mod.name, f"{info.name}/METADATA", f"{info.name}/INSTALLER", f"{info.name}/RECORD")))
+    return mod
+
+
+def test_sync_uninstalls_what_the_lock_lacks_and_keeps_stand_ins(tmp_path: Path):
+    """A venv updated under a lock that dropped a distribution keeps it (pip never removes): ``sync`` uninstalls it
+    with pip, so the check passes; a stand-in (not installed by pip, never in a lock) stays. Control: ``check``
+    alone fails on the same venv."""
+    venv = tmp_path / "v"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    py = str(venv / "bin/python")
+    tool = str(REPO / "tests/venv_lock.py")
+    lock = tmp_path / "lock-v.txt"
+    assert subprocess.run([py, tool, "write", str(lock)], capture_output=True, timeout=120).returncode == 0
+    site = Path(subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True, timeout=120).stdout.strip())
+    stray = _plant(site, "stray_pkg", "pip")
+    alias = _plant(site, "alias_pkg", "qwen3_rl-alias")
+    bad = subprocess.run([py, tool, "check", str(lock)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "in 1: stray-pkg 1.0 (not in the lock)" in bad.stderr, bad.stderr
+    assert stray.is_file()
+    ok = subprocess.run([py, tool, "sync", str(lock)], capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "uninstalling 1 not in lock-v.txt: stray-pkg" in ok.stdout and "equals lock-v.txt" in ok.stdout
+    assert not stray.exists() and not (site / "stray_pkg-1.0.dist-info").exists()
+    assert alias.is_file() and (site / "alias_pkg-1.0.dist-info").is_dir()
+    assert venv_lock.not_in_lock({"a": "1", "b": "2"}, {"b": "2", "c": "3"}) == ["a"]

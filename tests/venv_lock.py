@@ -18,12 +18,20 @@ Usage (the venv's own interpreter, stdlib only, so it runs in every venv):
 
     <venv>/bin/python tests/venv_lock.py write .ci/lock-<name>.txt   # (re)write the lock from this venv
     <venv>/bin/python tests/venv_lock.py check .ci/lock-<name>.txt   # exit 1 naming what differs
+    <venv>/bin/python tests/venv_lock.py sync .ci/lock-<name>.txt    # uninstall what the lock lacks, then check
+
+``sync`` is what the set-up scripts run last. pip installs and upgrades under a lock but never removes: a venv
+set up before a lock dropped a distribution (or before the lock existed) keeps it, and a fresh build of the same
+lock lacks it. ``sync`` uninstalls every lockable distribution the lock does not name, so an updated venv and a
+fresh one end equal (tests/setup_current_ascend_env.sh then runs ``pip check``, which fails if the lock dropped
+something a distribution needs).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 import sys
 import sysconfig
 from collections.abc import Iterable
@@ -90,7 +98,8 @@ def read(lock: Path) -> dict[str, str]:
 
 def render(locked: dict[str, str], left_out: dict[str, str], lock_name: str) -> str:
     head = [f"# Full lock of a test venv: tests/setup_*env.sh installs under it (pip -c {lock_name}) and ends with",
-            f"# `python tests/venv_lock.py check {lock_name}`. Rewrite it from the venv with",
+            f"# `python tests/venv_lock.py sync {lock_name}` (uninstall what it lacks, then check).",
+            "# Rewrite it from the venv with",
             f"# `<venv>/bin/python tests/venv_lock.py write {lock_name}` (see tests/venv_lock.py).",
             "# Not locked (pip cannot constrain them from an index):"]
     head += [f"#   {n}: {why}" for n, why in sorted(left_out.items())] or ["#   (none)"]
@@ -113,8 +122,13 @@ def differences(locked: dict[str, str], lock: dict[str, str]) -> list[str]:
     return out
 
 
+def not_in_lock(locked: dict[str, str], lock: dict[str, str]) -> list[str]:
+    """Names of the installed lockable distributions the lock does not name (sorted): what ``sync`` uninstalls."""
+    return sorted(set(locked) - set(lock))
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] not in ("write", "check"):
+    if len(argv) != 2 or argv[0] not in ("write", "check", "sync"):
         print(__doc__, file=sys.stderr)
         return 2
     cmd, lock = argv[0], Path(argv[1])
@@ -123,6 +137,12 @@ def main(argv: list[str]) -> int:
         lock.write_text(render(locked, left_out, f".ci/{lock.name}"))
         print(f"venv_lock: wrote {lock} ({len(locked)} distributions; not locked: {', '.join(sorted(left_out))})")
         return 0
+    if cmd == "sync":
+        extra = not_in_lock(locked, read(lock))
+        if extra:
+            print(f"venv_lock: uninstalling {len(extra)} not in {lock.name}: {', '.join(extra)}")
+            subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", *extra], check=True)
+            locked, left_out = scan()
     diff = differences(locked, read(lock))
     if diff:
         print(f"venv_lock: {sys.prefix} differs from {lock.name} in {len(diff)}: {'; '.join(diff)}", file=sys.stderr)
