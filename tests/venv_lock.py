@@ -137,13 +137,14 @@ def main(argv: list[str]) -> int:
         lock.write_text(render(locked, left_out, f".ci/{lock.name}"))
         print(f"venv_lock: wrote {lock} ({len(locked)} distributions; not locked: {', '.join(sorted(left_out))})")
         return 0
+    want = read(lock)
     if cmd == "sync":
-        extra = not_in_lock(locked, read(lock))
+        extra = not_in_lock(locked, want)
         if extra:
             print(f"venv_lock: uninstalling {len(extra)} not in {lock.name}: {', '.join(extra)}")
             subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", "-q", *extra], check=True)
-            locked, left_out = scan()
-    diff = differences(locked, read(lock))
+            locked, _ = scan()
+    diff = differences(locked, want)
     if diff:
         print(f"venv_lock: {sys.prefix} differs from {lock.name} in {len(diff)}: {'; '.join(diff)}", file=sys.stderr)
         return 1
