@@ -47,6 +47,22 @@ ENGINE_EARLY_EXTRA=(tests/engine/test_engine_eval.py)
 ENGINE_LATE_SECOND=(tests/engine/test_engine_core_loop.py tests/engine/test_fully_async_dp_sync.py)
 # longest wait (s) of the early lane for the background runs before it starts anyway
 ENGINE_EARLY_WAIT="${QWEN3_RL_ENGINE_EARLY_WAIT:-3600}"
+# Test tiers. "gate" (the default, what CI runs on every commit) is every test but ALL_ONLY; "all" (--all, or
+# QWEN3_RL_TEST_TIER=all) runs those too. On a machine of CI's kind (2 cores, single-thread speed about half that of
+# the machines the suite grew on) the whole suite took about 14,700 CPU s: over 120 min, past CI's 90. ALL_ONLY are
+# the whole-training launches (Ray, trainer, rollout servers: 300-1000 CPU s each there) beyond the gate's one, the
+# seed set's tiny GRPO run through the launcher with a killed worker and a resume (test_e2e_training.py). What each
+# checks at the request or step level stays in the gate: server mode's routes, keys and sleep/wake in
+# test_server_auth.py, test_server_patches.py and test_engine_core_loop.py; the fully-async weight sync in
+# test_fully_async_dp_sync.py and tests/trainer/fully_async; vLLM-Ascend's engine in test_ascend_*.py; verl 0.9.1's
+# Megatron engine, checks and switches in tests/trainer/test_verl091_*.py; Slurm's batch script in tests/tools/launch.
+# Each entry: a pytest node id (a file or a test).
+TEST_TIER="${QWEN3_RL_TEST_TIER:-gate}"
+ALL_ONLY=(tests/engine/test_e2e_training.py::test_dapo tests/engine/test_slurm.py tests/engine/test_server_rollout.py
+          tests/engine/test_fully_async.py tests/engine/test_ascend_grpo_step.py
+          tests/engine_verl091/test_verl091_tiny_learning.py tests/engine_verl091/test_verl091_tiny_fully_async.py
+          tests/engine_verl091/test_verl091_dp_rank.py tests/engine_verl091/test_verl091_vllm_server.py
+          tests/engine_verl091/test_verl091_replica_hook.py)
 BOUNDSCHECK_NOT_KERNELS=(test_benchmark_smoke test_construction_compiles_every_kernel_of_the_runner_path
                          test_warm_cache_command_fills_numba_cache test_warm_cache_command_refuses_without_cache
                          test_simulate_rollout_with_drafting test_bench_cli_history_and_adaptive
@@ -138,7 +154,10 @@ cg_report() {
 
 usage() {
   cat <<'USAGE'
-usage: bash tests/run_tests.sh [PYTEST_ARGS...]
+usage: bash tests/run_tests.sh [--all] [PYTEST_ARGS...]
+Without test paths, -m or -k: the gate tier (the default, what CI runs on every commit), every test but the
+whole-training launches listed in ALL_ONLY; --all (or QWEN3_RL_TEST_TIER=all) runs them too. With test paths or a
+selection, what is asked runs, whatever the tier.
 Runs ruff and shellcheck on the repo, then pytest with the same arguments in three venvs: the main suite in
 $QWEN3_RL_VENV, tests/engine (the seed set's vLLM 0.13.0 real CPU engine) in $QWEN3_RL_ENGINE_VENV and
 tests/engine_current (the current set's vLLM 0.23.0 CPU engine) in $QWEN3_RL_CURRENT_ENGINE_VENV and
@@ -277,6 +296,15 @@ run_engine_split() {
 
 main() {
   case "${1:-}" in -h|--help) usage; return 0 ;; esac
+  local a kept=()
+  for a in "$@"; do
+    if [[ "${a}" == --all ]]; then TEST_TIER=all; else kept+=("${a}"); fi
+  done
+  set -- "${kept[@]+"${kept[@]}"}"
+  case "${TEST_TIER}" in
+    gate|all) ;;
+    *) echo "error: QWEN3_RL_TEST_TIER must be gate or all, not '${TEST_TIER}'" >&2; return 2 ;;
+  esac
   local v
   for v in "${VENV}" "${ENGINE_VENV}" "${CURRENT_ENGINE_VENV}" "${CURRENT_ASCEND_VENV}" "${VERL091_VENV}" \
            "${VERL091_ENGINE_VENV}"; do
@@ -319,6 +347,13 @@ main() {
   for own in "${UPSTREAM_OWN_RUNS[@]}"; do CG_PARTS+=("${own%%|*}"); done
   CG_PARTS+=(current-engine verl091-engine engine-early engine-late)
   (( main_paths || engine_paths || current_paths || verl091e_paths || selective )) || full=1
+  if (( full )) && [[ "${TEST_TIER}" == gate && ${#ALL_ONLY[@]} -gt 0 ]]; then
+    echo "== tier: gate, every test but the all tier's ${#ALL_ONLY[@]} (bash tests/run_tests.sh --all runs them):" \
+         "${ALL_ONLY[*]}"
+    for a in "${ALL_ONLY[@]}"; do set -- "$@" "--deselect=${a}"; done
+  elif (( full )); then
+    echo "== tier: all (every test)"
+  fi
   # on a full run each background run leaves a file in done_dir when it ends: the early engine lane waits for them
   if (( full )); then done_dir="$(mktemp -d)"; fi
   if (( current_paths || verl091e_paths )); then

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
 
 import pytest
 
@@ -106,3 +108,62 @@ def test_free_port_is_outside_the_ephemeral_range_and_skips_taken_ports(monkeypa
         with pytest.raises(RuntimeError, match="no free port"):
             ports.free_port()
     assert ports.free_port() == busy  # closed: handed out
+
+
+def test_all_tier_entries_exist_and_leave_every_part_tests_in_the_gate():
+    """Every ALL_ONLY node id names a test file (and its test function) that exists, so the gate never deselects a
+    stale name; the gate keeps tests in the early lane and in the verl 0.9.1 engine part (no part runs empty)."""
+    text = (REPO / "tests" / "run_tests.sh").read_text()
+    all_only = _bash_array(text, "ALL_ONLY")
+    assert all_only
+    for node in all_only:
+        path, _, name = node.partition("::")
+        assert (REPO / path).is_file(), node
+        assert not name or re.search(rf"^def {name}\(", (REPO / path).read_text(), re.M), node
+    early = _bash_array(text, "ENGINE_LAUNCHER_TESTS") + _bash_array(text, "ENGINE_EARLY_EXTRA")
+    assert set(early) - set(all_only), "the gate's early lane would be empty"
+    verl091 = {str(f.relative_to(REPO)) for f in (REPO / "tests" / "engine_verl091").glob("test_*.py")}
+    assert verl091 - set(all_only), "the gate's verl 0.9.1 engine part would be empty"
+
+
+def _fake_venvs(tmp_path):
+    """Six venvs whose python, ruff and shellcheck log their arguments (one line per call) and exit 0."""
+    log = tmp_path / "calls.log"
+    env = {**os.environ, "QWEN3_RL_CPUACCT_ROOT": str(tmp_path / "no-cgroups")}
+    for var in ("VENV", "ENGINE_VENV", "CURRENT_ENGINE_VENV", "CURRENT_ASCEND_VENV", "VERL091_VENV",
+                "VERL091_ENGINE_VENV"):
+        bin_dir = tmp_path / var.lower() / "bin"
+        bin_dir.mkdir(parents=True)
+        for tool in ("python", "ruff", "shellcheck"):
+            (bin_dir / tool).write_text(f'#!/usr/bin/env bash\necho "{var} {tool} $*" >>"{log}"\n')
+            (bin_dir / tool).chmod(0o755)
+        env[f"QWEN3_RL_{var}"] = str(tmp_path / var.lower())
+    return env, log
+
+
+@pytest.mark.parametrize("tier", ["gate", "all", "bad"])
+def test_gate_deselects_exactly_the_all_tier_and_all_runs_it(tmp_path, tier):
+    """tests/run_tests.sh itself, with venvs whose tools only log their calls: the gate (default) passes a
+    --deselect for each ALL_ONLY entry to every pytest part; --all passes none; a bad tier stops on one line."""
+    env, log = _fake_venvs(tmp_path)
+    args = ["--all"] if tier == "all" else []
+    if tier == "bad":
+        env["QWEN3_RL_TEST_TIER"] = "nightly"
+    proc = subprocess.run(["bash", str(REPO / "tests" / "run_tests.sh"), *args], cwd=REPO, env=env, text=True,
+                          capture_output=True, timeout=300)
+    if tier == "bad":
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+            "error: QWEN3_RL_TEST_TIER must be gate or all, not 'nightly'"], proc.stderr
+        return
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    all_only = _bash_array((REPO / "tests" / "run_tests.sh").read_text(), "ALL_ONLY")
+    pytest_calls = [line.split() for line in log.read_text().splitlines() if line.split()[1:4] == ["python", "-m", "pytest"]]
+    # the main run, the early and late engine lanes (late in two parts), the boundscheck run, both current-set parts
+    assert len(pytest_calls) == 7, pytest_calls
+    for call in pytest_calls:
+        deselected = [a.removeprefix("--deselect=") for a in call if a.startswith("--deselect=")]
+        if "tests/spec_decode/test_spec_decode_sam.py" in call:
+            continue  # the boundscheck rerun takes its own file list, not the run's arguments
+        assert deselected == (all_only if tier == "gate" else []), call
+    assert ("== tier: gate" in proc.stdout) == (tier == "gate") and ("== tier: all" in proc.stdout) == (tier == "all")
+    assert "--all" not in log.read_text()

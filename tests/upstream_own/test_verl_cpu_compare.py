@@ -162,3 +162,51 @@ def test_judge_against_a_recorded_pristine_run_names_a_changed_outcome(runs: dic
     assert not verl_cpu.judge("t", "T", patched_run("differ"), tmp_path / "differ", 0.0,
                               recorded_pristine=runs["same"])
     assert verl_cpu.judge("t", "T", patched_run("equal"), tmp_path / "equal", 0.0, recorded_pristine=runs["flipped"])
+
+
+def test_patched_record_answers_only_a_byte_equal_patched_tree_and_the_package_it_names(
+        runs: dict[str, dict[str, str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Both sides of a comparison from records: the patched record's key is the patched tree (and the recipe's
+    package once the tree names it); a record made for other bytes is not used, and two recorded sides are still
+    compared (a flipped patched record fails the judgement)."""
+    import argparse
+
+    pristine = _tree(tmp_path / "pristine", {"up/a.py": b"x = 1\n"})
+    patched = _tree(tmp_path / "patched", {"up/a.py": b"x = 1\n", "up/seam.py": b"import qwen3_rl  # seam\n"})
+    repo = _tree(tmp_path / "repo", {"tests/s.py": b"script\n", "qwen3_rl/__init__.py": b"v = 1\n"})
+    records = tmp_path / "records"
+    plain = argparse.Namespace(full=False, record=False)
+    assert verl_cpu.names_package(patched) and not verl_cpu.names_package(pristine)
+    sides = verl_cpu.record_sides("t", "up", pristine, patched, ("tests/s.py",), plain, repo, records)
+    assert (sides.pristine, sides.patched) == (None, None)
+    assert [n for n, _ in sides.trees(pristine, patched)] == ["patched", "pristine"]
+    # the package is in the patched key only: the pristine key equals one taken without it
+    assert sides.pristine_key["repo"] == verl_cpu.recorded.run_key(pristine, [""], repo, ["tests/s.py"])["repo"]
+    assert sides.patched_key["repo"] == verl_cpu.recorded.run_key(
+        patched, [""], repo, ["tests/s.py", "qwen3_rl"])["repo"]
+    verl_cpu.recorded.write("up", sides.pristine_key, runs["same"], records)
+    verl_cpu.recorded.write("up-patched", sides.patched_key, runs["same"], records)
+    sides = verl_cpu.record_sides("t", "up", pristine, patched, ("tests/s.py",), plain, repo, records)
+    assert sides.pristine == sides.patched == runs["same"] and sides.trees(pristine, patched) == []
+    assert verl_cpu.judge("t", "T", {}, tmp_path, 0.0, recorded_pristine=sides.pristine,
+                          recorded_patched=sides.patched)
+    assert not verl_cpu.judge("t", "T", {}, tmp_path, 0.0, recorded_pristine=sides.pristine,
+                              recorded_patched=runs["flipped"])
+    # --full and --record use no record
+    for flags in (argparse.Namespace(full=True, record=False), argparse.Namespace(full=False, record=True)):
+        again = verl_cpu.record_sides("t", "up", pristine, patched, ("tests/s.py",), flags, repo, records)
+        assert (again.pristine, again.patched) == (None, None)
+    # a byte of the package: the patched tree that names it runs again, the pristine one does not
+    (repo / "qwen3_rl" / "__init__.py").write_bytes(b"v = 2\n")
+    sides = verl_cpu.record_sides("t", "up", pristine, patched, ("tests/s.py",), plain, repo, records)
+    assert sides.pristine == runs["same"] and sides.patched is None
+    assert "up-patched.json is for other inputs (repo changed)" in capsys.readouterr().out
+    # a byte of the patched tree misses the record even with the package as recorded
+    (repo / "qwen3_rl" / "__init__.py").write_bytes(b"v = 1\n")
+    (patched / "up" / "a.py").write_bytes(b"x = 2\n")
+    sides = verl_cpu.record_sides("t", "up", pristine, patched, ("tests/s.py",), plain, repo, records)
+    assert sides.pristine == runs["same"] and sides.patched is None
+    # a patched tree that does not name the package is keyed without it
+    (patched / "up" / "seam.py").write_bytes(b"# no import\n")
+    sides = verl_cpu.record_sides("t", "up", pristine, patched, ("tests/s.py",), plain, repo, records)
+    assert sides.patched_key["repo"] == sides.pristine_key["repo"]

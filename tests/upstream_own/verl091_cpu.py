@@ -24,8 +24,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path[:0] = [str(REPO), str(HERE), str(REPO / "tests")]
 
-import recorded  # noqa: E402
-from verl_cpu import judge, pristine_source, record_if_asked, scratch_from_argv, start_run, test_files  # noqa: E402
+from verl_cpu import judge, record_if_asked, record_sides, scratch_from_argv, start_run, test_files  # noqa: E402
 
 from helpers.current_verl import clone, patched_verl, pristine_verl, series  # noqa: E402
 
@@ -47,12 +46,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: no tests/**/*_on_cpu.py in {pristine_tree}", file=sys.stderr)
             return 1
         print(f"{NAME}-own: {len(files)} files: {' '.join(files)}")
-        key = recorded.run_key(pristine_tree, [""], REPO, REPO_INPUTS)
-        rec = pristine_source(f"{NAME}-own", NAME, key, args)
-        runs = [("patched", patched_tree)] + ([("pristine", pristine_tree)] if rec is None else [])
-        procs = {name: start_run(tree, files, scratch / f"{name}-run") for name, tree in runs}
-        ok = judge(f"{NAME}-own", "verl 0.9.1", procs, scratch, t0, recorded_pristine=rec)
-        record_if_asked(f"{NAME}-own", NAME, key, args, ok, scratch)
+        sides = record_sides(f"{NAME}-own", NAME, pristine_tree, patched_tree, REPO_INPUTS, args)
+        procs = {name: start_run(tree, files, scratch / f"{name}-run")
+                 for name, tree in sides.trees(pristine_tree, patched_tree)}
+        ok = judge(f"{NAME}-own", "verl 0.9.1", procs, scratch, t0, recorded_pristine=sides.pristine,
+                   recorded_patched=sides.patched)
+        record_if_asked(f"{NAME}-own", NAME, sides, args, ok, scratch)
     return 0 if ok else 1
 
 

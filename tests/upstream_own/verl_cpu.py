@@ -16,9 +16,11 @@ It fails (exit 1) when the outcomes differ (the differing ids are printed with b
 nothing or passes nothing, or when pytest stops with a usage/internal error. Usage:
 ``python tests/upstream_own/verl_cpu.py [--keep DIR] [--full] [--record]``.
 
-The pristine tree's outcomes come from ``recorded/verl.json`` when its key (``recorded.py``: the pristine tree, this
-script, the interpreter and the installed packages) equals the present one; else the pristine tree runs too.
-``--full`` runs it whatever the record; ``--record`` writes the record after a run of both trees with equal outcomes.
+Each tree's outcomes come from its record while the record's key (``recorded.py``) equals the present one, else
+that tree runs: ``recorded/verl.json`` for the pristine tree (key: the tree, this script, the interpreter, the
+installed packages) and ``recorded/verl-patched.json`` for the patched one (key: the patched tree, byte for byte,
+and the same, plus this recipe's package when a patch names it). ``--full`` runs both trees whatever the records;
+``--record`` runs both and writes both records when their outcomes are equal.
 
 Deselected on both trees: the two ``test_legacy_config_on_cpu.py`` comparisons, which read
 ``tests/trainer/config/legacy_*.yaml``; the wheel and the sdist do not ship those files (only the git tag does), so
@@ -36,6 +38,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,7 +55,8 @@ DESELECT = (
     "test_ppo_megatron_trainer_config_matches_legacy",
     "tests/trainer/config/test_legacy_config_on_cpu.py::TestConfigComparison::test_ppo_trainer_config_matches_legacy",
 )
-RUN_TIMEOUT_S = 1500
+#: A hang guard per run (s): verl 0.9.1's patched run passed 1500 s under a 1-min load of 21 on 2 slow cores.
+RUN_TIMEOUT_S = 3000
 #: Files of this repository a pristine run depends on (the ``repo`` part of its record's key).
 REPO_INPUTS = ("tests/upstream_own/verl_cpu.py", "tests/upstream_own/recorded.py")
 
@@ -145,21 +149,29 @@ def summary(result: dict[str, str]) -> str:
 
 
 def judge(tag: str, upstream: str, procs: dict[str, subprocess.Popen], scratch: Path, t0: float,
-          timeout_s: float = RUN_TIMEOUT_S, recorded_pristine: dict[str, str] | None = None) -> bool:
+          timeout_s: float = RUN_TIMEOUT_S, recorded_pristine: dict[str, str] | None = None,
+          recorded_patched: dict[str, str] | None = None) -> bool:
     """Wait for the pristine and the patched run (``procs``: name -> pytest process writing
     ``scratch/<name>-run/{pytest.log,junit.xml}``), print each run's summary under ``tag`` and whether their
     outcomes are equal (``t0``: monotonic start, s; ``timeout_s``: per run); False if a run stopped, passed
-    nothing, or the outcomes differ. With ``recorded_pristine`` (test id -> outcome, ``recorded.lookup``) the
-    pristine outcomes are those and ``procs`` holds the patched run only."""
+    nothing, or the outcomes differ. With ``recorded_pristine`` / ``recorded_patched`` (test id -> outcome,
+    ``recorded.lookup``) that tree's outcomes are those and ``procs`` does not hold its run."""
     results: dict[str, dict[str, str]] = {}
-    if recorded_pristine is not None:
-        if "pristine" in procs:
-            raise ValueError("a recorded pristine run and a live one")
-        results["pristine"] = recorded_pristine
-        print(f"{tag}: pristine (recorded): {summary(recorded_pristine)}")
+    for name, rec in (("pristine", recorded_pristine), ("patched", recorded_patched)):
+        if rec is None:
+            continue
+        if name in procs:
+            raise ValueError(f"a recorded {name} run and a live one")
+        results[name] = rec
+        print(f"{tag}: {name} (recorded): {summary(rec)}")
     ok = True
     for name, proc in procs.items():
-        rc = proc.wait(timeout=timeout_s)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+            print(f"error: the {name} run did not end within {timeout_s:.0f} s: stopped", file=sys.stderr)
         log = (scratch / f"{name}-run" / "pytest.log").read_text(errors="replace")
         junit = scratch / f"{name}-run" / "junit.xml"
         results[name] = outcomes(junit) if junit.exists() else {}
@@ -189,32 +201,75 @@ def scratch_from_argv(argv: list[str] | None, doc: str, prefix: str) -> Iterator
     its description): yields the scratch folder (``DIR`` or a temporary one removed afterwards) and the arguments."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--keep", type=Path, help="scratch directory to use and keep (default: a temporary one)")
-    ap.add_argument("--full", action="store_true", help="run the pristine tree too, whatever its record says")
+    ap.add_argument("--full", action="store_true", help="run both trees, whatever their records say")
     ap.add_argument("--record", action="store_true",
-                    help="after a run of both trees with equal outcomes, write the pristine outcomes as the record")
+                    help="run both trees and, when their outcomes are equal, write both trees' outcomes as records")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         yield args.keep or Path(tmp), args
 
 
-def pristine_source(tag: str, name: str, key: dict[str, str], args: argparse.Namespace) -> dict[str, str] | None:
-    """The recorded pristine outcomes of ``name`` for ``key`` (None: run the pristine tree), printing why under
-    ``tag``; None with ``--full`` or ``--record``."""
-    if args.full or args.record:
-        print(f"{tag}: pristine tree runs ({'--full' if args.full else '--record'})")
-        return None
-    rec, why = recorded.lookup(name, key)
-    print(f"{tag}: pristine outcomes: {why}; {'not run again' if rec is not None else 'the pristine tree runs'}")
-    return rec
+#: The package a patched upstream tree may import (its seam patches call into it): when the patched tree names it,
+#: the patched record's key covers its files too.
+PACKAGE = "qwen3_rl"
 
 
-def record_if_asked(tag: str, name: str, key: dict[str, str], args: argparse.Namespace, ok: bool,
-                    scratch: Path) -> None:
+def names_package(tree: Path, package: str = PACKAGE) -> bool:
+    """True when a ``.py`` file under ``tree`` (``.git`` and ``__pycache__`` left out) contains ``package``'s name
+    (a pristine upstream tree never does: only a patch can put it there)."""
+    needle = package.encode()
+    return any(needle in f.read_bytes() for f in tree.rglob("*.py")
+               if f.is_file() and not recorded.SKIP_PARTS.intersection(f.relative_to(tree).parts))
+
+
+@dataclass
+class Sides:
+    """The two trees of an own-test comparison: each tree's record key and its recorded outcomes (None: that tree
+    runs now). The pristine key is the tree, the repo files of the run, the interpreter and the packages
+    (``recorded.run_key``); the patched key is the same over the patched tree, and over :data:`PACKAGE`'s files too
+    when the patched tree names it, so a record matches only a byte-equal patched tree run with the same code."""
+
+    pristine_key: dict
+    patched_key: dict
+    pristine: dict[str, str] | None
+    patched: dict[str, str] | None
+
+    def trees(self, pristine_tree: Path, patched_tree: Path) -> list[tuple[str, Path]]:
+        """(name, tree) of the trees that run now (those without a matching record), patched first."""
+        return [(n, t) for n, t, rec in (("patched", patched_tree, self.patched),
+                                         ("pristine", pristine_tree, self.pristine)) if rec is None]
+
+
+def record_sides(tag: str, name: str, pristine_tree: Path, patched_tree: Path, repo_inputs: tuple[str, ...],
+                 args: argparse.Namespace, repo: Path = REPO, records: Path = recorded.RECORDS) -> Sides:
+    """Both trees' keys and recorded outcomes (records ``<name>.json`` and ``<name>-patched.json`` in ``records``;
+    ``repo_inputs`` relative to ``repo``), printing under ``tag`` why each tree runs or not; no record is used with
+    ``--full`` or ``--record`` (both trees run)."""
+    pristine_key = recorded.run_key(pristine_tree, [""], repo, repo_inputs)
+    extra = (PACKAGE,) if names_package(patched_tree) else ()
+    patched_key = recorded.run_key(patched_tree, [""], repo, (*repo_inputs, *extra))
+    found: dict[str, dict[str, str] | None] = {}
+    for side, rec_name, key in (("pristine", name, pristine_key), ("patched", f"{name}-patched", patched_key)):
+        if args.full or args.record:
+            print(f"{tag}: {side} tree runs ({'--full' if args.full else '--record'})")
+            found[side] = None
+            continue
+        found[side], why = recorded.lookup(rec_name, key, records)
+        print(f"{tag}: {side} outcomes: {why}; {'not run again' if found[side] is not None else f'the {side} tree runs'}")
+    if extra:
+        print(f"{tag}: the patched tree names {PACKAGE}: its files are in the patched record's key")
+    return Sides(pristine_key, patched_key, found["pristine"], found["patched"])
+
+
+def record_if_asked(tag: str, name: str, sides: Sides, args: argparse.Namespace, ok: bool, scratch: Path,
+                    records: Path = recorded.RECORDS) -> None:
     """With ``--record`` and equal outcomes of a run of both trees, write ``scratch/pristine-run``'s outcomes as
-    ``name``'s record for ``key``."""
+    ``name``'s record and ``scratch/patched-run``'s as ``name-patched``'s (in ``records``), each for its tree's key."""
     if args.record and ok:
-        path = recorded.write(name, key, outcomes(scratch / "pristine-run" / "junit.xml"))
-        print(f"{tag}: recorded the pristine outcomes in {path.relative_to(REPO)}")
+        for side, rec_name, key in (("pristine", name, sides.pristine_key),
+                                    ("patched", f"{name}-patched", sides.patched_key)):
+            path = recorded.write(rec_name, key, outcomes(scratch / f"{side}-run" / "junit.xml"), records)
+            print(f"{tag}: recorded the {side} outcomes in {path.name}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,12 +281,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: no tests/**/*_on_cpu.py in {pristine_tree}", file=sys.stderr)
             return 1
         print(f"verl-own: {len(files)} files: {' '.join(files)}")
-        key = recorded.run_key(pristine_tree, [""], REPO, REPO_INPUTS)
-        rec = pristine_source("verl-own", "verl", key, args)
-        runs = [("patched", patched_tree)] + ([("pristine", pristine_tree)] if rec is None else [])
-        procs = {name: start_run(tree, files, scratch / f"{name}-run") for name, tree in runs}
-        ok = judge("verl-own", "verl", procs, scratch, t0, recorded_pristine=rec)
-        record_if_asked("verl-own", "verl", key, args, ok, scratch)
+        sides = record_sides("verl-own", "verl", pristine_tree, patched_tree, REPO_INPUTS, args)
+        procs = {name: start_run(tree, files, scratch / f"{name}-run")
+                 for name, tree in sides.trees(pristine_tree, patched_tree)}
+        ok = judge("verl-own", "verl", procs, scratch, t0, recorded_pristine=sides.pristine,
+                   recorded_patched=sides.patched)
+        record_if_asked("verl-own", "verl", sides, args, ok, scratch)
     return 0 if ok else 1
 
 

