@@ -75,8 +75,15 @@ def run_in_venv(argv: list[str], path: list[Path], timeout: float, cwd: Path | N
                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``VENV/bin/python ARGV`` with ``PYTHONPATH`` exactly ``path`` (plus ``env``); never raises on exit codes.
     A missing venv is an error naming its set-up script."""
+    return subprocess.run([str(PYTHON), *argv], capture_output=True, text=True, env=venv_env(path, env), cwd=cwd,
+                          timeout=timeout)
+
+
+def venv_env(path: list[Path], env: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment :func:`run_in_venv` gives :data:`PYTHON`: this one without ``PYTHONPATH`` and ``RAY_*``,
+    ``PYTHONPATH`` exactly ``path``, plus ``env``. A missing venv is an error naming its set-up script."""
     if not PYTHON.is_file():
         raise FileNotFoundError(f"{PYTHON} missing: run bash tests/setup_verl091_env.sh")
     full = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("RAY_")}
     full.update(PYTHONPATH=os.pathsep.join(str(p) for p in path), RAY_USAGE_STATS_ENABLED="0", **(env or {}))
-    return subprocess.run([str(PYTHON), *argv], capture_output=True, text=True, env=full, cwd=cwd, timeout=timeout)
+    return full

@@ -1,8 +1,11 @@
 """verl 0.9.1's own start-up checks on train-script commands, on CPU and without Ray (run in the verl 0.9.1 venv).
 
-``python verl091_dry_run_driver.py CASES.json OUT.json``. CASES.json: a list of ``{"name", "config_name",
-"overrides", "model", "entry"}`` (``overrides``: the command's Hydra overrides, in order; ``model``: also convert
-``actor_rollout_ref.model``, which reads the model's files; ``entry``: the command's ``-m`` module,
+``python verl091_dry_run_driver.py CASES.json OUT.json``, or ``python verl091_dry_run_driver.py --serve``: the same
+for each line ``["CASES.json", "OUT.json"]`` (JSON) read from stdin, answered by a line ``SERVE_DONE OUT.json`` on
+stdout, until EOF (the test modules' dry runs share one process: verl imported once per pytest session).
+CASES.json: a list of ``{"name", "config_name", "overrides", "model", "entry"}`` (``overrides``: the command's Hydra
+overrides, in order; ``model``: also convert ``actor_rollout_ref.model``, which reads the model's files;
+``entry``: the command's ``-m`` module,
 ``verl.trainer.main_ppo`` when absent, or verl's fully-async main; optional ``report``: keys whose values in the
 final config go to ``facts["keys"]``). For ``verl.trainer.main_ppo``, what its ``main``
 does before Ray starts (``main_ppo.py:166-182``), then the conversions and checks the V1 trainer and its workers make:
@@ -58,6 +61,8 @@ from verl.utils.device import auto_set_device
 CONFIG_DIR = Path(verl.__file__).parent / "trainer" / "config"
 FULLY_ASYNC_ENTRY = "verl.experimental.fully_async_policy.fully_async_main"
 FULLY_ASYNC_CONFIG_DIR = Path(verl.__file__).parent / "experimental" / "fully_async_policy" / "config"
+#: the line that answers a request in serve mode (``--serve``), followed by the OUT.json written
+SERVE_DONE = "@@verl091-dry-run-done@@"
 SECTIONS = (
     "actor_rollout_ref.actor",
     "actor_rollout_ref.rollout",
@@ -175,8 +180,9 @@ def dry_run(
     return "", "", facts
 
 
-def main(argv: list[str]) -> int:
-    cases = json.loads(Path(argv[1]).read_text())
+def run_cases(cases_path: str, out_path: str, log=sys.stdout) -> None:
+    """The dry run of every case in ``cases_path`` (CASES.json), in order; the results go to ``out_path`` (OUT.json)."""
+    cases = json.loads(Path(cases_path).read_text())
     out = []
     for case in cases:
         stage, error, facts = dry_run(
@@ -187,8 +193,20 @@ def main(argv: list[str]) -> int:
             list(case.get("report") or []),
         )
         out.append({"name": case["name"], "ok": not stage, "stage": stage, "error": error, "facts": facts})
-        print(f"{case['name']}: {'ok' if not stage else stage + ': ' + error} {facts}", flush=True)
-    Path(argv[2]).write_text(json.dumps(out, indent=1))
+        print(f"{case['name']}: {'ok' if not stage else stage + ': ' + error} {facts}", file=log, flush=True)
+    Path(out_path).write_text(json.dumps(out, indent=1))
+
+
+def main(argv: list[str]) -> int:
+    if argv[1:] != ["--serve"]:
+        run_cases(argv[1], argv[2])
+        return 0
+    # serve mode: one process (one import of verl) for the dry runs of several test modules; each request a line
+    # ["CASES.json", "OUT.json"] on stdin, answered by SERVE_DONE (stdout) when OUT.json is written; ends at EOF
+    for line in sys.stdin:
+        cases_path, out_path = json.loads(line)
+        run_cases(cases_path, out_path, log=sys.stderr)
+        print(f"{SERVE_DONE} {out_path}", flush=True)
     return 0
 
 

@@ -40,9 +40,11 @@ setup stop the script with one line naming the set.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import selectors
 import subprocess
 import sys
 import time
@@ -54,7 +56,7 @@ from qwen3_rl.tools import features as F
 from qwen3_rl.tools.launch.train_script import parse_train_script
 
 from conftest import REPO
-from helpers.current_verl import run_in_venv
+from helpers.current_verl import PYTHON, venv_env
 
 DRIVER = REPO / "tests" / "helpers" / "verl091_dry_run_driver.py"
 SCRIPTS = sorted((REPO / "internal").glob("train_*.sh"))
@@ -289,15 +291,74 @@ def _run_script(setup: str, env: dict[str, str]) -> subprocess.CompletedProcess[
     )
 
 
+class _DryRunServer:
+    """The driver in serve mode (``--serve``) in the verl 0.9.1 venv: one process, so one import of verl (about 13 CPU
+    s), for the dry runs of every module of this session (this one, ``_sam``, ``_npugraph_ex``, ``_mindspeed``,
+    ``_routing``, ``test_verl091_old_log_prob.py``). The driver already runs many commands one after another in one
+    process; each request is one module's list, as a run of its own was. It ends at EOF on its stdin: when this
+    pytest process closes it (at exit) or dies."""
+
+    SERVE_DONE = "@@verl091-dry-run-done@@"
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self._log_f = log.open("w")
+        self.proc = subprocess.Popen([str(PYTHON), str(DRIVER), "--serve"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log_f, env=venv_env([REPO]))
+        self._out = b""  # stdout read so far, past the last answer
+        atexit.register(self.close)
+
+    def run(self, cases_path: Path, out_path: Path, timeout: float) -> None:
+        """Ask for the dry run of ``cases_path``; returns when ``out_path`` is written (fails with the log's tail when
+        the process ends first or takes longer than ``timeout`` seconds)."""
+        assert self.proc.poll() is None, f"the dry-run server ended (exit {self.proc.returncode}):\n{self._tail()}"
+        self.proc.stdin.write(json.dumps([str(cases_path), str(out_path)]).encode() + b"\n")
+        self.proc.stdin.flush()
+        done = f"{self.SERVE_DONE} {out_path}\n".encode()
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while done not in self._out:
+                left = deadline - time.monotonic()
+                assert left > 0 and sel.select(left), f"no dry-run result within {timeout:.0f} s:\n{self._tail()}"
+                chunk = os.read(fd, 65536)
+                assert chunk, f"the dry-run server ended (exit {self.proc.wait()}):\n{self._tail()}"
+                self._out += chunk
+        self._out = self._out.partition(done)[2]
+
+    def _tail(self) -> str:
+        self._log_f.flush()
+        return self.log.read_text()[-4000:]
+
+    def close(self, kill: bool = False) -> None:
+        if self.proc.poll() is None:
+            if kill:
+                self.proc.kill()
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log_f.close()
+
+
+_SERVER: list[_DryRunServer] = []  # the session's server, started by the first dry run
+
+
 def _dry_run(cases: list[dict], tmp: Path) -> dict[str, dict]:
     """The driver on ``cases`` in the verl 0.9.1 venv: {name: {"ok", "stage", "error"}}."""
     (tmp / "cases.json").write_text(json.dumps(cases))
     t0 = time.monotonic()
-    proc = run_in_venv(
-        [str(DRIVER), str(tmp / "cases.json"), str(tmp / "out.json")], path=[REPO], timeout=900
-    )
+    if not _SERVER:
+        _SERVER.append(_DryRunServer(tmp / "server.log"))
+    try:
+        _SERVER[0].run(tmp / "cases.json", tmp / "out.json", timeout=900)
+    except AssertionError:  # a server that failed or hangs serves no other module: the next one starts its own
+        _SERVER.pop().close(kill=True)
+        raise
     print(f"dry run of {len(cases)} commands in the verl 0.9.1 venv: {time.monotonic() - t0:.1f} s")
-    assert proc.returncode == 0, proc.stderr[-4000:]
     return {r["name"]: r for r in json.loads((tmp / "out.json").read_text())}
 
 
