@@ -48,21 +48,24 @@ ENGINE_LATE_SECOND=(tests/engine/test_engine_core_loop.py tests/engine/test_full
 # longest wait (s) of the early lane for the background runs before it starts anyway
 ENGINE_EARLY_WAIT="${QWEN3_RL_ENGINE_EARLY_WAIT:-3600}"
 # Test tiers. "gate" (the default, what CI runs on every commit) is every test but ALL_ONLY; "all" (--all, or
-# QWEN3_RL_TEST_TIER=all) runs those too. On a machine of CI's kind (2 cores, single-thread speed about half that of
-# the machines the suite grew on) the whole suite took about 14,700 CPU s: over 120 min, past CI's 90. ALL_ONLY are
-# the whole-training launches (Ray, trainer, rollout servers: 300-1000 CPU s each there) beyond the gate's one, the
-# seed set's tiny GRPO run through the launcher with a killed worker and a resume (test_e2e_training.py). What each
-# checks at the request or step level stays in the gate: server mode's routes, keys and sleep/wake in
-# test_server_auth.py, test_server_patches.py and test_engine_core_loop.py; the fully-async weight sync in
-# test_fully_async_dp_sync.py and tests/trainer/fully_async; vLLM-Ascend's engine in test_ascend_*.py; verl 0.9.1's
-# Megatron engine, checks and switches in tests/trainer/test_verl091_*.py; Slurm's batch script in tests/tools/launch.
-# Each entry: a pytest node id (a file or a test).
+# QWEN3_RL_TEST_TIER=all) runs those too. On a machine of CI's kind (2 cores, single-thread speed about half that of the
+# machines the suite grew on) the whole suite took about 14,700 CPU s: over 120 min, past CI's 90. ALL_ONLY are the
+# whole-training launches (Ray, trainer, rollout servers: 300-1000 CPU s each there) beyond the gate's one, the seed
+# set's tiny GRPO run through the launcher with a killed worker and a resume (test_e2e_training.py), and the current
+# set's two-core rebalance runs (the seed set's test_engine_rebalance.py checks the same moves in the gate; the file's
+# check of vLLM 0.23's loop points stays). What each checks at the request or step level stays in the gate: server
+# mode's routes, keys and sleep/wake in test_server_auth.py, test_server_patches.py and test_engine_core_loop.py; the
+# fully-async weight sync in test_fully_async_dp_sync.py and tests/trainer/fully_async; vLLM-Ascend's engine in
+# test_ascend_*.py; verl 0.9.1's Megatron engine, checks and switches in tests/trainer/test_verl091_*.py; Slurm's batch
+# script in tests/tools/launch. Each entry: a pytest node id (a file or a test).
 TEST_TIER="${QWEN3_RL_TEST_TIER:-gate}"
 ALL_ONLY=(tests/engine/test_e2e_training.py::test_dapo tests/engine/test_slurm.py tests/engine/test_server_rollout.py
           tests/engine/test_fully_async.py tests/engine/test_ascend_grpo_step.py
           tests/engine_verl091/test_verl091_tiny_learning.py tests/engine_verl091/test_verl091_tiny_fully_async.py
           tests/engine_verl091/test_verl091_dp_rank.py tests/engine_verl091/test_verl091_vllm_server.py
-          tests/engine_verl091/test_verl091_replica_hook.py)
+          tests/engine_verl091/test_verl091_replica_hook.py
+          tests/engine_current/test_current_rollout_rebalance.py::test_switch_off_moves_nothing
+          tests/engine_current/test_current_rollout_rebalance.py::test_queued_and_running_requests_move_to_the_idle_core_losslessly)
 BOUNDSCHECK_NOT_KERNELS=(test_benchmark_smoke test_construction_compiles_every_kernel_of_the_runner_path
                          test_warm_cache_command_fills_numba_cache test_warm_cache_command_refuses_without_cache
                          test_simulate_rollout_with_drafting test_bench_cli_history_and_adaptive
