@@ -31,8 +31,8 @@ SAM_BOUNDSCHECK_TESTS=(tests/spec_decode/test_spec_decode_sam.py tests/spec_deco
 # trainer, rollout; they are the only engine tests that start Ray clusters and they run one after another in this one
 # process). The late lane: every other test of tests/engine.
 # On a full run the early lane starts as soon as the background runs (upstream's own tests, the current set's engine
-# parts) have ended or the main run has, whichever comes first; the late lane starts after the main run and the
-# background runs. With a selection both lanes start together after the main run. So at most two engine test streams
+# parts) have ended or the main run has, whichever comes first; the late lane once the early lane has ended or the
+# main run and the background runs have. With a selection both lanes start together after the main run. So at most two engine test streams
 # run at once: with three (a seed fully-async launch, verl 0.9.1's fully-async file, the Ascend DP and engine files)
 # the 1-min load reached 70 on 2 cores and the memory available fell to 4.0 of 23.5 GiB, and in a CI run Ray marked
 # a launch's node dead.
@@ -174,8 +174,9 @@ The engine part without test paths runs in two pytest processes ("lanes"): the e
 (ENGINE_LAUNCHER_TESTS: whole trainings through Ray; and ENGINE_EARLY_EXTRA) and the late lane (the other
 engine tests; on a full run in two parts, ENGINE_LATE_SECOND once the first part or the early lane has ended).
 On a full run the early lane starts once the background runs have ended or the main run has,
-whichever is first (at most QWEN3_RL_ENGINE_EARLY_WAIT s, default 3600, after the start), and the late lane after
-the main run and the background runs (at most two engine test streams at once); otherwise both start together.
+whichever is first (at most QWEN3_RL_ENGINE_EARLY_WAIT s, default 3600, after the start), and the late lane once
+the early lane has ended or the main run and the background runs have (at most two engine test streams at once);
+otherwise both start together.
 On a full run (no test path, -m or -k) every part must run tests: a part that collects nothing fails
 the run. With a selection, one part collecting nothing is fine as long as
 another ran tests. A skipped test fails (tests/conftest.py).
@@ -343,7 +344,7 @@ main() {
   local own_chain_pid=""
   local full=0 t0
   local current_log="" current_pid="" verl091e_rc_file="" done_dir="" early_log="" early_pid="" done_files=()
-  local bounds_log=""
+  local bounds_log="" first_log="" first_pid=""
   local run_t0=${SECONDS}
   mem_watch_start
   CG_PARTS=(main boundscheck)
@@ -446,6 +447,19 @@ main() {
         exit "${rc}"
       ) >"${early_log}" 2>&1 &
       early_pid=$!
+      # the late lane's first part, once the early lane has ended or the main run and the background runs have
+      # (whichever is first): with the gate's short early lane the main run went on alone for its last ~30 min and
+      # left a core idle
+      first_log="$(mktemp)"
+      (
+        wait_for_files "the late lane's first part" "${done_dir}/early" "${done_dir}/main" "${done_files[@]}"
+        echo "== engine late lane, first part: starts $((SECONDS - run_t0)) s into the test run"
+        rc=0
+        run_engine_late first "$@" || rc=$?
+        : >"${done_dir}/late-first"
+        exit "${rc}"
+      ) >"${first_log}" 2>&1 &
+      first_pid=$!
     fi
     echo "== pytest (main venv)"
     t0=${SECONDS}
@@ -485,18 +499,10 @@ main() {
       echo "== pytest (engine venv: tests/engine)"
       "${ENGINE_VENV}/bin/python" -m pytest "$@" || rc_engine=$?
     elif [[ -n "${early_pid}" ]]; then
-      local rc_a=0 rc_b=0 rc_first=0 rc_second=0 first_log first_pid
+      local rc_a=0 rc_b=0 rc_first=0 rc_second=0
       echo "== pytest (engine venv: the late lane's first part, tests/engine without the early lane's files and" \
-           "${ENGINE_LATE_SECOND[*]}, $((SECONDS - run_t0)) s into the test run; log after the second part)"
+           "${ENGINE_LATE_SECOND[*]}, started once the early lane or the main run ended; log after the second part)"
       t0=${SECONDS}
-      first_log="$(mktemp)"
-      (
-        rc=0
-        run_engine_late first "$@" || rc=$?
-        : >"${done_dir}/late-first"
-        exit "${rc}"
-      ) >"${first_log}" 2>&1 &
-      first_pid=$!
       wait_for_files "the late lane's second part" "${done_dir}/early" "${done_dir}/late-first"
       echo "== pytest (engine venv: the late lane's second part, ${ENGINE_LATE_SECOND[*]}," \
            "$((SECONDS - run_t0)) s into the test run)"
