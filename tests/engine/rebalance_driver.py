@@ -84,7 +84,10 @@ def main() -> int:
     configure_rollout_rebalance({"rollout_rebalance": bool(spec["rebalance"]),
                                  "rollout_rebalance_interval_steps": int(spec.get("interval", 4)),
                                  "rollout_rebalance_kv_path": spec.get("kv_path", "device"),
-                                 "rollout_rebalance_timeout_s": 120.0}, llm)
+                                 "rollout_rebalance_timeout_s": 120.0,
+                                 # always with KV, whatever a loaded host's measured link would price
+                                 "rollout_rebalance_prefill_tokens_per_s": 0.0,
+                                 "rollout_rebalance_max_round_s": 0.0}, llm)
     if spec.get("corrupt_kv"):  # negative control: the moved KV arrives as zeros
         zero_moved_kv()
     prompts = spec["prompts"][str(rank)]

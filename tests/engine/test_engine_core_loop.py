@@ -106,7 +106,8 @@ def rebalance_runs(engine_ws: Path, tiny_models: dict[str, Path], tmp_path_facto
     (tmp / "probe").mkdir()
     engine = {"data_parallel_size": 2, "max_num_seqs": 4}
     on = {**engine, "additional_config": {"qwen3_rl": {"rollout_rebalance": {
-        "enable": True, "interval_steps": 4, "timeout_s": 120.0}}}}
+        "enable": True, "interval_steps": 4, "timeout_s": 120.0,
+        "prefill_tokens_per_s": 0.0, "max_round_s": 0.0}}}}  # always with KV, whatever the loaded link measures
     base = {"max_tokens": REBALANCE_TOKENS, "dp_ranks": REBALANCE_RANKS}
     spec = {"workspace": str(engine_ws), "model": str(tiny_models["dense"]), "prompts": REBALANCE_PROMPTS,
             "probe_dir": str(tmp / "probe"), "runs": [
@@ -160,7 +161,8 @@ def worker_rebalance_runs(engine_ws: Path, tiny_models: dict[str, Path],
     tmp = tmp_path_factory.mktemp("worker-rebalance")
     (tmp / "probe").mkdir()
     # the engine cores' additional_config as the verl seam's server_args makes it from the rollout config's group
-    group = {"rollout_rebalance": {"enable": True, "interval_steps": 4, "timeout_s": 120.0},
+    group = {"rollout_rebalance": {"enable": True, "interval_steps": 4, "timeout_s": 120.0,
+                                   "prefill_tokens_per_s": 0.0, "max_round_s": 0.0},  # always with KV
              "server_auth": {"enable": False}}
     extra = ServerHooks.from_rollout_config({"qwen3_rl": group}).server_args({})["additional_config"]
     base = {"dp": 2, "expert_parallel": True, "max_tokens": REBALANCE_TOKENS, "dp_ranks": REBALANCE_RANKS}

@@ -43,39 +43,53 @@ LAUNCH = textwrap.dedent('''
     from verl.workers.config import RolloutConfig
     from verl.workers.rollout.replica import RolloutMode
 
-    free_cache, group = json.loads(sys.argv[1])
-    cfg = RolloutConfig(name="vllm", mode="async", free_cache_engine=free_cache, cudagraph_capture_sizes=[8, 16],
-                        engine_kwargs={"vllm": {"compilation_config": {"custom_ops": ["none"]},
-                                                "speculative_config": {"method": "ngram", "num_speculative_tokens": 3,
-                                                                       "prompt_lookup_max": 4}}},
-                        **({"qwen3_rl": group} if group else {}))
-    server = object.__new__(srv.vLLMHttpServerBase)
-    server.config, server.rollout_mode, server.workers = cfg, RolloutMode.HYBRID, []
-    server.config.max_model_len = 160
-    server.model_config = types.SimpleNamespace(local_path="/model", trust_remote_code=False, lora_rank=0)
-    server.replica_rank, server.node_rank, server.gpus_per_node, server.nnodes = 0, 0, 1, 1
-    server._master_address, server._master_port, server._server_address = "127.0.0.1", 1, "127.0.0.1"
     ray.get = lambda refs, *a, **k: []  # stand-in: no worker actors, no Ray cluster
-    seen = {}
 
-    async def run_server(args):  # stand-in: keep the parsed arguments, start no engine
-        seen["args"] = args
 
-    server.run_server = run_server
-    try:
-        asyncio.run(server.launch_server())
-    except BaseException as e:  # argparse exits on a value it refuses
-        print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
-        raise SystemExit(0)
-    a = seen["args"]
-    hooks = getattr(server, "qwen3_rl_hooks", None)
-    cc = a.compilation_config  # vLLM's parser makes a CompilationConfig of the JSON
-    cc = {"custom_ops": list(cc.custom_ops), "cudagraph_capture_sizes": cc.cudagraph_capture_sizes}
-    print(json.dumps({"compilation_config": cc, "speculative_config": a.speculative_config,
-                      "enable_sleep_mode": a.enable_sleep_mode, "api_key": a.api_key,
-                      "hook_key": getattr(hooks, "api_key", None), "additional_config": a.additional_config},
-                     default=str))
+    def launch(free_cache, group):
+        cfg = RolloutConfig(name="vllm", mode="async", free_cache_engine=free_cache, cudagraph_capture_sizes=[8, 16],
+                            engine_kwargs={"vllm": {"compilation_config": {"custom_ops": ["none"]},
+                                                    "speculative_config": {"method": "ngram",
+                                                                           "num_speculative_tokens": 3,
+                                                                           "prompt_lookup_max": 4}}},
+                            **({"qwen3_rl": group} if group else {}))
+        server = object.__new__(srv.vLLMHttpServerBase)
+        server.config, server.rollout_mode, server.workers = cfg, RolloutMode.HYBRID, []
+        server.config.max_model_len = 160
+        server.model_config = types.SimpleNamespace(local_path="/model", trust_remote_code=False, lora_rank=0)
+        server.replica_rank, server.node_rank, server.gpus_per_node, server.nnodes = 0, 0, 1, 1
+        server._master_address, server._master_port, server._server_address = "127.0.0.1", 1, "127.0.0.1"
+        seen = {}
+
+        async def run_server(args):  # stand-in: keep the parsed arguments, start no engine
+            seen["args"] = args
+
+        server.run_server = run_server
+        try:
+            asyncio.run(server.launch_server())
+        except BaseException as e:  # argparse exits on a value it refuses
+            return {"error": f"{type(e).__name__}: {e}"}
+        a = seen["args"]
+        hooks = getattr(server, "qwen3_rl_hooks", None)
+        cc = a.compilation_config  # vLLM's parser makes a CompilationConfig of the JSON
+        cc = {"custom_ops": list(cc.custom_ops), "cudagraph_capture_sizes": cc.cudagraph_capture_sizes}
+        return {"compilation_config": cc, "speculative_config": a.speculative_config,
+                "enable_sleep_mode": a.enable_sleep_mode, "api_key": a.api_key,
+                "hook_key": getattr(hooks, "api_key", None), "additional_config": a.additional_config}
+
+
+    # argv[1]: a JSON list of [free_cache_engine, the rollout config's qwen3_rl group or null], one launch each (a
+    # fresh server object per launch, one process: verl and vLLM imported once)
+    print(json.dumps([launch(*case) for case in json.loads(sys.argv[1])], default=str))
 ''')
+
+#: the patched tree's launches (:data:`LAUNCH`), one process for all; the tests read their cases' results
+AUTH_GROUP = {"server_auth": {"enable": True}}
+CORE_GROUP = {"disable_gc": {"enable": True}, "rollout_rebalance": {"enable": True, "interval_steps": 4},
+              "server_auth": {"enable": False}}
+LAUNCH_CASES = {"plain": [False, None], "free_cache": [True, None], "auth": [False, AUTH_GROUP],
+                "core": [False, CORE_GROUP]}
+
 
 EXECUTOR = textwrap.dedent('''
     import json, pickle, threading
@@ -209,41 +223,47 @@ def trees(engine_ws: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str
             "no_uvicorn_fix": tree_without(engine_ws, root / "no-uvicorn-fix", "verl", 15, only=True)}
 
 
-def test_server_arguments_reach_vllm_parser(trees: dict[str, Path]) -> None:
+@pytest.fixture(scope="module")
+def launched(trees: dict[str, Path]) -> dict[str, dict]:
+    """{case of :data:`LAUNCH_CASES`: what vLLM's parser made of the patched server's arguments}."""
+    got = _run(LAUNCH, trees["patched"], json.dumps(list(LAUNCH_CASES.values())))
+    assert isinstance(got, list) and len(got) == len(LAUNCH_CASES), got
+    return dict(zip(LAUNCH_CASES, got, strict=True))
+
+
+def test_server_arguments_reach_vllm_parser(trees: dict[str, Path], launched: dict[str, dict]) -> None:
     """0010 + 0011: dict arguments as JSON, capture sizes inside compilation_config, sleep mode = free_cache_engine;
     the unfixed tree's Python repr of the dict is refused by vLLM's own parser."""
-    for free_cache in (False, True):
-        got = _run(LAUNCH, trees["patched"], json.dumps([free_cache, None]))
+    for case, free_cache in (("plain", False), ("free_cache", True)):
+        got = launched[case]
+        assert "error" not in got, got
         assert got["compilation_config"]["custom_ops"] == ["none"]
         assert got["compilation_config"]["cudagraph_capture_sizes"] == [8, 16]
         assert "ngram" in json.dumps(got["speculative_config"])
         assert got["enable_sleep_mode"] is free_cache
         assert got["api_key"] is None and got["hook_key"] is None  # the recipe's group is empty: nothing added
-    bad = _run(LAUNCH, trees["unfixed"], json.dumps([False, None]))
+    (bad,) = _run(LAUNCH, trees["unfixed"], json.dumps([LAUNCH_CASES["plain"]]))
     assert "SystemExit" in bad["error"], bad
 
 
-def test_server_auth_key_reaches_vllm_and_is_masked(trees: dict[str, Path]) -> None:
+def test_server_auth_key_reaches_vllm_and_is_masked(launched: dict[str, dict]) -> None:
     """The seam's server_auth: the key the server made is the one vLLM parses (its --api-key check)."""
-    group = {"server_auth": {"enable": True}}
-    got = _run(LAUNCH, trees["patched"], json.dumps([False, group]))
+    got = launched["auth"]
     assert got["hook_key"] and got["api_key"] in (got["hook_key"], [got["hook_key"]]), got
 
 
-def test_engine_core_settings_reach_vllm_parser(trees: dict[str, Path]) -> None:
+def test_engine_core_settings_reach_vllm_parser(launched: dict[str, dict]) -> None:
     """The seam's server_args for the engine cores: disable_gc and the rollout_rebalance settings become vLLM's
     parsed ``additional_config`` (what each engine core's hooks read: the same RebalanceSettings come back)."""
     from qwen3_rl.rollout.rebalance import RebalanceSettings
     from qwen3_rl.rollout.vllm_engine_hook import core_settings
 
-    group = {"disable_gc": {"enable": True}, "rollout_rebalance": {"enable": True, "interval_steps": 4},
-             "server_auth": {"enable": False}}
-    got = _run(LAUNCH, trees["patched"], json.dumps([False, group]))
+    got = launched["core"]
     extra = got["additional_config"]
     assert extra["qwen3_rl"]["disable_gc"] is True, got
     assert core_settings(types.SimpleNamespace(additional_config=extra)) == RebalanceSettings(enable=True,
                                                                                               interval_steps=4)
-    assert _run(LAUNCH, trees["patched"], json.dumps([False, None]))["additional_config"] == {}
+    assert launched["plain"]["additional_config"] == {}
 
 
 def test_executor_answers_non_block_with_a_done_future(trees: dict[str, Path]) -> None:

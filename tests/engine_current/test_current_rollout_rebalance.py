@@ -31,7 +31,9 @@ PROMPTS = [
     [61, 62, 63, 64, 65, 66],
 ]
 MAX_TOKENS = [60, 70, 80, 90, 6, 8]
-ON = {"enable": True, "interval_steps": 4, "timeout_s": 120.0}
+# running requests always travel with their KV (no recompute, no round-time bound), whatever the measured
+# link of a loaded host would price
+ON = {"enable": True, "interval_steps": 4, "timeout_s": 120.0, "prefill_tokens_per_s": 0.0, "max_round_s": 0.0}
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,8 @@
 """verl 0.9.1's own start-up checks on train-script commands, on CPU and without Ray (run in the verl 0.9.1 venv).
 
-``python verl091_dry_run_driver.py CASES.json OUT.json``, or ``python verl091_dry_run_driver.py --serve``: the same
-for each line ``["CASES.json", "OUT.json"]`` (JSON) read from stdin, answered by a line ``SERVE_DONE OUT.json`` on
-stdout, until EOF (the test modules' dry runs share one process: verl imported once per pytest session).
+``python verl091_dry_run_driver.py CASES.json OUT.json``, or ``python verl091_dry_run_driver.py --serve MARK``: the
+same for each line ``["CASES.json", "OUT.json"]`` (JSON) read from stdin, answered by a line ``MARK OUT.json`` on
+stdout (the client picks the marker), until EOF (the test modules' dry runs share one process: verl imported once per pytest session).
 CASES.json: a list of ``{"name", "config_name", "overrides", "model", "entry"}`` (``overrides``: the command's Hydra
 overrides, in order; ``model``: also convert ``actor_rollout_ref.model``, which reads the model's files;
 ``entry``: the command's ``-m`` module,
@@ -61,8 +61,6 @@ from verl.utils.device import auto_set_device
 CONFIG_DIR = Path(verl.__file__).parent / "trainer" / "config"
 FULLY_ASYNC_ENTRY = "verl.experimental.fully_async_policy.fully_async_main"
 FULLY_ASYNC_CONFIG_DIR = Path(verl.__file__).parent / "experimental" / "fully_async_policy" / "config"
-#: the line that answers a request in serve mode (``--serve``), followed by the OUT.json written
-SERVE_DONE = "@@verl091-dry-run-done@@"
 SECTIONS = (
     "actor_rollout_ref.actor",
     "actor_rollout_ref.rollout",
@@ -198,15 +196,16 @@ def run_cases(cases_path: str, out_path: str, log=sys.stdout) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if argv[1:] != ["--serve"]:
+    if argv[1] != "--serve":
         run_cases(argv[1], argv[2])
         return 0
     # serve mode: one process (one import of verl) for the dry runs of several test modules; each request a line
-    # ["CASES.json", "OUT.json"] on stdin, answered by SERVE_DONE (stdout) when OUT.json is written; ends at EOF
+    # ["CASES.json", "OUT.json"] on stdin, answered by "MARK OUT.json" (stdout) when OUT.json is written; ends at EOF
+    mark = argv[2]
     for line in sys.stdin:
         cases_path, out_path = json.loads(line)
         run_cases(cases_path, out_path, log=sys.stderr)
-        print(f"{SERVE_DONE} {out_path}", flush=True)
+        print(f"{mark} {out_path}", flush=True)
     return 0
 
 

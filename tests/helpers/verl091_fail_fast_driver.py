@@ -12,9 +12,10 @@ method, ``func_generator``'s blocking ``ray.get``; ``wg.execute_all_sync("run", 
 - ``raises``: rank 1 raises, rank 0 blocks for 600 s;
 - ``killed``: both block for 600 s; rank 1's actor is killed after 1 s (``ray.kill``).
 
-Each failure case has its own group; the four calls run at once, each in a thread, and count as ``raised`` (with the
-exception's class and the seconds since they started) if the thread ends within WAIT_S of the start, else
-``blocked``. Then every actor is killed (a blocked ``ray.get`` ends with the dead actor's error) and Ray shut down. OUT.json: {"values": {...}, "<case>/<call>": {"outcome", "error", "s"}}.
+Each failure case has its own group, which both calls use: the four calls run at once, each in a thread (an actor
+runs one task at a time, so the second call's tasks queue behind the first's; the failing rank's fail in both), and
+count as ``raised`` (with the exception's class and the seconds since they started) if the thread ends within WAIT_S
+of the start, else ``blocked``. Then every actor is killed (a blocked ``ray.get`` ends with the dead actor's error) and Ray shut down. OUT.json: {"values": {...}, "<case>/<call>": {"outcome", "error", "s"}}.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def main() -> int:
 
     calls = {"decorated": lambda wg, *a: wg.run(*a), "execute_all_sync": lambda wg, *a: wg.execute_all_sync("run", *a)}
     cases = [(case, name) for case in ("raises", "killed") for name in calls]
-    wgs = {c: group(f"{c[0]}_{c[1]}") for c in cases}
-    first = wgs[cases[0]]
+    by_case = {case: group(case) for case in ("raises", "killed")}  # 4 actors (each imports verl's worker)
+    wgs = {c: by_case[c[0]] for c in cases}
+    first = by_case["raises"]
     result["values"] = {name: call(first, 0.0, -1) for name, call in calls.items()}
     boxes: dict = {}
     threads = {}
@@ -79,8 +81,7 @@ def main() -> int:
         threads[(case, name)] = threading.Thread(target=target, daemon=True)
         threads[(case, name)].start()
     time.sleep(1.0)
-    for name in calls:
-        ray.kill(wgs[("killed", name)].workers[1], no_restart=True)
+    ray.kill(by_case["killed"].workers[1], no_restart=True)
     for c, t in threads.items():
         t.join(timeout=max(0.0, t0 + wait_s - time.monotonic()))
         raised = not t.is_alive() and "error" in boxes[c]

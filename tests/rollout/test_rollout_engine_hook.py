@@ -466,8 +466,11 @@ def _gloo_worker(rank: int, world: int, store: str, out_dir: str, device_group: 
             ps.get_dp_group = lambda: SimpleNamespace(ranks=[0, 1], device_group=dev)
         hook = eng.qwen3_rl_rebalance_hook
         # default communicator (a gloo group per vLLM DP group, made collectively) and planner config;
-        # default KV path: the device group (host path when the DP group has none)
-        hook.configure(RebalanceSettings(enable=True, interval_steps=2, timeout_s=60), 8)
+        # default KV path: the device group (host path when the DP group has none). Running requests always
+        # travel with their KV here (no recompute, no round-time bound): the move-vs-recompute choice follows
+        # the link measured on this machine, which a loaded host slows below the recompute price
+        hook.configure(RebalanceSettings(enable=True, interval_steps=2, timeout_s=60, prefill_tokens_per_s=0.0,
+                                         max_round_s=0.0), 8)
         coord = hook.coordinator
         assert isinstance(coord.comm, TorchDistCommunicator) and coord.comm.size == 2
         assert coord.kv_path == ("device" if device_group else "host")
@@ -488,6 +491,7 @@ def _gloo_worker(rank: int, world: int, store: str, out_dir: str, device_group: 
                "free": core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
                "left": sorted(core.scheduler.requests), "kv_checks": core.runner.kv_checks,
                "kv_in": sum(r.kv_bytes_received for r in hook.coordinator.reports),
+               "recomputed": [x for r in hook.coordinator.reports for x in r.recomputed],
                "paths": sorted({r.kv_path for r in hook.coordinator.reports}),
                "links": sorted({r.link_gb_s for r in hook.coordinator.reports}),
                "backend": hook.coordinator.kv_comm.backend}
@@ -521,7 +525,7 @@ def test_gloo_engine_loop_rebalances_with_real_schedulers(patched_imports: Path,
     moves = {tuple(m) for m in res[0]["moves"]}
     assert moves == {tuple(m) for m in res[1]["moves"]}  # same plan on both ranks
     assert {m[3] for m in moves} == {1, 2}, moves  # waiting and running (+KV) moves
-    assert res[0]["kv_in"] + res[1]["kv_in"] > 0
+    assert res[0]["kv_in"] + res[1]["kv_in"] > 0 and res[0]["recomputed"] == res[1]["recomputed"] == []
     assert res[0]["steps"] == res[1]["steps"]  # lockstep, dummy steps included
     for rank in range(2):
         r = res[rank]

@@ -509,7 +509,8 @@ def _migration_worker(rank: int, world: int, store: str, out_dir: str) -> None:
         eng = _ToyEngine(rank, _requests_for(rank), num_blocks=96, max_num_seqs=4)
         coord = RebalanceCoordinator(eng, TorchDistCommunicator(None, timeout_s=30),
                                      RebalanceConfig(buckets=(1, 2, 4), block_size=BLOCK, max_moves=4),
-                                     RebalanceSettings(enable=True, interval_steps=3))
+                                     RebalanceSettings(enable=True, interval_steps=3, prefill_tokens_per_s=0.0,
+                                                       max_round_s=0.0))
         step = 0
         while True:
             flag = torch.tensor([int(eng.has_work() or coord.has_pending())])

@@ -298,12 +298,12 @@ class _DryRunServer:
     process; each request is one module's list, as a run of its own was. It ends at EOF on its stdin: when this
     pytest process closes it (at exit) or dies."""
 
-    SERVE_DONE = "@@verl091-dry-run-done@@"
+    SERVE_DONE = "@@verl091-dry-run-done@@"  # the answer's marker, handed to the driver
 
     def __init__(self, log: Path) -> None:
         self.log = log
         self._log_f = log.open("w")
-        self.proc = subprocess.Popen([str(PYTHON), str(DRIVER), "--serve"], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([str(PYTHON), str(DRIVER), "--serve", self.SERVE_DONE], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log_f, env=venv_env([REPO]))
         self._out = b""  # stdout read so far, past the last answer
         atexit.register(self.close)

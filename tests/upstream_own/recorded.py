@@ -1,13 +1,16 @@
-"""Recorded outcomes of upstream's own tests on a pristine tree, keyed by everything the run depends on.
+"""Recorded outcomes of upstream's own tests on a pristine and on a patched tree, keyed by everything a run depends on.
 
-A pristine tree never changes for fixed pins, so its own-test outcomes need not be measured again on every run: the
-scripts beside this file (``verl_cpu.py``, ``vllm_cpu.py``, ``vllm_ascend_cpu.py``) compare the patched tree's run
-with a record when the record's key equals the present one, and run both trees as before when it does not.
+A tree never changes for fixed pins and a fixed patch series, so its own-test outcomes need not be measured again on
+every run: the scripts beside this file (``verl_cpu.py``, ``vllm_cpu.py``, ``vllm_ascend_cpu.py`` and their current-set
+twins) take each tree's outcomes from its record (``recorded/<name>.json`` for the pristine tree,
+``recorded/<name>-patched.json`` for the patched one) when the record's key equals the present one, run that tree
+when it does not, and compare both sides either way.
 
-The key (:func:`run_key`) has one digest per input of the pristine run:
+The key (:func:`run_key`) has one digest per input of a run:
 
-- ``tree``: every file of the pristine tree the run uses (path and bytes; ``.git`` and ``__pycache__`` left out);
-- ``repo``: the files of this repository the run reads or executes (the script, its helpers, stand-ins);
+- ``tree``: every file of the tree the run uses (path and bytes; ``.git`` and ``__pycache__`` left out);
+- ``repo``: the files of this repository the run reads or executes (the script, its helpers, stand-ins; for the
+  patched tree also this recipe's package when a patch of the series names it);
 - ``python``: the interpreter's version and platform;
 - ``packages``: every installed distribution's name and version, bar :data:`NOT_INPUTS` (lint tools the runs never
   import, and this recipe's own editable install, whose path differs between checkouts: its files are in ``repo``).
@@ -17,7 +20,7 @@ Beside the digests the key keeps ``package_list``, the ``name==version`` lines t
 distributions that moved, e.g. ``numpy 1.26.4 -> 2.0.0``.
 
 Any change of one of these (a new release of a test dependency, an edited stand-in) misses the record: the script
-then runs the pristine tree too, says which part changed, and ``--record`` writes the new record. The test venvs are
+then runs that tree, says which part changed, and ``--record`` (which runs both trees) writes both records. The test venvs are
 built under full locks (``.ci/lock-*.txt``, ``tests/venv_lock.py``), so ``packages`` moves only with a lock. A
 record holds the key and the outcome of every test id (``verl_cpu.outcomes``) and is a file in git
 (``recorded/<name>.json``), so a record change shows in review.

@@ -6,8 +6,8 @@ the wheel's text files, cached) holds upstream's tests where they expect to be. 
 [--full] [--record]``. Like ``verl_cpu.py`` (whose run, judge and record code it uses) it
 
 1. clones the pristine tree twice into a scratch directory and applies ``patches/current/verl/`` to one;
-2. runs every ``tests/**/*_on_cpu.py`` file (30 at v0.9.1; several start Ray) in the patched tree and, unless
-   ``recorded/verl091.json`` matches (``recorded.py``), in the pristine tree at the same time;
+2. runs every ``tests/**/*_on_cpu.py`` file (30 at v0.9.1; several start Ray) in each tree whose record
+   (``recorded/verl091.json``, ``recorded/verl091-patched.json``; ``recorded.py``) misses, both at the same time;
 3. fails (exit 1) when the outcome of a test id differs, when a run collects or passes nothing, or when pytest stops
    with a usage/internal error.
 
@@ -29,7 +29,7 @@ from verl_cpu import judge, record_if_asked, record_sides, scratch_from_argv, st
 from helpers.current_verl import clone, patched_verl, pristine_verl, series  # noqa: E402
 
 NAME = "verl091"
-#: Files of this repository a pristine run depends on (the ``repo`` part of its record's key).
+#: Files of this repository a run depends on (the ``repo`` part of its records' keys).
 REPO_INPUTS = ("tests/upstream_own/verl091_cpu.py", "tests/upstream_own/verl_cpu.py", "tests/upstream_own/recorded.py",
                "tests/helpers/current_verl.py")
 

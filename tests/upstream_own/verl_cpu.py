@@ -57,7 +57,7 @@ DESELECT = (
 )
 #: A hang guard per run (s): verl 0.9.1's patched run passed 1500 s under a 1-min load of 21 on 2 slow cores.
 RUN_TIMEOUT_S = 3000
-#: Files of this repository a pristine run depends on (the ``repo`` part of its record's key).
+#: Files of this repository a run depends on (the ``repo`` part of its records' keys).
 REPO_INPUTS = ("tests/upstream_own/verl_cpu.py", "tests/upstream_own/recorded.py")
 
 

@@ -4,8 +4,8 @@ Run with the current engine venv's Python (``tests/setup_current_engine_env.sh``
 ``$QWEN3_RL_CURRENT_ENGINE_VENV/bin/python tests/upstream_own/vllm023_cpu.py [--keep DIR] [--full] [--record]``.
 Like ``vllm_cpu.py`` (whose code runs it, with :data:`CURRENT` as its suite) it downloads vLLM 0.23.0's sdist
 (sha256 pinned below) for its ``tests/``, puts them beside two copies of the installed vllm-cpu 0.23.0 package,
-applies ``patches/current/vllm/`` to one, runs :data:`TEST_FILES` in the patched tree and, unless
-``recorded/vllm023.json`` matches (``recorded.py``), in the pristine tree at the same time, and fails (exit 1) when
+applies ``patches/current/vllm/`` to one, runs :data:`TEST_FILES` in each tree whose record (``recorded/vllm023.json``,
+``recorded/vllm023-patched.json``; ``recorded.py``) misses, both at the same time, and fails (exit 1) when
 the outcome of a test id differs, when a run collects or passes nothing, or when pytest stops with a usage/internal
 error.
 

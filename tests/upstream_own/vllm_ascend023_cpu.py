@@ -17,8 +17,8 @@ Like ``vllm_ascend_cpu.py`` (vLLM-Ascend 0.13.0) it
    left out) and mocks what a host without ``npu-smi`` lacks; the tree first on ``PYTHONPATH``, the stand-in
    installed in every Python process (``npu_site/sitecustomize.py``), vLLM-Ascend's own plugins only
    (``VLLM_PLUGINS`` = the egg-info's entry points), ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``, offline; compares every
-   test id's outcome (``verl_cpu.py``'s comparison code; a record in ``recorded/`` stands for the pristine run while
-   its key matches);
+   test id's outcome (``verl_cpu.py``'s comparison code; a record in ``recorded/`` stands for a tree's run, pristine
+   or patched, while its key matches);
 3. positive control: a copy of the patched tree with a throwaway edit in the line the vllm_ascend 0001 patch adds to
    ``vllm_ascend/utils.py`` (:data:`CONTROL_EDIT`) must make :data:`CONTROL_TEST` pass on the pristine tree and fail
    on the control tree: the runs import the tree under test.
@@ -74,7 +74,7 @@ CONTROL_EDIT = (
 RUN_TIMEOUT_S = 900
 #: pytest-timeout per test (s): a test that hangs fails instead of stopping the run.
 TEST_TIMEOUT_S = 120
-#: Files of this repository a pristine run depends on (the ``repo`` part of its record's key).
+#: Files of this repository a run depends on (the ``repo`` part of its records' keys).
 REPO_INPUTS = (
     "tests/upstream_own/vllm_ascend023_cpu.py",
     "tests/upstream_own/vllm_ascend_cpu.py",

@@ -70,7 +70,7 @@ CONTROL_PATH = "vllm_ascend/eplb/core/policy/policy_factory.py"
 CONTROL_EDIT = ('policy.update(build_from_factory("ascend_eplb_policies") or {})',
                 "policy.update({999: DynamicEplb})  # throwaway edit: the positive control")
 RUN_TIMEOUT_S = 900
-#: Files of this repository a pristine run depends on (the ``repo`` part of its record's key): the scripts, the
+#: Files of this repository a run depends on (the ``repo`` part of its records' keys): the scripts, the
 #: stand-in for torch_npu (on every run's path) and its site hook.
 REPO_INPUTS = ("tests/upstream_own/vllm_ascend_cpu.py", "tests/upstream_own/vllm_cpu.py",
                "tests/upstream_own/verl_cpu.py", "tests/upstream_own/recorded.py", "tests/upstream_own/npu_site",
@@ -198,7 +198,7 @@ class OwnSuite:
     this file for 0.13.0; ``vllm_ascend023_cpu.py``'s for 0.23.0.post1)."""
 
     tag: str  # the log prefix, e.g. "vllm-ascend-own"
-    record: str  # the pristine record's name (``recorded/<record>.json``)
+    record: str  # the records' name (``recorded/<record>.json``, ``<record>-patched.json``)
     title: str  # the release, in the judgement's lines
     doc: str  # the script's docstring (its --help)
     make_trees: Callable[[Path], tuple[Path, Path]]  # scratch -> (pristine tree, patched tree)
@@ -214,7 +214,7 @@ class OwnSuite:
 
 
 def run_suite(suite: OwnSuite, argv: list[str] | None = None) -> int:
-    """Both trees' runs (the pristine one from its record while the key matches), their judgement, the record when
+    """Both trees' runs (each from its record while the key matches), their judgement, the record when
     asked, the collection errors not listed in ``cannot_run`` and the positive control; 0 when all hold."""
     t0 = time.monotonic()
     tag = suite.tag

