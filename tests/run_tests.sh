@@ -41,9 +41,11 @@ ENGINE_LAUNCHER_TESTS=(tests/engine/test_e2e_training.py tests/engine/test_slurm
 # Engine files that start no run but go in the early lane all the same, so the two lanes end closer together: in
 # clean-clone CI runs the late lane (which starts after the main run) ended 250-390 s after the early lane; the eval file takes 70-85 s there and needs only the engine workspace (about 4 s to build).
 ENGINE_EARLY_EXTRA=(tests/engine/test_engine_eval.py)
-# On a full run the late lane runs in two parts: the first as the main run ends, the second (these files, about half
-# of the lane's time) once the first part or the early lane has ended, so that at the end two engine streams run
-# for longer (at most two at once): in CI run 65 the late lane ran alone for its last 540 s.
+# On a full run the late lane runs in two parts: the first once the early lane has ended (or the main run and the
+# background runs have), the second (these files, about a third of the lane's time) once the early lane has ended and
+# the first part or the main run has, so that two test streams run to the end (at most two engine streams at once).
+# In a clean-clone run here the second part waited for the main run: after the first part ended the main run went on
+# alone for 340 s, then the second part alone for 450 s.
 ENGINE_LATE_SECOND=(tests/engine/test_engine_core_loop.py tests/engine/test_fully_async_dp_sync.py)
 # longest wait (s) of the early lane for the background runs before it starts anyway
 ENGINE_EARLY_WAIT="${QWEN3_RL_ENGINE_EARLY_WAIT:-3600}"
@@ -172,7 +174,8 @@ run only their part(s). Without test paths the two current-set engine parts run 
 background beside the main run.
 The engine part without test paths runs in two pytest processes ("lanes"): the early lane
 (ENGINE_LAUNCHER_TESTS: whole trainings through Ray; and ENGINE_EARLY_EXTRA) and the late lane (the other
-engine tests; on a full run in two parts, ENGINE_LATE_SECOND once the first part or the early lane has ended).
+engine tests; on a full run in two parts, ENGINE_LATE_SECOND once the early lane has ended and the first part or
+the main run has).
 On a full run the early lane starts once the background runs have ended or the main run has,
 whichever is first (at most QWEN3_RL_ENGINE_EARLY_WAIT s, default 3600, after the start), and the late lane once
 the early lane has ended or the main run and the background runs have (at most two engine test streams at once);
@@ -344,7 +347,7 @@ main() {
   local own_chain_pid=""
   local full=0 t0
   local current_log="" current_pid="" verl091e_rc_file="" done_dir="" early_log="" early_pid="" done_files=()
-  local bounds_log="" first_log="" first_pid=""
+  local bounds_log="" first_log="" first_pid="" second_log="" second_pid=""
   local run_t0=${SECONDS}
   mem_watch_start
   CG_PARTS=(main boundscheck)
@@ -456,10 +459,23 @@ main() {
         echo "== engine late lane, first part: starts $((SECONDS - run_t0)) s into the test run"
         rc=0
         run_engine_late first "$@" || rc=$?
+        echo "== engine late lane, first part: ended $((SECONDS - run_t0)) s into the test run"
         : >"${done_dir}/late-first"
         exit "${rc}"
       ) >"${first_log}" 2>&1 &
       first_pid=$!
+      # the late lane's second part, once the early lane has ended and the first part or the main run has
+      second_log="$(mktemp)"
+      (
+        wait_for_files "the late lane's second part" "${done_dir}/early" "${done_dir}/early"
+        wait_for_files "the late lane's second part" "${done_dir}/late-first" "${done_dir}/main"
+        echo "== engine late lane, second part: starts $((SECONDS - run_t0)) s into the test run"
+        rc=0
+        run_engine_late_second "$@" || rc=$?
+        echo "== engine late lane, second part: ended $((SECONDS - run_t0)) s into the test run"
+        exit "${rc}"
+      ) >"${second_log}" 2>&1 &
+      second_pid=$!
     fi
     echo "== pytest (main venv)"
     t0=${SECONDS}
@@ -500,16 +516,14 @@ main() {
       "${ENGINE_VENV}/bin/python" -m pytest "$@" || rc_engine=$?
     elif [[ -n "${early_pid}" ]]; then
       local rc_a=0 rc_b=0 rc_first=0 rc_second=0
-      echo "== pytest (engine venv: the late lane's first part, tests/engine without the early lane's files and" \
-           "${ENGINE_LATE_SECOND[*]}, started once the early lane or the main run ended; log after the second part)"
+      echo "== pytest (engine venv: the late lane in two parts: tests/engine without the early lane's files and" \
+           "${ENGINE_LATE_SECOND[*]}, started once the early lane or the main run ended; then" \
+           "${ENGINE_LATE_SECOND[*]}, started once the early lane and the first part or the main run ended)"
       t0=${SECONDS}
-      wait_for_files "the late lane's second part" "${done_dir}/early" "${done_dir}/late-first"
-      echo "== pytest (engine venv: the late lane's second part, ${ENGINE_LATE_SECOND[*]}," \
-           "$((SECONDS - run_t0)) s into the test run)"
-      run_engine_late_second "$@" || rc_second=$?
+      collect_background "engine late lane, second part" "${second_pid}" "${second_log}" || rc_second=$?
       collect_background "engine late lane, first part" "${first_pid}" "${first_log}" || rc_first=$?
       rc_b="$(engine_rc "${rc_first}" "${rc_second}")"
-      echo "== engine late lane: $((SECONDS - t0)) s (exit ${rc_b})"
+      echo "== engine late lane: both parts collected (exit ${rc_b}; waited $((SECONDS - t0)) s)"
       collect_background "engine early lane" "${early_pid}" "${early_log}" || rc_a=$?
       rc_engine="$(engine_rc "${rc_a}" "${rc_b}")"
       echo "== engine part: ended $((SECONDS - run_t0)) s into the test run (exits: early lane ${rc_a}," \

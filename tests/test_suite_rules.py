@@ -126,19 +126,63 @@ def test_all_tier_entries_exist_and_leave_every_part_tests_in_the_gate():
     assert verl091 - set(all_only), "the gate's verl 0.9.1 engine part would be empty"
 
 
-def _fake_venvs(tmp_path):
-    """Six venvs whose python, ruff and shellcheck log their arguments (one line per call) and exit 0."""
+def _fake_venvs(tmp_path, sleeps: dict[str, float] | None = None):
+    """Six venvs whose python, ruff and shellcheck log their arguments (one line per call) and exit 0. With
+    ``sleeps`` ({part: seconds} for "main", "early", "first", "second": the main run and the engine lanes' pytest
+    processes) those calls sleep that long and log ``START`` / ``END`` lines with the time (s since the epoch)."""
     log = tmp_path / "calls.log"
     env = {**os.environ, "QWEN3_RL_CPUACCT_ROOT": str(tmp_path / "no-cgroups")}
+    sleeps = sleeps or {}
+    # the part of a pytest call, from its venv and first argument after "-m pytest"
+    parts = (f'case "$1 $2 $3 $4" in\n'
+             f'  "ENGINE_VENV -m pytest tests/engine/test_e2e_training.py") part=early; t={sleeps.get("early", 0)};;\n'
+             f'  "ENGINE_VENV -m pytest tests/engine/test_engine_core_loop.py") part=second; t={sleeps.get("second", 0)};;\n'
+             f'  "ENGINE_VENV -m pytest tests/engine") part=first; t={sleeps.get("first", 0)};;\n'
+             f'  "VENV -m pytest -q") part=""; t=0;;\n'  # the boundscheck rerun
+             f'  "VENV -m pytest "*) part=main; t={sleeps.get("main", 0)};;\n'
+             f'  *) part=""; t=0;;\n'
+             f'esac\n')
     for var in ("VENV", "ENGINE_VENV", "CURRENT_ENGINE_VENV", "CURRENT_ASCEND_VENV", "VERL091_VENV",
                 "VERL091_ENGINE_VENV"):
         bin_dir = tmp_path / var.lower() / "bin"
         bin_dir.mkdir(parents=True)
         for tool in ("python", "ruff", "shellcheck"):
-            (bin_dir / tool).write_text(f'#!/usr/bin/env bash\necho "{var} {tool} $*" >>"{log}"\n')
+            timed = "" if tool != "python" or not sleeps else (
+                f'set -- "{var}" "$@"\n{parts}'
+                f'if [[ -n "$part" ]]; then echo "$(date +%s.%N) START $part" >>"{log}"; sleep "$t"; '
+                f'echo "$(date +%s.%N) END $part" >>"{log}"; fi\n')
+            (bin_dir / tool).write_text(f'#!/usr/bin/env bash\necho "{var} {tool} $*" >>"{log}"\n{timed}')
             (bin_dir / tool).chmod(0o755)
         env[f"QWEN3_RL_{var}"] = str(tmp_path / var.lower())
     return env, log
+
+
+@pytest.mark.parametrize("case", ["main_last", "early_last"])
+def test_late_lane_second_part_starts_once_early_and_first_or_main_have_ended(tmp_path, case):
+    """tests/run_tests.sh's schedule with stand-in venvs whose pytest calls sleep: the late lane's first part starts
+    once the early lane has ended (or the main run and the background runs have); its second part once the early
+    lane has ended and the first part or the main run has, so two streams run to the end. ``main_last``: the second
+    part starts when the first part ends, long before the main run does (it used to wait for the main run);
+    ``early_last``: the main run ends first, the first part starts then, the second waits for the early lane."""
+    sleeps = ({"main": 14, "early": 1, "first": 1, "second": 1} if case == "main_last"
+              else {"main": 1, "early": 8, "first": 1, "second": 1})
+    env, log = _fake_venvs(tmp_path, sleeps)
+    proc = subprocess.run(["bash", str(REPO / "tests" / "run_tests.sh")], cwd=REPO, env=env, text=True,
+                          capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    at: dict[tuple[str, str], float] = {}
+    for line in log.read_text().splitlines():
+        f = line.split()
+        if len(f) == 3 and f[1] in ("START", "END"):
+            assert (f[1], f[2]) not in at, line  # each part runs once
+            at[f[1], f[2]] = float(f[0])
+    assert {p for _, p in at} == {"main", "early", "first", "second"}, at
+    assert at["START", "first"] >= min(at["END", "early"], at["END", "main"])
+    assert at["START", "second"] >= max(at["END", "early"], min(at["END", "first"], at["END", "main"]))
+    if case == "main_last":  # the second part overlaps the main run
+        assert at["END", "first"] <= at["START", "second"] < at["END", "main"], at
+    else:  # the first part overlaps the early lane; the second starts after it
+        assert at["START", "first"] < at["END", "early"] <= at["START", "second"], at
 
 
 @pytest.mark.parametrize("tier", ["gate", "all", "bad"])
